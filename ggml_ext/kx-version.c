@@ -1,0 +1,13 @@
+#include "kx-version.h"
+
+#ifndef KX_LLAMA_COMMIT
+#define KX_LLAMA_COMMIT "unknown"
+#endif
+
+const char * kx_version(void) {
+#ifdef KX_CUDA
+    return "kairox 0.1.0 llama.cpp " KX_LLAMA_COMMIT " cpu+cuda";
+#else
+    return "kairox 0.1.0 llama.cpp " KX_LLAMA_COMMIT " cpu";
+#endif
+}

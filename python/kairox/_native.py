@@ -1,0 +1,74 @@
+"""Where kairox's native build lives, and loading llama-cpp-python on top of it.
+
+llama-cpp-python is installed without its own native build; it loads whatever
+libllama `LLAMA_CPP_LIB_PATH` names, read once when `llama_cpp` is first imported.
+So kairox sets that variable to its patched build before importing llama_cpp.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+PKG_DIR = Path(__file__).resolve().parent
+LIB_NAME = "libllama.so"
+
+
+class NativeLibraryNotFound(ImportError):
+    pass
+
+
+def _candidates() -> list[Path]:
+    env = os.environ.get("KAIROX_LIB_DIR")
+    if env:
+        return [Path(env)]
+    return [PKG_DIR / "lib"]
+
+
+def find_lib_dir() -> Path:
+    """Folder holding kairox's libllama.so and the ggml libraries next to it."""
+    for d in _candidates():
+        if (d / LIB_NAME).exists():
+            return d.resolve()
+    where = ", ".join(str(d) for d in _candidates())
+    raise NativeLibraryNotFound(
+        f"kairox's native library ({LIB_NAME}) was not found in {where}. Install kairox with "
+        f"`bash scripts/setup.sh` (or `pip install .`), or point KAIROX_LIB_DIR at a build's lib folder.")
+
+
+def find_bin_dir() -> Path:
+    """Folder holding the patched llama.cpp tools (llama-cli, llama-server, ...)."""
+    env = os.environ.get("KAIROX_BIN_DIR")
+    if env:
+        return Path(env)
+    return find_lib_dir().parent / "bin"
+
+
+def load_llama_cpp():
+    """Import llama_cpp bound to kairox's libllama; refuse a llama_cpp bound elsewhere."""
+    lib_dir = find_lib_dir()
+    mod = sys.modules.get("llama_cpp.llama_cpp")
+    if mod is not None:
+        bound = Path(getattr(mod, "_lib")._name).resolve().parent
+        if bound != lib_dir:
+            raise ImportError(
+                f"llama_cpp was imported before kairox and is bound to {bound}, not kairox's "
+                f"{lib_dir}. Import kairox first (or set LLAMA_CPP_LIB_PATH={lib_dir}).")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+    import llama_cpp
+    return llama_cpp
+
+
+_ext: ctypes.CDLL | None = None
+
+
+def ext() -> ctypes.CDLL:
+    """kairox's own extension library (kx_* functions)."""
+    global _ext
+    if _ext is None:
+        lib = ctypes.CDLL(str(find_lib_dir() / "libkairox-ext.so"))
+        lib.kx_version.restype = ctypes.c_char_p
+        lib.kx_version.argtypes = []
+        _ext = lib
+    return _ext

@@ -1,0 +1,170 @@
+"""`kairox` command line: one entry point, one subcommand per job.
+
+  kairox run [-m MODEL] [-p PROMPT]   generate text (default model: Gemma 3 270M)
+  kairox info [MODEL]                 build facts, or a GGUF's shape and types
+  kairox convert HF_DIR               Hugging Face llama-family checkpoint -> GGUF
+  kairox synth --preset KB-7B         synthetic LLaMA-shaped ReLU model for benchmarks
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+
+DEFAULT_PROMPT = "The three most important inventions of the printing age were"
+
+
+def _positive(v: str) -> int:
+    n = int(v)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    return n
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .default_model import DefaultModelError, default_model_path
+    if args.model is None:
+        try:
+            model = default_model_path()
+        except DefaultModelError as e:
+            print(f"kairox run: error: {e}", file=sys.stderr)
+            return 2
+    else:
+        model = Path(args.model)
+        if not model.is_file():
+            print(f"kairox run: error: model file not found: {model}", file=sys.stderr)
+            return 2
+    from . import llama as kxl
+    try:
+        llm = kxl.Llama(str(model), n_ctx=args.ctx, n_threads=args.threads, seed=args.seed,
+                        n_gpu_layers=args.n_gpu_layers, verbose=args.verbose)
+    except ValueError as e:
+        print(f"kairox run: error: {e}", file=sys.stderr)
+        return 2
+    print(f"kairox: {model.name} ({llm.n_ctx()} ctx, {llm.context_params.n_threads} threads)",
+          file=sys.stderr)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    t0 = time.perf_counter()
+    for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True,
+                                       temperature=args.temp, seed=args.seed):
+        sys.stdout.write(chunk["choices"][0]["text"])
+        sys.stdout.flush()
+    wall = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    perf = kxl.llama_cpp.llama_perf_context(llm.ctx)
+    n_p, n_e = perf.n_p_eval, perf.n_eval
+    pp = n_p / (perf.t_p_eval_ms / 1e3) if perf.t_p_eval_ms > 0 else float("nan")
+    tg = n_e / (perf.t_eval_ms / 1e3) if perf.t_eval_ms > 0 else float("nan")
+    print(f"kairox: prompt {n_p} tokens at {pp:.1f} tokens/s, generated {n_e} tokens at "
+          f"{tg:.1f} tokens/s ({wall:.2f} s wall)", file=sys.stderr)
+    return 0
+
+
+def model_summary(path: Path) -> list[tuple[str, str]]:
+    """Human-readable facts about a GGUF, read from its header only."""
+    import collections
+    import gguf
+    r = gguf.GGUFReader(path)
+
+    def field(key: str):
+        f = r.fields.get(key)
+        if f is None:
+            return None
+        v = f.contents()
+        return v
+    arch = field("general.architecture") or "?"
+    rows = [("file", str(path)), ("size", f"{path.stat().st_size / 2**20:.1f} MiB"),
+            ("architecture", arch), ("name", str(field("general.name") or "-"))]
+    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+                "attention.head_count_kv", "context_length", "hidden_activation"):
+        v = field(f"{arch}.{key}")
+        if v is not None:
+            rows.append((key, str(v)))
+    types = collections.Counter(t.tensor_type.name for t in r.tensors)
+    n_params = sum(int(t.n_elements) for t in r.tensors)
+    rows.append(("tensors", f"{len(r.tensors)} ({', '.join(f'{n} {k}' for k, n in types.most_common())})"))
+    rows.append(("parameters", f"{n_params / 1e6:.1f} M"))
+    return rows
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    rows: list[tuple[str, str]] = [("kairox", __version__)]
+    if args.model:
+        path = Path(args.model)
+        if not path.is_file():
+            print(f"kairox info: error: no such file: {path}", file=sys.stderr)
+            return 2
+        try:
+            rows += model_summary(path)
+        except Exception as e:  # GGUFReader raises assorted errors on bad files
+            print(f"kairox info: error: {path} is not a readable GGUF file ({e})", file=sys.stderr)
+            return 2
+    else:
+        from ._native import NativeLibraryNotFound, ext, find_bin_dir, find_lib_dir
+        try:
+            lib = find_lib_dir()
+            rows += [("native", ext().kx_version().decode()), ("libraries", str(lib)),
+                     ("tools", str(find_bin_dir()))]
+            from .llama import llama_cpp
+            C = llama_cpp.llama_cpp
+            rows += [("gpu offload", "yes" if C.llama_supports_gpu_offload() else "no"),
+                     ("system", C.llama_print_system_info().decode().strip())]
+        except NativeLibraryNotFound as e:
+            rows.append(("native", f"not found: {e}"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kairox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"kairox {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="generate text from a prompt, streaming, with tokens/s",
+                       description="Generate text with kairox's llama.cpp and print tokens/s. "
+                       "Without -m, uses the embedded default model (Gemma 3 270M Q4_K_M, "
+                       "installed from PyPI and verified on first use).")
+    p.add_argument("-m", "--model", help="GGUF model file (default: Gemma 3 270M)")
+    p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text (default: %(default)r)")
+    p.add_argument("-n", "--n-predict", type=_positive, default=64, help="tokens to generate (default: 64)")
+    p.add_argument("-c", "--ctx", type=_positive, default=2048, help="context size (default: 2048)")
+    p.add_argument("-t", "--threads", type=_positive, default=None,
+                   help="CPU threads (default: half the cores, as llama-cpp-python)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                   help="layers on the GPU; -1 = all (default: 0)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's load log")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("info", help="show the build (backends, CPU features) or a GGUF's shape",
+                       description="Without MODEL: kairox and llama.cpp build facts. With MODEL: "
+                       "its architecture, shapes and tensor types, read from the GGUF header.")
+    p.add_argument("model", nargs="?", help="GGUF file to describe")
+    p.set_defaults(func=cmd_info)
+
+    from . import convert, synth
+    convert.register(sub)
+    synth.register(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not getattr(args, "func", None):
+        ap.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
