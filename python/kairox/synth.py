@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .convert import copy_tokenizer_fields, gguf_vocab_size
 from .tiny import default_vocab_gguf
 
 
@@ -48,24 +49,14 @@ class SynthError(ValueError):
     pass
 
 
-def _tokenizer_fields(vocab_path: Path):
-    import gguf
-    r = gguf.GGUFReader(vocab_path)
-    out = []
-    for f in r.fields.values():
-        if f.name.startswith("tokenizer."):
-            out.append((f.name, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None))
-    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
-    return out, n_vocab
-
-
 def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | None = None,
-          quiet: bool = False) -> Path:
+          act: str = "relu", quiet: bool = False) -> Path:
     import gguf
     from tqdm import tqdm
 
     out = Path(out)
-    fields, n_vocab = _tokenizer_fields(vocab_gguf or default_vocab_gguf())
+    vocab_gguf = Path(vocab_gguf or default_vocab_gguf())
+    n_vocab = gguf_vocab_size(vocab_gguf)
     dtype = {"f16": np.float16, "f32": np.float32}.get(shape.ftype)
     if dtype is None:
         raise SynthError(f"unsupported type {shape.ftype!r} (f16, f32)")
@@ -118,13 +109,10 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
-    w.add_hidden_act("relu")
+    if act != "silu":  # absent key = SiLU, the stock llama arch's activation
+        w.add_string("llama.hidden_activation", act)  # gguf 0.19 has no add_hidden_act
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if shape.ftype == "f16" else gguf.LlamaFileType.ALL_F32)
-    for name, value, vtype, sub in fields:
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_array(name, value)
-        else:
-            w.add_key_value(name, value, vtype)
+    copy_tokenizer_fields(w, vocab_gguf, n_vocab)
     for name, shp, kind in tensors:
         dt = np.dtype(np.float32) if kind == "one" else np.dtype(dtype)
         w.add_tensor_info(name, shp, dt, int(np.prod(shp)) * dt.itemsize)
@@ -149,7 +137,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         shape = dataclasses.replace(shape, ftype=args.type)
     out = Path(args.outfile or f"{args.preset}-{shape.ftype}.gguf")
     try:
-        path = synth(out, shape, seed=args.seed, vocab_gguf=args.vocab_gguf, quiet=args.quiet)
+        path = synth(out, shape, seed=args.seed, vocab_gguf=args.vocab_gguf,
+                     act=args.act, quiet=args.quiet)
     except SynthError as e:
         print(f"kairox synth: error: {e}", file=sys.stderr)
         return 2
@@ -164,6 +153,8 @@ def register(sub) -> None:
                    help="model shape (default: %(default)s)")
     p.add_argument("-o", "--outfile", help="output GGUF (default: PRESET-TYPE.gguf)")
     p.add_argument("--type", choices=["f16", "f32"], help="weight type (default: the preset's)")
+    p.add_argument("--act", choices=["relu", "silu"], default="relu",
+                   help="FFN activation (default: relu; silu writes no hidden_activation key)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--vocab-gguf", type=Path, help="GGUF whose tokenizer to copy (default: LLaMA SPM)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
