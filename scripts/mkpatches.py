@@ -19,16 +19,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vendor  # noqa: E402
 
-FILE_RE = re.compile(r"^\+\+\+ b/(\S+)", re.M)
+# A file's "--- "/"+++ " header pair; a deleted file is named only on its "--- a/" line.
+FILE_RE = re.compile(r"^--- (?:a/(\S+)|/dev/null)[^\n]*\n\+\+\+ (?:b/(\S+)|/dev/null)", re.M)
+
+
+def text_of(path: Path) -> str:
+    # Bytes as they are: no newline translation, and no failure on non-UTF-8 bytes.
+    return path.read_bytes().decode("utf-8", "surrogateescape")
 
 
 def patch_files(patch: Path) -> list[str]:
-    return FILE_RE.findall(patch.read_text())
+    return [a or b for a, b in FILE_RE.findall(text_of(patch))]
 
 
 def read(tree: Path, rel: str) -> list[str] | None:
     p = tree / rel
-    return p.read_text().splitlines(keepends=True) if p.exists() else None
+    # Lines end at "\n" only, as patch reads them: splitlines() would also split at \r, \f,
+    # \x1c-\x1e, U+2028 ... and write hunks patch cannot parse.
+    return re.findall(r"[^\n]*\n|[^\n]+\Z", text_of(p)) if p.exists() else None
 
 
 def file_diff(rel: str, before: list[str] | None, after: list[str] | None) -> str:
@@ -106,15 +114,17 @@ def main(argv: list[str] | None = None) -> int:
                     elif dst.exists():
                         dst.unlink()
             body = "".join(file_diff(f, before[f], read(state, f)) for f in files)
-            old = p.read_text() if p.exists() else None
+            old = text_of(p) if p.exists() else None
             header = (args.message.strip() + "\n\n") if (p == new_patch and not old and args.message) else ""
             if old:
-                header = old[: old.find("--- ")] if "--- " in old else ""
+                # The description ends at the first file header (it may itself hold "--- ").
+                first = FILE_RE.search(old)
+                header = old[: first.start()] if first else old
             text = header + body
             if text != old:
                 print(f"mkpatches: {'would write' if args.dry_run else 'wrote'} {p.relative_to(vendor.ROOT)}")
                 if not args.dry_run:
-                    p.write_text(text)
+                    p.write_bytes(text.encode("utf-8", "surrogateescape"))
     if not args.dry_run:
         # The tree now equals pristine + patches: refresh the stamp so vendor.py sees no edits.
         want = vendor.wanted_stamp(lock)

@@ -142,8 +142,10 @@ def patch_list() -> list[Path]:
 
 
 def apply_patch(tree: Path, patch: Path) -> None:
-    base = ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-d", str(tree),
-            "-i", str(patch)]
+    # --fuzz=0: the tree is pinned, so a patch must match it exactly; with patch's default
+    # fuzz a hunk whose context lines differ would still "apply", maybe in the wrong place.
+    base = ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch",
+            "-d", str(tree), "-i", str(patch)]
     dry = subprocess.run(base + ["--dry-run"], capture_output=True, text=True)
     if dry.returncode != 0:
         raise VendorError(f"patch {patch.name} does not apply to the pinned tree:\n"

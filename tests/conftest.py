@@ -125,3 +125,16 @@ def native() -> Path:
         return find_lib_dir()
     except NativeLibraryNotFound as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """The embedded default model (Gemma 3 270M Q4_K_M), assembled and sha256-checked.
+
+    scripts/setup.sh --test installs its package; without it the tests that need it skip.
+    """
+    from kairox.default_model import DefaultModelError, default_model_path
+    try:
+        return default_model_path(install=False)
+    except DefaultModelError as e:
+        pytest.skip(str(e))

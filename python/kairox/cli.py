@@ -25,6 +25,17 @@ def _positive(v: str) -> int:
     return n
 
 
+def _context_length(path: Path) -> int | None:
+    """The model's training context, from the GGUF header (None if absent or unreadable)."""
+    import gguf
+    try:
+        r = gguf.GGUFReader(path)
+        arch = r.fields["general.architecture"].contents()
+        return int(r.fields[f"{arch}.context_length"].contents())
+    except Exception:
+        return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .default_model import DefaultModelError, default_model_path
     if args.model is None:
@@ -39,8 +50,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"kairox run: error: model file not found: {model}", file=sys.stderr)
             return 2
     from . import llama as kxl
+    ctx = args.ctx or min(2048, _context_length(model) or 2048)
     try:
-        llm = kxl.Llama(str(model), n_ctx=args.ctx, n_threads=args.threads, seed=args.seed,
+        llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
                         n_gpu_layers=args.n_gpu_layers, verbose=args.verbose)
     except ValueError as e:
         print(f"kairox run: error: {e}", file=sys.stderr)
@@ -60,7 +72,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     n_p, n_e = perf.n_p_eval, perf.n_eval
     pp = n_p / (perf.t_p_eval_ms / 1e3) if perf.t_p_eval_ms > 0 else float("nan")
     tg = n_e / (perf.t_eval_ms / 1e3) if perf.t_eval_ms > 0 else float("nan")
-    print(f"kairox: prompt {n_p} tokens at {pp:.1f} tokens/s, generated {n_e} tokens at "
+    # The first generated token comes out of the prompt pass; the decode rate is over the rest.
+    print(f"kairox: prompt {n_p} tokens at {pp:.1f} tokens/s, generated {n_e + 1} tokens, decode "
           f"{tg:.1f} tokens/s ({wall:.2f} s wall)", file=sys.stderr)
     return 0
 
@@ -135,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", help="GGUF model file (default: Gemma 3 270M)")
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text (default: %(default)r)")
     p.add_argument("-n", "--n-predict", type=_positive, default=64, help="tokens to generate (default: 64)")
-    p.add_argument("-c", "--ctx", type=_positive, default=2048, help="context size (default: 2048)")
+    p.add_argument("-c", "--ctx", type=_positive, default=None,
+                   help="context size (default: the model's, at most 2048)")
     p.add_argument("-t", "--threads", type=_positive, default=None,
                    help="CPU threads (default: half the cores, as llama-cpp-python)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,

@@ -51,15 +51,29 @@ class _ErrorLog:
         from llama_cpp import _logger
         self._forward = _logger.llama_log_callback
 
+        self._in_error = False
+
         @_C.llama_log_callback
         def callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-            if level == 3:  # GGML_LOG_LEVEL_ERROR
+            # ggml.h: GGML_LOG_LEVEL_ERROR = 4, GGML_LOG_LEVEL_CONT = 5 (continues a line)
+            if level == 4 or (level == 5 and self._in_error):
                 with self.lock:
                     self.lines.append(text.decode("utf-8", "replace").strip())
-            self._forward(level, text, user_data)
+            if level != 5:
+                self._in_error = level == 4
+            # llama-cpp-python's own callback maps ggml's levels off by one (it prints
+            # warnings as errors even when verbose=False); pass it only real errors then.
+            if self._verbose() or self._in_error:
+                self._forward(level, text, user_data)
 
         self._callback = callback  # keep the ctypes thunk alive
         _C.llama_log_set(callback, ctypes.c_void_p(0))
+
+    @staticmethod
+    def _verbose() -> bool:
+        import logging
+        from llama_cpp import _logger
+        return _logger.logger.level <= logging.INFO
 
     def take(self) -> list[str]:
         with self.lock:
@@ -89,6 +103,12 @@ class Llama(llama_cpp.Llama):
             if why and "Failed to load model" in str(e):
                 raise ModelLoadError(f"{e}: " + " | ".join(why)) from None
             raise
+
+    def close(self) -> None:
+        # A constructor that raised before the base class set up its resources leaves
+        # nothing to close; the base class would raise AttributeError from __del__.
+        if hasattr(self, "_stack"):
+            super().close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

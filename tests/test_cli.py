@@ -1,0 +1,98 @@
+"""The `kairox` command line and the drop-in llama.cpp tool entry points, as a user runs them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def kairox(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kairox", *args], capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy())
+
+
+def test_help_lists_subcommands():
+    r = kairox("--help")
+    assert r.returncode == 0
+    for cmd in ("run", "info", "convert", "synth"):
+        assert cmd in r.stdout
+
+
+def test_no_command_prints_help_and_fails():
+    r = kairox()
+    assert r.returncode == 2 and "usage:" in r.stdout
+
+
+def test_info_build(native):
+    r = kairox("info")
+    assert r.returncode == 0, r.stderr
+    assert "llama.cpp 0c1e570" in r.stdout and str(native) in r.stdout
+
+
+def test_info_model(tiny_relu_gguf):
+    r = kairox("info", str(tiny_relu_gguf))
+    assert r.returncode == 0, r.stderr
+    assert "hidden_activation        relu" in r.stdout or "relu" in r.stdout
+    assert "architecture" in r.stdout and "llama" in r.stdout
+
+
+def test_info_bad_file(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"nope")
+    r = kairox("info", str(bad))
+    assert r.returncode == 2 and "not a readable GGUF" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_run_tiny_streams_with_tokens_per_second(native, tiny_relu_gguf):
+    r = kairox("run", "-m", str(tiny_relu_gguf), "-p", "Hello", "-n", "8", "-t", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Hello") and len(r.stdout) > len("Hello\n")
+    assert "generated 8 tokens, decode" in r.stderr and "tokens/s" in r.stderr
+
+
+def test_run_missing_model(tmp_path):
+    r = kairox("run", "-m", str(tmp_path / "missing.gguf"))
+    assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_run_default_model(native, gemma_gguf):
+    """README command 1's main job: the embedded Gemma model generates text with tokens/s."""
+    r = kairox("run", "-n", "16", "-t", "2")
+    assert r.returncode == 0, r.stderr
+    assert "gemma-3-270m" in r.stderr
+    generated = r.stdout.split("were", 1)[1]
+    assert len(generated.strip()) > 10
+    assert "tokens/s" in r.stderr
+
+
+def _tool(entry: str, *args: str) -> subprocess.CompletedProcess:
+    code = f"import sys; sys.argv[0] = {entry!r}; from kairox.tools import {entry.split('-')[1]} as m; m()"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_completion_tool_matches_python_greedy(native, tiny_relu_gguf):
+    """kairox-completion is llama.cpp's tool: every flag passes through, output is the model's."""
+    import kairox
+    r = _tool("kairox-completion", "-m", str(tiny_relu_gguf), "-p", "Hello", "-n", "8", "--temp", "0",
+              "-no-cnv", "-t", "2", "--no-warmup")
+    assert r.returncode == 0, r.stderr
+    llm = kairox.Llama(str(tiny_relu_gguf), n_ctx=64, verbose=False)
+    ref = llm.create_completion("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    assert r.stdout.strip().startswith("Hello")
+    assert ref.strip() and ref.strip() in r.stdout
+
+
+def test_bench_tool_runs(native, tiny_relu_gguf):
+    r = _tool("kairox-bench", "-m", str(tiny_relu_gguf), "-p", "0", "-n", "4", "-r", "1", "-t", "2",
+              "-o", "csv")
+    assert r.returncode == 0, r.stderr
+    assert "tiny" in r.stdout or "llama" in r.stdout
+
+
+def test_tool_flag_errors_come_from_llama_cpp(native):
+    r = _tool("kairox-cli", "--definitely-not-a-flag")
+    assert r.returncode != 0 and "definitely-not-a-flag" in (r.stderr + r.stdout)
