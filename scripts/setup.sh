@@ -48,7 +48,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 set +e
 CMAKE_ARGS="$cmake_args" "$PY" -m pip install -v --disable-pip-version-check --no-build-isolation . 2>&1 \
     | tee build/setup.log \
-    | awk '/^\[[0-9]+\/[0-9]+\]/ { split(substr($1, 2), a, "/"); p = int(100 * a[1] / a[2]);
+    | awk '/^ *\[[0-9]+\/[0-9]+\]/ { split(substr($1, 2), a, "/"); p = int(100 * a[1] / a[2]);
                                    if (p >= last + 10) { printf "setup: build %d%%\n", p; last = p; fflush() } }'
 rc=${PIPESTATUS[0]}
 set -e

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointError, HFConfig
+from .gguffile import finish_atomically
 
 # `gguf` and `tqdm` are imported inside the functions that use them: `kairox --help` builds
 # this subcommand's parser and should not pay for importing them.
@@ -296,7 +297,7 @@ def _check_config(cfg: HFConfig) -> str:
     return act
 
 
-def _add_hparams(writer: Any, cfg: HFConfig, act: str, name: str, outtype: str) -> None:
+def add_hparams(writer: Any, cfg: HFConfig, act: str, name: str, outtype: str) -> None:
     import gguf
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
@@ -368,36 +369,30 @@ def convert(hf_dir: str | Path, out_path: str | Path, outtype: str = "f16",
     if not out_path.parent.is_dir():
         raise ConvertError(f"output directory {out_path.parent} does not exist")
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    # Nothing touches the disk before finish_atomically writes the header.
     writer = gguf.GGUFWriter(tmp, GGUF_ARCH)
-    try:
-        name = str(cfg.raw.get("_name_or_path") or hf_dir.resolve().name)
-        _add_hparams(writer, cfg, act, name, outtype)
-        if vocab_gguf is not None:
-            copy_tokenizer_fields(writer, Path(vocab_gguf), cfg.vocab_size)
-        else:
-            _add_hf_vocab(writer, hf_dir, cfg.vocab_size, quiet)
+    name = str(cfg.raw.get("_name_or_path") or hf_dir.resolve().name)
+    add_hparams(writer, cfg, act, name, outtype)
+    if vocab_gguf is not None:
+        copy_tokenizer_fields(writer, Path(vocab_gguf), cfg.vocab_size)
+    else:
+        _add_hf_vocab(writer, hf_dir, cfg.vocab_size, quiet)
 
-        # Stream: declare every tensor up front, then encode and write one at a time, so
-        # memory holds a single tensor rather than the whole model.
-        qtypes = [_qtype_for(outtype, t.shape) for t in plan]
-        for t, q in zip(plan, qtypes):
-            writer.add_tensor_info(t.gguf_name, t.shape, np.dtype(np.float32), _nbytes(t.shape, q),
-                                   raw_dtype=q)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+    # Stream: declare every tensor up front, then encode and write one at a time, so
+    # memory holds a single tensor rather than the whole model.
+    qtypes = [_qtype_for(outtype, t.shape) for t in plan]
+    for t, q in zip(plan, qtypes):
+        writer.add_tensor_info(t.gguf_name, t.shape, np.dtype(np.float32), _nbytes(t.shape, q),
+                               raw_dtype=q)
+
+    def encoded():
         for t, q in tqdm(list(zip(plan, qtypes)), desc="converting", unit="tensor",
                          disable=quiet, file=sys.stderr):
             w = np.asarray(ckpt.tensor(t.hf_name), dtype=np.float32)
             if t.transform is not None:
                 w = t.transform(w)
-            writer.write_tensor_data(_encode(w, q, t.hf_name))
-        writer.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+            yield _encode(w, q, t.hf_name)
+    finish_atomically(writer, tmp, out_path, encoded())
     return out_path
 
 

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .convert import copy_tokenizer_fields, gguf_vocab_size
+from .checkpoint import HFConfig
+from .convert import add_hparams, copy_tokenizer_fields, gguf_vocab_size
+from .gguffile import finish_atomically
 from .tiny import default_vocab_gguf
 
 
@@ -99,36 +101,20 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
 
     tmp = out.with_name(out.name + ".part")
     w = gguf.GGUFWriter(tmp, "llama")
-    w.add_name(f"kairox-synth {shape.n_layer}x{shape.n_embd} seed {seed}")
-    w.add_context_length(shape.n_ctx_train)
-    w.add_embedding_length(shape.n_embd)
-    w.add_block_count(shape.n_layer)
-    w.add_feed_forward_length(shape.n_ff)
-    w.add_head_count(shape.n_head)
-    w.add_head_count_kv(shape.n_head_kv)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(n_vocab)
-    if act != "silu":  # absent key = SiLU, the stock llama arch's activation
-        w.add_string("llama.hidden_activation", act)  # gguf 0.19 has no add_hidden_act
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if shape.ftype == "f16" else gguf.LlamaFileType.ALL_F32)
+    cfg = HFConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": shape.n_embd,
+        "intermediate_size": shape.n_ff, "num_hidden_layers": shape.n_layer,
+        "num_attention_heads": shape.n_head, "num_key_value_heads": shape.n_head_kv,
+        "hidden_act": act, "rms_norm_eps": 1e-5, "max_position_embeddings": shape.n_ctx_train,
+        "vocab_size": n_vocab}, source="synth preset")
+    add_hparams(w, cfg, act, f"kairox-synth {shape.n_layer}x{shape.n_embd} seed {seed}", shape.ftype)
     copy_tokenizer_fields(w, vocab_gguf, n_vocab)
     for name, shp, kind in tensors:
         dt = np.dtype(np.float32) if kind == "one" else np.dtype(dtype)
         w.add_tensor_info(name, shp, dt, int(np.prod(shp)) * dt.itemsize)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for name, shp, kind in tqdm(tensors, desc=f"synth {out.name}", unit="tensor", disable=quiet):
-            w.write_tensor_data(ones if kind == "one" else rand(shp))
-        w.close()
-        tmp.replace(out)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+    data = (ones if kind == "one" else rand(shp)
+            for name, shp, kind in tqdm(tensors, desc=f"synth {out.name}", unit="tensor", disable=quiet))
+    return finish_atomically(w, tmp, out, data)
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -154,7 +140,7 @@ def register(sub) -> None:
     p.add_argument("-o", "--outfile", help="output GGUF (default: PRESET-TYPE.gguf)")
     p.add_argument("--type", choices=["f16", "f32"], help="weight type (default: the preset's)")
     p.add_argument("--act", choices=["relu", "silu"], default="relu",
-                   help="FFN activation (default: relu; silu writes no hidden_activation key)")
+                   help="FFN activation (default: relu)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--vocab-gguf", type=Path, help="GGUF whose tokenizer to copy (default: LLaMA SPM)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
