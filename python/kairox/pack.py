@@ -1,0 +1,469 @@
+"""The sparse pack: a sidecar GGUF (`model.kxpack.gguf`) holding what kairox needs to run a
+model's FFN sparsely. The user's GGUF is only ever read. The format is specified in
+docs/pack-format.md; this module writes identity packs (pack order = original neuron
+order) and reads and validates any version-1 pack.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, scan_header
+from .gguffile import finish_atomically
+
+# `gguf` and `tqdm` are imported inside the functions that use them, as in convert.py.
+
+PACK_VERSION = 1
+PACK_ARCH = "kxpack"
+PACK_SUFFIX = ".kxpack.gguf"
+
+BASE_ARCHS = ("llama", "qwen2", "gemma3")
+# Activation when the model GGUF has no `<arch>.hidden_activation` (kairox's own key).
+DEFAULT_ACTIVATION = {"llama": "silu", "qwen2": "silu", "gemma3": "gelu"}
+ACTIVATIONS = ("relu", "silu", "gelu")
+DOWN_TYPES = ("f32", "f16", "q8_0")
+# llama-quantize and llama.cpp's --fit select tensors by these substrings; a pack tensor
+# carrying one would be quantized or placed as if it were a model weight.
+FORBIDDEN_SUBSTRINGS = ("ffn_up", "ffn_gate", "ffn_down")
+
+# Fingerprint: bytes sampled at the start, middle and end of every tensor.
+FP_PREFIX = "kxfp1-"
+FP_SAMPLE = 4096
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_U64 = (1 << 64) - 1
+_FP_RE = re.compile(r"kxfp1-[0-9a-f]{16}")
+
+# KV keys
+K_VERSION = "kx.pack.version"
+K_CREATED_BY = "kx.pack.created_by"
+K_METHOD = "kx.pack.method"
+K_ARCH = "kx.base.architecture"
+K_N_LAYER = "kx.base.n_layer"
+K_N_EMBD = "kx.base.n_embd"
+K_N_FF = "kx.base.n_ff"
+K_ACT = "kx.base.activation"
+K_FP = "kx.base.fingerprint"
+K_GROUP_SIZE = "kx.group_size"
+
+
+class PackError(ValueError):
+    """A pack that cannot be written or used; the message says why in one sentence."""
+
+
+# --------------------------------------------------------------------------- naming
+
+
+def pack_path_for(model_path: str | Path) -> Path:
+    """`dir/model.gguf` -> `dir/model.kxpack.gguf` (a name without .gguf gets the suffix appended)."""
+    p = Path(model_path)
+    stem = p.name[:-len(".gguf")] if p.name.lower().endswith(".gguf") else p.name
+    return p.with_name(stem + PACK_SUFFIX)
+
+
+def _tensor_names(il: int) -> dict[str, str]:
+    b = f"blk.{il}."
+    return {k: b + "kx_" + k for k in ("down_t", "perm", "group", "freq", "pred_a", "pred_b")}
+
+
+THRESHOLD_NAME = "kx_threshold"
+
+
+# ---------------------------------------------------------------------- fingerprint
+
+
+def fnv1a64(data: bytes, h: int = _FNV_OFFSET) -> int:
+    """64-bit FNV-1a of `data`, continuing from state `h`."""
+    for b in data:
+        h = ((h ^ b) * _FNV_PRIME) & _U64
+    return h
+
+
+def sample_ranges(nbytes: int) -> list[tuple[int, int]]:
+    """The three [start, end) byte ranges of a tensor's data that the fingerprint hashes.
+
+    Always three, possibly overlapping (a tensor under 4 KiB is hashed three times), so
+    the C++ side needs no special cases.
+    """
+    head = (0, min(FP_SAMPLE, nbytes))
+    mid_start = (nbytes // 2) // FP_SAMPLE * FP_SAMPLE  # <= nbytes // 2, inside the tensor
+    mid = (mid_start, min(mid_start + FP_SAMPLE, nbytes))
+    tail = (nbytes - min(FP_SAMPLE, nbytes), nbytes)
+    return [head, mid, tail]
+
+
+def _fingerprint_header(hdr: GGUFHeader) -> str:
+    h = _FNV_OFFSET
+    with open(hdr.path, "rb") as f:
+        for t in hdr.tensors:
+            h = fnv1a64(t.name.encode("utf-8") + b"\0", h)
+            h = fnv1a64(struct.pack("<I", t.type_id), h)
+            h = fnv1a64(struct.pack(f"<{1 + len(t.ne)}Q", len(t.ne), *t.ne), h)
+            if t.offset + t.nbytes > hdr.file_size:
+                raise PackError(f"{hdr.path} is truncated: tensor {t.name} ends past the end of the file")
+            for start, end in sample_ranges(t.nbytes):
+                f.seek(t.offset + start)
+                h = fnv1a64(f.read(end - start), h)
+    return f"{FP_PREFIX}{h:016x}"
+
+
+def fingerprint(model_path: str | Path) -> str:
+    """The model's fingerprint (docs/pack-format.md): "kxfp1-" + 16 hex digits."""
+    return _fingerprint_header(_scan_model(Path(model_path)))
+
+
+# ------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """What a pack records about the model it was made for."""
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    activation: str
+
+
+def _scan_model(path: Path) -> GGUFHeader:
+    if not path.is_file():
+        raise PackError(f"model {path} does not exist")
+    try:
+        return scan_header(path)
+    except GGUFHeaderError as e:
+        raise PackError(str(e)) from e
+
+
+def _open_gguf(path: Path) -> Any:
+    import gguf
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # GGUFReader raises assorted errors on bad or short files
+        raise PackError(f"{path} is not a readable GGUF file; it may be truncated or corrupt ({e})") from e
+
+
+def _kv(reader: Any, key: str) -> Any:
+    f = reader.get_field(key)
+    return None if f is None else f.contents()
+
+
+def _base_model(hdr: GGUFHeader) -> BaseModel:
+    path, arch = hdr.path, hdr.kv.get("general.architecture")
+    if arch not in BASE_ARCHS:
+        raise PackError(f"{path} (architecture {arch!r}) has no dense FFN kairox can pack "
+                        f"(supported: {', '.join(BASE_ARCHS)})")
+    n_layer = hdr.kv.get(f"{arch}.block_count")
+    if not isinstance(n_layer, int) or n_layer < 1:
+        raise PackError(f"{path} has no valid {arch}.block_count")
+    tensors = {t.name: t for t in hdr.tensors}
+    n_embd = n_ff = 0
+    for il in range(n_layer):
+        t = tensors.get(f"blk.{il}.ffn_down.weight")
+        if t is None or len(t.ne) != 2:
+            raise PackError(f"{path} has no dense FFN in layer {il} (no 2-D blk.{il}.ffn_down.weight)")
+        ff, embd = t.ne  # ggml ne = {n_ff, n_embd}
+        if il == 0:
+            n_embd, n_ff = embd, ff
+        elif (embd, ff) != (n_embd, n_ff):
+            raise PackError(f"{path}: layer {il} has FFN shape {ff}x{embd} but layer 0 has "
+                            f"{n_ff}x{n_embd}; layers of different FFN widths are not supported")
+    act = hdr.kv.get(f"{arch}.hidden_activation") or DEFAULT_ACTIVATION[arch]
+    if act not in ACTIVATIONS:
+        raise PackError(f"{path} has FFN activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
+    return BaseModel(arch, n_layer, n_embd, n_ff, act)
+
+
+# ---------------------------------------------------------------------- the pack
+
+
+@dataclass
+class PackLayer:
+    """One layer's pack tensors. Pack position p holds original neuron perm[p]."""
+    down_t_raw: np.ndarray          # as stored: [n_ff, n_embd] (F32/F16) or Q8_0 bytes
+    down_type: str                  # f32 | f16 | q8_0
+    perm: np.ndarray                # int32 [n_ff], a permutation of 0..n_ff-1
+    group: np.ndarray               # int32 [n_ff], group id of each pack position
+    freq: np.ndarray                # float32 [n_ff], indexed by ORIGINAL neuron id, 0..1
+    pred_a: np.ndarray | None = None  # [rank, n_embd]
+    pred_b: np.ndarray | None = None  # [n_ff, rank]
+
+    def down_t(self) -> np.ndarray:
+        """The down projection, float32 [n_ff, n_embd], one row per neuron in pack order."""
+        import gguf
+        q = gguf.GGMLQuantizationType[self.down_type.upper()]
+        return np.asarray(gguf.quants.dequantize(self.down_t_raw, q), dtype=np.float32)
+
+
+@dataclass
+class Pack:
+    path: Path
+    version: int
+    created_by: str
+    method: dict[str, Any]
+    base: BaseModel
+    fingerprint: str
+    group_size: int
+    layers: list[PackLayer]
+    threshold: np.ndarray = field(repr=False)   # float32 [n_layer]
+
+    @property
+    def n_groups(self) -> int:
+        return -(-self.base.n_ff // self.group_size)
+
+
+# -------------------------------------------------------------------------- writing
+
+
+def _encode_down(w: np.ndarray, down_type: str, name: str) -> np.ndarray:
+    import gguf
+    w32 = np.ascontiguousarray(w, dtype=np.float32)
+    if down_type == "f32":
+        return w32
+    if down_type == "f16":
+        out = w32.astype(np.float16)
+        if np.isinf(out).any() and not np.isinf(w32).any():
+            raise PackError(f"{name} has values beyond float16's range (65504); use down_type f32")
+        return out
+    return gguf.quants.quantize(w32, gguf.GGMLQuantizationType.Q8_0)
+
+
+def _read_dequantized(path: Path, t: TensorInfo) -> np.ndarray:
+    """A 2-D tensor of the model as float32, numpy shape [ne[1], ne[0]]."""
+    import gguf
+    qtype = gguf.GGMLQuantizationType(t.type_id)
+    rows = np.memmap(path, dtype=np.uint8, mode="r", offset=t.offset,
+                     shape=(t.ne[1], t.nbytes // t.ne[1]))  # one row of bytes per ne[1]
+    try:
+        w = gguf.quants.dequantize(rows, qtype)
+    except NotImplementedError as e:
+        raise PackError(f"{t.name} has type {qtype.name}, which kairox cannot dequantize") from e
+    return np.asarray(w, dtype=np.float32).reshape(t.ne[1], t.ne[0])
+
+
+def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, group_size: int = 32,
+               down_type: str = "f32", method: dict[str, Any] | None = None,
+               quiet: bool = False) -> Path:
+    """Write an identity pack for the model at `model_path`; returns the pack's path.
+
+    The model is only read. The pack is streamed to a temporary file and renamed into place
+    when complete.
+    """
+    import gguf
+    from tqdm import tqdm
+
+    from . import __version__
+
+    model_path = Path(model_path)
+    out = Path(out_path) if out_path is not None else pack_path_for(model_path)
+    down_type = down_type.lower()
+    if down_type not in DOWN_TYPES:
+        raise PackError(f"unsupported down_type {down_type!r} (supported: {', '.join(DOWN_TYPES)})")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise PackError(f"group_size must be a positive integer, not {group_size!r}")
+    method = {"kind": "identity"} if method is None else method
+    if not isinstance(method, dict):
+        raise PackError("method must be a dict (it is stored as a JSON object)")
+    try:
+        method_json = json.dumps(method, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise PackError(f"method is not JSON-serializable ({e})") from e
+
+    hdr = _scan_model(model_path)
+    base = _base_model(hdr)
+    qblock = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
+    if down_type == "q8_0" and base.n_embd % qblock:
+        # each neuron's row is quantized on its own, so it must split into whole blocks
+        raise PackError(f"down_type q8_0 needs n_embd to be a multiple of {qblock}, "
+                        f"but {model_path} has n_embd = {base.n_embd}; use f16 or f32")
+    if out.exists() and out.resolve() == model_path.resolve():
+        raise PackError(f"the pack path {out} is the model itself; the model is never overwritten")
+    if not out.parent.is_dir():
+        raise PackError(f"output directory {out.parent} does not exist")
+    fp = _fingerprint_header(hdr)
+    tensors = {t.name: t for t in hdr.tensors}
+
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(tmp, PACK_ARCH)  # writes general.architecture = kxpack
+    w.add_uint32(K_VERSION, PACK_VERSION)
+    w.add_string(K_CREATED_BY, f"kairox {__version__}")
+    w.add_string(K_METHOD, method_json)
+    w.add_string(K_ARCH, base.architecture)
+    w.add_uint32(K_N_LAYER, base.n_layer)
+    w.add_uint32(K_N_EMBD, base.n_embd)
+    w.add_uint32(K_N_FF, base.n_ff)
+    w.add_string(K_ACT, base.activation)
+    w.add_string(K_FP, fp)
+    w.add_uint32(K_GROUP_SIZE, group_size)
+
+    Q = gguf.GGMLQuantizationType
+    dq = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}[down_type]
+    block, type_size = gguf.GGML_QUANT_SIZES[dq]
+    down_shape = (base.n_ff, base.n_embd)
+    down_nbytes = base.n_ff * base.n_embd // block * type_size
+    vec = base.n_ff * 4  # I32 / F32 vectors of n_ff entries
+    for il in range(base.n_layer):
+        n = _tensor_names(il)
+        w.add_tensor_info(n["down_t"], down_shape, np.dtype(np.float32), down_nbytes, raw_dtype=dq)
+        w.add_tensor_info(n["perm"], (base.n_ff,), np.dtype(np.int32), vec)
+        w.add_tensor_info(n["group"], (base.n_ff,), np.dtype(np.int32), vec)
+        w.add_tensor_info(n["freq"], (base.n_ff,), np.dtype(np.float32), vec)
+    w.add_tensor_info(THRESHOLD_NAME, (base.n_layer,), np.dtype(np.float32), base.n_layer * 4)
+
+    ids = np.arange(base.n_ff, dtype=np.int32)
+
+    def data():
+        for il in tqdm(range(base.n_layer), desc=f"pack {out.name}", unit="layer",
+                       disable=quiet, file=sys.stderr):
+            t = tensors[f"blk.{il}.ffn_down.weight"]
+            down = _read_dequantized(model_path, t)        # [n_embd, n_ff]
+            yield _encode_down(down.T, down_type, t.name)  # one row per neuron
+            yield ids                                     # identity permutation
+            yield ids // np.int32(group_size)             # identity grouping
+            yield np.ones(base.n_ff, dtype=np.float32)    # frequency unknown
+        yield np.zeros(base.n_layer, dtype=np.float32)    # threshold: fire when > 0
+
+    return finish_atomically(w, tmp, out, data())
+
+
+# -------------------------------------------------------------------------- reading
+
+
+def _req(reader: Any, path: Path, key: str, kind: type) -> Any:
+    import gguf
+    f = reader.get_field(key)
+    if f is None:
+        raise PackError(f"pack {path} lacks the key {key}")
+    want = {int: gguf.GGUFValueType.UINT32, str: gguf.GGUFValueType.STRING}[kind]
+    if f.types != [want]:
+        raise PackError(f"pack {path}: {key} has type {f.types[0].name}, expected {want.name}")
+    return f.contents()
+
+
+def _check_tensor(t: Any, path: Path, types: tuple[str, ...], ne: tuple[int, ...]) -> None:
+    got = tuple(int(d) for d in t.shape)
+    if got != ne:
+        raise PackError(f"pack {path}: {t.name} has shape (ggml ne) {list(got)}, expected {list(ne)}")
+    if t.tensor_type.name not in types:
+        raise PackError(f"pack {path}: {t.name} has type {t.tensor_type.name}, "
+                        f"expected {' or '.join(types)}")
+
+
+def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pack:
+    """Read and validate a pack; with `model_path`, also check it was made for that model.
+
+    Tensor data is memory-mapped, not loaded. Any violation of docs/pack-format.md raises
+    PackError.
+    """
+    path = Path(pack_path)
+    if not path.is_file():
+        raise PackError(f"no pack at {path}")
+    r = _open_gguf(path)
+    arch = _kv(r, "general.architecture")
+    if arch != PACK_ARCH:
+        raise PackError(f"{path} is not a kairox pack (general.architecture is {arch!r}, "
+                        f"not {PACK_ARCH!r})")
+    version = _req(r, path, K_VERSION, int)
+    if version != PACK_VERSION:
+        raise PackError(f"pack {path} has format version {version}, but this kairox reads "
+                        f"version {PACK_VERSION}; rebuild the pack with this kairox")
+    created_by = _req(r, path, K_CREATED_BY, str)
+    try:
+        method = json.loads(_req(r, path, K_METHOD, str))
+    except json.JSONDecodeError as e:
+        raise PackError(f"pack {path}: {K_METHOD} is not valid JSON ({e})") from e
+    if not isinstance(method, dict):
+        raise PackError(f"pack {path}: {K_METHOD} is not a JSON object")
+    base = BaseModel(_req(r, path, K_ARCH, str), _req(r, path, K_N_LAYER, int),
+                     _req(r, path, K_N_EMBD, int), _req(r, path, K_N_FF, int),
+                     _req(r, path, K_ACT, str))
+    if min(base.n_layer, base.n_embd, base.n_ff) < 1:
+        raise PackError(f"pack {path} records an empty model ({base})")
+    if base.activation not in ACTIVATIONS:
+        raise PackError(f"pack {path} records activation {base.activation!r} "
+                        f"(supported: {', '.join(ACTIVATIONS)})")
+    fp = _req(r, path, K_FP, str)
+    if not _FP_RE.fullmatch(fp):
+        raise PackError(f"pack {path} has a malformed fingerprint {fp!r}")
+    group_size = _req(r, path, K_GROUP_SIZE, int)
+    if group_size < 1:
+        raise PackError(f"pack {path} has group size 0")
+
+    if model_path is not None:
+        mpath = Path(model_path)
+        mhdr = _scan_model(mpath)
+        mfp = _fingerprint_header(mhdr)
+        if mfp != fp:
+            raise PackError(f"pack {path} was made for a different model (pack fingerprint {fp}, "
+                            f"{mpath.name} has {mfp}); rebuild the pack for this model")
+        mbase = _base_model(mhdr)
+        if mbase != base:
+            raise PackError(f"pack {path} records {base} but {mpath.name} is {mbase}")
+
+    tensors = {t.name: t for t in r.tensors}
+    bad = [n for n in tensors if any(s in n for s in FORBIDDEN_SUBSTRINGS)]
+    if bad:
+        raise PackError(f"pack {path} holds tensor {bad[0]!r}, whose name llama.cpp tools "
+                        f"would take for a model weight")
+    expected = {THRESHOLD_NAME}
+    n_ff, n_embd = base.n_ff, base.n_embd
+    n_groups = -(-n_ff // group_size)
+    ids = np.arange(n_ff)
+    layers: list[PackLayer] = []
+    for il in range(base.n_layer):
+        names = _tensor_names(il)
+        required = ("down_t", "perm", "group", "freq")
+        has_pred = [k for k in ("pred_a", "pred_b") if names[k] in tensors]
+        if len(has_pred) == 1:
+            raise PackError(f"pack {path}: layer {il} has {names[has_pred[0]]} without its pair")
+        for k in (*required, *has_pred):
+            if names[k] not in tensors:
+                raise PackError(f"pack {path} lacks the tensor {names[k]}")
+            expected.add(names[k])
+        t = {k: tensors[names[k]] for k in (*required, *has_pred)}
+        _check_tensor(t["down_t"], path, ("F32", "F16", "Q8_0"), (n_embd, n_ff))
+        _check_tensor(t["perm"], path, ("I32",), (n_ff,))
+        _check_tensor(t["group"], path, ("I32",), (n_ff,))
+        _check_tensor(t["freq"], path, ("F32",), (n_ff,))
+        perm = np.asarray(t["perm"].data)
+        if not np.array_equal(np.sort(perm), ids):
+            raise PackError(f"pack {path}: {names['perm']} is not a permutation of 0..{n_ff - 1}")
+        group = np.asarray(t["group"].data)
+        if group.min() < 0 or group.max() >= n_groups:
+            raise PackError(f"pack {path}: {names['group']} has group ids outside 0..{n_groups - 1} "
+                            f"(n_ff {n_ff}, group size {group_size})")
+        if np.any(np.diff(group) < 0):
+            raise PackError(f"pack {path}: {names['group']} is not non-decreasing "
+                            f"(a group must be a contiguous run of pack rows)")
+        freq = np.asarray(t["freq"].data)
+        if not np.all((freq >= 0) & (freq <= 1)):  # also rejects NaN
+            raise PackError(f"pack {path}: {names['freq']} has values outside [0, 1]")
+        pred_a = pred_b = None
+        if has_pred:
+            rank = int(t["pred_a"].shape[1]) if len(t["pred_a"].shape) == 2 else 0
+            if rank < 1:
+                raise PackError(f"pack {path}: {names['pred_a']} must be 2-D [rank, n_embd]")
+            _check_tensor(t["pred_a"], path, ("F32", "F16"), (n_embd, rank))
+            _check_tensor(t["pred_b"], path, ("F32", "F16"), (rank, n_ff))
+            pred_a, pred_b = t["pred_a"].data, t["pred_b"].data
+        layers.append(PackLayer(t["down_t"].data, t["down_t"].tensor_type.name.lower(),
+                                perm, group, freq, pred_a, pred_b))
+
+    if THRESHOLD_NAME not in tensors:
+        raise PackError(f"pack {path} lacks the tensor {THRESHOLD_NAME}")
+    _check_tensor(tensors[THRESHOLD_NAME], path, ("F32",), (base.n_layer,))
+    threshold = np.asarray(tensors[THRESHOLD_NAME].data)
+    if not np.all(np.isfinite(threshold)):
+        raise PackError(f"pack {path}: {THRESHOLD_NAME} has non-finite values")
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise PackError(f"pack {path} holds unexpected tensor {extra[0]!r} "
+                        f"({len(extra)} in all); it is not part of pack version {PACK_VERSION}")
+    return Pack(path, version, created_by, method, base, fp, group_size, layers, threshold)

@@ -1,0 +1,240 @@
+"""The sparse pack sidecar: fingerprint, identity-pack writing, reading and validation."""
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from kairox.checkpoint import Checkpoint
+from kairox.pack import (FORBIDDEN_SUBSTRINGS, PackError, fingerprint, pack_path_for, read_pack,
+                         write_pack)
+
+SMALL = 300  # vocabulary of the models whose GGUF this file parses with GGUFReader
+
+
+@pytest.fixture(scope="module")
+def small_relu(tiny_gguf: Callable[..., Path]) -> Path:
+    return tiny_gguf("f32", hidden_act="relu", vocab_size=SMALL)
+
+
+@pytest.fixture(scope="module")
+def small_pack(tmp_path_factory: pytest.TempPathFactory, small_relu: Path) -> Path:
+    return write_pack(small_relu, tmp_path_factory.mktemp("pack") / "small.kxpack.gguf", quiet=True)
+
+
+def reference_fingerprint(path: Path) -> str:
+    """The spec's fingerprint, written independently of kairox.pack: GGUFReader for the
+    tensor infos, the whole file in memory, one byte stream, then FNV-1a over it."""
+    raw = path.read_bytes()
+    stream = bytearray()
+    for t in gguf.GGUFReader(path).tensors:
+        ne = [int(d) for d in t.shape]
+        stream += t.name.encode() + b"\0" + int(t.tensor_type).to_bytes(4, "little")
+        stream += b"".join(v.to_bytes(8, "little") for v in [len(ne), *ne])
+        data = raw[t.data_offset:t.data_offset + t.n_bytes]
+        n, s = len(data), 4096
+        mid = n // 2 - (n // 2) % s
+        stream += data[:s] + data[mid:mid + s] + data[n - min(s, n):]
+    h = 0xCBF29CE484222325
+    for b in stream:
+        h = ((h ^ b) * 0x100000001B3) % 2**64
+    return "kxfp1-%016x" % h
+
+
+def rewrite(src: Path, dst: Path, kv: dict[str, tuple[Any, Any]] | None = None,
+            tensors: dict[str, np.ndarray | None] | None = None) -> Path:
+    """Copy a GGUF, replacing KV values ({key: (value, GGUFValueType)}) and tensors
+    ({name: array, or None to drop it}); names not in `src` are appended."""
+    kv, tensors = kv or {}, dict(tensors or {})
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, str(r.get_field("general.architecture").contents()))
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, vtype = kv.pop(name, (f.contents(), f.types[0]))
+        w.add_key_value(name, value, vtype)
+    for name, (value, vtype) in kv.items():
+        w.add_key_value(name, value, vtype)
+    for t in r.tensors:
+        if t.name in tensors:
+            arr = tensors.pop(t.name)
+            if arr is not None:
+                w.add_tensor(t.name, arr)
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    for name, arr in tensors.items():
+        if arr is not None:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+
+def test_pack_path_for() -> None:
+    assert pack_path_for("/m/model.gguf") == Path("/m/model.kxpack.gguf")
+    assert pack_path_for("/m/Model.Q4_K_M.GGUF") == Path("/m/Model.Q4_K_M.kxpack.gguf")
+    assert pack_path_for("weights") == Path("weights.kxpack.gguf")
+
+
+def test_fingerprint_is_deterministic(tmp_path: Path, tiny_relu_gguf: Path) -> None:
+    fp = fingerprint(tiny_relu_gguf)
+    assert re.fullmatch(r"kxfp1-[0-9a-f]{16}", fp)
+    assert fingerprint(tiny_relu_gguf) == fp
+    copy = shutil.copy(tiny_relu_gguf, tmp_path / "elsewhere.gguf")
+    assert fingerprint(copy) == fp  # depends on content only, not on the path
+
+
+def test_fingerprint_matches_reference(small_relu: Path) -> None:
+    assert fingerprint(small_relu) == reference_fingerprint(small_relu)
+
+
+def test_fingerprint_sees_sampled_bytes_only(tmp_path: Path, small_relu: Path) -> None:
+    t = next(t for t in gguf.GGUFReader(small_relu).tensors if t.name == "blk.1.ffn_down.weight")
+    assert t.n_bytes >= 4 * 4096  # so that [4096, 8192) lies outside all three samples
+    fp = fingerprint(small_relu)
+
+    def flipped(rel: int) -> str:
+        p = tmp_path / f"flip-{rel}.gguf"
+        buf = bytearray(small_relu.read_bytes())
+        buf[t.data_offset + rel] ^= 0x01
+        p.write_bytes(buf)
+        return fingerprint(p)
+
+    mid = t.n_bytes // 2 // 4096 * 4096
+    for rel in (0, 4095, mid, mid + 100, t.n_bytes - 1):
+        assert flipped(rel) != fp, rel
+    assert flipped(5000) == fp  # unsampled: the documented price of reading only 12 KiB
+
+
+# ------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_f32(tmp_path: Path, tiny_relu_gguf: Path, tiny_relu_hf: Path) -> None:
+    out = write_pack(tiny_relu_gguf, tmp_path / "p.kxpack.gguf", group_size=48, quiet=True)
+    pack = read_pack(out, tiny_relu_gguf)
+    b = pack.base
+    assert (b.architecture, b.n_layer, b.n_embd, b.n_ff, b.activation) == ("llama", 2, 64, 256, "relu")
+    assert pack.version == 1 and pack.created_by.startswith("kairox ")
+    assert pack.method == {"kind": "identity"}
+    assert pack.fingerprint == fingerprint(tiny_relu_gguf)
+    assert pack.group_size == 48 and pack.n_groups == 6  # ceil(256 / 48)
+    ck = Checkpoint(tiny_relu_hf)
+    ids = np.arange(256)
+    for il, layer in enumerate(pack.layers):
+        hf_down = np.asarray(ck.tensor(f"model.layers.{il}.mlp.down_proj.weight"), np.float32)
+        assert layer.down_type == "f32"
+        np.testing.assert_array_equal(layer.down_t(), hf_down.T)  # [n_ff, n_embd]
+        np.testing.assert_array_equal(layer.perm, ids)
+        np.testing.assert_array_equal(layer.group, ids // 48)
+        np.testing.assert_array_equal(layer.freq, np.ones(256, np.float32))
+        assert layer.pred_a is None and layer.pred_b is None
+    np.testing.assert_array_equal(pack.threshold, np.zeros(2, np.float32))
+    names = [t.name for t in gguf.GGUFReader(out).tensors]
+    assert "blk.1.kx_down_t" in names and "kx_threshold" in names
+    assert not [n for n in names if any(s in n for s in FORBIDDEN_SUBSTRINGS)]
+
+
+@pytest.mark.parametrize("down_type,rtol", [("f16", 1e-3), ("q8_0", 1e-2)])
+def test_round_trip_reduced_precision(tmp_path: Path, small_relu: Path, tiny_hf: Callable[..., Path],
+                                      down_type: str, rtol: float) -> None:
+    pack = read_pack(write_pack(small_relu, tmp_path / "p.kxpack.gguf", down_type=down_type,
+                                quiet=True), small_relu)
+    hf = Checkpoint(tiny_hf(hidden_act="relu", vocab_size=SMALL))
+    for il, layer in enumerate(pack.layers):
+        want = np.asarray(hf.tensor(f"model.layers.{il}.mlp.down_proj.weight"), np.float32).T
+        assert layer.down_type == down_type
+        # Q8_0: per-row blocks of 32 share one scale, so the error is relative to a row's max
+        np.testing.assert_allclose(layer.down_t(), want, rtol=0, atol=rtol * np.abs(want).max())
+
+
+def test_default_path_is_next_to_the_model(tmp_path: Path, small_relu: Path) -> None:
+    model = shutil.copy(small_relu, tmp_path / "m.gguf")
+    before = Path(model).read_bytes()
+    assert write_pack(model, quiet=True) == tmp_path / "m.kxpack.gguf"
+    assert Path(model).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.kxpack.gguf"]  # no temp left
+
+
+def test_write_refusals(tmp_path: Path, tiny_gguf: Callable[..., Path], small_relu: Path,
+                        small_pack: Path) -> None:
+    narrow = tiny_gguf("f32", hidden_act="relu", n_layer=1, n_embd=48, vocab_size=SMALL)
+    with pytest.raises(PackError, match="multiple of 32"):
+        write_pack(narrow, tmp_path / "n.kxpack.gguf", down_type="q8_0", quiet=True)
+    with pytest.raises(PackError, match="has no dense FFN"):
+        write_pack(small_pack, tmp_path / "x.kxpack.gguf", quiet=True)  # a pack is no model
+    with pytest.raises(PackError, match="down_type"):
+        write_pack(small_relu, tmp_path / "y.kxpack.gguf", down_type="q4_0", quiet=True)
+    with pytest.raises(PackError, match="is the model itself"):
+        write_pack(small_relu, small_relu, quiet=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------- validation
+
+
+def test_refuses_pack_of_another_model(tiny_gguf: Callable[..., Path], small_pack: Path) -> None:
+    other = tiny_gguf("f32", hidden_act="relu", vocab_size=SMALL, seed=1)
+    with pytest.raises(PackError, match="was made for a different model"):
+        read_pack(small_pack, other)
+
+
+def test_refuses_truncated_and_non_packs(tmp_path: Path, small_relu: Path, small_pack: Path) -> None:
+    cut = tmp_path / "cut.kxpack.gguf"
+    cut.write_bytes(small_pack.read_bytes()[: small_pack.stat().st_size // 2])
+    with pytest.raises(PackError, match="truncated"):
+        read_pack(cut)
+    with pytest.raises(PackError, match="not a kairox pack"):
+        read_pack(small_relu)
+    with pytest.raises(PackError, match="no pack at"):
+        read_pack(tmp_path / "missing.kxpack.gguf")
+
+
+def test_refuses_unknown_version(tmp_path: Path, small_pack: Path) -> None:
+    bad = rewrite(small_pack, tmp_path / "v2.gguf",
+                  kv={"kx.pack.version": (2, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(PackError, match="format version 2"):
+        read_pack(bad)
+
+
+def test_refuses_base_mismatch(tmp_path: Path, small_relu: Path, small_pack: Path) -> None:
+    bad = rewrite(small_pack, tmp_path / "act.gguf",
+                  kv={"kx.base.activation": ("silu", gguf.GGUFValueType.STRING)})
+    read_pack(bad)  # self-consistent on its own
+    with pytest.raises(PackError, match="records"):
+        read_pack(bad, small_relu)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda p: {"blk.1.kx_perm": np.r_[p[:1], p[:-1]].astype(np.int32)}, "not a permutation"),
+    (lambda p: {"blk.0.kx_group": np.r_[p[:-1] // 32, 8].astype(np.int32)}, "outside 0..7"),
+    (lambda p: {"blk.0.kx_group": (p[::-1] // 32).astype(np.int32)}, "non-decreasing"),
+    (lambda p: {"blk.1.kx_freq": None}, "lacks the tensor blk.1.kx_freq"),
+    (lambda p: {"blk.0.kx_freq": np.ones(255, np.float32)}, "has shape"),
+    (lambda p: {"blk.0.kx_freq": np.full(256, 2.0, np.float32)}, r"outside \[0, 1\]"),
+    (lambda p: {"blk.0.kx_perm": p.astype(np.float32)}, "has type F32"),
+    (lambda p: {"blk.0.kx_pred_a": np.zeros((4, 64), np.float32)}, "without its pair"),
+    (lambda p: {"blk.0.ffn_down.weight": np.zeros((64, 256), np.float32)}, "take for a model weight"),
+    (lambda p: {"blk.0.kx_extra": np.zeros(4, np.float32)}, "unexpected tensor"),
+])
+def test_refuses_bad_tensors(tmp_path: Path, small_pack: Path, edit: Callable, message: str) -> None:
+    bad = rewrite(small_pack, tmp_path / "bad.gguf", tensors=edit(np.arange(256)))
+    with pytest.raises(PackError, match=message):
+        read_pack(bad)
+
+
+def test_accepts_predictor(tmp_path: Path, small_relu: Path, small_pack: Path) -> None:
+    pred = {f"blk.{il}.kx_pred_{k}": np.zeros(s, np.float16)
+            for il in range(2) for k, s in (("a", (8, 64)), ("b", (256, 8)))}
+    pack = read_pack(rewrite(small_pack, tmp_path / "pred.gguf", tensors=pred), small_relu)
+    assert pack.layers[1].pred_a.shape == (8, 64) and pack.layers[1].pred_b.shape == (256, 8)
