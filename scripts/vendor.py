@@ -88,7 +88,10 @@ def fetch_sdist(lock: dict, quiet: bool = False) -> Path:
         print(f"vendor: downloading llama-cpp-python=={pkg['version']} sdist with pip ...",
               file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=cdir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
+               # only the target as an sdist: ":all:" would also force its build
+               # dependencies (cmake) to compile from source for the metadata step
+               "--no-binary", "llama-cpp-python",
                "--disable-pip-version-check", "-q", "-d", tmp,
                f"llama-cpp-python=={pkg['version']}"]
         r = subprocess.run(cmd, capture_output=True, text=True)
