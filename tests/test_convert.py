@@ -372,7 +372,7 @@ def test_failure_leaves_no_file(small_hf: Path, tmp_path: Path, small_vocab: Pat
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     calls = []
-    real = convert_mod._encode
+    real = convert_mod.encode_tensor
 
     def failing(w, q, name):
         calls.append(name)
@@ -380,7 +380,7 @@ def test_failure_leaves_no_file(small_hf: Path, tmp_path: Path, small_vocab: Pat
             raise KeyboardInterrupt  # an interrupt mid-write, the worst case
         return real(w, q, name)
 
-    monkeypatch.setattr(convert_mod, "_encode", failing)
+    monkeypatch.setattr(convert_mod, "encode_tensor", failing)
     with pytest.raises(KeyboardInterrupt):
         convert(small_hf, out_dir / "x.gguf", vocab_gguf=small_vocab, quiet=True)
     assert list(out_dir.iterdir()) == []

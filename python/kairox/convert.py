@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointError, HFConfig
-from .gguffile import finish_atomically
+from .gguffile import encode_tensor, finish_atomically
 
 # `gguf` and `tqdm` are imported inside the functions that use them: `kairox --help` builds
 # this subcommand's parser and should not pay for importing them.
@@ -133,21 +133,6 @@ def _nbytes(shape: tuple[int, ...], qtype: Any) -> int:
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     n = int(np.prod(shape, dtype=np.int64))
     return n // block * type_size
-
-
-def _encode(w: np.ndarray, qtype: Any, name: str) -> np.ndarray:
-    import gguf
-    Q = gguf.GGMLQuantizationType
-    w32 = np.ascontiguousarray(w, dtype=np.float32)
-    if qtype == Q.F32:
-        return w32
-    if qtype == Q.F16:
-        out = w32.astype(np.float16)
-        if np.isinf(out).any() and not np.isinf(w32).any():
-            raise ConvertError(f"{name} has values beyond float16's range (65504); "
-                               f"use --outtype bf16 or f32")
-        return out
-    return gguf.quants.quantize(w32, qtype)
 
 
 # ------------------------------------------------------------------------------ vocab
@@ -391,7 +376,10 @@ def convert(hf_dir: str | Path, out_path: str | Path, outtype: str = "f16",
             w = np.asarray(ckpt.tensor(t.hf_name), dtype=np.float32)
             if t.transform is not None:
                 w = t.transform(w)
-            yield _encode(w, q, t.hf_name)
+            try:
+                yield encode_tensor(w, q, t.hf_name)
+            except ValueError as e:
+                raise ConvertError(str(e)) from None
     finish_atomically(writer, tmp, out_path, encoded())
     return out_path
 

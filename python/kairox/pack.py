@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, scan_header
-from .gguffile import finish_atomically
+from .gguffile import encode_tensor, finish_atomically
 
 # `gguf` and `tqdm` are imported inside the functions that use them, as in convert.py.
 
@@ -222,19 +222,6 @@ class Pack:
 # -------------------------------------------------------------------------- writing
 
 
-def _encode_down(w: np.ndarray, down_type: str, name: str) -> np.ndarray:
-    import gguf
-    w32 = np.ascontiguousarray(w, dtype=np.float32)
-    if down_type == "f32":
-        return w32
-    if down_type == "f16":
-        out = w32.astype(np.float16)
-        if np.isinf(out).any() and not np.isinf(w32).any():
-            raise PackError(f"{name} has values beyond float16's range (65504); use down_type f32")
-        return out
-    return gguf.quants.quantize(w32, gguf.GGMLQuantizationType.Q8_0)
-
-
 def _read_dequantized(path: Path, t: TensorInfo) -> np.ndarray:
     """A 2-D tensor of the model as float32, numpy shape [ne[1], ne[0]]."""
     import gguf
@@ -324,7 +311,10 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
                        disable=quiet, file=sys.stderr):
             t = tensors[f"blk.{il}.ffn_down.weight"]
             down = _read_dequantized(model_path, t)        # [n_embd, n_ff]
-            yield _encode_down(down.T, down_type, t.name)  # one row per neuron
+            try:  # one row per neuron
+                yield encode_tensor(down.T, dq, t.name)
+            except ValueError as e:
+                raise PackError(str(e)) from None
             yield ids                                     # identity permutation
             yield ids // np.int32(group_size)             # identity grouping
             yield np.ones(base.n_ff, dtype=np.float32)    # frequency unknown
