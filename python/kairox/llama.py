@@ -5,6 +5,13 @@ parameters, same sampling, chat, streaming and tokenizer. It differs in two ways
 can only gain from: keyword arguments neither class knows raise TypeError (the base
 class silently swallows them, so a typo would go unnoticed), and a model that fails to
 load raises ModelLoadError (a ValueError, as before) that carries llama.cpp's reason.
+
+Sparse FFN: `Llama(path, sparse="exact" | "predicted" | "dense", sparse_pack=PACK)`.
+The pack defaults to MODEL.kxpack.gguf next to the model; naming a pack without a mode
+picks "predicted" when the pack has a predictor, else "exact". A pack that cannot be used
+(missing, corrupt, made for another model) emits a SparsePackWarning saying why, and the
+model runs dense; `llm.sparse` always tells the mode in force. `llm.set_sparse(mode)`
+switches later (the next decode rebuilds its graph).
 """
 from __future__ import annotations
 
@@ -12,7 +19,10 @@ import collections
 import ctypes
 import dataclasses
 import inspect
+import os
 import threading
+import warnings
+from pathlib import Path
 from typing import Any
 
 from ._native import load_llama_cpp
@@ -25,13 +35,29 @@ _BASE_KWARGS = frozenset(
     if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+SPARSE_MODES = ("dense", "exact", "predicted")
+
+
 @dataclasses.dataclass(frozen=True)
 class KairoxOptions:
     """Options kairox adds to llama_cpp.Llama. Each field is a keyword of kairox.Llama;
     the defaults reproduce llama.cpp exactly."""
+    sparse: str | None = None        # dense | exact | predicted; None: auto if a pack is named
+    sparse_pack: str | None = None   # the pack; None: MODEL.kxpack.gguf next to the model
 
     def __post_init__(self) -> None:
-        pass
+        if self.sparse is not None and self.sparse not in SPARSE_MODES:
+            raise ValueError(f"sparse must be one of {', '.join(SPARSE_MODES)}, not {self.sparse!r}")
+        if self.sparse_pack is not None and not isinstance(self.sparse_pack, (str, os.PathLike)):
+            raise TypeError(f"sparse_pack must be a path, not {type(self.sparse_pack).__name__}")
+
+    @property
+    def wants_sparse(self) -> bool:
+        return self.sparse not in (None, "dense") or (self.sparse is None and self.sparse_pack is not None)
+
+
+class SparsePackWarning(UserWarning):
+    """A sparse pack could not be used; the model runs dense."""
 
 
 _KX_KWARGS = frozenset(f.name for f in dataclasses.fields(KairoxOptions))
@@ -84,6 +110,23 @@ class _ErrorLog:
 
 _errors = _ErrorLog()
 
+_lib = _C._lib
+_lib.kx_model_load_pack.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
+                                    ctypes.c_char_p, ctypes.c_size_t]
+_lib.kx_model_load_pack.restype = ctypes.c_int32
+_lib.kx_model_has_pack.argtypes = [ctypes.c_void_p]
+_lib.kx_model_has_pack.restype = ctypes.c_bool
+_lib.kx_model_pack_has_predictor.argtypes = [ctypes.c_void_p]
+_lib.kx_model_pack_has_predictor.restype = ctypes.c_bool
+_lib.kx_context_set_sparse.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+_lib.kx_context_set_sparse.restype = ctypes.c_int32
+_lib.kx_context_get_sparse.argtypes = [ctypes.c_void_p]
+_lib.kx_context_get_sparse.restype = ctypes.c_int32
+
+# llama.cpp reads model params once, inside the base constructor; sparse mode needs CPU
+# weights without repacking (repacked rows are interleaved; row gathers cannot read them)
+_params_lock = threading.Lock()
+
 
 class Llama(llama_cpp.Llama):
     __doc__ = (llama_cpp.Llama.__doc__ or "") + __doc__
@@ -95,14 +138,62 @@ class Llama(llama_cpp.Llama):
                 f"kairox.Llama got unknown keyword argument(s) {', '.join(unknown)}; "
                 f"kairox adds {sorted(_KX_KWARGS) or 'none'} to llama_cpp.Llama's own")
         self.kx_options = KairoxOptions(**{k: kwargs.pop(k) for k in _KX_KWARGS if k in kwargs})
+        self.sparse = "dense"
+        self.sparse_error: str | None = None
         _errors.take()
+        with _params_lock:
+            default_params = _C.llama_model_default_params
+            if self.kx_options.wants_sparse:
+                def no_repack():
+                    p = default_params()
+                    p.use_extra_bufts = False
+                    return p
+                _C.llama_model_default_params = no_repack
+            try:
+                super().__init__(model_path, *args, **kwargs)
+            except ValueError as e:
+                why = _errors.take()
+                if why and "Failed to load model" in str(e):
+                    raise ModelLoadError(f"{e}: " + " | ".join(why)) from None
+                raise
+            finally:
+                _C.llama_model_default_params = default_params
+        if self.kx_options.wants_sparse:
+            self._kx_attach(model_path)
+
+    def _kx_attach(self, model_path: str) -> None:
+        from .pack import pack_path_for
+        pack = Path(self.kx_options.sparse_pack or pack_path_for(model_path))
+        err = ctypes.create_string_buffer(1024)
+        if _lib.kx_model_load_pack(self._model.model, os.fsencode(model_path), os.fsencode(pack), err, 1024):
+            self._kx_refuse(err.value.decode("utf-8", "replace"))
+            return
+        mode = self.kx_options.sparse or ("predicted" if self.pack_has_predictor else "exact")
         try:
-            super().__init__(model_path, *args, **kwargs)
+            self.set_sparse(mode)
         except ValueError as e:
-            why = _errors.take()
-            if why and "Failed to load model" in str(e):
-                raise ModelLoadError(f"{e}: " + " | ".join(why)) from None
-            raise
+            self._kx_refuse(str(e))
+
+    def _kx_refuse(self, why: str) -> None:
+        self.sparse_error = why
+        warnings.warn(SparsePackWarning(f"kairox: sparse mode unavailable, running dense: {why}"),
+                      stacklevel=3)
+        _errors.take()
+
+    @property
+    def pack_has_predictor(self) -> bool:
+        return bool(_lib.kx_model_pack_has_predictor(self._model.model))
+
+    def set_sparse(self, mode: str) -> None:
+        """Switch the FFN mode (dense, exact, predicted) for the following decodes.
+
+        Raises ValueError when the mode needs a pack (or a predictor) that is not loaded."""
+        if mode not in SPARSE_MODES:
+            raise ValueError(f"sparse mode must be one of {', '.join(SPARSE_MODES)}, not {mode!r}")
+        err = ctypes.create_string_buffer(1024)
+        if _lib.kx_context_set_sparse(self._ctx.ctx, SPARSE_MODES.index(mode), err, 1024):
+            raise ValueError(err.value.decode("utf-8", "replace"))
+        self.sparse = mode
 
     def close(self) -> None:
         # A constructor that raised before the base class set up its resources leaves
@@ -113,4 +204,6 @@ class Llama(llama_cpp.Llama):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(dataclasses.asdict(self.kx_options))
+        if self.kx_options.wants_sparse:
+            state["sparse"] = self.sparse  # the mode in force, not the one asked for
         return state

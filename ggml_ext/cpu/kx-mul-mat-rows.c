@@ -1,0 +1,121 @@
+// GGML_OP_KX_MUL_MAT_ROWS on the CPU: w·x for the rows listed in sel only.
+//
+// The fast path is ggml's own matvec inner loop: x is converted once to the weight
+// type's vec_dot_type (Q8_0/Q8_K for quantized weights, F16, BF16 or F32), then
+// type_traits_cpu[w->type].vec_dot runs per active row, so every weight type ggml can
+// multiply is supported with its tuned AVX2/AVX-512 kernels. The reference path
+// (params->use_ref) dequantizes each active row to float and dots it with x in double.
+//
+// Threads split the active list into contiguous runs of equal length (every row costs
+// the same), after one barrier that publishes the converted x and the zeroed output.
+#include "kx-ops-cpu.h"
+#include "kx-ops.h"
+
+#include "ggml-impl.h"
+#include "ggml-cpu.h"
+
+#include <string.h>
+
+#define KX_CACHE_LINE 64
+
+static size_t kx_align_up(size_t n) {
+    return (n + KX_CACHE_LINE - 1) / KX_CACHE_LINE * KX_CACHE_LINE;
+}
+
+// wdata layout: [converted x: n_tokens rows of vec_dot_type] [per thread: k floats]
+size_t kx_mul_mat_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
+    const struct ggml_tensor * w = node->src[0];
+    const struct ggml_tensor * x = node->src[1];
+    const enum ggml_type vdt = ggml_get_type_traits_cpu(w->type)->vec_dot_type;
+    const int64_t k = w->ne[0];
+    size_t size = 0;
+    if (x->type != vdt) {
+        size += kx_align_up(ggml_row_size(vdt, k) * (size_t) x->ne[1]);
+    }
+    size += (size_t) n_tasks * kx_align_up(sizeof(float) * (size_t) k);
+    return size;
+}
+
+void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * w   = dst->src[0];
+    const struct ggml_tensor * x   = dst->src[1];
+    const struct ggml_tensor * sel = dst->src[2];
+
+    const int ith = params->ith;
+    const int nth = params->nth;
+
+    const int64_t k  = w->ne[0];
+    const int64_t n  = w->ne[1];
+    const int64_t nt = x->ne[1];
+
+    const struct ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(w->type);
+    const enum ggml_type vdt  = tw->vec_dot_type;
+    const bool           conv = x->type != vdt;
+    const size_t         xrow = conv ? ggml_row_size(vdt, k) : x->nb[1];
+
+    char * wdata = (char *) params->wdata;
+    char * xq    = conv ? wdata : (char *) x->data;
+    float * scratch = (float *) (wdata + (conv ? kx_align_up(xrow * (size_t) nt) : 0)
+                                       + (size_t) ith * kx_align_up(sizeof(float) * (size_t) k));
+
+    // phase 1: convert x (token rows split across threads), zero this thread's rows of dst
+    if (conv && !params->use_ref) {
+        ggml_from_float_t from_float = ggml_get_type_traits_cpu(vdt)->from_float;
+        for (int64_t t = ith; t < nt; t += nth) {
+            from_float((const float *) ((const char *) x->data + t*x->nb[1]), xq + t*xrow, k);
+        }
+    }
+    {
+        const int64_t r0 = n*ith/nth;
+        const int64_t r1 = n*(ith + 1)/nth;
+        for (int64_t t = 0; t < nt; ++t) {
+            memset((char *) dst->data + t*dst->nb[1] + r0*sizeof(float), 0, (size_t) (r1 - r0)*sizeof(float));
+        }
+    }
+    ggml_barrier(params->threadpool);
+
+    // phase 2: active rows
+    const int32_t * list  = (const int32_t *) sel->data;
+    const int64_t   count = list[0];
+    const int32_t * ids   = list + 1;
+    const int64_t   j0 = count*ith/nth;
+    const int64_t   j1 = count*(ith + 1)/nth;
+
+    if (params->use_ref) {
+        ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
+        for (int64_t j = j0; j < j1; ++j) {
+            const int64_t i   = ids[j];
+            const char *  row = (const char *) w->data + i*w->nb[1];
+            const float * wf  = (const float *) row;
+            if (w->type != GGML_TYPE_F32) {
+                to_float(row, scratch, k);
+                wf = scratch;
+            }
+            for (int64_t t = 0; t < nt; ++t) {
+                const float * xt = (const float *) ((const char *) x->data + t*x->nb[1]);
+                double acc = 0.0;
+                for (int64_t c = 0; c < k; ++c) {
+                    acc += (double) wf[c] * (double) xt[c];
+                }
+                *(float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]) = (float) acc;
+            }
+        }
+        return;
+    }
+
+    ggml_vec_dot_t const vec_dot = tw->vec_dot;
+    for (int64_t j = j0; j < j1; ++j) {
+        const int64_t i   = ids[j];
+        const char *  row = (const char *) w->data + i*w->nb[1];
+        if (j + 1 < j1) {
+            // rows are scattered: start the next row's first lines early
+            const char * next = (const char *) w->data + (int64_t) ids[j + 1]*w->nb[1];
+            __builtin_prefetch(next);
+            __builtin_prefetch(next + 64);
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+            float * d = (float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]);
+            vec_dot((int) k, d, 0, row, 0, xq + t*xrow, 0, 1);
+        }
+    }
+}

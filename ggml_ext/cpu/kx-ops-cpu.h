@@ -1,0 +1,20 @@
+// CPU kernels of the kairox ops (compiled into ggml-cpu; dispatched from ggml-cpu.c by
+// patches/0003). One op per file: kx-select.c, kx-mul-mat-rows.c, kx-axpy-rows.c.
+#pragma once
+
+#include "ggml-cpu-impl.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+void   ggml_compute_forward_kx_select      (const struct ggml_compute_params * params, struct ggml_tensor * dst);
+void   ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+void   ggml_compute_forward_kx_axpy_rows   (const struct ggml_compute_params * params, struct ggml_tensor * dst);
+
+// bytes of params->wdata that ggml_compute_forward_kx_mul_mat_rows needs with n_tasks threads
+size_t kx_mul_mat_rows_work_size(const struct ggml_tensor * node, int n_tasks);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,68 @@
+// kairox ggml ops: the neuron-sparse FFN building blocks.
+//
+// A sparse FFN step for a batch of tokens x [n_embd, n_tokens]:
+//   sel = ggml_kx_select(scores)                 active neuron ids (union over tokens)
+//   g   = ggml_kx_mul_mat_rows(W_gate, x, sel)   only the listed rows, 0 elsewhere
+//   u   = ggml_kx_mul_mat_rows(W_up,   x, sel)
+//   h   = act(g) * u                             any stock GLU op (zeros stay zeros)
+//   y   = ggml_kx_axpy_rows(W_down^T, h, sel)    sum of h_i * (row i of W_down^T)
+//
+// The active list lives in a tensor (I32 [n + 1]: count, then ids), never in op params,
+// so one graph serves every token and can be reused or captured.
+#pragma once
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// How ggml_kx_select decides that a score makes a neuron active (op param 2).
+enum kx_select_act {
+    KX_SELECT_SCORE = 0, // score > threshold            (predictor output)
+    KX_SELECT_RELU  = 1, // |relu(score)| > threshold    (exact mode, gate pre-activation)
+    KX_SELECT_SILU  = 2, // |silu(score)| > threshold
+    KX_SELECT_GELU  = 3, // |gelu(score)| > threshold
+};
+
+// scores: F32 [n, n_tokens], contiguous rows.
+// Result: I32 [n + 1]; [0] = count, [1 .. count] = ascending ids active in at least one
+// token. When count > max_density * n the result lists all n ids (the layer then costs
+// what a dense layer costs, and stays exact); max_density >= 1 disables that.
+GGML_API struct ggml_tensor * ggml_kx_select(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * scores,
+        float                 threshold,
+        float                 max_density,
+        enum kx_select_act    act);
+
+// w: [k, n] of any type with a CPU vec_dot (F32, F16, BF16, Q4_0, Q8_0, K-quants, ...);
+// x: F32 [k, n_tokens]; sel: I32 [n + 1] from ggml_kx_select.
+// Result: F32 [n, n_tokens]; rows listed in sel hold w·x, all other rows are 0.
+GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * sel);
+
+// wt: [m, n_rows] F32, F16 or Q8_0: one contiguous row of m outputs per neuron;
+// h: F32 [n, n_tokens]; sel: I32 [n + 1]; rowmap: NULL (neuron i is row i) or I32 [n]
+// (neuron i is row rowmap[i]).
+// Result: F32 [m, n_tokens], column t = sum over i in sel of h[i, t] * wt[row(i)].
+GGML_API struct ggml_tensor * ggml_kx_axpy_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * wt,
+        struct ggml_tensor  * h,
+        struct ggml_tensor  * sel,
+        struct ggml_tensor  * rowmap);
+
+// Rows the CPU kernels were asked to compute, summed over ggml_kx_select calls since the
+// last reset: `selected` ids listed (after the density fallback), `total` ids possible,
+// `calls` selections, `fallbacks` selections that went dense. Any pointer may be NULL.
+GGML_BACKEND_API void kx_cpu_select_stats(int64_t * selected, int64_t * total, int64_t * calls,
+                                          int64_t * fallbacks, bool reset);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,81 @@
+// Constructors of the kairox ggml ops (compiled into ggml-base; see include/kx-ops.h).
+#include "kx-ops.h"
+
+#include "ggml-impl.h"
+
+struct ggml_tensor * ggml_kx_select(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * scores,
+        float                 threshold,
+        float                 max_density,
+        enum kx_select_act    act) {
+    GGML_ASSERT(scores->type == GGML_TYPE_F32);
+    GGML_ASSERT(scores->nb[0] == sizeof(float));
+    GGML_ASSERT(scores->ne[2] == 1 && scores->ne[3] == 1);
+    GGML_ASSERT(act >= KX_SELECT_SCORE && act <= KX_SELECT_GELU);
+    // ids are I32, and count = n must fit too
+    GGML_ASSERT(scores->ne[0] < INT32_MAX);
+
+    struct ggml_tensor * result = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, scores->ne[0] + 1);
+    ggml_set_op_params_f32(result, 0, threshold);
+    ggml_set_op_params_f32(result, 1, max_density);
+    ggml_set_op_params_i32(result, 2, (int32_t) act);
+    result->op     = GGML_OP_KX_SELECT;
+    result->src[0] = scores;
+    return result;
+}
+
+static void kx_check_sel(const struct ggml_tensor * sel, int64_t n) {
+    GGML_ASSERT(sel->type == GGML_TYPE_I32);
+    GGML_ASSERT(ggml_is_contiguous(sel));
+    GGML_ASSERT(sel->ne[0] == n + 1 && ggml_nelements(sel) == n + 1);
+}
+
+struct ggml_tensor * ggml_kx_mul_mat_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * sel) {
+    GGML_ASSERT(w->ne[2] == 1 && w->ne[3] == 1);
+    GGML_ASSERT(w->nb[0] == ggml_type_size(w->type));
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float));
+    GGML_ASSERT(x->ne[2] == 1 && x->ne[3] == 1);
+    GGML_ASSERT(w->ne[0] == x->ne[0]);
+    kx_check_sel(sel, w->ne[1]);
+
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1]);
+    result->op     = GGML_OP_KX_MUL_MAT_ROWS;
+    result->src[0] = w;
+    result->src[1] = x;
+    result->src[2] = sel;
+    return result;
+}
+
+struct ggml_tensor * ggml_kx_axpy_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * wt,
+        struct ggml_tensor  * h,
+        struct ggml_tensor  * sel,
+        struct ggml_tensor  * rowmap) {
+    GGML_ASSERT(wt->type == GGML_TYPE_F32 || wt->type == GGML_TYPE_F16 || wt->type == GGML_TYPE_Q8_0);
+    GGML_ASSERT(wt->ne[2] == 1 && wt->ne[3] == 1);
+    GGML_ASSERT(wt->nb[0] == ggml_type_size(wt->type));
+    GGML_ASSERT(h->type == GGML_TYPE_F32 && h->nb[0] == sizeof(float));
+    GGML_ASSERT(h->ne[2] == 1 && h->ne[3] == 1);
+    const int64_t n = h->ne[0];
+    kx_check_sel(sel, n);
+    if (rowmap) {
+        GGML_ASSERT(rowmap->type == GGML_TYPE_I32 && ggml_is_contiguous(rowmap));
+        GGML_ASSERT(ggml_nelements(rowmap) == n);
+    } else {
+        GGML_ASSERT(wt->ne[1] >= n);
+    }
+
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, wt->ne[0], h->ne[1]);
+    result->op     = GGML_OP_KX_AXPY_ROWS;
+    result->src[0] = wt;
+    result->src[1] = h;
+    result->src[2] = sel;
+    result->src[3] = rowmap;
+    return result;
+}

@@ -1,0 +1,97 @@
+// The kairox C API (include/kairox.h) on top of libllama's internals.
+#include "kairox.h"
+#include "kx-pack.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <cstring>
+
+static void kx_set_err(char * err, size_t err_size, const std::string & msg) {
+    if (err && err_size > 0) {
+        std::snprintf(err, err_size, "%s", msg.c_str());
+    }
+}
+
+int32_t kx_model_load_pack(llama_model * model, const char * model_path, const char * pack_path,
+                           char * err, size_t err_size) {
+    if (!model || !model_path || !pack_path) {
+        kx_set_err(err, err_size, "kx_model_load_pack: model, model_path and pack_path are required");
+        return 1;
+    }
+    if (model->kx_pack_ptr) {
+        // contexts may still point at it: keep it alive as long as the model
+        model->kx_pack_retired.push_back(model->kx_pack_ptr);
+        model->kx_pack_ptr.reset();
+    }
+    try {
+        model->kx_pack_ptr = kx_pack_load(*model, model_path, pack_path);
+    } catch (const std::exception & e) {
+        kx_set_err(err, err_size, e.what());
+        LLAMA_LOG_ERROR("kairox: %s; the model runs dense\n", e.what());
+        return 1;
+    }
+    LLAMA_LOG_INFO("kairox: loaded sparse pack %s (%lld layers, %s, %s)\n", pack_path,
+                   (long long) model->kx_pack_ptr->n_layer, model->kx_pack_ptr->activation.c_str(),
+                   model->kx_pack_ptr->has_predictor ? "with predictor" : "no predictor");
+    kx_set_err(err, err_size, "");
+    return 0;
+}
+
+bool kx_model_has_pack(const llama_model * model) {
+    return model && model->kx_pack_ptr != nullptr;
+}
+
+bool kx_model_pack_has_predictor(const llama_model * model) {
+    return model && model->kx_pack_ptr && model->kx_pack_ptr->has_predictor;
+}
+
+int32_t kx_sparse_mode_from_str(const char * s) {
+    if (!s) {
+        return -1;
+    }
+    if (!std::strcmp(s, "dense"))     { return KX_SPARSE_DENSE; }
+    if (!std::strcmp(s, "exact"))     { return KX_SPARSE_EXACT; }
+    if (!std::strcmp(s, "predicted")) { return KX_SPARSE_PREDICTED; }
+    return -1;
+}
+
+int32_t kx_context_set_sparse(llama_context * ctx, int32_t mode, char * err, size_t err_size) {
+    if (!ctx) {
+        kx_set_err(err, err_size, "kx_context_set_sparse: no context");
+        return 1;
+    }
+    const llama_model & model = ctx->get_model();
+    if (mode < KX_SPARSE_DENSE || mode > KX_SPARSE_PREDICTED) {
+        kx_set_err(err, err_size, "unknown sparse mode (0 dense, 1 exact, 2 predicted)");
+        return 1;
+    }
+    if (mode != KX_SPARSE_DENSE && !model.kx_pack_ptr) {
+        kx_set_err(err, err_size, "sparse mode needs a sparse pack, and none is loaded for this model");
+        return 1;
+    }
+    if (mode == KX_SPARSE_PREDICTED && !model.kx_pack_ptr->has_predictor) {
+        kx_set_err(err, err_size, "the sparse pack " + model.kx_pack_ptr->path +
+                   " has no predictor (make one with `kairox pack`); use exact mode");
+        return 1;
+    }
+    ctx->kx_set_sparse(mode, mode == KX_SPARSE_DENSE ? nullptr : model.kx_pack_ptr.get());
+    kx_set_err(err, err_size, "");
+    return 0;
+}
+
+int32_t kx_context_get_sparse(const llama_context * ctx) {
+    return ctx ? ctx->kx_get_sparse() : KX_SPARSE_DENSE;
+}
+
+void llama_context::kx_set_sparse(int32_t mode, const kx_pack * pack) {
+    // graph reuse compares these two fields (llm_graph_params::allow_reuse), so the next
+    // decode rebuilds its graph for the new mode
+    cparams.kx_sparse_mode = mode;
+    cparams.kx_sparse_pack = pack;
+}
+
+int32_t llama_context::kx_get_sparse() const {
+    return cparams.kx_sparse_mode;
+}

@@ -1,0 +1,115 @@
+// The neuron-sparse FFN graph for llama, qwen2 and gemma3 (one helper for all three).
+//
+//   exact:     g   = W_gate·x                       (all neurons: the truth)
+//              sel = kx_select(act(g) > threshold)
+//   predicted: s   = B·(A·x) + c                    (the pack's low-rank predictor)
+//              sel = kx_select(s > 0)
+//              g   = kx_mul_mat_rows(W_gate, x, sel)
+//   both:      u   = kx_mul_mat_rows(W_up, x, sel)
+//              h   = glu(g, u)                      (the dense path's own op: same numerics)
+//              y   = kx_axpy_rows(W_down^T, h, sel) (pack rows, via the row map if permuted)
+//
+// Rows outside sel are 0 in g (predicted) and u, so h is 0 there and glu needs no mask.
+#include "kx-ffn.h"
+#include "kx-pack.h"
+
+#include "kx-ops.h"
+
+#include "llama-cparams.h"
+#include "llama-impl.h"
+
+// Prefill stays dense: above this many tokens per ubatch the union of active sets
+// approaches the whole layer and dense GEMM kernels beat row gathers.
+static constexpr int64_t kx_sparse_max_tokens = 8;
+// A selection denser than this runs every row (still through the sparse kernels, which
+// then cost what the dense matvec costs); it bounds the worst case of a bad prediction.
+static constexpr float   kx_max_density = 0.6f;
+
+static bool kx_host_plain(const ggml_tensor * w) {
+    // repacked CPU weights (extra buffer types) are not host buffers: their rows are
+    // interleaved, so a row gather cannot read them
+    return w && w->buffer && ggml_backend_buffer_is_host(w->buffer);
+}
+
+ggml_tensor * kx_build_ffn_sparse(
+        const llm_graph_context & g,
+        ggml_tensor * cur,
+        ggml_tensor * up,   ggml_tensor * up_b,   ggml_tensor * up_s,
+        ggml_tensor * gate, ggml_tensor * gate_b, ggml_tensor * gate_s,
+        ggml_tensor * down, ggml_tensor * down_b, ggml_tensor * down_s,
+        ggml_tensor * act_scales,
+        llm_ffn_op_type type_op, llm_ffn_gate_type type_gate, int il) {
+    const kx_pack * pack = g.cparams.kx_sparse_pack;
+    const int32_t   mode = g.cparams.kx_sparse_mode;
+    if (!pack || mode == 0 || il < 0 || il >= pack->n_layer) {
+        return nullptr;
+    }
+    if (g.arch != LLM_ARCH_LLAMA && g.arch != LLM_ARCH_QWEN2 && g.arch != LLM_ARCH_GEMMA3) {
+        return nullptr;
+    }
+    if (up_b || up_s || gate_b || gate_s || down_b || down_s || act_scales || !gate || !down ||
+        type_gate != LLM_FFN_PAR || (g.loras && !g.loras->empty())) {
+        return nullptr;
+    }
+    enum kx_select_act act;
+    switch (type_op) {
+        case LLM_FFN_RELU: act = KX_SELECT_RELU; break;
+        case LLM_FFN_SILU: act = KX_SELECT_SILU; break;
+        case LLM_FFN_GELU: act = KX_SELECT_GELU; break;
+        default: return nullptr;
+    }
+    const kx_pack_layer & L = pack->layers[il];
+    if (up->ne[0] != pack->n_embd || up->ne[1] != pack->n_ff || cur->ne[0] != pack->n_embd ||
+        cur->ne[1] > kx_sparse_max_tokens || ggml_nrows(cur) != cur->ne[1]) {
+        return nullptr;
+    }
+    if (mode == 2 && !L.pred_a) {
+        return nullptr;
+    }
+    if (!kx_host_plain(up) || !kx_host_plain(gate)) {
+        static bool warned = false;
+        if (!warned) {
+            warned = true;
+            LLAMA_LOG_WARN("%s: layer %d: FFN weights are not in plain host memory (offloaded or repacked); "
+                           "such layers run dense (load the model with use_extra_bufts=false / --no-repack)\n",
+                           __func__, il);
+        }
+        return nullptr;
+    }
+
+    ggml_context * ctx0 = g.ctx0;
+    if (!ggml_is_contiguous(cur)) {
+        cur = ggml_cont(ctx0, cur);
+    }
+
+    ggml_tensor * sel;
+    ggml_tensor * gv;
+    if (mode == 1) {
+        gv = ggml_mul_mat(ctx0, gate, cur);
+        g.cb(gv, "ffn_gate", il);
+        sel = ggml_kx_select(ctx0, gv, L.threshold, kx_max_density, act);
+    } else {
+        ggml_tensor * s = ggml_mul_mat(ctx0, L.pred_a, cur);
+        s = ggml_mul_mat(ctx0, L.pred_b, s);
+        s = ggml_add(ctx0, s, L.pred_c);
+        g.cb(s, "kx_pred", il);
+        sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
+    }
+    g.cb(sel, "kx_sel", il);
+    if (mode != 1) {
+        gv = ggml_kx_mul_mat_rows(ctx0, gate, cur, sel);
+        g.cb(gv, "ffn_gate", il);
+    }
+    ggml_tensor * uv = ggml_kx_mul_mat_rows(ctx0, up, cur, sel);
+    g.cb(uv, "ffn_up", il);
+
+    ggml_tensor * h;
+    switch (type_op) {
+        case LLM_FFN_RELU: h = ggml_reglu_split(ctx0, gv, uv); g.cb(h, "ffn_reglu", il); break;
+        case LLM_FFN_SILU: h = ggml_swiglu_split(ctx0, gv, uv); g.cb(h, "ffn_swiglu", il); break;
+        default:           h = ggml_geglu_split(ctx0, gv, uv); g.cb(h, "ffn_geglu", il); break;
+    }
+    ggml_tensor * y = ggml_kx_axpy_rows(ctx0, L.down_t, h, sel, L.rowmap);
+    g.cb(y, "ffn_out", il);
+    return y;
+}

@@ -1,0 +1,435 @@
+// Reading, validating and fingerprinting sparse packs (docs/pack-format.md).
+//
+// This is the runtime's copy of the checks in python/kairox/pack.py (the reference);
+// tests/test_sparse.py feeds both the same broken packs. Every refusal is one sentence
+// naming the check that failed, so the caller can print it and keep running dense.
+#include "kx-pack.h"
+
+#include "llama-arch.h"
+#include "llama-model.h"
+
+#include "ggml-cpu.h"
+#include "gguf.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdarg>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <set>
+#include <stdexcept>
+
+namespace {
+
+constexpr uint32_t    KX_PACK_VERSION = 1;
+constexpr const char * KX_PACK_ARCH   = "kxpack";
+constexpr uint64_t    KX_FP_SAMPLE    = 4096;
+
+struct gguf_ptr {
+    gguf_context * g    = nullptr;
+    ggml_context * meta = nullptr;
+    ~gguf_ptr() {
+        if (g)    { gguf_free(g); }
+        if (meta) { ggml_free(meta); }
+    }
+};
+
+struct file_ptr {
+    FILE * f = nullptr;
+    explicit file_ptr(const std::string & path) : f(std::fopen(path.c_str(), "rb")) {}
+    ~file_ptr() { if (f) { std::fclose(f); } }
+};
+
+std::string fmt(const char * format, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, format);
+    std::vsnprintf(buf, sizeof(buf), format, ap);
+    va_end(ap);
+    return buf;
+}
+
+int64_t file_size(FILE * f) {
+    if (std::fseek(f, 0, SEEK_END) != 0) {
+        return -1;
+    }
+    return (int64_t) ftello(f);
+}
+
+void open_gguf(gguf_ptr & out, const std::string & path, const char * what) {
+    gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ &out.meta };
+    out.g = gguf_init_from_file(path.c_str(), ip);
+    if (!out.g) {
+        throw kx_pack_error(fmt("%s %s is not a readable GGUF file; it may be truncated or corrupt",
+                                what, path.c_str()));
+    }
+}
+
+// every tensor's data must lie inside the file
+void check_complete(const gguf_ptr & gp, const std::string & path, const char * what) {
+    file_ptr fp(path);
+    const int64_t size = fp.f ? file_size(fp.f) : -1;
+    if (size < 0) {
+        throw kx_pack_error(fmt("cannot read %s %s", what, path.c_str()));
+    }
+    const size_t data = gguf_get_data_offset(gp.g);
+    for (int64_t i = 0; i < gguf_get_n_tensors(gp.g); ++i) {
+        const uint64_t end = data + gguf_get_tensor_offset(gp.g, i) + gguf_get_tensor_size(gp.g, i);
+        if (end > (uint64_t) size) {
+            throw kx_pack_error(fmt("%s %s is truncated: tensor %s ends past the end of the file",
+                                    what, path.c_str(), gguf_get_tensor_name(gp.g, i)));
+        }
+    }
+}
+
+uint64_t fnv1a(uint64_t h, const void * data, size_t n) {
+    const uint8_t * p = (const uint8_t *) data;
+    for (size_t i = 0; i < n; ++i) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
+std::string fingerprint_of(const gguf_ptr & gp, const std::string & path) {
+    file_ptr fp(path);
+    if (!fp.f) {
+        throw kx_pack_error(fmt("cannot read model %s", path.c_str()));
+    }
+    uint64_t h = 0xcbf29ce484222325ULL;
+    const size_t data = gguf_get_data_offset(gp.g);
+    std::vector<uint8_t> buf(KX_FP_SAMPLE);
+    for (int64_t i = 0; i < gguf_get_n_tensors(gp.g); ++i) {
+        const char * name = gguf_get_tensor_name(gp.g, i);
+        h = fnv1a(h, name, std::strlen(name) + 1); // with its 0 byte
+        const uint32_t type = (uint32_t) gguf_get_tensor_type(gp.g, i);
+        h = fnv1a(h, &type, 4); // little-endian hosts only (as ggml)
+        const ggml_tensor * t = ggml_get_tensor(gp.meta, name);
+        const uint64_t n_dims = (uint64_t) ggml_n_dims(t);
+        h = fnv1a(h, &n_dims, 8);
+        for (uint64_t d = 0; d < n_dims; ++d) {
+            const uint64_t ne = (uint64_t) t->ne[d];
+            h = fnv1a(h, &ne, 8);
+        }
+        const uint64_t nbytes = gguf_get_tensor_size(gp.g, i);
+        const uint64_t off    = data + gguf_get_tensor_offset(gp.g, i);
+        const uint64_t s      = std::min<uint64_t>(KX_FP_SAMPLE, nbytes);
+        const uint64_t mid    = (nbytes/2)/KX_FP_SAMPLE*KX_FP_SAMPLE;
+        const uint64_t ranges[3][2] = {
+            { 0, s }, { mid, std::min<uint64_t>(mid + KX_FP_SAMPLE, nbytes) }, { nbytes - s, nbytes } };
+        for (const auto & r : ranges) {
+            const size_t n = (size_t) (r[1] - r[0]);
+            if (fseeko(fp.f, (off_t) (off + r[0]), SEEK_SET) != 0 || std::fread(buf.data(), 1, n, fp.f) != n) {
+                throw kx_pack_error(fmt("%s is truncated: tensor %s ends past the end of the file",
+                                        path.c_str(), name));
+            }
+            h = fnv1a(h, buf.data(), n);
+        }
+    }
+    return fmt("kxfp1-%016" PRIx64, h);
+}
+
+int64_t find_key(const gguf_ptr & gp, const std::string & path, const char * key, gguf_type type) {
+    const int64_t id = gguf_find_key(gp.g, key);
+    if (id < 0) {
+        throw kx_pack_error(fmt("pack %s lacks the key %s", path.c_str(), key));
+    }
+    if (gguf_get_kv_type(gp.g, id) != type) {
+        throw kx_pack_error(fmt("pack %s: %s has type %s, expected %s", path.c_str(), key,
+                                gguf_type_name(gguf_get_kv_type(gp.g, id)), gguf_type_name(type)));
+    }
+    return id;
+}
+
+uint32_t get_u32(const gguf_ptr & gp, const std::string & path, const char * key) {
+    return gguf_get_val_u32(gp.g, find_key(gp, path, key, GGUF_TYPE_UINT32));
+}
+
+std::string get_str(const gguf_ptr & gp, const std::string & path, const char * key) {
+    return gguf_get_val_str(gp.g, find_key(gp, path, key, GGUF_TYPE_STRING));
+}
+
+std::string model_str(const gguf_ptr & gp, const std::string & key) {
+    const int64_t id = gguf_find_key(gp.g, key.c_str());
+    return id >= 0 && gguf_get_kv_type(gp.g, id) == GGUF_TYPE_STRING ? gguf_get_val_str(gp.g, id) : "";
+}
+
+// the model's FFN activation as kairox records it (python: pack._base_model)
+std::string model_activation(const gguf_ptr & gp, const std::string & arch) {
+    std::string act = model_str(gp, arch + ".hidden_activation");
+    if (act.empty()) {
+        act = arch == "gemma3" ? "gelu" : "silu";
+    }
+    return act;
+}
+
+void check_tensor(const ggml_tensor * t, const std::string & path, std::initializer_list<ggml_type> types,
+                  int64_t ne0, int64_t ne1) {
+    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != 1 || t->ne[3] != 1) {
+        throw kx_pack_error(fmt("pack %s: %s has shape (ggml ne) [%" PRId64 ", %" PRId64 "], expected [%" PRId64
+                                ", %" PRId64 "]", path.c_str(), t->name, t->ne[0], t->ne[1], ne0, ne1));
+    }
+    for (ggml_type ty : types) {
+        if (t->type == ty) {
+            return;
+        }
+    }
+    throw kx_pack_error(fmt("pack %s: %s has type %s, which this pack version does not allow",
+                            path.c_str(), t->name, ggml_type_name(t->type)));
+}
+
+} // namespace
+
+kx_pack::~kx_pack() {
+    if (buf) { ggml_backend_buffer_free(buf); }
+    if (ctx) { ggml_free(ctx); }
+}
+
+std::string kx_fingerprint(const std::string & model_path) {
+    gguf_ptr gp;
+    open_gguf(gp, model_path, "model");
+    check_complete(gp, model_path, "model");
+    return fingerprint_of(gp, model_path);
+}
+
+std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::string & model_path,
+                                      const std::string & path) {
+    gguf_ptr gp;
+    {
+        file_ptr probe(path);
+        if (!probe.f) {
+            throw kx_pack_error(fmt("no pack at %s", path.c_str()));
+        }
+    }
+    open_gguf(gp, path, "pack");
+    check_complete(gp, path, "pack");
+
+    // ---- metadata
+    const std::string arch = get_str(gp, path, "general.architecture");
+    if (arch != KX_PACK_ARCH) {
+        throw kx_pack_error(fmt("%s is not a kairox pack (general.architecture is '%s', not '%s')",
+                                path.c_str(), arch.c_str(), KX_PACK_ARCH));
+    }
+    const uint32_t version = get_u32(gp, path, "kx.pack.version");
+    if (version != KX_PACK_VERSION) {
+        throw kx_pack_error(fmt("pack %s has format version %u, but this kairox reads version %u; "
+                                "rebuild the pack with this kairox", path.c_str(), version, KX_PACK_VERSION));
+    }
+    get_str(gp, path, "kx.pack.created_by");
+    const std::string method = get_str(gp, path, "kx.pack.method");
+    if (method.empty() || method.front() != '{' || method.back() != '}') {
+        throw kx_pack_error(fmt("pack %s: kx.pack.method is not a JSON object", path.c_str()));
+    }
+    auto pack = std::make_shared<kx_pack>();
+    pack->path = path;
+    const std::string base_arch = get_str(gp, path, "kx.base.architecture");
+    pack->n_layer    = get_u32(gp, path, "kx.base.n_layer");
+    pack->n_embd     = get_u32(gp, path, "kx.base.n_embd");
+    pack->n_ff       = get_u32(gp, path, "kx.base.n_ff");
+    pack->activation = get_str(gp, path, "kx.base.activation");
+    const std::string fp = get_str(gp, path, "kx.base.fingerprint");
+    const uint32_t group_size = get_u32(gp, path, "kx.group_size");
+    if (pack->n_layer < 1 || pack->n_embd < 1 || pack->n_ff < 1 || group_size < 1) {
+        throw kx_pack_error(fmt("pack %s records an empty model or group size 0", path.c_str()));
+    }
+    if (pack->activation != "relu" && pack->activation != "silu" && pack->activation != "gelu") {
+        throw kx_pack_error(fmt("pack %s records activation '%s' (supported: relu, silu, gelu)",
+                                path.c_str(), pack->activation.c_str()));
+    }
+
+    // ---- the model at hand
+    {
+        gguf_ptr mp;
+        open_gguf(mp, model_path, "model");
+        check_complete(mp, model_path, "model");
+        const std::string mfp = fingerprint_of(mp, model_path);
+        if (mfp != fp) {
+            throw kx_pack_error(fmt("pack %s was made for a different model (pack fingerprint %s, %s has %s); "
+                                    "rebuild the pack for this model", path.c_str(), fp.c_str(),
+                                    model_path.c_str(), mfp.c_str()));
+        }
+        const std::string march = llm_arch_name(model.arch);
+        const std::string mact  = model_activation(mp, march);
+        bool same_ff = true;
+        for (uint32_t il = 0; il < model.hparams.n_layer(); ++il) {
+            same_ff = same_ff && (int64_t) model.hparams.n_ff(il) == pack->n_ff;
+        }
+        if (march != base_arch || (int64_t) model.hparams.n_layer() != pack->n_layer ||
+            (int64_t) model.hparams.n_embd != pack->n_embd || !same_ff || mact != pack->activation) {
+            throw kx_pack_error(fmt("pack %s records %s %" PRId64 " layers x %" PRId64 " embd x %" PRId64 " ff %s, "
+                                    "but %s is %s %u layers x %u embd x %u ff %s", path.c_str(), base_arch.c_str(),
+                                    pack->n_layer, pack->n_embd, pack->n_ff, pack->activation.c_str(),
+                                    model_path.c_str(), march.c_str(), model.hparams.n_layer(), model.hparams.n_embd,
+                                    model.hparams.n_ff(0), mact.c_str()));
+        }
+    }
+
+    // ---- tensor inventory
+    const int64_t n_ff = pack->n_ff, n_embd = pack->n_embd, n_layer = pack->n_layer;
+    std::set<std::string> names;
+    for (int64_t i = 0; i < gguf_get_n_tensors(gp.g); ++i) {
+        const std::string name = gguf_get_tensor_name(gp.g, i);
+        for (const char * bad : { "ffn_up", "ffn_gate", "ffn_down" }) {
+            if (name.find(bad) != std::string::npos) {
+                throw kx_pack_error(fmt("pack %s holds tensor '%s', whose name llama.cpp tools would take "
+                                        "for a model weight", path.c_str(), name.c_str()));
+            }
+        }
+        names.insert(name);
+    }
+    std::set<std::string> expected = { "kx_threshold" };
+    auto need = [&](const std::string & name) -> ggml_tensor * {
+        ggml_tensor * t = names.count(name) ? ggml_get_tensor(gp.meta, name.c_str()) : nullptr;
+        if (!t) {
+            throw kx_pack_error(fmt("pack %s lacks the tensor %s", path.c_str(), name.c_str()));
+        }
+        expected.insert(name);
+        return t;
+    };
+
+    // a context holding the pack's tensors plus one row map per permuted layer
+    ggml_init_params cp = { /*.mem_size =*/ ggml_tensor_overhead()*(size_t) (8*n_layer + 4), nullptr, true };
+    pack->ctx = ggml_init(cp);
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> copies; // (in pack file meta, in pack->ctx)
+    auto take = [&](ggml_tensor * src) {
+        ggml_tensor * t = ggml_dup_tensor(pack->ctx, src);
+        ggml_set_name(t, src->name);
+        copies.emplace_back(src, t);
+        return t;
+    };
+
+    pack->layers.resize(n_layer);
+    std::vector<ggml_tensor *> perms(n_layer), groups(n_layer), freqs(n_layer);
+    int n_pred = 0;
+    for (int64_t il = 0; il < n_layer; ++il) {
+        const std::string p = "blk." + std::to_string(il) + ".";
+        ggml_tensor * down = need(p + "kx_down_t");
+        check_tensor(down, path, { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0 }, n_embd, n_ff);
+        perms[il]  = need(p + "kx_perm");
+        groups[il] = need(p + "kx_group");
+        freqs[il]  = need(p + "kx_freq");
+        check_tensor(perms[il],  path, { GGML_TYPE_I32 }, n_ff, 1);
+        check_tensor(groups[il], path, { GGML_TYPE_I32 }, n_ff, 1);
+        check_tensor(freqs[il],  path, { GGML_TYPE_F32 }, n_ff, 1);
+        auto & L = pack->layers[il];
+        L.down_t = take(down);
+        const char * pk[3] = { "kx_pred_a", "kx_pred_b", "kx_pred_c" };
+        int have = 0;
+        for (const char * k : pk) {
+            have += names.count(p + k) ? 1 : 0;
+        }
+        if (have != 0 && have != 3) {
+            throw kx_pack_error(fmt("pack %s: layer %" PRId64 " has %d of the 3 predictor tensors "
+                                    "(kx_pred_a, kx_pred_b, kx_pred_c); they come together", path.c_str(), il, have));
+        }
+        if (have == 3) {
+            ggml_tensor * a = need(p + pk[0]);
+            ggml_tensor * b = need(p + pk[1]);
+            ggml_tensor * c = need(p + pk[2]);
+            const int64_t rank = a->ne[1];
+            if (rank < 1) {
+                throw kx_pack_error(fmt("pack %s: %s must be 2-D [rank, n_embd]", path.c_str(), a->name));
+            }
+            check_tensor(a, path, { GGML_TYPE_F32, GGML_TYPE_F16 }, n_embd, rank);
+            check_tensor(b, path, { GGML_TYPE_F32, GGML_TYPE_F16 }, rank, n_ff);
+            check_tensor(c, path, { GGML_TYPE_F32 }, n_ff, 1);
+            L.pred_a = take(a);
+            L.pred_b = take(b);
+            L.pred_c = take(c);
+            ++n_pred;
+        }
+    }
+    ggml_tensor * thr = need("kx_threshold");
+    check_tensor(thr, path, { GGML_TYPE_F32 }, n_layer, 1);
+    for (const auto & name : names) {
+        if (!expected.count(name)) {
+            throw kx_pack_error(fmt("pack %s holds unexpected tensor '%s'; it is not part of pack version %u",
+                                    path.c_str(), name.c_str(), KX_PACK_VERSION));
+        }
+    }
+    pack->has_predictor = n_pred == n_layer;
+
+    // ---- read the small tensors and validate them before allocating the big ones
+    file_ptr fp_(path);
+    const size_t data = gguf_get_data_offset(gp.g);
+    auto read_into = [&](const ggml_tensor * meta_t, void * dst) {
+        const int64_t id = gguf_find_tensor(gp.g, meta_t->name);
+        const size_t  n  = gguf_get_tensor_size(gp.g, id);
+        if (fseeko(fp_.f, (off_t) (data + gguf_get_tensor_offset(gp.g, id)), SEEK_SET) != 0 ||
+            std::fread(dst, 1, n, fp_.f) != n) {
+            throw kx_pack_error(fmt("pack %s is truncated: cannot read %s", path.c_str(), meta_t->name));
+        }
+    };
+    std::vector<float> thresholds(n_layer);
+    read_into(thr, thresholds.data());
+    std::vector<std::vector<int32_t>> rowmaps(n_layer);
+    const int64_t n_groups = (n_ff + group_size - 1)/group_size;
+    for (int64_t il = 0; il < n_layer; ++il) {
+        if (!std::isfinite(thresholds[il])) {
+            throw kx_pack_error(fmt("pack %s: kx_threshold has non-finite values", path.c_str()));
+        }
+        pack->layers[il].threshold = thresholds[il];
+        std::vector<int32_t> perm(n_ff), group(n_ff);
+        std::vector<float> freq(n_ff);
+        read_into(perms[il], perm.data());
+        read_into(groups[il], group.data());
+        read_into(freqs[il], freq.data());
+        std::vector<int32_t> inv(n_ff, -1);
+        bool identity = true;
+        for (int64_t p = 0; p < n_ff; ++p) {
+            const int32_t id = perm[p];
+            if (id < 0 || id >= n_ff || inv[id] != -1) {
+                throw kx_pack_error(fmt("pack %s: %s is not a permutation of 0..%" PRId64, path.c_str(),
+                                        perms[il]->name, n_ff - 1));
+            }
+            inv[id] = (int32_t) p;
+            identity = identity && id == p;
+        }
+        for (int64_t p = 0; p < n_ff; ++p) {
+            if (group[p] < 0 || group[p] >= n_groups) {
+                throw kx_pack_error(fmt("pack %s: %s has group ids outside 0..%" PRId64, path.c_str(),
+                                        groups[il]->name, n_groups - 1));
+            }
+            if (p > 0 && group[p] < group[p - 1]) {
+                throw kx_pack_error(fmt("pack %s: %s is not non-decreasing (a group must be a contiguous run "
+                                        "of pack rows)", path.c_str(), groups[il]->name));
+            }
+            if (!(freq[p] >= 0.0f && freq[p] <= 1.0f)) {
+                throw kx_pack_error(fmt("pack %s: %s has values outside [0, 1]", path.c_str(), freqs[il]->name));
+            }
+        }
+        if (!identity) {
+            rowmaps[il] = std::move(inv);
+            ggml_tensor * rm = ggml_new_tensor_1d(pack->ctx, GGML_TYPE_I32, n_ff);
+            ggml_format_name(rm, "blk.%d.kx_rowmap", (int) il);
+            pack->layers[il].rowmap = rm;
+        }
+    }
+
+    // ---- the big tensors, into one CPU buffer marked as weights (the scheduler then runs
+    // the ops that read them on the CPU backend, where the buffer lives)
+    pack->buf = ggml_backend_alloc_ctx_tensors_from_buft(pack->ctx, ggml_backend_cpu_buffer_type());
+    if (!pack->buf) {
+        throw kx_pack_error(fmt("cannot allocate host memory for pack %s", path.c_str()));
+    }
+    ggml_backend_buffer_set_usage(pack->buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    for (const auto & [src, dst] : copies) {
+        read_into(src, dst->data);
+        if (dst->type == GGML_TYPE_F32 && std::strstr(dst->name, "kx_pred_c")) {
+            const float * c = (const float *) dst->data;
+            for (int64_t i = 0; i < n_ff; ++i) {
+                if (!std::isfinite(c[i])) {
+                    throw kx_pack_error(fmt("pack %s: %s has non-finite values", path.c_str(), dst->name));
+                }
+            }
+        }
+    }
+    for (int64_t il = 0; il < n_layer; ++il) {
+        if (pack->layers[il].rowmap) {
+            std::memcpy(pack->layers[il].rowmap->data, rowmaps[il].data(), (size_t) n_ff*sizeof(int32_t));
+        }
+    }
+    return pack;
+}

@@ -1,0 +1,48 @@
+// The sparse pack in memory: tensors read from the sidecar GGUF into one CPU buffer.
+#pragma once
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+struct llama_model;
+
+struct kx_pack_layer {
+    ggml_tensor * down_t = nullptr; // [n_embd, n_ff] ggml ne: one row per pack position
+    ggml_tensor * rowmap = nullptr; // I32 [n_ff]: neuron id -> row of down_t; null if identity
+    ggml_tensor * pred_a = nullptr; // [n_embd, rank] (optional, with pred_b and pred_c)
+    ggml_tensor * pred_b = nullptr; // [rank, n_ff]
+    ggml_tensor * pred_c = nullptr; // F32 [n_ff]
+    float threshold = 0.0f;         // activation magnitude above which a neuron counts as active
+};
+
+struct kx_pack {
+    std::string path;
+    std::string activation; // relu | silu | gelu
+    int64_t n_layer = 0;
+    int64_t n_embd  = 0;
+    int64_t n_ff    = 0;
+    bool has_predictor = false;
+    std::vector<kx_pack_layer> layers;
+
+    ggml_context *        ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+
+    ~kx_pack();
+};
+
+// Thrown with one sentence saying which check failed.
+struct kx_pack_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// Fingerprint of a model GGUF as docs/pack-format.md defines it ("kxfp1-" + 16 hex digits).
+std::string kx_fingerprint(const std::string & model_path);
+
+std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::string & model_path,
+                                      const std::string & pack_path);

@@ -1,0 +1,144 @@
+"""Run single ggml ops on the CPU backend from numpy, through ctypes (test helper).
+
+Each call builds a one-op graph in a fresh ggml context, computes it with n threads
+(optionally with ggml's reference kernels, cplan.use_ref) and returns the result as a
+numpy array. Weights are quantized with ggml_quantize_chunk; tests dequantize them with
+gguf.quants (numpy, independent of ggml) for their references.
+"""
+from __future__ import annotations
+
+import ctypes as C
+from pathlib import Path
+
+import numpy as np
+
+GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "q4_k": 12, "q6_k": 14, "i32": 26, "bf16": 30}
+KX_SELECT_ACT = {"score": 0, "relu": 1, "silu": 2, "gelu": 3}
+
+
+class _InitParams(C.Structure):
+    _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", C.c_void_p), ("no_alloc", C.c_bool)]
+
+
+class _CPlan(C.Structure):
+    _fields_ = [("work_size", C.c_size_t), ("work_data", C.c_void_p), ("n_threads", C.c_int),
+                ("threadpool", C.c_void_p), ("abort_callback", C.c_void_p),
+                ("abort_callback_data", C.c_void_p), ("use_ref", C.c_bool)]
+
+
+class GGML:
+    def __init__(self, lib_dir: Path):
+        mode = C.RTLD_GLOBAL
+        self.base = C.CDLL(str(lib_dir / "libggml-base.so"), mode=mode)
+        self.cpu = C.CDLL(str(lib_dir / "libggml-cpu.so"), mode=mode)
+        b, c, P = self.base, self.cpu, C.c_void_p
+        b.ggml_init.argtypes, b.ggml_init.restype = [_InitParams], P
+        b.ggml_free.argtypes = [P]
+        b.ggml_new_tensor_1d.argtypes, b.ggml_new_tensor_1d.restype = [P, C.c_int, C.c_int64], P
+        b.ggml_new_tensor_2d.argtypes, b.ggml_new_tensor_2d.restype = [P, C.c_int, C.c_int64, C.c_int64], P
+        b.ggml_get_data.argtypes, b.ggml_get_data.restype = [P], P
+        b.ggml_nbytes.argtypes, b.ggml_nbytes.restype = [P], C.c_size_t
+        b.ggml_new_graph.argtypes, b.ggml_new_graph.restype = [P], P
+        b.ggml_build_forward_expand.argtypes = [P, P]
+        b.ggml_quantize_chunk.argtypes = [C.c_int, P, P, C.c_int64, C.c_int64, C.c_int64, P]
+        b.ggml_quantize_chunk.restype = C.c_size_t
+        b.ggml_row_size.argtypes, b.ggml_row_size.restype = [C.c_int, C.c_int64], C.c_size_t
+        b.ggml_kx_select.argtypes = [P, P, C.c_float, C.c_float, C.c_int]
+        b.ggml_kx_select.restype = P
+        b.ggml_kx_mul_mat_rows.argtypes, b.ggml_kx_mul_mat_rows.restype = [P, P, P, P], P
+        b.ggml_kx_axpy_rows.argtypes, b.ggml_kx_axpy_rows.restype = [P, P, P, P, P], P
+        c.ggml_graph_plan.argtypes, c.ggml_graph_plan.restype = [P, C.c_int, P], _CPlan
+        c.ggml_graph_compute.argtypes, c.ggml_graph_compute.restype = [P, C.POINTER(_CPlan)], C.c_int
+        c.kx_cpu_select_stats.argtypes = [C.POINTER(C.c_int64)] * 4 + [C.c_bool]
+
+    # ------------------------------------------------------------------ tensors
+
+    def quantize(self, w: np.ndarray, type_name: str) -> bytes:
+        """float rows [n, k] -> ggml bytes of type_name (row-major, k per row)."""
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        t = GGML_TYPE[type_name]
+        if type_name == "f32":
+            return w.tobytes()
+        out = C.create_string_buffer(self.base.ggml_row_size(t, w.shape[1]) * w.shape[0])
+        n = self.base.ggml_quantize_chunk(t, w.ctypes.data, out, 0, w.shape[0], w.shape[1], None)
+        return out.raw[:n]
+
+    def _tensor(self, ctx, type_name: str, ne: tuple[int, ...], data: bytes | np.ndarray):
+        t = GGML_TYPE[type_name]
+        if len(ne) == 1:
+            p = self.base.ggml_new_tensor_1d(ctx, t, ne[0])
+        else:
+            p = self.base.ggml_new_tensor_2d(ctx, t, ne[0], ne[1])
+        raw = data if isinstance(data, bytes) else np.ascontiguousarray(data).tobytes()
+        assert len(raw) == self.base.ggml_nbytes(p), (len(raw), self.base.ggml_nbytes(p))
+        C.memmove(self.base.ggml_get_data(p), raw, len(raw))
+        return p
+
+    def _run(self, ctx, out, n_threads: int, use_ref: bool, shape: tuple[int, ...], dtype) -> np.ndarray:
+        gf = self.base.ggml_new_graph(ctx)
+        self.base.ggml_build_forward_expand(gf, out)
+        plan = self.cpu.ggml_graph_plan(gf, n_threads, None)
+        work = C.create_string_buffer(max(plan.work_size, 1))
+        plan.work_data = C.cast(work, C.c_void_p)
+        plan.use_ref = use_ref
+        rc = self.cpu.ggml_graph_compute(gf, C.byref(plan))
+        assert rc == 0, f"ggml_graph_compute returned {rc}"
+        n = int(np.prod(shape))
+        buf = (C.c_char * (n * np.dtype(dtype).itemsize)).from_address(self.base.ggml_get_data(out))
+        return np.frombuffer(bytes(buf), dtype=dtype).reshape(shape)
+
+    def _ctx(self, nbytes: int):
+        return self.base.ggml_init(_InitParams(nbytes + (64 << 20), None, False))
+
+    # ------------------------------------------------------------------ ops
+
+    def select(self, scores: np.ndarray, threshold: float, max_density: float, act: str,
+               n_threads: int = 1, use_ref: bool = False) -> np.ndarray:
+        """scores [T, n] (numpy rows = tokens) -> int32 [n + 1] (count, ids...)."""
+        T, n = scores.shape
+        ctx = self._ctx(scores.nbytes)
+        try:
+            s = self._tensor(ctx, "f32", (n, T), scores.astype(np.float32))
+            out = self.base.ggml_kx_select(ctx, s, threshold, max_density, KX_SELECT_ACT[act])
+            return self._run(ctx, out, n_threads, use_ref, (n + 1,), np.int32).copy()
+        finally:
+            self.base.ggml_free(ctx)
+
+    def _sel(self, ctx, sel: np.ndarray, n: int):
+        ids = np.asarray(sel, dtype=np.int32)
+        full = np.zeros(n + 1, dtype=np.int32)
+        full[0] = len(ids)
+        full[1:1 + len(ids)] = ids
+        return self._tensor(ctx, "i32", (n + 1,), full)
+
+    def mul_mat_rows(self, w_bytes: bytes, w_type: str, n: int, k: int, x: np.ndarray, sel: np.ndarray,
+                     n_threads: int = 1, use_ref: bool = False) -> np.ndarray:
+        """w [n, k] (as ggml bytes), x [T, k] -> [T, n]."""
+        T = x.shape[0]
+        ctx = self._ctx(len(w_bytes) + x.nbytes)
+        try:
+            wt = self._tensor(ctx, w_type, (k, n), w_bytes)
+            xt = self._tensor(ctx, "f32", (k, T), x.astype(np.float32))
+            out = self.base.ggml_kx_mul_mat_rows(ctx, wt, xt, self._sel(ctx, sel, n))
+            return self._run(ctx, out, n_threads, use_ref, (T, n), np.float32).copy()
+        finally:
+            self.base.ggml_free(ctx)
+
+    def axpy_rows(self, wt_bytes: bytes, wt_type: str, n_rows: int, m: int, h: np.ndarray, sel: np.ndarray,
+                  rowmap: np.ndarray | None = None, n_threads: int = 1, use_ref: bool = False) -> np.ndarray:
+        """wt [n_rows, m] (as ggml bytes), h [T, n] -> [T, m]."""
+        T, n = h.shape
+        ctx = self._ctx(len(wt_bytes) + h.nbytes)
+        try:
+            w = self._tensor(ctx, wt_type, (m, n_rows), wt_bytes)
+            ht = self._tensor(ctx, "f32", (n, T), h.astype(np.float32))
+            rm = None if rowmap is None else self._tensor(ctx, "i32", (n,), rowmap.astype(np.int32))
+            out = self.base.ggml_kx_axpy_rows(ctx, w, ht, self._sel(ctx, sel, n), rm)
+            return self._run(ctx, out, n_threads, use_ref, (T, m), np.float32).copy()
+        finally:
+            self.base.ggml_free(ctx)
+
+    def select_stats(self, reset: bool = False) -> tuple[int, int, int, int]:
+        v = [C.c_int64() for _ in range(4)]
+        self.cpu.kx_cpu_select_stats(*[C.byref(x) for x in v], reset)
+        return tuple(int(x.value) for x in v)  # type: ignore[return-value]

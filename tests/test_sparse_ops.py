@@ -1,0 +1,152 @@
+"""The kairox ggml ops on the CPU backend against numpy references.
+
+Every op runs through ggml's own graph executor (tests/ggml_ops.py) with 1-4 threads,
+both fast (AVX2/AVX-512 + ggml vec_dot) and reference (cplan.use_ref) kernels.
+References: numpy in float64 on weights dequantized by gguf.quants (not by ggml).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from ggml_ops import GGML
+
+THREADS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def g(native: Path) -> GGML:
+    return GGML(native)
+
+
+def dequant(raw: bytes, type_name: str, n: int, k: int) -> np.ndarray:
+    if type_name == "f32":
+        return np.frombuffer(raw, dtype=np.float32).reshape(n, k).astype(np.float64)
+    q = gguf.GGMLQuantizationType[type_name.upper()]
+    rows = np.frombuffer(raw, dtype=np.uint8).reshape(n, -1)
+    return np.asarray(gguf.quants.dequantize(rows, q), dtype=np.float64).reshape(n, k)
+
+
+def ref_select(scores: np.ndarray, thr: float, max_density: float, act: str) -> np.ndarray:
+    s = scores.astype(np.float64)
+    if act == "score":
+        on = s > thr
+    else:
+        a = {"relu": np.maximum(s, 0),
+             "silu": s / (1 + np.exp(-s)),
+             "gelu": 0.5 * s * (1 + np.tanh(math.sqrt(2 / math.pi) * (s + 0.044715 * s ** 3)))}[act]
+        on = np.abs(a) > thr
+    ids = np.flatnonzero(on.any(axis=0))
+    if len(ids) > max_density * scores.shape[1]:
+        ids = np.arange(scores.shape[1])
+    return ids
+
+
+# ------------------------------------------------------------------------ kx_select
+
+
+@pytest.mark.parametrize("act", ["score", "relu", "silu", "gelu"])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("use_ref", [False, True])
+def test_select_matches_numpy(g: GGML, act: str, T: int, use_ref: bool):
+    rng = np.random.default_rng(1)
+    n = 1037  # not a multiple of the 8/16-lane vectors
+    scores = (rng.standard_normal((T, n)) - 1.2).astype(np.float32)
+    for thr in (0.0, 0.05, 0.7):
+        out = g.select(scores, thr, 1.0, act, use_ref=use_ref)
+        want = ref_select(scores, thr, 1.0, act)
+        assert out[0] == len(want)
+        np.testing.assert_array_equal(out[1:1 + out[0]], want)
+
+
+def test_select_empty_full_and_density_fallback(g: GGML):
+    n = 300
+    neg = np.full((1, n), -1.0, np.float32)
+    assert g.select(neg, 0.0, 1.0, "relu")[0] == 0
+    pos = np.ones((2, n), np.float32)
+    out = g.select(pos, 0.0, 1.0, "score")
+    assert out[0] == n and np.array_equal(out[1:], np.arange(n))
+    # 40% active with max density 0.25: everything is listed, in order
+    rng = np.random.default_rng(2)
+    s = np.where(rng.random((1, n)) < 0.4, 1.0, -1.0).astype(np.float32)
+    g.select_stats(reset=True)
+    out = g.select(s, 0.0, 0.25, "score")
+    assert out[0] == n and np.array_equal(out[1:], np.arange(n))
+    sel, total, calls, fallbacks = g.select_stats(reset=True)
+    assert (sel, total, calls, fallbacks) == (n, n, 1, 1)
+    # under the density limit the union is kept
+    out = g.select(s, 0.0, 0.5, "score")
+    assert out[0] == int((s > 0).sum())
+    assert g.select_stats()[3] == 0
+
+
+# ------------------------------------------------------------------ kx_mul_mat_rows
+
+# (type, k): K-quants need k % 256 == 0, the others k % 32
+MM_TYPES = [("f32", 96), ("f16", 96), ("bf16", 96), ("q8_0", 128), ("q4_0", 128), ("q4_k", 256), ("q6_k", 256)]
+# the fast path converts x to the weight's vec_dot type (F16, BF16, Q8_0, Q8_K): its error
+# relative to sum|w||x| is about that type's rounding
+FAST_RTOL = {"f32": 1e-6, "f16": 2e-3, "bf16": 1e-2, "q8_0": 1e-2, "q4_0": 1e-2, "q4_k": 1e-2, "q6_k": 1e-2}
+
+
+def selections(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"empty": np.array([], dtype=np.int32),
+            "one": np.array([n - 1], dtype=np.int32),
+            "sparse": np.sort(rng.choice(n, size=n // 9, replace=False)).astype(np.int32),
+            "full": np.arange(n, dtype=np.int32)}
+
+
+@pytest.mark.parametrize("wtype,k", MM_TYPES, ids=[t for t, _ in MM_TYPES])
+@pytest.mark.parametrize("T", [1, 4])
+def test_mul_mat_rows(g: GGML, wtype: str, k: int, T: int):
+    rng = np.random.default_rng(3)
+    n = 200
+    w_raw = g.quantize(rng.standard_normal((n, k)).astype(np.float32), wtype)
+    w = dequant(w_raw, wtype, n, k)
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    dense = x.astype(np.float64) @ w.T                 # [T, n]
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T  # error scale per entry
+    for name, sel in selections(n, rng).items():
+        off = np.setdiff1d(np.arange(n), sel)
+        for nt in THREADS:
+            for use_ref in (False, True):
+                out = g.mul_mat_rows(w_raw, wtype, n, k, x, sel, n_threads=nt, use_ref=use_ref)
+                assert np.all(out[:, off] == 0), f"{name}: rows outside the selection must be 0"
+                err = np.abs(out[:, sel] - dense[:, sel]) / np.maximum(scale[:, sel], 1e-30)
+                tol = 1e-6 if use_ref else FAST_RTOL[wtype]
+                assert err.size == 0 or err.max() <= tol, (name, nt, use_ref, float(err.max()))
+
+
+# --------------------------------------------------------------------- kx_axpy_rows
+
+
+@pytest.mark.parametrize("wtype,m", [("f32", 100), ("f32", 1024), ("f16", 100), ("f16", 1056),
+                                     ("q8_0", 96), ("q8_0", 2048)])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("permuted", [False, True])
+def test_axpy_rows(g: GGML, wtype: str, m: int, T: int, permuted: bool):
+    rng = np.random.default_rng(4)
+    n = 150
+    wt_raw = g.quantize(rng.standard_normal((n, m)).astype(np.float32), wtype)
+    wt = dequant(wt_raw, wtype, n, m)
+    rowmap = rng.permutation(n).astype(np.int32) if permuted else None
+    rows = wt[rowmap] if permuted else wt            # rows[i] = the row neuron i uses
+    for name, sel in selections(n, rng).items():
+        h = np.zeros((T, n), np.float32)
+        h[:, sel] = rng.standard_normal((T, len(sel)))
+        h[0, sel[::3]] = 0.0                          # zeros inside the selection are skipped
+        # values outside the selection must be ignored, even if nonzero
+        outside = np.setdiff1d(np.arange(n), sel)
+        h_in = h.copy()
+        h_in[:, outside] = 1e6
+        want = h.astype(np.float64) @ rows            # [T, m]
+        scale = np.abs(h).astype(np.float64) @ np.abs(rows)
+        for nt in THREADS:
+            for use_ref in (False, True):
+                out = g.axpy_rows(wt_raw, wtype, n, m, h_in, sel, rowmap, n_threads=nt, use_ref=use_ref)
+                err = np.abs(out - want) / np.maximum(scale, 1e-30)
+                assert err.max() <= 1e-5, (name, nt, use_ref, float(err.max()))
