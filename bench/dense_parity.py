@@ -15,7 +15,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -23,30 +22,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def machine_facts() -> dict:
-    facts = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    try:
-        facts["cpu"] = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                            if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        facts["gpu"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        facts["gpu"] = None
-    return facts
-
-
-def git_commit() -> str:
-    env = os.environ.get("KX_COMMIT")
-    if env:
-        return env
-    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or "unknown"
+sys.path.insert(0, str(ROOT / "python"))
+from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
 
 def run_bench(cmd: list[str]) -> dict:
@@ -102,9 +79,6 @@ def main() -> int:
         "machine": machine_facts(), "n_gen": args.n_gen, "threads": args.threads,
         "table": table, "runs": runs,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Dense parity: kairox vs unpatched llama.cpp ({result['model']})", "",
              f"decode tok/s (batch 1, {args.n_gen} tokens, {args.threads} threads), median of "
              f"{args.reps} alternating runs [min-max]; commit {result['commit'][:10]}; "
@@ -114,9 +88,7 @@ def main() -> int:
         a, b = row["llama.cpp"], row["kairox"]
         lines.append(f"| {row['ngl']} | {a[0]:.2f} [{a[1]:.2f}-{a[2]:.2f}] | "
                      f"{b[0]:.2f} [{b[1]:.2f}-{b[2]:.2f}] | {row['ratio']:.3f} |")
-    lines += ["", "Command:", "", "```", result["command"], "```", ""]
-    out.with_suffix(".md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results(args.out, result, lines)
     return 0
 
 

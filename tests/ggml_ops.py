@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "q4_k": 12, "q6_k": 14, "i32": 26, "bf16": 30}
+GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q6_k": 14, "i32": 26, "bf16": 30}
 KX_SELECT_ACT = {"score": 0, "relu": 1, "silu": 2, "gelu": 3}
 
 
@@ -49,7 +49,6 @@ class GGML:
         b.ggml_kx_axpy_rows.argtypes, b.ggml_kx_axpy_rows.restype = [P, P, P, P, P], P
         c.ggml_graph_plan.argtypes, c.ggml_graph_plan.restype = [P, C.c_int, P], _CPlan
         c.ggml_graph_compute.argtypes, c.ggml_graph_compute.restype = [P, C.POINTER(_CPlan)], C.c_int
-        c.kx_cpu_select_stats.argtypes = [C.POINTER(C.c_int64)] * 4 + [C.c_bool]
 
     # ------------------------------------------------------------------ tensors
 
@@ -139,6 +138,6 @@ class GGML:
             self.base.ggml_free(ctx)
 
     def select_stats(self, reset: bool = False) -> tuple[int, int, int, int]:
-        v = [C.c_int64() for _ in range(4)]
-        self.cpu.kx_cpu_select_stats(*[C.byref(x) for x in v], reset)
-        return tuple(int(x.value) for x in v)  # type: ignore[return-value]
+        from kairox._native import sparse_counters
+        c = sparse_counters(reset)
+        return c.selected, c.total, c.calls, c.fallbacks

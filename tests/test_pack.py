@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from kairox.checkpoint import Checkpoint
-from kairox.pack import (FORBIDDEN_SUBSTRINGS, PackError, fingerprint, pack_path_for, read_pack,
-                         write_pack)
+from kairox.pack import (FORBIDDEN_SUBSTRINGS, PackError, PackPredictor, fingerprint, pack_path_for,
+                         read_pack, write_pack)
 
 SMALL = 300  # vocabulary of the models whose GGUF this file parses with GGUFReader
 
@@ -35,6 +35,8 @@ def reference_fingerprint(path: Path) -> str:
     stream = bytearray()
     for t in gguf.GGUFReader(path).tensors:
         ne = [int(d) for d in t.shape]
+        while len(ne) > 1 and ne[-1] == 1:  # ggml_n_dims: trailing 1s do not count
+            ne.pop()
         stream += t.name.encode() + b"\0" + int(t.tensor_type).to_bytes(4, "little")
         stream += b"".join(v.to_bytes(8, "little") for v in [len(ne), *ne])
         data = raw[t.data_offset:t.data_offset + t.n_bytes]
@@ -223,7 +225,7 @@ def test_refuses_base_mismatch(tmp_path: Path, small_relu: Path, small_pack: Pat
     (lambda p: {"blk.0.kx_freq": np.ones(255, np.float32)}, "has shape"),
     (lambda p: {"blk.0.kx_freq": np.full(256, 2.0, np.float32)}, r"outside \[0, 1\]"),
     (lambda p: {"blk.0.kx_perm": p.astype(np.float32)}, "has type F32"),
-    (lambda p: {"blk.0.kx_pred_a": np.zeros((4, 64), np.float32)}, "without its pair"),
+    (lambda p: {"blk.0.kx_pred_a": np.zeros((4, 64), np.float32)}, "lacks blk.0.kx_pred_b"),
     (lambda p: {"blk.0.ffn_down.weight": np.zeros((64, 256), np.float32)}, "take for a model weight"),
     (lambda p: {"blk.0.kx_extra": np.zeros(4, np.float32)}, "unexpected tensor"),
 ])
@@ -233,8 +235,111 @@ def test_refuses_bad_tensors(tmp_path: Path, small_pack: Path, edit: Callable, m
         read_pack(bad)
 
 
+# --------------------------------------------------------------------------- predictor
+
+
+def pred_tensors(n_layer: int = 2, rank: int = 8, dtype: type = np.float16,
+                 **override: np.ndarray | None) -> dict[str, np.ndarray | None]:
+    """kx_pred_a/b/c of every layer for the small model (n_embd 64, n_ff 256), with
+    `override` ({"a1": array or None, ...}: key = letter + layer) replacing some."""
+    out: dict[str, np.ndarray | None] = {}
+    for il in range(n_layer):
+        for k, shape, dt in (("a", (rank, 64), dtype), ("b", (256, rank), dtype), ("c", (256,), np.float32)):
+            out[f"blk.{il}.kx_pred_{k}"] = override.get(f"{k}{il}", np.zeros(shape, dt))
+    return out
+
+
 def test_accepts_predictor(tmp_path: Path, small_relu: Path, small_pack: Path) -> None:
-    pred = {f"blk.{il}.kx_pred_{k}": np.zeros(s, np.float16)
-            for il in range(2) for k, s in (("a", (8, 64)), ("b", (256, 8)))}
-    pack = read_pack(rewrite(small_pack, tmp_path / "pred.gguf", tensors=pred), small_relu)
-    assert pack.layers[1].pred_a.shape == (8, 64) and pack.layers[1].pred_b.shape == (256, 8)
+    pack = read_pack(rewrite(small_pack, tmp_path / "pred.gguf", tensors=pred_tensors()), small_relu)
+    layer = pack.layers[1]
+    assert layer.has_predictor and not read_pack(small_pack).layers[1].has_predictor
+    assert layer.pred_a.shape == (8, 64) and layer.pred_b.shape == (256, 8)
+    assert layer.pred_c.shape == (256,) and layer.pred_c.dtype == np.float32
+
+
+def test_accepts_predictor_on_some_layers_only(tmp_path: Path, small_pack: Path) -> None:
+    some = pred_tensors(a0=None, b0=None, c0=None, a1=np.zeros((3, 64), np.float32),
+                        b1=np.zeros((256, 3), np.float16))
+    pack = read_pack(rewrite(small_pack, tmp_path / "some.gguf", tensors=some))
+    assert not pack.layers[0].has_predictor
+    assert pack.layers[1].pred_a.dtype == np.float32 and pack.layers[1].pred_b.dtype == np.float16
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"c0": None}, "has blk.0.kx_pred_a but lacks blk.0.kx_pred_c"),
+    ({"a1": None}, "has blk.1.kx_pred_b but lacks blk.1.kx_pred_a"),
+    ({"a0": None, "b0": None}, "has blk.0.kx_pred_c but lacks blk.0.kx_pred_a"),
+    ({"a1": None, "c1": None}, "has blk.1.kx_pred_b but lacks blk.1.kx_pred_a"),
+    ({"b0": np.zeros((256, 4), np.float16)}, "kx_pred_b has shape"),          # rank 4 vs 8
+    ({"a0": np.zeros((8, 63), np.float16)}, "kx_pred_a has shape"),
+    ({"a0": np.zeros(64, np.float16)}, "must be 2-D"),
+    ({"c1": np.zeros(255, np.float32)}, "kx_pred_c has shape"),
+    ({"c1": np.zeros(256, np.float16)}, "kx_pred_c has type F16"),
+    ({"a1": np.zeros((8, 64), np.int32)}, "kx_pred_a has type I32"),
+    ({"c0": np.r_[np.zeros(255), np.inf].astype(np.float32)}, "kx_pred_c has non-finite"),
+    ({"c0": np.r_[np.nan, np.zeros(255)].astype(np.float32)}, "kx_pred_c has non-finite"),
+])
+def test_refuses_bad_predictor(tmp_path: Path, small_pack: Path, override: dict, message: str) -> None:
+    bad = rewrite(small_pack, tmp_path / "bad.gguf", tensors=pred_tensors(**override))
+    with pytest.raises(PackError, match=message):
+        read_pack(bad)
+
+
+def toy_factors(il: int, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(il)
+    return (rng.standard_normal((rank, 64)).astype(np.float32),
+            rng.standard_normal((256, rank)).astype(np.float32),
+            rng.standard_normal(256).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_round_trip_predictor(tmp_path: Path, small_relu: Path, dtype: str) -> None:
+    calls: list[int] = []
+
+    def layer(il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        calls.append(il)
+        return toy_factors(il, 5)
+
+    pred = PackPredictor(5, layer, dtype, {"kind": "toy"})
+    pack = read_pack(write_pack(small_relu, tmp_path / "p.kxpack.gguf", predictor=pred, quiet=True),
+                     small_relu)
+    assert calls == [0, 1]  # asked for once per layer, in order, while that layer is written
+    assert pack.method == {"kind": "identity", "predictor": {"kind": "toy", "rank": 5, "type": dtype}}
+    tol = 0 if dtype == "f32" else 2e-3
+    x = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)
+    for il, layer_ in enumerate(pack.layers):
+        a, b, c = toy_factors(il, 5)
+        assert layer_.pred_a.dtype == np.dtype(np.float32 if dtype == "f32" else np.float16)
+        np.testing.assert_allclose(layer_.pred_a, a, rtol=tol, atol=tol * 1e-3)
+        np.testing.assert_allclose(layer_.pred_b, b, rtol=tol, atol=tol * 1e-3)
+        np.testing.assert_array_equal(layer_.pred_c, c)  # the bias is always F32
+        rtol, atol = (1e-5, 1e-3) if dtype == "f32" else (1e-2, 0.1)
+        np.testing.assert_allclose(layer_.predictor_scores(x), (x @ a.T) @ b.T + c, rtol=rtol, atol=atol)
+        np.testing.assert_array_equal(layer_.perm, np.arange(256))  # the rest is unchanged
+
+
+def test_method_given_by_the_caller_is_kept(tmp_path: Path, small_relu: Path) -> None:
+    pred = PackPredictor(2, lambda il: toy_factors(il, 2), info={"kind": "toy"})
+    method = {"kind": "identity", "predictor": {"kind": "mine"}}
+    out = write_pack(small_relu, tmp_path / "m.kxpack.gguf", predictor=pred, method=method, quiet=True)
+    assert read_pack(out).method == method
+
+
+@pytest.mark.parametrize("pred,message", [
+    (PackPredictor(4, lambda il: toy_factors(il, 5)), r"predictor A of layer 0 has shape \(5, 64\)"),
+    (PackPredictor(5, lambda il: toy_factors(il, 5)[:2]), r"must be a tuple \(A, B, c\)"),
+    (PackPredictor(5, lambda il: (*toy_factors(il, 5)[:2], np.zeros(255))),
+     "predictor c of layer 0 has shape"),
+    (PackPredictor(5, lambda il: (*toy_factors(il, 5)[:2], np.full(256, np.nan))), "non-finite"),
+    (PackPredictor(5, lambda il: toy_factors(il, 5) if il == 0 else toy_factors(il, 6)),
+     "predictor A of layer 1 has shape"),
+    (PackPredictor(2, lambda il: (np.full((2, 64), 1e6), *toy_factors(il, 2)[1:]), "f16"), "float16's range"),
+    (PackPredictor(65, lambda il: toy_factors(il, 65)), r"exceeds min\(n_ff, n_embd\) = 64"),
+    (PackPredictor(0, lambda il: toy_factors(il, 0)), "positive integer"),
+    (PackPredictor(2, lambda il: toy_factors(il, 2), "q8_0"), "unsupported predictor type"),
+])
+def test_write_refuses_bad_predictor(tmp_path: Path, small_relu: Path, pred: PackPredictor,
+                                     message: str) -> None:
+    with pytest.raises(PackError, match=message):
+        write_pack(small_relu, tmp_path / "p.kxpack.gguf", predictor=pred, quiet=True)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written is left behind

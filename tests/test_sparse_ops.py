@@ -87,10 +87,10 @@ def test_select_empty_full_and_density_fallback(g: GGML):
 # ------------------------------------------------------------------ kx_mul_mat_rows
 
 # (type, k): K-quants need k % 256 == 0, the others k % 32
-MM_TYPES = [("f32", 96), ("f16", 96), ("bf16", 96), ("q8_0", 128), ("q4_0", 128), ("q4_k", 256), ("q6_k", 256)]
+MM_TYPES = [("f32", 96), ("f16", 96), ("bf16", 96), ("q8_0", 128), ("q4_0", 128), ("q5_0", 640), ("q4_k", 256), ("q6_k", 256)]
 # the fast path converts x to the weight's vec_dot type (F16, BF16, Q8_0, Q8_K): its error
 # relative to sum|w||x| is about that type's rounding
-FAST_RTOL = {"f32": 1e-6, "f16": 2e-3, "bf16": 1e-2, "q8_0": 1e-2, "q4_0": 1e-2, "q4_k": 1e-2, "q6_k": 1e-2}
+FAST_RTOL = {"f32": 1e-6, "f16": 2e-3, "bf16": 1e-2, "q8_0": 1e-2, "q4_0": 1e-2, "q5_0": 1e-2, "q4_k": 1e-2, "q6_k": 1e-2}
 
 
 def selections(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

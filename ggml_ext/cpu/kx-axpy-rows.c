@@ -14,6 +14,7 @@
 #include "ggml-impl.h"
 #include "simd-mappings.h"
 
+#include <stdatomic.h>
 #include <string.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -21,6 +22,17 @@
 #endif
 
 #define KX_COL_BLOCK 32
+
+static atomic_int_fast64_t kx_stat_nonzero;
+
+void kx_cpu_axpy_stats(int64_t * nonzero, bool reset) {
+    if (nonzero) {
+        *nonzero = atomic_load(&kx_stat_nonzero);
+    }
+    if (reset) {
+        atomic_store(&kx_stat_nonzero, 0);
+    }
+}
 
 static void kx_axpy_f32(int64_t n, float * GGML_RESTRICT y, const float * GGML_RESTRICT x, float v, bool ref) {
     int64_t i = 0;
@@ -121,6 +133,7 @@ void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params
     const int32_t * ids   = list + 1;
     const int32_t * map   = rowmap ? (const int32_t *) rowmap->data : NULL;
 
+    int64_t nonzero = 0; // counted by thread 0 only: every thread walks the same rows
     for (int64_t j = 0; j < count; ++j) {
         const int64_t i = ids[j];
         const int64_t r = map ? map[i] : i;
@@ -134,6 +147,7 @@ void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params
             if (v == 0.0f) {
                 continue;
             }
+            ++nonzero;
             float * y = (float *) ((char *) dst->data + t*dst->nb[1]);
             switch (wt->type) {
                 case GGML_TYPE_F32:
@@ -150,5 +164,8 @@ void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params
                     GGML_ABORT("kx_axpy_rows: unsupported type %s", ggml_type_name(wt->type));
             }
         }
+    }
+    if (ith == 0) {
+        atomic_fetch_add(&kx_stat_nonzero, nonzero);
     }
 }

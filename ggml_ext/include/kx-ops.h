@@ -63,6 +63,12 @@ GGML_API struct ggml_tensor * ggml_kx_axpy_rows(
 GGML_BACKEND_API void kx_cpu_select_stats(int64_t * selected, int64_t * total, int64_t * calls,
                                           int64_t * fallbacks, bool reset);
 
+// Nonzero activations the CPU kernel of ggml_kx_axpy_rows met among the listed rows,
+// summed over (row, token) pairs since the last reset. For ReLU models this counts the
+// truly active neurons that were computed: exact mode gives the true active count,
+// predicted mode the correctly predicted ones (recall = predicted / exact, same tokens).
+GGML_BACKEND_API void kx_cpu_axpy_stats(int64_t * nonzero, bool reset);
+
 #ifdef __cplusplus
 }
 #endif

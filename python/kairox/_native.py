@@ -7,6 +7,7 @@ So kairox sets that variable to its patched build before importing llama_cpp.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -72,3 +73,31 @@ def ext() -> ctypes.CDLL:
         lib.kx_version.argtypes = []
         _ext = lib
     return _ext
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseCounters:
+    """What the CPU sparse kernels did since the last reset (all contexts of the process).
+
+    selected/total: rows listed by kx_select over rows possible (density = selected/total);
+    calls: selections (one per sparse layer per decode); fallbacks: selections that went
+    dense; nonzero: (row, token) pairs with a nonzero activation among the listed rows
+    (ReLU: exact mode counts the truly active neurons, predicted mode the ones it got right).
+    """
+    selected: int
+    total: int
+    calls: int
+    fallbacks: int
+    nonzero: int
+
+    @property
+    def density(self) -> float:
+        return self.selected / self.total if self.total else 0.0
+
+
+def sparse_counters(reset: bool = False) -> SparseCounters:
+    lib = ctypes.CDLL(str(find_lib_dir() / "libggml-cpu.so"))
+    vals = [ctypes.c_int64() for _ in range(5)]
+    lib.kx_cpu_select_stats(*[ctypes.byref(v) for v in vals[:4]], ctypes.c_bool(reset))
+    lib.kx_cpu_axpy_stats(ctypes.byref(vals[4]), ctypes.c_bool(reset))
+    return SparseCounters(*(int(v.value) for v in vals))

@@ -160,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="GGUF file to describe")
     p.set_defaults(func=cmd_info)
 
-    from . import convert, synth
+    from . import convert, packcli, synth
     convert.register(sub)
     synth.register(sub)
+    packcli.register(sub)
     return ap
 
 

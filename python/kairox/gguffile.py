@@ -18,7 +18,8 @@ def encode_tensor(w: np.ndarray, qtype: Any, name: str) -> np.ndarray:
     if qtype == Q.F32:
         return w32
     if qtype == Q.F16:
-        out = w32.astype(np.float16)
+        with np.errstate(over="ignore"):  # overflow is reported below, as an error
+            out = w32.astype(np.float16)
         if np.isinf(out).any() and not np.isinf(w32).any():
             raise ValueError(f"{name} has values beyond float16's range (65504); "
                              f"store it as bf16 or f32")

@@ -1,7 +1,7 @@
 """The sparse pack: a sidecar GGUF (`model.kxpack.gguf`) holding what kairox needs to run a
 model's FFN sparsely. The user's GGUF is only ever read. The format is specified in
 docs/pack-format.md; this module writes identity packs (pack order = original neuron
-order) and reads and validates any version-1 pack.
+order), optionally with a predictor per layer, and reads and validates any version-1 pack.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import re
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ BASE_ARCHS = ("llama", "qwen2", "gemma3")
 DEFAULT_ACTIVATION = {"llama": "silu", "qwen2": "silu", "gemma3": "gelu"}
 ACTIVATIONS = ("relu", "silu", "gelu")
 DOWN_TYPES = ("f32", "f16", "q8_0")
+PRED_TYPES = ("f32", "f16")  # storage of kx_pred_a and kx_pred_b; kx_pred_c is always F32
 # llama-quantize and llama.cpp's --fit select tensors by these substrings; a pack tensor
 # carrying one would be quantized or placed as if it were a model weight.
 FORBIDDEN_SUBSTRINGS = ("ffn_up", "ffn_gate", "ffn_down")
@@ -69,9 +71,13 @@ def pack_path_for(model_path: str | Path) -> Path:
     return p.with_name(stem + PACK_SUFFIX)
 
 
+# A layer's predictor is these three tensors, all or none.
+PRED_KEYS = ("pred_a", "pred_b", "pred_c")
+
+
 def _tensor_names(il: int) -> dict[str, str]:
     b = f"blk.{il}."
-    return {k: b + "kx_" + k for k in ("down_t", "perm", "group", "freq", "pred_a", "pred_b")}
+    return {k: b + "kx_" + k for k in ("down_t", "perm", "group", "freq", *PRED_KEYS)}
 
 
 THRESHOLD_NAME = "kx_threshold"
@@ -100,13 +106,24 @@ def sample_ranges(nbytes: int) -> list[tuple[int, int]]:
     return [head, mid, tail]
 
 
+def ggml_dims(ne: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """ne without trailing 1s (at least one dimension): ggml_n_dims, which is all a ggml
+    reader knows (gguf_init_from_file does not keep the n_dims stored in the file)."""
+    ne = tuple(int(d) for d in ne)
+    n = len(ne)
+    while n > 1 and ne[n - 1] == 1:
+        n -= 1
+    return ne[:max(n, 1)]
+
+
 def _fingerprint_header(hdr: GGUFHeader) -> str:
     h = _FNV_OFFSET
     with open(hdr.path, "rb") as f:
         for t in hdr.tensors:
             h = fnv1a64(t.name.encode("utf-8") + b"\0", h)
             h = fnv1a64(struct.pack("<I", t.type_id), h)
-            h = fnv1a64(struct.pack(f"<{1 + len(t.ne)}Q", len(t.ne), *t.ne), h)
+            ne = ggml_dims(t.ne)
+            h = fnv1a64(struct.pack(f"<{1 + len(ne)}Q", len(ne), *ne), h)
             if t.offset + t.nbytes > hdr.file_size:
                 raise PackError(f"{hdr.path} is truncated: tensor {t.name} ends past the end of the file")
             for start, end in sample_ranges(t.nbytes):
@@ -192,8 +209,21 @@ class PackLayer:
     perm: np.ndarray                # int32 [n_ff], a permutation of 0..n_ff-1
     group: np.ndarray               # int32 [n_ff], group id of each pack position
     freq: np.ndarray                # float32 [n_ff], indexed by ORIGINAL neuron id, 0..1
-    pred_a: np.ndarray | None = None  # [rank, n_embd]
-    pred_b: np.ndarray | None = None  # [n_ff, rank]
+    pred_a: np.ndarray | None = None  # [rank, n_embd], float32 or float16
+    pred_b: np.ndarray | None = None  # [n_ff, rank], float32 or float16
+    pred_c: np.ndarray | None = None  # float32 [n_ff], indexed by ORIGINAL neuron id
+
+    @property
+    def has_predictor(self) -> bool:
+        return self.pred_a is not None
+
+    def predictor_scores(self, x: np.ndarray) -> np.ndarray:
+        """pred_b @ (pred_a @ x) + pred_c for FFN inputs x [.., n_embd]: one score per
+        original neuron id, > 0 where the neuron is predicted active."""
+        if not self.has_predictor:
+            raise PackError("this pack layer has no predictor")
+        from .predictor import predictor_scores
+        return predictor_scores(self.pred_a, self.pred_b, self.pred_c, x)
 
     def down_t(self) -> np.ndarray:
         """The down projection, float32 [n_ff, n_embd], one row per neuron in pack order."""
@@ -223,25 +253,74 @@ class Pack:
 
 
 def _read_dequantized(path: Path, t: TensorInfo) -> np.ndarray:
-    """A 2-D tensor of the model as float32, numpy shape [ne[1], ne[0]]."""
+    """A tensor of the model as float32, in numpy shape (ne reversed: [ne[1], ne[0]] for 2-D)."""
     import gguf
     qtype = gguf.GGMLQuantizationType(t.type_id)
+    shape = tuple(reversed(t.ne))
+    n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
     rows = np.memmap(path, dtype=np.uint8, mode="r", offset=t.offset,
-                     shape=(t.ne[1], t.nbytes // t.ne[1]))  # one row of bytes per ne[1]
+                     shape=(n_rows, t.nbytes // n_rows))  # one row of bytes per ne[0] values
     try:
         w = gguf.quants.dequantize(rows, qtype)
     except NotImplementedError as e:
         raise PackError(f"{t.name} has type {qtype.name}, which kairox cannot dequantize") from e
-    return np.asarray(w, dtype=np.float32).reshape(t.ne[1], t.ne[0])
+    return np.asarray(w, dtype=np.float32).reshape(shape)
+
+
+def inspect_model(model_path: str | Path) -> tuple[GGUFHeader, BaseModel]:
+    """A model GGUF's header and the FFN facts a pack records; PackError if kairox cannot pack it."""
+    hdr = _scan_model(Path(model_path))
+    return hdr, _base_model(hdr)
+
+
+def read_model_tensor(hdr: GGUFHeader, name: str) -> np.ndarray:
+    """One tensor of the model `hdr` was scanned from, float32 in numpy shape (dequantized)."""
+    t = next((t for t in hdr.tensors if t.name == name), None)
+    if t is None:
+        raise PackError(f"{hdr.path} has no tensor {name}")
+    return _read_dequantized(hdr.path, t)
+
+
+PredictorFactors = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class PackPredictor:
+    """Where write_pack gets each layer's predictor (A [rank, n_embd], B [n_ff, rank],
+    c [n_ff]): `layer(il)` is called while layer il is written, so only one layer's
+    factors are ever in memory. A and B are stored as `dtype` (f32 or f16), c as F32.
+    `info` (e.g. {"kind": "sketch", "margin": 3.0}) is recorded under "predictor" in
+    kx.pack.method, together with the rank and type."""
+    rank: int
+    layer: Callable[[int], PredictorFactors]
+    dtype: str = "f32"
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_factors(il: int, f: Any, rank: int, n_embd: int, n_ff: int) -> PredictorFactors:
+    """The predictor of layer il as float32 arrays, or PackError naming what is wrong."""
+    if not (isinstance(f, (tuple, list)) and len(f) == 3):
+        raise PackError(f"the predictor of layer {il} must be a tuple (A, B, c)")
+    out = []
+    for what, arr, shape in zip("ABc", f, ((rank, n_embd), (n_ff, rank), (n_ff,))):
+        arr = np.asarray(arr)
+        if arr.shape != shape:
+            raise PackError(f"predictor {what} of layer {il} has shape {arr.shape}, expected {shape}")
+        arr = arr.astype(np.float32, copy=False)
+        if not np.all(np.isfinite(arr)):
+            raise PackError(f"predictor {what} of layer {il} has non-finite values")
+        out.append(arr)
+    return out[0], out[1], out[2]
 
 
 def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, group_size: int = 32,
                down_type: str = "f32", method: dict[str, Any] | None = None,
-               quiet: bool = False) -> Path:
+               predictor: PackPredictor | None = None, quiet: bool = False) -> Path:
     """Write an identity pack for the model at `model_path`; returns the pack's path.
 
-    The model is only read. The pack is streamed to a temporary file and renamed into place
-    when complete.
+    With `predictor`, every layer also gets kx_pred_a/b/c from `predictor.layer(il)`.
+    The model is only read. The pack is streamed, one layer at a time, to a temporary file
+    and renamed into place when complete.
     """
     import gguf
     from tqdm import tqdm
@@ -258,6 +337,15 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     method = {"kind": "identity"} if method is None else method
     if not isinstance(method, dict):
         raise PackError("method must be a dict (it is stored as a JSON object)")
+    if predictor is not None:
+        if predictor.dtype not in PRED_TYPES:
+            raise PackError(f"unsupported predictor type {predictor.dtype!r} "
+                            f"(supported: {', '.join(PRED_TYPES)})")
+        if isinstance(predictor.rank, bool) or not isinstance(predictor.rank, int) or predictor.rank < 1:
+            raise PackError(f"predictor rank must be a positive integer, not {predictor.rank!r}")
+        if "predictor" not in method:  # a caller's own description wins
+            method = {**method, "predictor": {**predictor.info, "rank": predictor.rank,
+                                              "type": predictor.dtype}}
     try:
         method_json = json.dumps(method, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as e:
@@ -265,6 +353,9 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
 
     hdr = _scan_model(model_path)
     base = _base_model(hdr)
+    if predictor is not None and predictor.rank > min(base.n_ff, base.n_embd):
+        raise PackError(f"predictor rank {predictor.rank} exceeds min(n_ff, n_embd) = "
+                        f"{min(base.n_ff, base.n_embd)} of {model_path}")
     qblock = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
     if down_type == "q8_0" and base.n_embd % qblock:
         # each neuron's row is quantized on its own, so it must split into whole blocks
@@ -296,12 +387,22 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     down_shape = (base.n_ff, base.n_embd)
     down_nbytes = base.n_ff * base.n_embd // block * type_size
     vec = base.n_ff * 4  # I32 / F32 vectors of n_ff entries
+    if predictor is not None:
+        pq = {"f32": Q.F32, "f16": Q.F16}[predictor.dtype]
+        psize = gguf.GGML_QUANT_SIZES[pq][1]
+        rank = predictor.rank
     for il in range(base.n_layer):
         n = _tensor_names(il)
         w.add_tensor_info(n["down_t"], down_shape, np.dtype(np.float32), down_nbytes, raw_dtype=dq)
         w.add_tensor_info(n["perm"], (base.n_ff,), np.dtype(np.int32), vec)
         w.add_tensor_info(n["group"], (base.n_ff,), np.dtype(np.int32), vec)
         w.add_tensor_info(n["freq"], (base.n_ff,), np.dtype(np.float32), vec)
+        if predictor is not None:
+            w.add_tensor_info(n["pred_a"], (rank, base.n_embd), np.dtype(np.float32),
+                              rank * base.n_embd * psize, raw_dtype=pq)
+            w.add_tensor_info(n["pred_b"], (base.n_ff, rank), np.dtype(np.float32),
+                              base.n_ff * rank * psize, raw_dtype=pq)
+            w.add_tensor_info(n["pred_c"], (base.n_ff,), np.dtype(np.float32), vec)
     w.add_tensor_info(THRESHOLD_NAME, (base.n_layer,), np.dtype(np.float32), base.n_layer * 4)
 
     ids = np.arange(base.n_ff, dtype=np.int32)
@@ -318,6 +419,16 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
             yield ids                                     # identity permutation
             yield ids // np.int32(group_size)             # identity grouping
             yield np.ones(base.n_ff, dtype=np.float32)    # frequency unknown
+            if predictor is not None:
+                a, b, c = _check_factors(il, predictor.layer(il), rank, base.n_embd, base.n_ff)
+                n = _tensor_names(il)
+                for what, f in (("A", a), ("B", b)):
+                    try:
+                        yield encode_tensor(f, pq, n["pred_" + what.lower()])
+                    except ValueError:
+                        raise PackError(f"predictor {what} of layer {il} has values beyond "
+                                        f"float16's range (65504); store the predictor as f32") from None
+                yield c
         yield np.zeros(base.n_layer, dtype=np.float32)    # threshold: fire when > 0
 
     return finish_atomically(w, tmp, out, data())
@@ -410,9 +521,11 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     for il in range(base.n_layer):
         names = _tensor_names(il)
         required = ("down_t", "perm", "group", "freq")
-        has_pred = [k for k in ("pred_a", "pred_b") if names[k] in tensors]
-        if len(has_pred) == 1:
-            raise PackError(f"pack {path}: layer {il} has {names[has_pred[0]]} without its pair")
+        has_pred = [k for k in PRED_KEYS if names[k] in tensors]
+        if has_pred and len(has_pred) < len(PRED_KEYS):
+            missing = next(names[k] for k in PRED_KEYS if k not in has_pred)
+            raise PackError(f"pack {path}: layer {il} has {names[has_pred[0]]} but lacks {missing} "
+                            f"(a predictor is kx_pred_a, kx_pred_b and kx_pred_c together)")
         for k in (*required, *has_pred):
             if names[k] not in tensors:
                 raise PackError(f"pack {path} lacks the tensor {names[k]}")
@@ -435,16 +548,20 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
         freq = np.asarray(t["freq"].data)
         if not np.all((freq >= 0) & (freq <= 1)):  # also rejects NaN
             raise PackError(f"pack {path}: {names['freq']} has values outside [0, 1]")
-        pred_a = pred_b = None
+        pred_a = pred_b = pred_c = None
         if has_pred:
             rank = int(t["pred_a"].shape[1]) if len(t["pred_a"].shape) == 2 else 0
             if rank < 1:
                 raise PackError(f"pack {path}: {names['pred_a']} must be 2-D [rank, n_embd]")
             _check_tensor(t["pred_a"], path, ("F32", "F16"), (n_embd, rank))
             _check_tensor(t["pred_b"], path, ("F32", "F16"), (rank, n_ff))
+            _check_tensor(t["pred_c"], path, ("F32",), (n_ff,))
             pred_a, pred_b = t["pred_a"].data, t["pred_b"].data
+            pred_c = np.asarray(t["pred_c"].data)
+            if not np.all(np.isfinite(pred_c)):
+                raise PackError(f"pack {path}: {names['pred_c']} has non-finite values")
         layers.append(PackLayer(t["down_t"].data, t["down_t"].tensor_type.name.lower(),
-                                perm, group, freq, pred_a, pred_b))
+                                perm, group, freq, pred_a, pred_b, pred_c))
 
     if THRESHOLD_NAME not in tensors:
         raise PackError(f"pack {path} lacks the tensor {THRESHOLD_NAME}")

@@ -1,0 +1,46 @@
+"""Helpers shared by the benchmark scripts in bench/: what machine and commit a result
+came from, and writing raw JSON next to a markdown summary."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def machine_facts() -> dict:
+    facts = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        facts["cpu"] = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                            if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        facts["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        facts["gpu"] = None
+    return facts
+
+
+def git_commit() -> str:
+    """The commit measured: $KX_COMMIT (set where the tree is a copy without .git), else HEAD."""
+    env = os.environ.get("KX_COMMIT")
+    if env:
+        return env
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
+def write_results(out_prefix: str | Path, result: dict, summary_lines: list[str]) -> None:
+    """out_prefix.json (raw) and out_prefix.md (summary, ending with the exact command)."""
+    out = Path(out_prefix)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = summary_lines + ["", "Command:", "", "```", result["command"], "```", ""]
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))

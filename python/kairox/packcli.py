@@ -1,0 +1,123 @@
+"""`kairox pack MODEL.gguf`: write the model's sparse pack, with a sketch predictor by default.
+
+A pack is a sidecar GGUF next to the model (`model.gguf` -> `model.kxpack.gguf`) holding
+what kairox needs to run the model's FFN sparsely: each layer's down projection laid out
+one row per neuron, the neuron order and grouping, activation statistics and, optionally,
+an activation predictor per layer (docs/pack-format.md). The model file is only read; the
+pack records the model's fingerprint, so it is refused if used with any other model.
+
+This command writes an *identity* pack (neurons in their original order, groups of
+consecutive neurons, frequencies unknown) and, by default, the *sketch* predictor: a
+low-rank projection of each layer's gate computed from the weights alone (no sample
+text), biased upward by K (--margin) standard deviations of its own error so that it
+over-predicts rather than misses active neurons (python/kairox/predictor.py).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from .gguf_header import GGUFHeader
+from .pack import DOWN_TYPES, PRED_TYPES, PackError, inspect_model, pack_path_for, write_pack
+from .predictor import DEFAULT_MARGIN, sketch_for_model
+
+
+def _positive_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return n
+
+
+def _margin(v: str) -> float:
+    try:
+        k = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {v!r}") from None
+    if not math.isfinite(k) or k < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {v}")
+    return k
+
+
+def _default_down_type(hdr: GGUFHeader) -> str:
+    """f32 for a model whose ffn_down is F32 (keep it exact), else f16: the pack's rows are
+    read by the sparse kernels, and f16 is as precise as any quantized source while halving
+    the bytes of f32."""
+    import gguf
+    t = next(t for t in hdr.tensors if t.name == "blk.0.ffn_down.weight")
+    return "f32" if gguf.GGMLQuantizationType(t.type_id) == gguf.GGMLQuantizationType.F32 else "f16"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    def fail(msg: str) -> int:
+        print(f"kairox pack: error: {msg}", file=sys.stderr)
+        return 2
+
+    model = Path(args.model)
+    if not model.is_file():
+        return fail(f"model file not found: {model}")
+    if args.predictor == "none" and (args.rank is not None or args.margin is not None
+                                     or args.pred_type is not None):
+        return fail("--rank, --margin and --pred-type apply only to --predictor sketch")
+    out = Path(args.outfile) if args.outfile else pack_path_for(model)
+    t0 = time.perf_counter()
+    try:
+        hdr, base = inspect_model(model)
+        down_type = args.down_type or _default_down_type(hdr)
+        predictor = None
+        if args.predictor == "sketch":
+            margin = DEFAULT_MARGIN if args.margin is None else args.margin
+            predictor = sketch_for_model(model, args.rank, margin, args.pred_type)
+        path = write_pack(model, out, group_size=args.group_size, down_type=down_type,
+                          predictor=predictor, quiet=args.quiet)
+    except PackError as e:
+        return fail(str(e))
+    except OSError as e:
+        return fail(f"cannot write {out} ({e.strerror or e})")
+    wall = time.perf_counter() - t0
+    pred = ("no predictor" if predictor is None else
+            f"sketch predictor rank {predictor.rank}, margin {predictor.info['margin']:g} "
+            f"({predictor.dtype})")
+    print(f"kairox pack: wrote {path} ({_size(path.stat().st_size)})")
+    print(f"kairox pack: {base.n_layer} layers x {base.n_ff} neurons ({base.architecture}, "
+          f"{base.activation}), groups of {args.group_size}, down rows {down_type}, {pred}; "
+          f"{wall:.1f} s")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("pack", help="write a model's sparse pack (model.kxpack.gguf), with a predictor",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL.gguf", help="the model GGUF (llama, qwen2 or gemma3); only read")
+    p.add_argument("-o", "--outfile", metavar="OUT",
+                   help="pack to write (default: next to the model, MODEL.kxpack.gguf)")
+    p.add_argument("--down-type", choices=DOWN_TYPES,
+                   help="storage of the down-projection rows: f32, f16, or q8_0 (needs n_embd "
+                        "divisible by 32) (default: f32 if the model's ffn_down is F32, else f16)")
+    p.add_argument("--group-size", type=_positive_int, default=32, metavar="G",
+                   help="neurons per group, the unit the sparse FFN loads and computes "
+                        "(default: %(default)s)")
+    p.add_argument("--predictor", choices=("none", "sketch"), default="sketch",
+                   help="per-layer activation predictor: the low-rank sketch of the gate, or none "
+                        "(default: %(default)s)")
+    p.add_argument("--rank", type=_positive_int, metavar="R",
+                   help="sketch rank, at most min(n_ff, n_embd); higher predicts more precisely "
+                        "and costs more per token (default: max(8, n_embd/16))")
+    p.add_argument("--margin", type=_margin, metavar="K",
+                   help="sketch bias in standard deviations of its error; higher misses fewer "
+                        f"active neurons and predicts more inactive ones (default: {DEFAULT_MARGIN:g})")
+    p.add_argument("--pred-type", choices=PRED_TYPES,
+                   help="storage of the sketch factors (default: f32 if the model's ffn_gate is "
+                        "F32, else f16)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_pack)

@@ -1,0 +1,195 @@
+"""`kairox synth`: the ReLU models are as sparse as asked and the sketch predictor sees it."""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kairox.checkpoint import HFConfig
+from kairox.cli import main
+from kairox.gguf_header import GGUFHeader, scan_header
+from kairox.pack import read_model_tensor, read_pack
+from kairox.predictor import default_rank, predictor_scores, recall_and_overprediction, sketch_predictor
+from kairox.reference import LlamaReference, rms_norm
+from kairox.synth import PRESETS, Shape, SparseFFN, SynthError, synth
+
+SPARSITY = 0.89
+N_TOKENS = 256  # the zero fraction of a rank-3 gate (KB-tiny) varies from token to token
+
+_HF_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, vocab_gguf: Path) -> Path:
+    """KB-tiny (2 x 64 x 256, F32) with the full default vocabulary, written by the CLI."""
+    out = tmp_path_factory.mktemp("synth") / "kb-tiny.gguf"
+    assert main(["synth", "--preset", "KB-tiny", "--sparsity", str(SPARSITY), "-o", str(out), "-q"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def hdr(tiny: Path) -> GGUFHeader:
+    # scan_header + memmap: GGUFReader would parse all 32000 vocabulary strings first
+    return scan_header(tiny)
+
+
+def reference(hdr: GGUFHeader) -> LlamaReference:
+    """The numpy reference model over the GGUF's tensors. Q and K rows are in llama.cpp's
+    order, so RoPE pairs other dimensions than llama.cpp does; for random weights that
+    changes no statistic, and the FFN inputs are what these tests look at."""
+    weights = {"model.embed_tokens.weight": read_model_tensor(hdr, "token_embd.weight"),
+               "model.norm.weight": read_model_tensor(hdr, "output_norm.weight"),
+               "lm_head.weight": read_model_tensor(hdr, "output.weight")}
+    kv = hdr.kv
+    for il in range(kv["llama.block_count"]):
+        for short, hf in _HF_NAMES.items():
+            weights[f"model.layers.{il}.{hf}.weight"] = read_model_tensor(hdr, f"blk.{il}.{short}.weight")
+    cfg = HFConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": kv["llama.embedding_length"],
+        "intermediate_size": kv["llama.feed_forward_length"], "num_hidden_layers": kv["llama.block_count"],
+        "num_attention_heads": kv["llama.attention.head_count"],
+        "num_key_value_heads": kv["llama.attention.head_count_kv"], "hidden_act": "relu",
+        "rms_norm_eps": kv["llama.attention.layer_norm_rms_epsilon"],
+        "vocab_size": weights["model.embed_tokens.weight"].shape[0]}, source="test")
+    return LlamaReference(cfg, weights)
+
+
+def ffn_inputs(hdr: GGUFHeader, tokens: np.ndarray) -> list[np.ndarray]:
+    """Each layer's FFN input (after ffn_norm) on a forward pass over `tokens`."""
+    got: dict[int, np.ndarray] = {}
+    reference(hdr)._forward(tokens, ffn_input_hook=lambda il, h, lw: got.__setitem__(il, h.copy()))
+    return [got[il] for il in sorted(got)]
+
+
+def tokens(n: int = N_TOKENS) -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 32000, n)
+
+
+def test_layer0_sparsity_from_the_embedding(hdr: GGUFHeader) -> None:
+    # The FFN input of layer 0 is ~ RMSNorm(embedding) x ffn_norm: the attention update is
+    # a percent of the embedding by design, so it is left out here.
+    embd = read_model_tensor(hdr, "token_embd.weight")[tokens()]
+    x = rms_norm(embd, read_model_tensor(hdr, "blk.0.ffn_norm.weight"), 1e-5)
+    gate = read_model_tensor(hdr, "blk.0.ffn_gate.weight")
+    zeros = float(np.mean(x @ gate.T <= 0))
+    assert abs(zeros - SPARSITY) <= 0.04, zeros
+    a, b, c = sketch_predictor(gate, read_model_tensor(hdr, "blk.0.ffn_norm.weight"), default_rank(64, 256))
+    recall, over = recall_and_overprediction(predictor_scores(a, b, c, x) > 0, x @ gate.T > 0)
+    assert recall >= 0.98 and over <= 2.0, (recall, over)
+
+
+def test_every_layer_is_sparse_and_predicted(tmp_path: Path, tiny: Path, hdr: GGUFHeader) -> None:
+    """A real forward pass, attention included; the predictor is the one `kairox pack` stores."""
+    pack_path = tmp_path / "tiny.kxpack.gguf"
+    assert main(["pack", str(tiny), "-o", str(pack_path), "-q"]) == 0
+    pack = read_pack(pack_path, tiny)
+    for il, x in enumerate(ffn_inputs(hdr, tokens())):
+        active = x @ read_model_tensor(hdr, f"blk.{il}.ffn_gate.weight").T > 0
+        assert abs(1 - active.mean() - SPARSITY) <= 0.04, (il, 1 - active.mean())
+        recall, over = recall_and_overprediction(pack.layers[il].predictor_scores(x) > 0, active)
+        assert recall >= 0.98 and over <= 2.0, (il, recall, over)
+
+
+def test_bias_channel_and_quiet_layers(hdr: GGUFHeader) -> None:
+    n = 64
+    embd = read_model_tensor(hdr, "token_embd.weight")
+    np.testing.assert_allclose(embd[:, 0], 0.02 * math.sqrt((n - 1) / 3))
+    assert abs(float(embd[:, 1:].std()) - 0.02) < 0.001
+    for il in range(2):
+        for name in ("attn_output", "ffn_down"):
+            w = read_model_tensor(hdr, f"blk.{il}.{name}.weight")
+            assert np.all(w[0] == 0), name  # nothing is written into the bias channel
+            assert 0 < np.abs(w[1:]).max() < 0.02, name
+        for name in ("attn_norm", "ffn_norm"):
+            assert np.all(read_model_tensor(hdr, f"blk.{il}.{name}.weight") == 1)
+    # the residual stream stays ~ the embedding: x̂ hardly moves between layers
+    x = ffn_inputs(hdr, tokens(32))
+    assert np.abs(x[1] - x[0]).max() < 0.1
+    # x̂₀ = sqrt(n)/2 on average (over 63 token channels a row's RMS varies by ~10%)
+    assert abs(float(x[1][:, 0].mean()) - math.sqrt(n) / 2) < 0.1
+
+
+SMALL_SHAPE = Shape(2, 128, 384, 4, 2, "f16")
+
+
+@pytest.fixture(scope="module")
+def small_vocab(vocab_of_size: Callable[[int], Path]) -> Path:
+    return vocab_of_size(300)
+
+
+def test_gate_rank_and_sparsity_options(tmp_path: Path, small_vocab: Path) -> None:
+    out = synth(tmp_path / "m.gguf", SMALL_SHAPE, vocab_gguf=small_vocab, quiet=True,
+                sparse=SparseFFN(sparsity=0.7, gate_rank=6))
+    hdr = scan_header(out)
+    assert "sparsity 0.7 gate rank 6" in hdr.kv["general.name"]
+    gate = read_model_tensor(hdr, "blk.1.ffn_gate.weight")
+    s = np.linalg.svd(gate, compute_uv=False)
+    assert s[5] > 5 * s[6]  # rank 6 (5 token directions and the bias) plus small noise
+    x = rms_norm(read_model_tensor(hdr, "token_embd.weight")[np.arange(300)], 1.0, 1e-5)
+    assert abs(float(np.mean(x @ gate.T <= 0)) - 0.7) <= 0.04
+
+
+def test_same_seed_same_bytes(tmp_path: Path, small_vocab: Path) -> None:
+    a = synth(tmp_path / "a.gguf", SMALL_SHAPE, seed=3, vocab_gguf=small_vocab, quiet=True)
+    b = synth(tmp_path / "b.gguf", SMALL_SHAPE, seed=3, vocab_gguf=small_vocab, quiet=True)
+    c = synth(tmp_path / "c.gguf", SMALL_SHAPE, seed=4, vocab_gguf=small_vocab, quiet=True)
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+
+
+def test_silu_stays_dense_random(tmp_path: Path, small_vocab: Path) -> None:
+    hdr = scan_header(synth(tmp_path / "s.gguf", SMALL_SHAPE, act="silu", vocab_gguf=small_vocab,
+                            quiet=True))
+    assert hdr.kv["llama.hidden_activation"] == "silu"
+    assert read_model_tensor(hdr, "token_embd.weight")[:, 0].std() > 0.01  # no bias channel
+    with pytest.raises(SynthError, match="only to ReLU"):
+        synth(tmp_path / "t.gguf", SMALL_SHAPE, act="silu", sparse=SparseFFN(), vocab_gguf=small_vocab)
+
+
+@pytest.mark.parametrize("sparse,message", [
+    (SparseFFN(gate_rank=1), r"gate rank must be an integer in 2\.\.128"),
+    (SparseFFN(gate_rank=129), r"gate rank must be an integer in 2\.\.128"),
+    (SparseFFN(sparsity=1.0), "strictly between 0 and 1"),
+    (SparseFFN(sparsity=0.0), "strictly between 0 and 1"),
+])
+def test_refusals(tmp_path: Path, small_vocab: Path, sparse: SparseFFN, message: str) -> None:
+    with pytest.raises(SynthError, match=message):
+        synth(tmp_path / "x.gguf", SMALL_SHAPE, sparse=sparse, vocab_gguf=small_vocab)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--act", "silu", "--sparsity", "0.8"], "apply only to --act relu"),
+    (["--gate-rank", "1"], r"gate rank must be an integer in 2\.\.64"),
+    (["--sparsity", "1.5"], "argument --sparsity: must be strictly between 0 and 1"),
+    (["--sparsity", "x"], "argument --sparsity: must be a number"),
+])
+def test_cli_errors(capsys: pytest.CaptureFixture, tmp_path: Path, args: list[str], message: str) -> None:
+    argv = ["synth", "--preset", "KB-tiny", "-o", str(tmp_path / "x.gguf"), "-q", *args]
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "kairox synth: error: " in err and re.search(message, err), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_bar_on_stderr(capsys: pytest.CaptureFixture, tmp_path: Path, small_vocab: Path) -> None:
+    synth(tmp_path / "p.gguf", SMALL_SHAPE, vocab_gguf=small_vocab)
+    out, err = capsys.readouterr()
+    assert "synth p.gguf" in err and "tensor" in err and out == ""
+    synth(tmp_path / "q.gguf", SMALL_SHAPE, vocab_gguf=small_vocab, quiet=True)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_presets_are_kept() -> None:
+    assert PRESETS["KB-350M"] == Shape(24, 1024, 2816, 16, 16, "f16")
+    assert PRESETS["KB-7B"] == Shape(32, 4096, 11008, 32, 32, "f16")
