@@ -433,7 +433,7 @@ def test_cli_tool_modes_generate_the_same_text(native: Path, synth_model: Path) 
     """kairox-cli (llama-cli) single-turn: exact and predicted print what dense prints."""
     def cli(*extra: str) -> str:
         r = run_tool(native, "llama-cli", "-m", str(synth_model), "-p", "Once upon a time", "-n", "48",
-                     "--temp", "0", "-st", "--simple-io", "-t", "2", *extra)
+                     "--temp", "0", "-st", "--simple-io", "-t", "2", "-lv", "3", *extra)
         assert r.returncode == 0, r.stderr[-2000:]
         assert ("kairox: FFN mode" in r.stderr) == bool(extra)
         return "\n".join(ln for ln in r.stdout.splitlines() if "t/s" not in ln)  # drop timings
