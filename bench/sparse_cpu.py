@@ -9,6 +9,11 @@ correctly predicted active neurons / truly active ones, from the kernels' counte
 same tokens) and the weight bytes read per token, computed from the tensor sizes of the
 model and the pack with the measured density.
 
+A fourth run, "no-ffn", decodes in predicted mode with a predictor that never fires: its
+time is everything but the FFN (attention, norms, output, graph overhead). Subtracting it
+gives the FFN's own time per token in each mode, which is what sparsity speeds up; the
+whole-model speedup is bounded by the share of that floor (Amdahl).
+
   python3 bench/sparse_cpu.py --model KB-350M-relu-f16.gguf --threads 2 --tokens 64 \
       --reps 3 --out bench/results/sparse-cpu-KB-350M
 """
@@ -29,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
-MODES = ("dense", "exact", "predicted")
+MODES = ("dense", "exact", "predicted", "no-ffn")
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975]  # 8 tokens; prefill is dense anyway
 
 
@@ -62,14 +67,27 @@ def bytes_per_token(wb: dict[str, float], mode: str, density: float) -> float:
     return base + wb["pack_pred"] + density * (wb["ffn_gate"] + wb["ffn_up"] + wb["pack_down_t"])
 
 
+def blind_pack(model: Path, out: Path) -> Path:
+    """A pack whose predictor never fires (B = 0, c = -1): predicted mode then skips every FFN."""
+    from kairox.pack import PackPredictor, inspect_model, write_pack
+    _, base = inspect_model(model)
+
+    def layer(il: int):
+        return (np.ones((1, base.n_embd), np.float32), np.zeros((base.n_ff, 1), np.float32),
+                np.full(base.n_ff, -1.0, np.float32))
+    return write_pack(model, out, down_type="f16", quiet=True,
+                      predictor=PackPredictor(1, layer, info={"kind": "never-fires"}))
+
+
 def decode(model: Path, pack: Path, mode: str, seq: list[int], threads: int) -> dict:
     import kairox
     from kairox._native import sparse_counters
-    kw = {} if mode == "dense" else {"sparse": mode, "sparse_pack": str(pack)}
+    kw = {} if mode == "dense" else {"sparse": "predicted" if mode == "no-ffn" else mode,
+                                     "sparse_pack": str(pack)}
     llm = kairox.Llama(str(model), n_ctx=len(PROMPT) + len(seq) + 8, n_batch=64, n_ubatch=64,
-                       n_threads=threads, n_threads_batch=threads, verbose=False, **kw)
+                       n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False, **kw)
     try:
-        if llm.sparse != mode:
+        if llm.sparse != kw.get("sparse", "dense"):
             raise SystemExit(f"{mode} mode unavailable: {llm.sparse_error}")
         llm.eval(PROMPT)
         sparse_counters(reset=True)
@@ -90,7 +108,8 @@ def decode(model: Path, pack: Path, mode: str, seq: list[int], threads: int) -> 
 
 def greedy_sequence(model: Path, n: int, threads: int) -> list[int]:
     import kairox
-    llm = kairox.Llama(str(model), n_ctx=len(PROMPT) + n + 8, n_threads=threads, verbose=False)
+    llm = kairox.Llama(str(model), n_ctx=len(PROMPT) + n + 8, n_threads=threads, logits_all=True,
+                       verbose=False)
     try:
         llm.eval(PROMPT)
         seq = []
@@ -119,10 +138,15 @@ def main() -> int:
         raise SystemExit(f"no pack at {pack}; make one with `kairox pack {args.model}`")
 
     seq = greedy_sequence(args.model, args.tokens, args.threads)
+    import tempfile
+    tmp = tempfile.TemporaryDirectory()
+    packs = {m: pack for m in args.modes}
+    if "no-ffn" in args.modes:
+        packs["no-ffn"] = blind_pack(args.model, Path(tmp.name) / "never.kxpack.gguf")
     runs = []
     for rep in range(args.reps):
         for mode in args.modes:
-            r = decode(args.model, pack, mode, seq, args.threads)
+            r = decode(args.model, packs[mode], mode, seq, args.threads)
             runs.append({"mode": mode, "rep": rep, **r})
             print(f"{mode:9s} rep={rep} {r['tok_s']:8.2f} tok/s density {r['density']:.3f} "
                   f"agree {r['argmax_agree']:.3f}", flush=True)
@@ -146,8 +170,15 @@ def main() -> int:
             row["over_prediction"] = sel / exact_nz
         table.append(row)
     dense = next((r for r in table if r["mode"] == "dense"), None)
+    floor = next((r for r in table if r["mode"] == "no-ffn"), None)
     for row in table:
         row["speedup"] = row["tok_s"][0] / dense["tok_s"][0] if dense else None
+        row["ms_per_token"] = 1000 / row["tok_s"][0]
+        if floor and row["mode"] != "no-ffn":
+            row["ffn_ms"] = row["ms_per_token"] - 1000 / floor["tok_s"][0]
+    for row in table:
+        if dense and "ffn_ms" in row:
+            row["ffn_speedup"] = dense["ffn_ms"] / row["ffn_ms"]
 
     result = {
         "benchmark": "sparse-cpu", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
@@ -159,15 +190,20 @@ def main() -> int:
     lines = [f"# Sparse FFN on the CPU ({args.model.name})", "",
              f"decode tok/s (batch 1, {args.tokens} tokens, {args.threads} threads), median of {args.reps} "
              f"alternating runs [min-max]; commit {result['commit'][:10]}; {result['machine'].get('cpu', '')}", "",
-             "| mode | tok/s | vs dense | density | recall | over-pred. | MB read/token | argmax = dense |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| mode | tok/s | vs dense | ms/token | FFN ms/token | FFN vs dense | density | recall | "
+             "over-pred. | MB read/token | argmax = dense |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in table:
         t = row["tok_s"]
         rec = f"{row['recall']:.4f}" if "recall" in row else "-"
         ovr = f"{row['over_prediction']:.2f}" if "over_prediction" in row else "-"
         dens = "1 (all)" if row["mode"] == "dense" else f"{row['density']:.3f}"
-        lines.append(f"| {row['mode']} | {t[0]:.2f} [{t[1]:.2f}-{t[2]:.2f}] | {row['speedup']:.2f}x | {dens} | "
-                     f"{rec} | {ovr} | {row['bytes_per_token'] / 1e6:.1f} | {row['argmax_agree']:.3f} |")
+        ffn = f"{row['ffn_ms']:.1f}" if "ffn_ms" in row else "-"
+        ffx = f"{row['ffn_speedup']:.2f}x" if "ffn_speedup" in row else "-"
+        mb = "-" if row["mode"] == "no-ffn" else f"{row['bytes_per_token'] / 1e6:.1f}"
+        lines.append(f"| {row['mode']} | {t[0]:.2f} [{t[1]:.2f}-{t[2]:.2f}] | {row['speedup']:.2f}x | "
+                     f"{row['ms_per_token']:.1f} | {ffn} | {ffx} | {dens} | {rec} | {ovr} | {mb} | "
+                     f"{row['argmax_agree']:.3f} |")
     write_results(args.out, result, lines)
     return 0
 

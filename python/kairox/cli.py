@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from . import __version__
@@ -51,13 +52,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from . import llama as kxl
     ctx = args.ctx or min(2048, _context_length(model) or 2048)
     try:
-        llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
-                        n_gpu_layers=args.n_gpu_layers, verbose=args.verbose)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", kxl.SparsePackWarning)
+            llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
+                            n_gpu_layers=args.n_gpu_layers, verbose=args.verbose,
+                            sparse=args.sparse, sparse_pack=args.sparse_pack)
     except ValueError as e:
         print(f"kairox run: error: {e}", file=sys.stderr)
         return 2
-    print(f"kairox: {model.name} ({llm.n_ctx()} ctx, {llm.context_params.n_threads} threads)",
-          file=sys.stderr)
+    for w in caught:
+        print(f"kairox run: warning: {w.message}", file=sys.stderr)
+    print(f"kairox: {model.name} ({llm.n_ctx()} ctx, {llm.context_params.n_threads} threads, "
+          f"FFN {llm.sparse})", file=sys.stderr)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     t0 = time.perf_counter()
@@ -151,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers on the GPU; -1 = all (default: 0)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--sparse", choices=["dense", "exact", "predicted"], default=None,
+                   help="FFN mode: dense (the model's own), exact (only neurons that fire; same "
+                   "output for ReLU models) or predicted (the pack's predictor picks them); "
+                   "default: dense, or predicted/exact when --sparse-pack is given")
+    p.add_argument("--sparse-pack", default=None,
+                   help="sparse pack (default with --sparse: MODEL.kxpack.gguf next to the model; "
+                   "make one with `kairox pack MODEL`)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's load log")
     p.set_defaults(func=cmd_run)
 
