@@ -28,9 +28,11 @@ class _CPlan(C.Structure):
 
 class GGML:
     def __init__(self, lib_dir: Path):
-        mode = C.RTLD_GLOBAL
-        self.base = C.CDLL(str(lib_dir / "libggml-base.so"), mode=mode)
-        self.cpu = C.CDLL(str(lib_dir / "libggml-cpu.so"), mode=mode)
+        # the same library instances libllama uses (an installed wheel has copies, not
+        # symlinks, of libggml-*.so and .so.0): kernel counters are then shared
+        from kairox._native import ggml_library
+        self.base = ggml_library("ggml-base")
+        self.cpu = ggml_library("ggml-cpu")
         b, c, P = self.base, self.cpu, C.c_void_p
         b.ggml_init.argtypes, b.ggml_init.restype = [_InitParams], P
         b.ggml_free.argtypes = [P]

@@ -133,7 +133,7 @@ void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params
     const int32_t * ids   = list + 1;
     const int32_t * map   = rowmap ? (const int32_t *) rowmap->data : NULL;
 
-    int64_t nonzero = 0; // counted by thread 0 only: every thread walks the same rows
+    int64_t nonzero = 0; // counted by the thread owning column 0 only: all walk the same rows
     for (int64_t j = 0; j < count; ++j) {
         const int64_t i = ids[j];
         const int64_t r = map ? map[i] : i;
@@ -165,7 +165,7 @@ void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params
             }
         }
     }
-    if (ith == 0) {
+    if (c0 == 0) {
         atomic_fetch_add(&kx_stat_nonzero, nonzero);
     }
 }

@@ -95,8 +95,30 @@ class SparseCounters:
         return self.selected / self.total if self.total else 0.0
 
 
+def ggml_library(name: str) -> ctypes.CDLL:
+    """The ggml library `name` ("ggml-cpu", "ggml-base") as this process uses it.
+
+    Installed wheels hold real files, not symlinks, so libggml-cpu.so and libggml-cpu.so.0
+    are two copies, and loading the wrong one gives a second instance with its own
+    state. Prefer the copy already mapped (loaded as libllama's dependency), else the
+    soname (.so.0) that libllama's dependencies name."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(" ")[-1]
+                if f"/lib{name}.so" in path and Path(path).is_file():
+                    return ctypes.CDLL(path)
+    except OSError:
+        pass
+    lib_dir = find_lib_dir()
+    for cand in (lib_dir / f"lib{name}.so.0", lib_dir / f"lib{name}.so"):
+        if cand.exists():
+            return ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+    raise NativeLibraryNotFound(f"lib{name}.so is not in {lib_dir}")
+
+
 def sparse_counters(reset: bool = False) -> SparseCounters:
-    lib = ctypes.CDLL(str(find_lib_dir() / "libggml-cpu.so"))
+    lib = ggml_library("ggml-cpu")
     vals = [ctypes.c_int64() for _ in range(5)]
     lib.kx_cpu_select_stats(*[ctypes.byref(v) for v in vals[:4]], ctypes.c_bool(reset))
     lib.kx_cpu_axpy_stats(ctypes.byref(vals[4]), ctypes.c_bool(reset))
