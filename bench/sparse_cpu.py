@@ -68,15 +68,10 @@ def bytes_per_token(wb: dict[str, float], mode: str, density: float) -> float:
 
 
 def blind_pack(model: Path, out: Path) -> Path:
-    """A pack whose predictor never fires (B = 0, c = -1): predicted mode then skips every FFN."""
-    from kairox.pack import PackPredictor, inspect_model, write_pack
-    _, base = inspect_model(model)
-
-    def layer(il: int):
-        return (np.ones((1, base.n_embd), np.float32), np.zeros((base.n_ff, 1), np.float32),
-                np.full(base.n_ff, -1.0, np.float32))
-    return write_pack(model, out, down_type="f16", quiet=True,
-                      predictor=PackPredictor(1, layer, info={"kind": "never-fires"}))
+    """A pack whose predictor never fires: predicted mode then skips every FFN."""
+    from kairox.pack import write_pack
+    from kairox.predictor import never_fires
+    return write_pack(model, out, down_type="f16", quiet=True, predictor=never_fires(model))
 
 
 def decode(model: Path, pack: Path, mode: str, seq: list[int], threads: int) -> dict:

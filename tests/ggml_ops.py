@@ -8,7 +8,6 @@ gguf.quants (numpy, independent of ggml) for their references.
 from __future__ import annotations
 
 import ctypes as C
-from pathlib import Path
 
 import numpy as np
 
@@ -27,7 +26,7 @@ class _CPlan(C.Structure):
 
 
 class GGML:
-    def __init__(self, lib_dir: Path):
+    def __init__(self) -> None:
         # the same library instances libllama uses (an installed wheel has copies, not
         # symlinks, of libggml-*.so and .so.0): kernel counters are then shared
         from kairox._native import ggml_library

@@ -35,7 +35,7 @@ def relu_model(tmp_path_factory: pytest.TempPathFactory, tiny_relu_gguf: Path) -
 @pytest.fixture(scope="module")
 def ops(native: Path):
     from ggml_ops import GGML
-    return GGML(native)
+    return GGML()
 
 
 def make_llm(model: Path, **kw):
@@ -388,17 +388,9 @@ def test_predicted_mode_same_tokens_with_recall(synth_model: Path, tmp_path: Pat
 
 
 def _blind_pack(model: Path, out: Path) -> Path:
-    """A pack whose predictor never fires (B = 0, c = -1): predicted mode drops the FFN."""
-    from kairox.pack import PackPredictor
-    from kairox.gguf_header import scan_header
-    hdr = scan_header(model)
-    n_embd = int(hdr.kv["llama.embedding_length"])
-    n_ff = int(hdr.kv["llama.feed_forward_length"])
-
-    def layer(il: int):
-        return (np.ones((1, n_embd), np.float32), np.zeros((n_ff, 1), np.float32),
-                np.full(n_ff, -1.0, np.float32))
-    return write_pack(model, out, predictor=PackPredictor(1, layer, info={"kind": "blind"}), quiet=True)
+    """A pack whose predictor never fires: predicted mode drops the FFN."""
+    from kairox.predictor import never_fires
+    return write_pack(model, out, predictor=never_fires(model), quiet=True)
 
 
 def test_switching_modes_rebuilds_the_graph(synth_model: Path, tmp_path: Path) -> None:

@@ -48,9 +48,8 @@ static inline float kx_act(float v, int32_t act) {
 }
 
 static inline bool kx_is_active(float v, float thr, int32_t act) {
-    if (act == KX_SELECT_SCORE || act == KX_SELECT_RELU) {
-        // |relu(v)| > thr  <=>  v > thr  for thr >= 0; for thr < 0 every neuron is active
-        return act == KX_SELECT_RELU && thr < 0.0f ? true : v > thr;
+    if (act == KX_SELECT_SCORE) {
+        return v > thr;
     }
     return fabsf(kx_act(v, act)) > thr;
 }

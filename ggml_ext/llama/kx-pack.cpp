@@ -187,13 +187,6 @@ kx_pack::~kx_pack() {
     if (ctx) { ggml_free(ctx); }
 }
 
-std::string kx_fingerprint(const std::string & model_path) {
-    gguf_ptr gp;
-    open_gguf(gp, model_path, "model");
-    check_complete(gp, model_path, "model");
-    return fingerprint_of(gp, model_path);
-}
-
 std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::string & model_path,
                                       const std::string & path) {
     gguf_ptr gp;

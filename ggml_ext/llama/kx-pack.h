@@ -41,8 +41,5 @@ struct kx_pack_error : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// Fingerprint of a model GGUF as docs/pack-format.md defines it ("kxfp1-" + 16 hex digits).
-std::string kx_fingerprint(const std::string & model_path);
-
 std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::string & model_path,
                                       const std::string & pack_path);

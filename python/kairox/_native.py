@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -95,6 +96,7 @@ class SparseCounters:
         return self.selected / self.total if self.total else 0.0
 
 
+@functools.lru_cache(maxsize=None)
 def ggml_library(name: str) -> ctypes.CDLL:
     """The ggml library `name` ("ggml-cpu", "ggml-base") as this process uses it.
 

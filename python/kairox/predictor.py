@@ -138,6 +138,18 @@ def sketch_predictor(w_gate: np.ndarray, norm_w: np.ndarray, rank: int,
     return np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32), c
 
 
+def never_fires(model_path: str | Path) -> PackPredictor:
+    """A rank-1 predictor that lists no neuron (B = 0, c = -1) for every layer of a model:
+    predicted mode with it skips every FFN, which measures what the rest of the model costs
+    (benchmarks) and what the FFNs contribute to the logits (tests)."""
+    _, base = inspect_model(model_path)
+
+    def layer(il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.ones((1, base.n_embd), np.float32), np.zeros((base.n_ff, 1), np.float32),
+                np.full(base.n_ff, -1.0, np.float32))
+    return PackPredictor(1, layer, info={"kind": "never-fires"})
+
+
 def predictor_scores(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray) -> np.ndarray:
     """B (A x) + c for an FFN input x [n_embd] or a batch [n_tokens, n_embd] (float32).
 
