@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from kairox.checkpoint import Checkpoint
-from kairox.pack import (FORBIDDEN_SUBSTRINGS, PackError, PackPredictor, fingerprint, pack_path_for,
+from kairox.pack import (FORBIDDEN_SUBSTRINGS, PackError, PackLayout, PackPredictor, fingerprint,
+                         inspect_model, pack_path_for, read_pack_stats,
                          read_pack, write_pack)
 
 SMALL = 300  # vocabulary of the models whose GGUF this file parses with GGUFReader
@@ -127,7 +128,7 @@ def test_round_trip_f32(tmp_path: Path, tiny_relu_gguf: Path, tiny_relu_hf: Path
     pack = read_pack(out, tiny_relu_gguf)
     b = pack.base
     assert (b.architecture, b.n_layer, b.n_embd, b.n_ff, b.activation) == ("llama", 2, 64, 256, "relu")
-    assert pack.version == 1 and pack.created_by.startswith("kairox ")
+    assert pack.version == 2 and pack.created_by.startswith("kairox ")
     assert pack.method == {"kind": "identity"}
     assert pack.fingerprint == fingerprint(tiny_relu_gguf)
     assert pack.group_size == 48 and pack.n_groups == 6  # ceil(256 / 48)
@@ -203,10 +204,15 @@ def test_refuses_truncated_and_non_packs(tmp_path: Path, small_relu: Path, small
 
 
 def test_refuses_unknown_version(tmp_path: Path, small_pack: Path) -> None:
-    bad = rewrite(small_pack, tmp_path / "v2.gguf",
-                  kv={"kx.pack.version": (2, gguf.GGUFValueType.UINT32)})
-    with pytest.raises(PackError, match="format version 2"):
+    bad = rewrite(small_pack, tmp_path / "v3.gguf",
+                  kv={"kx.pack.version": (3, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(PackError, match="format version 3"):
         read_pack(bad)
+
+
+def test_reads_version_1(tmp_path: Path, small_relu: Path, small_pack: Path) -> None:
+    v1 = rewrite(small_pack, tmp_path / "v1.gguf", kv={"kx.pack.version": (1, gguf.GGUFValueType.UINT32)})
+    assert read_pack(v1, small_relu).version == 1
 
 
 def test_refuses_base_mismatch(tmp_path: Path, small_relu: Path, small_pack: Path) -> None:
@@ -343,3 +349,50 @@ def test_write_refuses_bad_predictor(tmp_path: Path, small_relu: Path, pred: Pac
     with pytest.raises(PackError, match=message):
         write_pack(small_relu, tmp_path / "p.kxpack.gguf", predictor=pred, quiet=True)
     assert list(tmp_path.iterdir()) == []  # nothing half-written is left behind
+
+
+def test_layout_ahead_and_stats_round_trip(tmp_path: Path, small_relu: Path, tiny_hf: Callable[..., Path]) -> None:
+    """A profiled pack (version 2): permuted rows, groups, frequencies, thresholds, an ahead
+    predictor and statistics come back as written; down rows follow the permutation."""
+    _, base = inspect_model(small_relu)
+    rng = np.random.default_rng(3)
+    perms = [rng.permutation(base.n_ff).astype(np.int32) for _ in range(base.n_layer)]
+    freq = rng.uniform(0, 1, (base.n_layer, base.n_ff)).astype(np.float32)
+    g = 16
+    layout = PackLayout(lambda il: (perms[il], np.arange(base.n_ff) // g, freq[il]),
+                        np.array([0.0, 0.25][:base.n_layer], np.float32))
+    fac = {il: (rng.standard_normal((4, base.n_embd)), rng.standard_normal((base.n_ff, 4)),
+                rng.standard_normal(base.n_ff)) for il in range(base.n_layer)}
+    ahead = PackPredictor(4, lambda il: fac[il], "f32", {"kind": "test"})
+    out = write_pack(small_relu, tmp_path / "p.kxpack.gguf", group_size=g, layout=layout,
+                     ahead=ahead, stats='{"x": 1}', quiet=True)
+    pack = read_pack(out, small_relu)
+    assert pack.version == 2 and pack.stats == '{"x": 1}' and read_pack_stats(out) == '{"x": 1}'
+    assert pack.method["ahead"] == {"kind": "test", "rank": 4, "type": "f32"}
+    hf = Checkpoint(tiny_hf(hidden_act="relu", vocab_size=SMALL))
+    np.testing.assert_array_equal(pack.threshold, layout.threshold)
+    for il, layer in enumerate(pack.layers):
+        np.testing.assert_array_equal(layer.perm, perms[il])
+        np.testing.assert_array_equal(layer.freq, freq[il])
+        want = np.asarray(hf.tensor(f"model.layers.{il}.mlp.down_proj.weight"), np.float32).T
+        np.testing.assert_array_equal(layer.down_t(), want[perms[il]])
+        assert not layer.has_predictor
+        for got, exp in zip((layer.ahead_a, layer.ahead_b, layer.ahead_c), fac[il]):
+            np.testing.assert_allclose(np.asarray(got), exp.astype(np.float32))
+
+
+def test_write_refuses_bad_layout(tmp_path: Path, small_relu: Path) -> None:
+    _, base = inspect_model(small_relu)
+    ids = np.arange(base.n_ff)
+    bad = {"perm": (np.zeros(base.n_ff, np.int32), ids // 32, np.ones(base.n_ff)),
+           "group": (ids, ids[::-1] // 32, np.ones(base.n_ff)),
+           "freq": (ids, ids // 32, np.full(base.n_ff, 2.0))}
+    for what, f in bad.items():
+        layout = PackLayout(lambda il, f=f: f, np.zeros(base.n_layer, np.float32))
+        with pytest.raises(PackError, match=what):
+            write_pack(small_relu, tmp_path / "p.kxpack.gguf", layout=layout, quiet=True)
+    with pytest.raises(PackError, match="threshold"):
+        write_pack(small_relu, tmp_path / "p.kxpack.gguf", quiet=True,
+                   layout=PackLayout(lambda il: (ids, ids // 32, np.ones(base.n_ff)),
+                                     np.full(base.n_layer, np.nan, np.float32)))
+    assert not any(tmp_path.iterdir())

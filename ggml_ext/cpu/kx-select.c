@@ -33,25 +33,11 @@ void kx_cpu_select_stats(int64_t * selected, int64_t * total, int64_t * calls, i
     }
 }
 
-// the activation value whose magnitude decides; KX_SELECT_SCORE compares the raw score
-static inline float kx_act(float v, int32_t act) {
-    switch (act) {
-        case KX_SELECT_RELU: return v > 0.0f ? v : 0.0f;
-        case KX_SELECT_SILU: return v / (1.0f + expf(-v));
-        case KX_SELECT_GELU: {
-            // tanh form, as ggml_gelu; only the decision depends on it
-            const float c = 0.7978845608028654f; // sqrt(2/pi)
-            return 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
-        }
-        default: return v;
-    }
-}
-
 static inline bool kx_is_active(float v, float thr, int32_t act) {
     if (act == KX_SELECT_SCORE) {
         return v > thr;
     }
-    return fabsf(kx_act(v, act)) > thr;
+    return fabsf(kx_act_value(v, act)) > thr;
 }
 
 // one token, "v > thr" rule: vector compare + movemask, then walk the set bits

@@ -38,6 +38,57 @@ LLAMA_API int32_t kx_context_get_sparse(const struct llama_context * ctx);
 // "dense" / "exact" / "predicted" -> mode, -1 for anything else
 LLAMA_API int32_t kx_sparse_mode_from_str(const char * s);
 
+// ---------------------------------------------------------------- activation profiler
+// An eval callback that aggregates a dense forward pass in native code (`kairox prepare`).
+// Install it through llama_context_params: cb_eval = kx_collector_eval,
+// cb_eval_user_data = the collector; request logits for every token so the last layer
+// keeps all rows. Watched tensors (names from llama.cpp's graph): ffn_norm-L (FFN input),
+// ffn_gate-L (gate pre-activation), l_out-L (residual stream); all must be F32.
+
+// |act(g)| histogram: bin 0 holds exact zeros, bins 1..N-1 split [10^LO, 10^HI) into
+// N-2 log-uniform bins (2.5% wide each); bin 1 also takes (0, 10^LO) and bin N-1 what
+// lies at or above 10^HI. A threshold read from it is good to one bin (2.5%), finer
+// than any sparsity target needs.
+#define KX_COLLECT_HIST_BINS 1026
+#define KX_COLLECT_HIST_LO   (-8.0)
+#define KX_COLLECT_HIST_HI   (  3.0)
+
+enum kx_collect_rows {
+    KX_COLLECT_X    = 0, // rows of FFN input kept since kx_collector_begin
+    KX_COLLECT_MASK = 1, // rows of active masks kept since kx_collector_begin
+};
+
+struct kx_collector;
+
+// act: KX_SELECT_RELU / _SILU / _GELU (kx-ops.h); max_tokens: rows kept per layer per decode
+// (more are counted in the aggregates but not kept). NULL for invalid arguments.
+LLAMA_API struct kx_collector * kx_collector_new(int32_t n_layer, int32_t n_embd, int32_t n_ff,
+                                                 int32_t act, int32_t max_tokens);
+LLAMA_API void    kx_collector_free(struct kx_collector * c);
+// per-layer thresholds (n_layer finite values >= 0): neuron i is active iff |act(g_i)| > thr
+LLAMA_API int32_t kx_collector_set_thresholds(struct kx_collector * c, const float * thr);
+// the ggml_backend_sched_eval_callback; user_data is the collector
+LLAMA_API bool    kx_collector_eval(struct ggml_tensor * t, bool ask, void * user_data);
+// before each llama_decode: forget the previous decode's rows (aggregates stay)
+LLAMA_API void    kx_collector_begin(struct kx_collector * c);
+// zero the aggregates (counts, histograms, cosine sums, skipped)
+LLAMA_API void    kx_collector_reset(struct kx_collector * c);
+// rows kept for layer il since begin (what: enum kx_collect_rows); -1 for a bad layer
+LLAMA_API int32_t kx_collector_n_rows(const struct kx_collector * c, int32_t il, int32_t what);
+// copy the kept rows: x as rows x n_embd floats, masks as rows x ceil(n_ff/8) bytes (bit i of
+// a row is neuron i, little-endian bit order). Return the count copied, -1 if capacity is short.
+LLAMA_API int64_t kx_collector_get_x(const struct kx_collector * c, int32_t il, float * dst, int64_t capacity);
+LLAMA_API int64_t kx_collector_get_mask(const struct kx_collector * c, int32_t il, uint8_t * dst, int64_t capacity);
+// aggregates of layer il: active count per neuron [n_ff], histogram [KX_COLLECT_HIST_BINS],
+// sum and count of cos(l_out[il-1], l_out[il]) over tokens (layer 0: none)
+LLAMA_API int32_t kx_collector_get_counts(const struct kx_collector * c, int32_t il, int64_t * dst);
+LLAMA_API int32_t kx_collector_get_hist(const struct kx_collector * c, int32_t il, int64_t * dst);
+LLAMA_API int32_t kx_collector_get_cosine(const struct kx_collector * c, int32_t il, double * sum, int64_t * n);
+// watched tensors ignored (unexpected type/shape) or rows beyond max_tokens
+LLAMA_API int64_t kx_collector_n_skipped(const struct kx_collector * c);
+LLAMA_API int32_t kx_collect_hist_bins(void);
+LLAMA_API void    kx_collect_hist_range(double * lo_log10, double * hi_log10);
+
 #ifdef __cplusplus
 }
 #endif

@@ -14,6 +14,9 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include <math.h>
+#include <stdint.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -25,6 +28,21 @@ enum kx_select_act {
     KX_SELECT_SILU  = 2, // |silu(score)| > threshold
     KX_SELECT_GELU  = 3, // |gelu(score)| > threshold
 };
+
+// The activation value whose magnitude the rules above compare (KX_SELECT_SCORE: the raw
+// score). GELU uses the tanh form, as ggml_gelu: only the decision depends on it. Shared
+// by the select kernel and the activation profiler, so calibration and inference agree.
+static inline float kx_act_value(float v, int32_t act) {
+    switch (act) {
+        case KX_SELECT_RELU: return v > 0.0f ? v : 0.0f;
+        case KX_SELECT_SILU: return v / (1.0f + expf(-v));
+        case KX_SELECT_GELU: {
+            const float c = 0.7978845608028654f; // sqrt(2/pi)
+            return 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
+        }
+        default: return v;
+    }
+}
 
 // scores: F32 [n, n_tokens], contiguous rows.
 // Result: I32 [n + 1]; [0] = count, [1 .. count] = ascending ids active in at least one

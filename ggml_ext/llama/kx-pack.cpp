@@ -12,6 +12,7 @@
 #include "gguf.h"
 
 #include <algorithm>
+#include <array>
 #include <cinttypes>
 #include <cstdarg>
 #include <cmath>
@@ -23,7 +24,9 @@
 
 namespace {
 
-constexpr uint32_t    KX_PACK_VERSION = 1;
+// version 2 = version 1 + optional ahead predictors (blk.L.kx_ahead_*, read by the online
+// balancer, not by this loader) and an optional kx.stats key; both versions are read
+constexpr uint32_t    KX_PACK_VERSION = 2;
 constexpr const char * KX_PACK_ARCH   = "kxpack";
 constexpr uint64_t    KX_FP_SAMPLE    = 4096;
 
@@ -206,8 +209,8 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
                                 path.c_str(), arch.c_str(), KX_PACK_ARCH));
     }
     const uint32_t version = get_u32(gp, path, "kx.pack.version");
-    if (version != KX_PACK_VERSION) {
-        throw kx_pack_error(fmt("pack %s has format version %u, but this kairox reads version %u; "
+    if (version < 1 || version > KX_PACK_VERSION) {
+        throw kx_pack_error(fmt("pack %s has format version %u, but this kairox reads versions 1 to %u; "
                                 "rebuild the pack with this kairox", path.c_str(), version, KX_PACK_VERSION));
     }
     get_str(gp, path, "kx.pack.created_by");
@@ -308,19 +311,22 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         check_tensor(freqs[il],  path, { GGML_TYPE_F32 }, n_ff, 1);
         auto & L = pack->layers[il];
         L.down_t = take(down);
-        const char * pk[3] = { "kx_pred_a", "kx_pred_b", "kx_pred_c" };
-        int have = 0;
-        for (const char * k : pk) {
-            have += names.count(p + k) ? 1 : 0;
-        }
-        if (have != 0 && have != 3) {
-            throw kx_pack_error(fmt("pack %s: layer %" PRId64 " has %d of the 3 predictor tensors "
-                                    "(kx_pred_a, kx_pred_b, kx_pred_c); they come together", path.c_str(), il, have));
-        }
-        if (have == 3) {
-            ggml_tensor * a = need(p + pk[0]);
-            ggml_tensor * b = need(p + pk[1]);
-            ggml_tensor * c = need(p + pk[2]);
+        // a predictor trio: all three tensors or none; returns them validated, or nulls
+        auto trio = [&](const char * const (&k)[3]) -> std::array<ggml_tensor *, 3> {
+            int have = 0;
+            for (const char * name : k) {
+                have += names.count(p + name) ? 1 : 0;
+            }
+            if (have != 0 && have != 3) {
+                throw kx_pack_error(fmt("pack %s: layer %" PRId64 " has %d of the 3 tensors %s, %s, %s; "
+                                        "they come together", path.c_str(), il, have, k[0], k[1], k[2]));
+            }
+            if (have == 0) {
+                return { nullptr, nullptr, nullptr };
+            }
+            ggml_tensor * a = need(p + k[0]);
+            ggml_tensor * b = need(p + k[1]);
+            ggml_tensor * c = need(p + k[2]);
             const int64_t rank = a->ne[1];
             if (rank < 1) {
                 throw kx_pack_error(fmt("pack %s: %s must be 2-D [rank, n_embd]", path.c_str(), a->name));
@@ -328,10 +334,19 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
             check_tensor(a, path, { GGML_TYPE_F32, GGML_TYPE_F16 }, n_embd, rank);
             check_tensor(b, path, { GGML_TYPE_F32, GGML_TYPE_F16 }, rank, n_ff);
             check_tensor(c, path, { GGML_TYPE_F32 }, n_ff, 1);
-            L.pred_a = take(a);
-            L.pred_b = take(b);
-            L.pred_c = take(c);
+            return { a, b, c };
+        };
+        static const char * const pred_k[3]  = { "kx_pred_a", "kx_pred_b", "kx_pred_c" };
+        static const char * const ahead_k[3] = { "kx_ahead_a", "kx_ahead_b", "kx_ahead_c" };
+        const auto pred = trio(pred_k);
+        if (pred[0]) {
+            L.pred_a = take(pred[0]);
+            L.pred_b = take(pred[1]);
+            L.pred_c = take(pred[2]);
             ++n_pred;
+        }
+        if (version >= 2) {
+            trio(ahead_k);  // validated and accepted; not loaded: the CPU path does not read it
         }
     }
     ggml_tensor * thr = need("kx_threshold");
@@ -339,7 +354,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     for (const auto & name : names) {
         if (!expected.count(name)) {
             throw kx_pack_error(fmt("pack %s holds unexpected tensor '%s'; it is not part of pack version %u",
-                                    path.c_str(), name.c_str(), KX_PACK_VERSION));
+                                    path.c_str(), name.c_str(), version));
         }
     }
     pack->has_predictor = n_pred == n_layer;

@@ -22,7 +22,8 @@ from .gguffile import encode_tensor, finish_atomically
 
 # `gguf` and `tqdm` are imported inside the functions that use them, as in convert.py.
 
-PACK_VERSION = 1
+PACK_VERSION = 2
+READ_VERSIONS = (1, 2)  # version 2 = version 1 + optional ahead predictors and kx.stats
 PACK_ARCH = "kxpack"
 PACK_SUFFIX = ".kxpack.gguf"
 
@@ -55,6 +56,7 @@ K_N_FF = "kx.base.n_ff"
 K_ACT = "kx.base.activation"
 K_FP = "kx.base.fingerprint"
 K_GROUP_SIZE = "kx.group_size"
+K_STATS = "kx.stats"  # optional (version 2): JSON activation statistics, `kairox stats`
 
 
 class PackError(ValueError):
@@ -71,13 +73,15 @@ def pack_path_for(model_path: str | Path) -> Path:
     return p.with_name(stem + PACK_SUFFIX)
 
 
-# A layer's predictor is these three tensors, all or none.
+# A layer's predictor is these three tensors, all or none; so is its ahead predictor
+# (version 2), which reads the previous layer's FFN input.
 PRED_KEYS = ("pred_a", "pred_b", "pred_c")
+AHEAD_KEYS = ("ahead_a", "ahead_b", "ahead_c")
 
 
 def _tensor_names(il: int) -> dict[str, str]:
     b = f"blk.{il}."
-    return {k: b + "kx_" + k for k in ("down_t", "perm", "group", "freq", *PRED_KEYS)}
+    return {k: b + "kx_" + k for k in ("down_t", "perm", "group", "freq", *PRED_KEYS, *AHEAD_KEYS)}
 
 
 THRESHOLD_NAME = "kx_threshold"
@@ -212,6 +216,10 @@ class PackLayer:
     pred_a: np.ndarray | None = None  # [rank, n_embd], float32 or float16
     pred_b: np.ndarray | None = None  # [n_ff, rank], float32 or float16
     pred_c: np.ndarray | None = None  # float32 [n_ff], indexed by ORIGINAL neuron id
+    # version 2: the ahead predictor, same shapes, reading the previous layer's FFN input
+    ahead_a: np.ndarray | None = None
+    ahead_b: np.ndarray | None = None
+    ahead_c: np.ndarray | None = None
 
     @property
     def has_predictor(self) -> bool:
@@ -243,6 +251,7 @@ class Pack:
     group_size: int
     layers: list[PackLayer]
     threshold: np.ndarray = field(repr=False)   # float32 [n_layer]
+    stats: str | None = field(default=None, repr=False)  # kx.stats JSON (version 2)
 
     @property
     def n_groups(self) -> int:
@@ -313,14 +322,40 @@ def _check_factors(il: int, f: Any, rank: int, n_embd: int, n_ff: int) -> Predic
     return out[0], out[1], out[2]
 
 
+@dataclass(frozen=True)
+class PackLayout:
+    """Neuron order, grouping and statistics from profiling (`kairox prepare`):
+    `layer(il)` gives (perm, group, freq) of layer il as the pack stores them (perm[p] is
+    the neuron at pack position p, group[p] its group id, freq indexed by neuron id), and
+    `threshold` the per-layer activation threshold."""
+    layer: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+    threshold: np.ndarray
+
+
+def _check_layout(il: int, f: Any, n_ff: int, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    perm, group, freq = (np.asarray(v) for v in f)
+    if perm.shape != (n_ff,) or not np.array_equal(np.sort(perm), np.arange(n_ff)):
+        raise PackError(f"layout of layer {il}: perm is not a permutation of 0..{n_ff - 1}")
+    n_groups = -(-n_ff // group_size)
+    if group.shape != (n_ff,) or group.min() < 0 or group.max() >= n_groups or np.any(np.diff(group) < 0):
+        raise PackError(f"layout of layer {il}: group ids must be non-decreasing in 0..{n_groups - 1}")
+    if freq.shape != (n_ff,) or not np.all((freq >= 0) & (freq <= 1)):
+        raise PackError(f"layout of layer {il}: freq must be {n_ff} values in [0, 1]")
+    return perm.astype(np.int32), group.astype(np.int32), freq.astype(np.float32)
+
+
 def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, group_size: int = 32,
                down_type: str = "f32", method: dict[str, Any] | None = None,
-               predictor: PackPredictor | None = None, quiet: bool = False) -> Path:
-    """Write an identity pack for the model at `model_path`; returns the pack's path.
+               predictor: PackPredictor | None = None, ahead: PackPredictor | None = None,
+               layout: PackLayout | None = None, stats: str | None = None,
+               quiet: bool = False) -> Path:
+    """Write a pack for the model at `model_path`; returns the pack's path.
 
-    With `predictor`, every layer also gets kx_pred_a/b/c from `predictor.layer(il)`.
-    The model is only read. The pack is streamed, one layer at a time, to a temporary file
-    and renamed into place when complete.
+    Without `layout` the pack is an identity pack (original neuron order, groups of
+    consecutive neurons, frequencies unknown, threshold 0). With `predictor` (`ahead`),
+    every layer also gets kx_pred_* (kx_ahead_*) from its `layer(il)`; `stats` is stored
+    as kx.stats. The model is only read. The pack is streamed, one layer at a time, to a
+    temporary file and renamed into place when complete.
     """
     import gguf
     from tqdm import tqdm
@@ -337,15 +372,18 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     method = {"kind": "identity"} if method is None else method
     if not isinstance(method, dict):
         raise PackError("method must be a dict (it is stored as a JSON object)")
-    if predictor is not None:
-        if predictor.dtype not in PRED_TYPES:
-            raise PackError(f"unsupported predictor type {predictor.dtype!r} "
+    trios = [(keys, pr) for keys, pr in ((PRED_KEYS, predictor), (AHEAD_KEYS, ahead)) if pr is not None]
+    for keys, pr in trios:
+        if pr.dtype not in PRED_TYPES:
+            raise PackError(f"unsupported predictor type {pr.dtype!r} "
                             f"(supported: {', '.join(PRED_TYPES)})")
-        if isinstance(predictor.rank, bool) or not isinstance(predictor.rank, int) or predictor.rank < 1:
-            raise PackError(f"predictor rank must be a positive integer, not {predictor.rank!r}")
-        if "predictor" not in method:  # a caller's own description wins
-            method = {**method, "predictor": {**predictor.info, "rank": predictor.rank,
-                                              "type": predictor.dtype}}
+        if isinstance(pr.rank, bool) or not isinstance(pr.rank, int) or pr.rank < 1:
+            raise PackError(f"predictor rank must be a positive integer, not {pr.rank!r}")
+        what = "predictor" if keys is PRED_KEYS else "ahead"
+        if what not in method:  # a caller's own description wins
+            method = {**method, what: {**pr.info, "rank": pr.rank, "type": pr.dtype}}
+    if stats is not None and not isinstance(stats, str):
+        raise PackError("stats must be a JSON string")
     try:
         method_json = json.dumps(method, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as e:
@@ -353,9 +391,14 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
 
     hdr = _scan_model(model_path)
     base = _base_model(hdr)
-    if predictor is not None and predictor.rank > min(base.n_ff, base.n_embd):
-        raise PackError(f"predictor rank {predictor.rank} exceeds min(n_ff, n_embd) = "
-                        f"{min(base.n_ff, base.n_embd)} of {model_path}")
+    for _, pr in trios:
+        if pr.rank > min(base.n_ff, base.n_embd):
+            raise PackError(f"predictor rank {pr.rank} exceeds min(n_ff, n_embd) = "
+                            f"{min(base.n_ff, base.n_embd)} of {model_path}")
+    if layout is not None:
+        thr = np.asarray(layout.threshold, np.float32)
+        if thr.shape != (base.n_layer,) or not np.all(np.isfinite(thr)) or np.any(thr < 0):
+            raise PackError(f"layout threshold must be {base.n_layer} finite values >= 0")
     qblock = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
     if down_type == "q8_0" and base.n_embd % qblock:
         # each neuron's row is quantized on its own, so it must split into whole blocks
@@ -380,6 +423,8 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     w.add_string(K_ACT, base.activation)
     w.add_string(K_FP, fp)
     w.add_uint32(K_GROUP_SIZE, group_size)
+    if stats is not None:
+        w.add_string(K_STATS, stats)
 
     Q = gguf.GGMLQuantizationType
     dq = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}[down_type]
@@ -387,22 +432,20 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     down_shape = (base.n_ff, base.n_embd)
     down_nbytes = base.n_ff * base.n_embd // block * type_size
     vec = base.n_ff * 4  # I32 / F32 vectors of n_ff entries
-    if predictor is not None:
-        pq = {"f32": Q.F32, "f16": Q.F16}[predictor.dtype]
-        psize = gguf.GGML_QUANT_SIZES[pq][1]
-        rank = predictor.rank
     for il in range(base.n_layer):
         n = _tensor_names(il)
         w.add_tensor_info(n["down_t"], down_shape, np.dtype(np.float32), down_nbytes, raw_dtype=dq)
         w.add_tensor_info(n["perm"], (base.n_ff,), np.dtype(np.int32), vec)
         w.add_tensor_info(n["group"], (base.n_ff,), np.dtype(np.int32), vec)
         w.add_tensor_info(n["freq"], (base.n_ff,), np.dtype(np.float32), vec)
-        if predictor is not None:
-            w.add_tensor_info(n["pred_a"], (rank, base.n_embd), np.dtype(np.float32),
-                              rank * base.n_embd * psize, raw_dtype=pq)
-            w.add_tensor_info(n["pred_b"], (base.n_ff, rank), np.dtype(np.float32),
-                              base.n_ff * rank * psize, raw_dtype=pq)
-            w.add_tensor_info(n["pred_c"], (base.n_ff,), np.dtype(np.float32), vec)
+        for keys, pr in trios:
+            pq = Q[pr.dtype.upper()]
+            psize = gguf.GGML_QUANT_SIZES[pq][1]
+            w.add_tensor_info(n[keys[0]], (pr.rank, base.n_embd), np.dtype(np.float32),
+                              pr.rank * base.n_embd * psize, raw_dtype=pq)
+            w.add_tensor_info(n[keys[1]], (base.n_ff, pr.rank), np.dtype(np.float32),
+                              base.n_ff * pr.rank * psize, raw_dtype=pq)
+            w.add_tensor_info(n[keys[2]], (base.n_ff,), np.dtype(np.float32), vec)
     w.add_tensor_info(THRESHOLD_NAME, (base.n_layer,), np.dtype(np.float32), base.n_layer * 4)
 
     ids = np.arange(base.n_ff, dtype=np.int32)
@@ -410,26 +453,32 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     def data():
         for il in tqdm(range(base.n_layer), desc=f"pack {out.name}", unit="layer",
                        disable=quiet, file=sys.stderr):
+            if layout is None:  # identity order and groups, frequency unknown
+                perm, group, freq = ids, ids // np.int32(group_size), np.ones(base.n_ff, np.float32)
+            else:
+                perm, group, freq = _check_layout(il, layout.layer(il), base.n_ff, group_size)
             t = tensors[f"blk.{il}.ffn_down.weight"]
             down = _read_dequantized(model_path, t)        # [n_embd, n_ff]
-            try:  # one row per neuron
-                yield encode_tensor(down.T, dq, t.name)
+            try:  # one row per neuron, in pack order
+                yield encode_tensor(down.T[perm] if layout is not None else down.T, dq, t.name)
             except ValueError as e:
                 raise PackError(str(e)) from None
-            yield ids                                     # identity permutation
-            yield ids // np.int32(group_size)             # identity grouping
-            yield np.ones(base.n_ff, dtype=np.float32)    # frequency unknown
-            if predictor is not None:
-                a, b, c = _check_factors(il, predictor.layer(il), rank, base.n_embd, base.n_ff)
-                n = _tensor_names(il)
-                for what, f in (("A", a), ("B", b)):
+            yield perm
+            yield group
+            yield freq
+            n = _tensor_names(il)
+            for keys, pr in trios:
+                a, b, c = _check_factors(il, pr.layer(il), pr.rank, base.n_embd, base.n_ff)
+                for name, f in ((keys[0], a), (keys[1], b)):
                     try:
-                        yield encode_tensor(f, pq, n["pred_" + what.lower()])
+                        yield encode_tensor(f, Q[pr.dtype.upper()], n[name])
                     except ValueError:
-                        raise PackError(f"predictor {what} of layer {il} has values beyond "
-                                        f"float16's range (65504); store the predictor as f32") from None
+                        raise PackError(f"{n[name]} has values beyond float16's range (65504); "
+                                        f"store the predictor as f32") from None
                 yield c
-        yield np.zeros(base.n_layer, dtype=np.float32)    # threshold: fire when > 0
+        # threshold: fire when |act| > threshold (0 without a layout)
+        yield (np.zeros(base.n_layer, np.float32) if layout is None
+               else np.asarray(layout.threshold, np.float32))
 
     return finish_atomically(w, tmp, out, data())
 
@@ -472,9 +521,10 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
         raise PackError(f"{path} is not a kairox pack (general.architecture is {arch!r}, "
                         f"not {PACK_ARCH!r})")
     version = _req(r, path, K_VERSION, int)
-    if version != PACK_VERSION:
+    if version not in READ_VERSIONS:
         raise PackError(f"pack {path} has format version {version}, but this kairox reads "
-                        f"version {PACK_VERSION}; rebuild the pack with this kairox")
+                        f"versions {', '.join(map(str, READ_VERSIONS))}; rebuild the pack with this kairox")
+    stats = _req(r, path, K_STATS, str) if version >= 2 and r.get_field(K_STATS) is not None else None
     created_by = _req(r, path, K_CREATED_BY, str)
     try:
         method = json.loads(_req(r, path, K_METHOD, str))
@@ -521,11 +571,14 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     for il in range(base.n_layer):
         names = _tensor_names(il)
         required = ("down_t", "perm", "group", "freq")
-        has_pred = [k for k in PRED_KEYS if names[k] in tensors]
-        if has_pred and len(has_pred) < len(PRED_KEYS):
-            missing = next(names[k] for k in PRED_KEYS if k not in has_pred)
-            raise PackError(f"pack {path}: layer {il} has {names[has_pred[0]]} but lacks {missing} "
-                            f"(a predictor is kx_pred_a, kx_pred_b and kx_pred_c together)")
+        has_pred: list[str] = []
+        for keys in (PRED_KEYS, AHEAD_KEYS) if version >= 2 else (PRED_KEYS,):
+            have = [k for k in keys if names[k] in tensors]
+            if have and len(have) < len(keys):
+                missing = next(names[k] for k in keys if k not in have)
+                raise PackError(f"pack {path}: layer {il} has {names[have[0]]} but lacks {missing} "
+                                f"(a predictor is its _a, _b and _c tensors together)")
+            has_pred += have
         for k in (*required, *has_pred):
             if names[k] not in tensors:
                 raise PackError(f"pack {path} lacks the tensor {names[k]}")
@@ -548,20 +601,23 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
         freq = np.asarray(t["freq"].data)
         if not np.all((freq >= 0) & (freq <= 1)):  # also rejects NaN
             raise PackError(f"pack {path}: {names['freq']} has values outside [0, 1]")
-        pred_a = pred_b = pred_c = None
-        if has_pred:
-            rank = int(t["pred_a"].shape[1]) if len(t["pred_a"].shape) == 2 else 0
+        factors: dict[str, Any] = {}
+        for keys in (PRED_KEYS, AHEAD_KEYS):
+            if keys[0] not in has_pred:
+                continue
+            ka, kb, kc = keys
+            rank = int(t[ka].shape[1]) if len(t[ka].shape) == 2 else 0
             if rank < 1:
-                raise PackError(f"pack {path}: {names['pred_a']} must be 2-D [rank, n_embd]")
-            _check_tensor(t["pred_a"], path, ("F32", "F16"), (n_embd, rank))
-            _check_tensor(t["pred_b"], path, ("F32", "F16"), (rank, n_ff))
-            _check_tensor(t["pred_c"], path, ("F32",), (n_ff,))
-            pred_a, pred_b = t["pred_a"].data, t["pred_b"].data
-            pred_c = np.asarray(t["pred_c"].data)
-            if not np.all(np.isfinite(pred_c)):
-                raise PackError(f"pack {path}: {names['pred_c']} has non-finite values")
+                raise PackError(f"pack {path}: {names[ka]} must be 2-D [rank, n_embd]")
+            _check_tensor(t[ka], path, ("F32", "F16"), (n_embd, rank))
+            _check_tensor(t[kb], path, ("F32", "F16"), (rank, n_ff))
+            _check_tensor(t[kc], path, ("F32",), (n_ff,))
+            factors[ka], factors[kb] = t[ka].data, t[kb].data
+            factors[kc] = np.asarray(t[kc].data)
+            if not np.all(np.isfinite(factors[kc])):
+                raise PackError(f"pack {path}: {names[kc]} has non-finite values")
         layers.append(PackLayer(t["down_t"].data, t["down_t"].tensor_type.name.lower(),
-                                perm, group, freq, pred_a, pred_b, pred_c))
+                                perm, group, freq, **factors))
 
     if THRESHOLD_NAME not in tensors:
         raise PackError(f"pack {path} lacks the tensor {THRESHOLD_NAME}")
@@ -572,5 +628,10 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     extra = sorted(set(tensors) - expected)
     if extra:
         raise PackError(f"pack {path} holds unexpected tensor {extra[0]!r} "
-                        f"({len(extra)} in all); it is not part of pack version {PACK_VERSION}")
-    return Pack(path, version, created_by, method, base, fp, group_size, layers, threshold)
+                        f"({len(extra)} in all); it is not part of pack version {version}")
+    return Pack(path, version, created_by, method, base, fp, group_size, layers, threshold, stats)
+
+
+def read_pack_stats(pack_path: str | Path) -> str | None:
+    """The kx.stats JSON of a pack (None when it has none); PackError for a bad pack."""
+    return read_pack(pack_path).stats
