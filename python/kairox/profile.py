@@ -150,9 +150,12 @@ class Profiler:
     layer's other rows), and returns its rows per layer."""
 
     def __init__(self, model_path: str | Path, *, n_ctx: int = 512, n_batch: int = 512,
-                 threads: int | None = None, n_gpu_layers: int = 0) -> None:
+                 threads: int | None = None, n_gpu_layers: int = 0, verbose: bool = False) -> None:
+        from llama_cpp._logger import set_verbose
+
         from .llama import _C
         self._C = _C
+        set_verbose(verbose)  # llama.cpp's load log only on request
         self.lib = _lib()
         self.path = Path(model_path)
         _, self.base = inspect_model(self.path)

@@ -173,6 +173,7 @@ class LlamaReference:
         return out @ lw.wo.T
 
     def _forward(self, tokens: Sequence[int], ffn_input_hook: FfnInputHook | None = None,
+                 layer_out_hook: Callable[[int, np.ndarray], None] | None = None,
                  ) -> tuple[np.ndarray, list[np.ndarray]]:
         """(final hidden states after the output norm [n_tokens, n_embd], FFN activations per layer)."""
         toks = np.asarray(list(tokens), dtype=np.int64)
@@ -193,6 +194,8 @@ class LlamaReference:
             a = self.act(h @ lw.w_gate.T) * (h @ lw.w_up.T)
             acts.append(a)
             x = x + a @ lw.w_down.T
+            if layer_out_hook is not None:
+                layer_out_hook(il, x)  # the residual stream after the layer (llama.cpp's l_out)
         return rms_norm(x, self.norm, eps), acts
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
