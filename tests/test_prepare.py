@@ -3,9 +3,6 @@ calibration, the whole pipeline on small models (predicted mode afterwards), res
 interrupted run, and bad calibration input."""
 from __future__ import annotations
 
-import io
-import contextlib
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np

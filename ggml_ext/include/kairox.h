@@ -84,6 +84,9 @@ LLAMA_API int64_t kx_collector_get_mask(const struct kx_collector * c, int32_t i
 LLAMA_API int32_t kx_collector_get_counts(const struct kx_collector * c, int32_t il, int64_t * dst);
 LLAMA_API int32_t kx_collector_get_hist(const struct kx_collector * c, int32_t il, int64_t * dst);
 LLAMA_API int32_t kx_collector_get_cosine(const struct kx_collector * c, int32_t il, double * sum, int64_t * n);
+// stop = true: the callback ends the graph's compute after the last layer's output (the
+// logits are then not computed: only for profiling, whose outputs nobody reads)
+LLAMA_API void    kx_collector_set_stop_after_last(struct kx_collector * c, bool stop);
 // watched tensors ignored (unexpected type/shape) or rows beyond max_tokens
 LLAMA_API int64_t kx_collector_n_skipped(const struct kx_collector * c);
 LLAMA_API int32_t kx_collect_hist_bins(void);

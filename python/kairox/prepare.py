@@ -314,7 +314,8 @@ class PrepareResult:
     pack: Path
     work_dir: Path
     stats: Any                     # kairox.stats.ModelStats
-    seconds: dict[str, float]
+    seconds: dict[str, float]      # this run, per stage
+    spent: dict[str, float]        # all runs in this work folder, per stage
 
 
 def _model_params(hdr: Any) -> int:
@@ -348,7 +349,8 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
     seconds: dict[str, float] = {}
     t_all = time.perf_counter()
 
-    with Profiler(model, n_ctx=cfg.n_ctx, n_batch=cfg.n_ctx, threads=cfg.threads) as prof:
+    # batches of at most 256 tokens: llama.cpp keeps an n_batch x vocabulary logits buffer
+    with Profiler(model, n_ctx=cfg.n_ctx, n_batch=min(cfg.n_ctx, 256), threads=cfg.threads) as prof:
         # 1. corpus
         t0 = time.perf_counter()
         seg_path = work / "segments.npz"
@@ -438,7 +440,7 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
 
     # 7. pack
     t0 = time.perf_counter()
-    out = _write(model, hdr, base, cfg, thr, agg.counts / n_tokens, fits, groups, rank, stats, work, target)
+    out = _write(model, hdr, cfg, thr, agg.counts / n_tokens, fits, groups, rank, stats, target)
     seconds["pack"] = time.perf_counter() - t0
 
     # 8. perplexity
@@ -446,9 +448,16 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
         t0 = time.perf_counter()
         stats.extra.update(_ppl_stage(model, out, work, hist, thr, base, cfg, gated, say))
         seconds["perplexity"] = time.perf_counter() - t0
-        out = _write(model, hdr, base, cfg, thr, agg.counts / n_tokens, fits, groups, rank, stats, work, target)
+        out = _write(model, hdr, cfg, thr, agg.counts / n_tokens, fits, groups, rank, stats, target)
     seconds["total"] = time.perf_counter() - t_all
-    return PrepareResult(out, work, stats, seconds)
+    # compute time per stage summed over every run in this work folder: a resumed or
+    # cached run still reports what the stages cost (bench/prepare_report.py)
+    tpath = work / "times.json"
+    spent = json.loads(tpath.read_text()) if tpath.exists() else {}
+    for k, v in seconds.items():
+        spent[k] = spent.get(k, 0.0) + v
+    _atomic_json(tpath, spent)
+    return PrepareResult(out, work, stats, seconds, spent)
 
 
 def _check_config(cfg: PrepareConfig) -> None:
@@ -581,16 +590,13 @@ def _pred_dtype(hdr: Any) -> str:
     return "f32" if gguf.GGMLQuantizationType(t.type_id) == gguf.GGMLQuantizationType.F32 else "f16"
 
 
-def _write(model: Path, hdr: Any, base: BaseModel, cfg: PrepareConfig, thr: np.ndarray,
-           freq: np.ndarray, fits: list[dict], groups: list[dict], rank: int, stats: Any,
-           work: Path, target: float | None, out: Path | None = None, predictors: bool = True,
-           threshold: np.ndarray | None = None) -> Path:
-    from .packcli import _default_down_type
+def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.ndarray,
+           fits: list[dict], groups: list[dict], rank: int, stats: Any, target: float | None) -> Path:
     from .pack import write_pack
+    from .packcli import _default_down_type
 
-    out = out or cfg.out or pack_path_for(model)
-    layout = PackLayout(lambda il: (groups[il]["perm"], groups[il]["group"], np.clip(freq[il], 0, 1)),
-                        thr if threshold is None else threshold)
+    out = cfg.out or pack_path_for(model)
+    layout = PackLayout(lambda il: (groups[il]["perm"], groups[il]["group"], np.clip(freq[il], 0, 1)), thr)
     dtype = _pred_dtype(hdr)
 
     def trio(kind: str) -> PackPredictor:
@@ -602,8 +608,7 @@ def _write(model: Path, hdr: Any, base: BaseModel, cfg: PrepareConfig, thr: np.n
     try:
         return write_pack(model, out, group_size=cfg.group_size,
                           down_type=cfg.down_type or _default_down_type(hdr), method=method,
-                          predictor=trio("same") if predictors else None,
-                          ahead=trio("ahead") if predictors else None,
+                          predictor=trio("same"), ahead=trio("ahead"),
                           layout=layout, stats=stats.to_json(), quiet=cfg.quiet)
     except PackError as e:
         raise PrepareError(str(e)) from None

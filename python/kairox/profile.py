@@ -52,6 +52,7 @@ def _lib():
         "kx_collector_get_cosine": (i32, [vp, i32, ctypes.POINTER(ctypes.c_double),
                                           ctypes.POINTER(ctypes.c_int64)]),
         "kx_collector_n_skipped": (i64, [vp]),
+        "kx_collector_set_stop_after_last": (None, [vp, ctypes.c_bool]),
         "kx_collect_hist_bins": (i32, []),
         "kx_collect_hist_range": (None, [ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)]),
     }
@@ -169,6 +170,8 @@ class Profiler:
                                                    ACT_IDS[b.activation], self.n_batch)
         if not self.collector:
             raise ProfileError("kx_collector_new refused the model's dimensions")
+        # the logits of profiled tokens are never read: skip computing them
+        self.lib.kx_collector_set_stop_after_last(self.collector, True)
         self.model = self.ctx = None
         try:
             mp = _C.llama_model_default_params()
