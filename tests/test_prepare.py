@@ -97,7 +97,7 @@ def test_prepare_relu_predicted_mode(kb_tiny: Path, prepared) -> None:
     """On a sparse ReLU model the prepared pack's predictor keeps >= 95% of the truly active
     neurons of held-out text inside the runtime, and greedy text equals dense."""
     from kairox import Llama
-    from kairox._native import sparse_counters
+    from kairox.bench import counters_per_mode
 
     pack = read_pack(prepared.pack, kb_tiny)
     assert pack.version == 2 and pack.stats and pack.method["kind"] == "prepare"
@@ -121,14 +121,7 @@ def test_prepare_relu_predicted_mode(kb_tiny: Path, prepared) -> None:
     # recall inside the runtime: the same held-out tokens one at a time, exact vs predicted
     text = (prepared.work_dir / "heldout.txt").read_text()[:3000]
     toks = llm.tokenize(text.encode())[:300]
-    counts = {}
-    for mode in ("exact", "predicted"):
-        llm.set_sparse(mode)
-        llm.reset()
-        sparse_counters(reset=True)
-        for t in toks:
-            llm.eval([t])
-        counts[mode] = sparse_counters(reset=True)
+    counts = counters_per_mode(llm, toks)
     llm.close()
     exact, pred = counts["exact"], counts["predicted"]
     assert exact.calls == pred.calls == len(toks) * pack.base.n_layer
@@ -210,3 +203,27 @@ def test_cli_prepare_and_stats(tmp_path: Path, kb_tiny: Path, prepared,
     assert "binary" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["prepare", str(kb_tiny), "--target-sparsity", "1.5"])
+
+
+def test_runtime_validates_ahead_predictors(tmp_path: Path, kb_tiny: Path, prepared) -> None:
+    """The native pack loader accepts version 2's ahead predictors, refuses an incomplete
+    trio, and refuses them in a version-1 pack."""
+    import gguf
+    from kairox import Llama
+    from test_pack import rewrite
+
+    kw = dict(n_ctx=64, n_threads=2, verbose=False)
+    llm = Llama(str(kb_tiny), sparse="predicted", sparse_pack=str(prepared.pack), **kw)
+    assert llm.sparse == "predicted"
+    llm.close()
+    cases = {
+        "trio": (rewrite(prepared.pack, tmp_path / "a.gguf", tensors={"blk.1.kx_ahead_c": None}),
+                 "come together"),
+        "v1": (rewrite(prepared.pack, tmp_path / "b.gguf",
+                       kv={"kx.pack.version": (1, gguf.GGUFValueType.UINT32)}), "unexpected tensor"),
+    }
+    for path, words in cases.values():
+        with pytest.warns(Warning, match=words):
+            llm = Llama(str(kb_tiny), sparse="predicted", sparse_pack=str(path), **kw)
+        assert llm.sparse == "dense"
+        llm.close()

@@ -44,3 +44,21 @@ def write_results(out_prefix: str | Path, result: dict, summary_lines: list[str]
     lines = summary_lines + ["", "Command:", "", "```", result["command"], "```", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+def counters_per_mode(llm, tokens, modes=("exact", "predicted")) -> dict:
+    """For each sparse mode, the sparse kernels' counters (kairox._native.SparseCounters)
+    over the same tokens, one token per decode from an empty cache: rows computed
+    (density) and nonzero activations met (for ReLU models, predicted / exact is the
+    predictor's recall inside the runtime)."""
+    from ._native import sparse_counters
+
+    out = {}
+    for mode in modes:
+        llm.set_sparse(mode)
+        llm.reset()
+        sparse_counters(reset=True)
+        for t in tokens:
+            llm.eval([t])
+        out[mode] = sparse_counters(reset=True)
+    return out

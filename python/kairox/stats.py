@@ -42,8 +42,9 @@ again after a gap > 2 tokens)
     the single number compared with the paper's 0.2.
 
 hidden_cosine (KAIROX: ≈ 0.98 between adjacent layers), predictor recall / precision,
-over-fetch (neurons loaded ÷ neurons active when whole groups are fetched, per grouping
-method such as metis / frequency / random) and the activation threshold are measured by
+over-fetch ((neurons loaded − neurons active) ÷ neurons active when every group holding an
+active neuron is fetched whole, per grouping method such as metis / frequency / random;
+0 is perfect, kairox.grouping.overfetch) and the activation threshold are measured by
 the caller and stored here as given. The papers' predictor recall is not reduced to one
 reference number here.
 
@@ -509,7 +510,7 @@ def format_table(stats: ModelStats) -> str:
             cols.append((name, lambda s, a=attr: getattr(s, a), kind))
     for meth in methods:
         cols.append((f"over-fetch {meth}",
-                     lambda s, m=meth: (s.overfetch or {}).get(m), "x"))
+                     lambda s, m=meth: (s.overfetch or {}).get(m), "f"))
 
     rows = []
     for s in stats.layers:
