@@ -476,8 +476,6 @@ def _fmt(x: float | None, kind: str = "f") -> str:
         return "-"
     if kind == "%":
         return f"{100 * x:.1f}%"
-    if kind == "x":
-        return f"{x:.2f}x"
     if kind == "g":
         return f"{x:.4g}"
     return f"{x:.3f}"
