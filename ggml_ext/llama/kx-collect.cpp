@@ -282,52 +282,38 @@ int32_t kx_collector_n_rows(const struct kx_collector * c, int32_t il, int32_t w
     return what == KX_COLLECT_X ? c->n_x[il] : c->n_mask[il];
 }
 
-int64_t kx_collector_get_x(const struct kx_collector * c, int32_t il, float * dst, int64_t capacity) {
-    if (!c || il < 0 || il >= c->n_layer || !dst) {
-        return -1;
-    }
-    const int64_t n = (int64_t) c->n_x[il] * c->n_embd;
+static bool kx_layer_ok(const kx_collector * c, int32_t il, const void * dst) {
+    return c && il >= 0 && il < c->n_layer && dst;
+}
+
+// copy the first n entries of a per-layer buffer; -1 when dst holds fewer than n
+template <typename T>
+static int64_t kx_copy_rows(const std::vector<T> & src, int64_t n, T * dst, int64_t capacity) {
     if (capacity < n) {
         return -1;
     }
-    if (n > 0) {
-        std::memcpy(dst, c->x[il].data(), sizeof(float) * n);
-    }
+    std::copy(src.begin(), src.begin() + n, dst);
     return n;
+}
+
+int64_t kx_collector_get_x(const struct kx_collector * c, int32_t il, float * dst, int64_t capacity) {
+    return kx_layer_ok(c, il, dst) ? kx_copy_rows(c->x[il], (int64_t) c->n_x[il] * c->n_embd, dst, capacity) : -1;
 }
 
 int64_t kx_collector_get_mask(const struct kx_collector * c, int32_t il, uint8_t * dst, int64_t capacity) {
-    if (!c || il < 0 || il >= c->n_layer || !dst) {
-        return -1;
-    }
-    const int64_t n = (int64_t) c->n_mask[il] * c->mask_bytes;
-    if (capacity < n) {
-        return -1;
-    }
-    if (n > 0) {
-        std::memcpy(dst, c->mask[il].data(), n);
-    }
-    return n;
+    return kx_layer_ok(c, il, dst) ? kx_copy_rows(c->mask[il], (int64_t) c->n_mask[il] * c->mask_bytes, dst, capacity) : -1;
 }
 
 int32_t kx_collector_get_counts(const struct kx_collector * c, int32_t il, int64_t * dst) {
-    if (!c || il < 0 || il >= c->n_layer || !dst) {
-        return 1;
-    }
-    std::copy(c->counts[il].begin(), c->counts[il].end(), dst);
-    return 0;
+    return kx_layer_ok(c, il, dst) && kx_copy_rows(c->counts[il], c->n_ff, dst, c->n_ff) >= 0 ? 0 : 1;
 }
 
 int32_t kx_collector_get_hist(const struct kx_collector * c, int32_t il, int64_t * dst) {
-    if (!c || il < 0 || il >= c->n_layer || !dst) {
-        return 1;
-    }
-    std::copy(c->hist[il].begin(), c->hist[il].end(), dst);
-    return 0;
+    return kx_layer_ok(c, il, dst) && kx_copy_rows(c->hist[il], KX_COLLECT_HIST_BINS, dst, KX_COLLECT_HIST_BINS) >= 0 ? 0 : 1;
 }
 
 int32_t kx_collector_get_cosine(const struct kx_collector * c, int32_t il, double * sum, int64_t * n) {
-    if (!c || il < 0 || il >= c->n_layer || !sum || !n) {
+    if (!kx_layer_ok(c, il, sum) || !n) {
         return 1;
     }
     *sum = c->cos_sum[il];

@@ -23,10 +23,14 @@ class DefaultModelError(RuntimeError):
     pass
 
 
+def cache_root() -> Path:
+    """kairox's cache: $KAIROX_CACHE, else $XDG_CACHE_HOME/kairox, else ~/.cache/kairox."""
+    return Path(os.environ.get("KAIROX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kairox"))
+
+
 def cache_dir() -> Path:
-    base = os.environ.get("KAIROX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kairox")
-    return Path(base) / "models"
+    return cache_root() / "models"
 
 
 def _sha256(path: Path) -> str:

@@ -223,9 +223,8 @@ def _key(*parts: Any) -> str:
 
 
 def default_work_dir(model: Path, fp: str) -> Path:
-    base = os.environ.get("KAIROX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kairox")
-    return Path(base) / "prepare" / f"{model.stem}-{fp.removeprefix('kxfp1-')}"
+    from .default_model import cache_root
+    return cache_root() / "prepare" / f"{model.stem}-{fp.removeprefix('kxfp1-')}"
 
 
 # ------------------------------------------------------------------------- profiling
@@ -327,7 +326,7 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
     """Run every stage for the model; returns where the pack went and what was measured.
 
     on_segment(n) is called after each profiled segment (tests use it to interrupt a run)."""
-    from .profile import Profiler, threshold_for_sparsity, unpack_masks
+    from .profile import Profiler, threshold_for_sparsity
 
     cfg = cfg or PrepareConfig()
     _check_config(cfg)
@@ -403,7 +402,7 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
             raise PrepareError(f"the profiler could not read {agg.skipped} activation tensors of "
                                f"{model.name}; its graph is not laid out as kairox expects")
 
-    data = _ProfileData(pdir, base, segs, order, keep_x, unpack_masks)
+    data = _ProfileData(pdir, base, segs, order, keep_x)
     n_tokens = int(segs.length.sum())
     stats_extra: dict[str, Any] = {"target_sparsity": target, "calibration": [d.name for d in docs],
                                    "tokens": {"train": int(segs.length[train].sum()),
@@ -485,10 +484,9 @@ class _ProfileData:
     """Reads one layer at a time from the profile folder."""
 
     def __init__(self, folder: Path, base: BaseModel, segs: Segments, order: list[int],
-                 keep_x: np.ndarray, unpack: Callable) -> None:
-        self.folder, self.base, self.unpack = folder, base, unpack
+                 keep_x: np.ndarray) -> None:
+        self.folder, self.base = folder, base
         seg_of_row = np.concatenate([np.full(segs.length[k], k, np.int32) for k in order])
-        pos_of_row = np.concatenate([np.arange(segs.length[k]) for k in order])
         self.token_segment = seg_of_row                    # the prompt each token belongs to
         held_row = segs.heldout[seg_of_row]
         x_row = keep_x[seg_of_row]                        # rows whose FFN input was kept
@@ -497,11 +495,11 @@ class _ProfileData:
         self.held_rows = np.flatnonzero(held_row)
         # ahead predictor of layer 0: the previous token's last layer (same segment)
         self.has_prev = np.concatenate([[False], seg_of_row[1:] == seg_of_row[:-1]])
-        self.pos = pos_of_row
 
     def masks(self, il: int, rows: np.ndarray | None) -> np.ndarray:
+        from .profile import unpack_masks
         packed = _RowFile.read(self.folder / f"mask_{il}.u8", np.uint8, (self.base.n_ff + 7) // 8, rows)
-        return self.unpack(packed, self.base.n_ff)
+        return unpack_masks(packed, self.base.n_ff)
 
     def x(self, il: int, rows: np.ndarray) -> np.ndarray:
         return _RowFile.read(self.folder / f"x_{il}.f16", np.float16, self.base.n_embd,
@@ -741,6 +739,9 @@ def cmd_prepare(args: Any) -> int:
 def register(sub: Any) -> None:
     import argparse
 
+    from .pack import DOWN_TYPES
+    from .packcli import _positive_int
+
     p = sub.add_parser("prepare", help="profile a model on text and write its sparse pack "
                        "(thresholds, predictors, neuron groups, statistics)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -753,29 +754,29 @@ def register(sub: Any) -> None:
                    help=f"gated SiLU/GELU models: fraction of neurons to leave inactive per token, "
                         f"via a per-layer threshold on |act(gate)| (default: {DEFAULT_TARGET}); "
                         f"ReLU models always use their exact zeros")
-    p.add_argument("--group-size", type=int, default=32, metavar="G",
+    p.add_argument("--group-size", type=_positive_int, default=32, metavar="G",
                    help="neurons per group, the unit of loading (default: %(default)s)")
-    p.add_argument("--rank", type=int, metavar="R",
+    p.add_argument("--rank", type=_positive_int, metavar="R",
                    help="predictor rank (default: from a budget of 6%% of the model's parameters "
                         "for both predictors, at most n_embd/8)")
-    p.add_argument("--tokens", type=int, default=32768, metavar="N",
+    p.add_argument("--tokens", type=_positive_int, default=32768, metavar="N",
                    help="calibration tokens to profile, training and held-out (default: %(default)s)")
-    p.add_argument("--fit-tokens", type=int, default=16384, metavar="N",
+    p.add_argument("--fit-tokens", type=_positive_int, default=16384, metavar="N",
                    help="training tokens whose FFN inputs train the predictors (default: %(default)s)")
     p.add_argument("--heldout", type=_fraction(0.01, 0.5), default=0.15, metavar="F",
                    help="tail of each document held out for evaluation (default: %(default)s)")
-    p.add_argument("--ctx", type=int, default=512, metavar="N",
+    p.add_argument("--ctx", type=_positive_int, default=512, metavar="N",
                    help="tokens per profiled prompt (default: %(default)s)")
     p.add_argument("--recall", type=_fraction(0.5, 1.0), default=0.99, metavar="R",
                    help="per-neuron recall the predictors are calibrated to (default: %(default)s)")
-    p.add_argument("-t", "--threads", type=int, metavar="N", help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=_positive_int, metavar="N", help="CPU threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling, training, grouping (default: 0)")
-    p.add_argument("--down-type", choices=("f32", "f16", "q8_0"),
+    p.add_argument("--down-type", choices=DOWN_TYPES,
                    help="storage of the down rows (default: f32 for F32 models, else f16)")
     p.add_argument("--ppl-curve", type=_fractions, metavar="S1,S2,...",
                    help="also measure held-out perplexity (llama-perplexity): dense, predicted, "
                         "and exact at these target sparsities, e.g. 0.3,0.4,0.5,0.6 (slow)")
-    p.add_argument("--ppl-chunks", type=int, default=8, metavar="N",
+    p.add_argument("--ppl-chunks", type=_positive_int, default=8, metavar="N",
                    help="perplexity chunks of --ctx tokens (default: %(default)s)")
     p.add_argument("--work-dir", metavar="DIR",
                    help="where stages are cached; an interrupted run continues from it "
