@@ -285,7 +285,8 @@ def _check_config(cfg: HFConfig) -> str:
 def add_hparams(writer: Any, cfg: HFConfig, act: str, name: str, outtype: str) -> None:
     import gguf
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+             "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+             "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[outtype]
     writer.add_name(name)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)

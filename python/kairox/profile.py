@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -295,10 +297,42 @@ class Profiler:
         self.close()
 
 
+def stats_on_prompts(model_path: str | Path, prompts: list[list[int]], *, threads: int | None = None,
+                     n_gpu_layers: int = 0, segment_len: int = 128, quiet: bool = True) -> Any:
+    """Activation statistics (kairox.stats.ModelStats) of a ReLU model over token prompts,
+    each a document profiled from an empty cache; no predictor is involved. Masks of all
+    tokens are kept in memory (T x n_ff bits per layer)."""
+    from tqdm import tqdm
+
+    from .stats import ModelStats, compute_layer_stats
+
+    n_ctx = max(len(p) for p in prompts)
+    with Profiler(model_path, n_ctx=n_ctx, n_batch=min(n_ctx, 256), threads=threads,
+                  n_gpu_layers=n_gpu_layers) as prof:
+        b = prof.base
+        if b.activation != "relu":
+            raise ProfileError(f"stats_on_prompts measures ReLU models, not {b.activation!r}")
+        prof.set_thresholds(np.zeros(b.n_layer, np.float32))
+        masks: list[list[np.ndarray]] = [[] for _ in range(b.n_layer)]
+        doc = []
+        for d, toks in enumerate(tqdm(prompts, desc="profile", unit="prompt", disable=quiet, file=sys.stderr)):
+            for il, r in enumerate(prof.run(np.asarray(toks, np.int32))):
+                masks[il].append(r.mask)
+            doc.append(np.full(len(toks), d))
+        agg = prof.pull()
+    doc_id = np.concatenate(doc)
+    cos = np.divide(agg.cos_sum, np.maximum(agg.cos_n, 1))
+    layers = [compute_layer_stats(unpack_masks(np.concatenate(masks[il]), b.n_ff), doc_id, segment_len,
+                                  layer=il, counts=agg.counts[il],
+                                  hidden_cosine=float(cos[il]) if agg.cos_n[il] else None)
+              for il in range(b.n_layer)]
+    return ModelStats(Path(model_path).name, b.n_layer, b.n_ff, int(doc_id.size), layers, {})
+
+
 def unpack_masks(packed: np.ndarray, n_ff: int) -> np.ndarray:
     """uint8 [n, ceil(n_ff/8)] (little bit order) -> bool [n, n_ff]."""
     return np.unpackbits(packed, axis=1, count=n_ff, bitorder="little").astype(bool)
 
 
 __all__ = ["ACT_IDS", "Aggregates", "BaseModel", "ProfileError", "Profiler", "Rows",
-           "hist_edges", "threshold_for_sparsity", "unpack_masks"]
+           "hist_edges", "stats_on_prompts", "threshold_for_sparsity", "unpack_masks"]

@@ -30,10 +30,27 @@ the model carries its own (as kairox.tiny does):
   isotropic x̂ and cannot know that channel 0 is constant; with the bias column among the
   R directions, a sketch of rank ≥ R keeps it, and its error is the noise alone.
 
-Norm weights are 1; q, k and the output head are pool slices as in the dense model.
-Measured on KB-350M (64 random tokens, real forward pass): 88.4-89.3% zeros in every
-layer; the default sketch (rank 64, margin 3) has recall >= 0.9999 at 1.65-1.71x
-over-prediction.
+* Uneven firing rates. Each neuron i gets its own rate p_i (log-normal across neurons,
+  σ = --rate-spread, rescaled to mean 1 − S, clipped to [1e-4, 0.95]) and z_i = Φ⁻¹(1 − p_i)
+  in the bias column instead of one z: a minority of neurons fires on most tokens and
+  carries most of the activations, as in real ReLU models (PowerInfer's hot neurons).
+* Topics. Every token belongs to one of --topics topics or to the common words
+  (topic 0), by a seeded assignment (`token_topics`); the token channels of its
+  embedding are sqrt(ρ)·T[topic] + sqrt(1 − ρ)·ε_token, T and ε Gaussian with the
+  pool's std, ρ = --topic-share. Tokens of one topic share part of their gate
+  pre-activations, so text that stays on a topic keeps reusing neurons (temporal
+  locality) and two texts on different topics use different ones (cross-prompt
+  distance); `topic_prompts` writes such text. Random tokens (llama-bench) change topic
+  at every token and see the rates alone.
+
+Norm weights are 1; q, k and the output head are pool slices as in the dense model. The
+parameters (rate spread 1.6, 32 topics, share 0.45, common words 30% of a prompt's
+tokens) were fitted to the papers' statistics on a Gaussian simulation of this gate and
+then measured on the real forward pass (docs/benchmarking.md, bench/results/synth-stats-*).
+
+Types: f32, f16, and q4_0 (KB-70B), quantized while streaming: the pools are quantized
+once and sliced at block boundaries, gates and embeddings are quantized per tensor on all
+cores, so no tensor beyond the one being written is ever held in float32.
 """
 from __future__ import annotations
 
@@ -44,6 +61,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +71,8 @@ from .convert import add_hparams, copy_tokenizer_fields, gguf_vocab_size
 from .gguffile import finish_atomically
 from .tiny import default_vocab_gguf
 
+FTYPES = ("f32", "f16", "q4_0")
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -61,7 +81,7 @@ class Shape:
     n_ff: int
     n_head: int
     n_head_kv: int
-    ftype: str          # f16 | f32
+    ftype: str          # f32 | f16 | q4_0
     n_ctx_train: int = 4096
 
 
@@ -69,6 +89,8 @@ PRESETS: dict[str, Shape] = {
     # LLaMA-2-7B / 13B shapes in F16 (~12.6 / ~24 GiB)
     "KB-7B": Shape(32, 4096, 11008, 32, 32, "f16"),
     "KB-13B": Shape(40, 5120, 13824, 40, 40, "f16"),
+    # LLaMA-2-70B shape (grouped-query attention, 8 KV heads) in Q4_0 (~36 GiB)
+    "KB-70B": Shape(80, 8192, 28672, 64, 8, "q4_0"),
     # small shapes for CPU benchmarks and tests
     "KB-350M": Shape(24, 1024, 2816, 16, 16, "f16"),
     "KB-tiny": Shape(2, 64, 256, 4, 2, "f32"),
@@ -83,6 +105,14 @@ DEFAULT_SPARSITY = 0.89
 UPDATE_RATIO = 0.01
 # Dense noise on the gate, relative to the low-rank part's entries.
 GATE_NOISE = 0.1
+# Realistic-statistics defaults (module docstring).
+DEFAULT_RATE_SPREAD = 1.6
+DEFAULT_TOPICS = 32
+DEFAULT_TOPIC_SHARE = 0.45
+DEFAULT_COMMON = 0.3
+RATE_CLIP = (1e-4, 0.95)
+# Metadata written into synthetic models: how to rebuild the token topics.
+K_SEED, K_TOPICS = "kairox.synth.seed", "kairox.synth.topics"
 
 
 class SynthError(ValueError):
@@ -94,6 +124,9 @@ class SparseFFN:
     """How a ReLU model's FFN is made sparse and predictable (module docstring)."""
     sparsity: float = DEFAULT_SPARSITY  # target fraction of zero FFN activations, in (0, 1)
     gate_rank: int | None = None        # rank of the gate incl. the bias channel; None: n_embd // 16
+    rate_spread: float = DEFAULT_RATE_SPREAD  # σ of log firing rate across neurons; 0: equal rates
+    topics: int = DEFAULT_TOPICS              # token topics in the embedding; 0: none
+    topic_share: float = DEFAULT_TOPIC_SHARE  # ρ: share of a token channel's variance from its topic
 
     def rank_for(self, shape: Shape) -> int:
         limit = min(shape.n_ff, shape.n_embd)
@@ -107,10 +140,38 @@ class SparseFFN:
     def check(self) -> None:
         if not (isinstance(self.sparsity, (int, float)) and 0 < self.sparsity < 1):
             raise SynthError(f"sparsity must be a fraction strictly between 0 and 1, got {self.sparsity!r}")
+        if not (isinstance(self.rate_spread, (int, float)) and 0 <= self.rate_spread <= 4):
+            raise SynthError(f"rate spread must be in 0..4 (σ of the log firing rate), got {self.rate_spread!r}")
+        if isinstance(self.topics, bool) or not isinstance(self.topics, int) or not 0 <= self.topics <= 255:
+            raise SynthError(f"topics must be an integer in 0..255, got {self.topics!r}")
+        if not (isinstance(self.topic_share, (int, float)) and 0 <= self.topic_share < 1):
+            raise SynthError(f"topic share must be in [0, 1), got {self.topic_share!r}")
+        if 1 - self.sparsity > RATE_CLIP[1]:
+            raise SynthError(f"sparsity {self.sparsity} leaves a mean firing rate above {RATE_CLIP[1]}")
 
 
-def sparse_gate(rng: np.random.Generator, noise: np.ndarray, rank: int, sparsity: float) -> np.ndarray:
-    """A ReLU gate [n_ff, n_embd] float32 with P(gate > 0) = 1 − sparsity for bias-channel
+def firing_rates(rng: np.random.Generator, n_ff: int, mean: float, spread: float) -> np.ndarray:
+    """Per-neuron firing rates: log-normal with σ = spread, rescaled to `mean` inside
+    RATE_CLIP (a few rescale-and-clip rounds; clipping moves the mean, rescaling restores it)."""
+    if spread == 0:
+        return np.full(n_ff, mean)
+    r = np.exp(spread * rng.standard_normal(n_ff))
+    for _ in range(100):
+        r = np.clip(r * (mean / r.mean()), *RATE_CLIP)
+        if abs(r.mean() - mean) < 1e-6 * mean:
+            break
+    return r
+
+
+def token_topics(seed: int, n_vocab: int, topics: int) -> np.ndarray:
+    """Topic of every token id (0: common words, 1..topics), the same for the same seed."""
+    if topics == 0:
+        return np.zeros(n_vocab, np.int64)
+    return np.random.default_rng([seed, 0x70]).integers(0, topics + 1, n_vocab)
+
+
+def sparse_gate(rng: np.random.Generator, noise: np.ndarray, rank: int, rates: np.ndarray) -> np.ndarray:
+    """A ReLU gate [n_ff, n_embd] float32 with P(gate_i > 0) = rates[i] for bias-channel
     inputs (module docstring). `noise` [n_ff, n_embd]: the dense noise to add."""
     n_ff, n_embd = noise.shape
     u = rng.standard_normal((n_ff, rank - 1), dtype=np.float32)  # rank − 1 token directions
@@ -126,8 +187,25 @@ def sparse_gate(rng: np.random.Generator, noise: np.ndarray, rank: int, sparsity
     # x̂ on the token channels has variance 3n/(4(n−1)) (3/4 of the energy over n−1
     # channels) and x̂₀ = sqrt(n)/2, so the bias column puts the gate's mean z·σ_i below 0.
     sigma = np.sqrt(np.einsum("ij,ij->i", gate, gate) * (3 * n_embd / (4 * (n_embd - 1))))
-    gate[:, 0] = -statistics.NormalDist().inv_cdf(sparsity) * sigma / (math.sqrt(n_embd) / 2)
+    inv = statistics.NormalDist().inv_cdf
+    z = np.array([inv(1 - p) for p in np.asarray(rates, np.float64)], np.float32)
+    gate[:, 0] = -z * sigma / (math.sqrt(n_embd) / 2)
     return gate
+
+
+def _quantize_rows(w: np.ndarray, qtype: Any, threads: int | None = None) -> np.ndarray:
+    """gguf's numpy quantizer over row chunks on all cores (its array ops release the GIL:
+    measured 2.9x on 2 cores for Q4_0); rows [n, cols] -> bytes [n, cols/32*block bytes]."""
+    import gguf
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = np.ascontiguousarray(w, np.float32)
+    threads = threads or os.cpu_count() or 1
+    step = max(1, -(-w.shape[0] // (4 * threads)))
+    with ThreadPoolExecutor(threads) as ex:
+        parts = list(ex.map(lambda lo: gguf.quants.quantize(w[lo:lo + step], qtype),
+                            range(0, w.shape[0], step)))
+    return np.concatenate(parts)
 
 
 def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | None = None,
@@ -151,9 +229,15 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
         raise SynthError("sparsity and gate rank apply only to ReLU models (--act relu)")
     vocab_gguf = Path(vocab_gguf or default_vocab_gguf())
     n_vocab = gguf_vocab_size(vocab_gguf)
-    dtype = {"f16": np.float16, "f32": np.float32}.get(shape.ftype)
-    if dtype is None:
-        raise SynthError(f"unsupported type {shape.ftype!r} (f16, f32)")
+    if shape.ftype not in FTYPES:
+        raise SynthError(f"unsupported type {shape.ftype!r} ({', '.join(FTYPES)})")
+    qtype = gguf.GGMLQuantizationType.Q4_0 if shape.ftype == "q4_0" else None
+    # float values are made in this type; quantized models quantize float32
+    dtype = np.float16 if shape.ftype == "f16" else np.float32
+    if qtype is not None:
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if shape.n_embd % block or shape.n_ff % block:
+            raise SynthError(f"{shape.ftype} needs n_embd and n_ff to be multiples of {block}")
     head_dim = shape.n_embd // shape.n_head
     if head_dim * shape.n_head != shape.n_embd or shape.n_head % shape.n_head_kv:
         raise SynthError(f"inconsistent heads: n_embd={shape.n_embd} n_head={shape.n_head} "
@@ -184,14 +268,37 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
     # while the file is written, so at most one tensor is ever built in memory.
     Maker = Callable[[], np.ndarray]
     ones = np.ones(n, np.float32)  # the norm weights
+    qpools: dict[float, np.ndarray] = {}
+
+    def qrand(shape_: tuple[int, int], scale: float) -> np.ndarray:
+        """A slice of the quantized pool, cut at block boundaries: bytes [rows, row bytes]."""
+        if scale not in qpools:
+            src = rand((min(pool.size, 2 * n * n_ff),), scale) if scale != 1.0 else pool
+            blk = gguf.GGML_QUANT_SIZES[qtype]
+            qpools[scale] = _quantize_rows(src[:src.size // 256 * 256].reshape(-1, 256),
+                                           qtype).reshape(-1, blk[1])  # [blocks, block bytes]
+        src = qpools[scale]
+        rows, cols = shape_
+        nblk = rows * cols // block
+        off = int(rng.integers(0, src.shape[0] - nblk + 1))
+        return src[off:off + nblk].reshape(rows, -1)
+
+    def encode(w: np.ndarray) -> np.ndarray:
+        return w.astype(dtype, copy=False) if qtype is None or w.ndim == 1 else _quantize_rows(w, qtype)
 
     def pooled(shp: tuple[int, ...], scale: float = 1.0, zero_row0: bool = False) -> Maker:
         def make() -> np.ndarray:
+            if qtype is not None:
+                w = qrand(shp, scale)
+                if zero_row0:
+                    w = w.copy()
+                    w[0] = _quantize_rows(np.zeros((1, shp[1]), np.float32), qtype)[0]
+                return w
             w = rand(shp, scale)
             if zero_row0:
                 w = w.copy()
                 w[0] = 0.0  # output channel 0 is the bias channel: never written
-            return w
+            return encode(w)
         return make
 
     if act == "relu":
@@ -202,13 +309,22 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
         s_quiet = math.sqrt(min(target / (POOL_STD ** 2 * n),
                                 target / (POOL_STD ** 3 * n * math.sqrt(n_ff))))
 
+        topic = token_topics(seed, n_vocab, sparse.topics)
+        topic_vecs = np.random.default_rng([seed, 0x7e]).standard_normal(
+            (sparse.topics + 1, n), dtype=np.float32) * POOL_STD
+
         def embd() -> np.ndarray:
-            e = rand((n_vocab, n)).copy()
+            rho = sparse.topic_share if sparse.topics else 0.0
+            e = rand((n_vocab, n)).astype(np.float32) * np.float32(math.sqrt(1 - rho))
+            if rho:
+                e += np.float32(math.sqrt(rho)) * topic_vecs[topic]
             e[:, 0] = POOL_STD * math.sqrt((n - 1) / 3)  # the bias channel
-            return e
+            return encode(e)
 
         def gate() -> np.ndarray:
-            return sparse_gate(rng, rand((n_ff, n), GATE_NOISE), gate_rank, sparse.sparsity)
+            rates = firing_rates(rng, n_ff, 1 - sparse.sparsity, sparse.rate_spread)
+            return encode(sparse_gate(rng, rand((n_ff, n), GATE_NOISE).astype(np.float32),
+                                      gate_rank, rates))
     else:
         s_quiet = 1.0
         embd, gate = pooled((n_vocab, n)), pooled((n_ff, n))
@@ -243,19 +359,63 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
         "vocab_size": n_vocab}, source="synth preset")
     name = f"kairox-synth {shape.n_layer}x{n} seed {seed}"
     if act == "relu":
-        name += f" sparsity {sparse.sparsity:g} gate rank {gate_rank}"
+        name += (f" sparsity {sparse.sparsity:g} gate rank {gate_rank} rate spread "
+                 f"{sparse.rate_spread:g} topics {sparse.topics} share {sparse.topic_share:g}")
     add_hparams(w, cfg, act, name, shape.ftype)
+    w.add_uint32(K_SEED, seed & 0xFFFFFFFF)
+    w.add_uint32(K_TOPICS, sparse.topics if act == "relu" else 0)
     copy_tokenizer_fields(w, vocab_gguf, n_vocab)
     for tname, shp, make in tensors:
-        dt = np.dtype(np.float32) if make is None else np.dtype(dtype)
-        w.add_tensor_info(tname, shp, dt, int(np.prod(shp)) * dt.itemsize)
+        if make is None:
+            w.add_tensor_info(tname, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
+        elif qtype is not None:
+            bshape = gguf.quant_shape_to_byte_shape(shp, qtype)
+            w.add_tensor_info(tname, bshape, np.dtype(np.uint8), int(np.prod(bshape)), raw_dtype=qtype)
+        else:
+            dt = np.dtype(dtype)
+            w.add_tensor_info(tname, shp, dt, int(np.prod(shp)) * dt.itemsize)
 
     def data():
         for tname, shp, make in tqdm(tensors, desc=f"synth {out.name}", unit="tensor",
                                      disable=quiet, file=sys.stderr):
-            yield ones if make is None else make().astype(dtype, copy=False)
+            yield ones if make is None else make()
 
     return finish_atomically(w, tmp, out, data())
+
+
+def topic_prompts(model_path: str | Path, n_prompts: int, length: int, *, seed: int = 0,
+                  common: float = DEFAULT_COMMON, switch_every: int | None = None,
+                  mix: int = 1) -> list[list[int]]:
+    """Token streams for a synthetic model that read like text on topics: each prompt picks
+    a topic; each token is a common word with probability `common`, else a word of the
+    prompt's topic (uniform among that topic's normal tokens). With `switch_every`, the
+    topic changes every that many tokens (a drifting conversation). No BOS is added."""
+    import gguf
+
+    from .gguf_header import scan_header
+
+    hdr = scan_header(model_path)
+    if K_TOPICS not in hdr.kv:
+        raise SynthError(f"{model_path} is not a kairox synthetic model (no {K_TOPICS})")
+    topics = int(hdr.kv[K_TOPICS])
+    field = gguf.GGUFReader(str(model_path)).get_field("tokenizer.ggml.token_type")
+    types = np.array([int(field.parts[i][0]) for i in field.data])
+    topic = token_topics(int(hdr.kv[K_SEED]), types.size, topics)
+    normal = types == int(gguf.TokenType.NORMAL)
+    words = [np.flatnonzero(normal & (topic == k)) for k in range(topics + 1)]
+    if any(w.size == 0 for w in words):
+        raise SynthError(f"{model_path}: a topic has no normal tokens (vocabulary too small for {topics} topics)")
+    rng = np.random.default_rng([seed, 0x9e])
+    out = []
+    for _ in range(n_prompts):
+        k = np.zeros(length, np.int64)
+        starts = range(0, length, switch_every or length)
+        for st in starts:  # `mix` topics per stretch; 0 (common only) when the model has none
+            span = len(k[st:st + (switch_every or length)])
+            k[st:st + span] = rng.choice(rng.integers(1, topics + 1, mix), span) if topics else 0
+        k[rng.random(length) < common] = 0
+        out.append([int(words[kk][rng.integers(words[kk].size)]) for kk in k])
+    return out
 
 
 def _fraction(v: str) -> float:
@@ -277,10 +437,16 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.type:
         shape = dataclasses.replace(shape, ftype=args.type)
     sparse = None
+    relu_only = (args.sparsity, args.gate_rank, args.rate_spread, args.topics, args.topic_share)
     if args.act == "relu":
-        sparse = SparseFFN(DEFAULT_SPARSITY if args.sparsity is None else args.sparsity, args.gate_rank)
-    elif args.sparsity is not None or args.gate_rank is not None:
-        return fail("--sparsity and --gate-rank apply only to --act relu (a SiLU model is dense)")
+        d = SparseFFN()
+        sparse = SparseFFN(d.sparsity if args.sparsity is None else args.sparsity, args.gate_rank,
+                           *(d_ if a is None else a for a, d_ in
+                             ((args.rate_spread, d.rate_spread), (args.topics, d.topics),
+                              (args.topic_share, d.topic_share))))
+    elif any(a is not None for a in relu_only):
+        return fail("--sparsity, --gate-rank, --rate-spread, --topics and --topic-share apply "
+                    "only to --act relu (a SiLU model is dense)")
     out = Path(args.outfile or f"{args.preset}-{shape.ftype}.gguf")
     try:
         path = synth(out, shape, seed=args.seed, vocab_gguf=args.vocab_gguf,
@@ -288,6 +454,16 @@ def cmd_synth(args: argparse.Namespace) -> int:
     except SynthError as e:
         return fail(str(e))
     print(f"kairox synth: wrote {path} ({os.path.getsize(path) / 2**30:.2f} GiB)")
+    if args.pack:
+        from .pack import PackError, write_pack
+        from .predictor import sketch_for_model
+        try:
+            pk = write_pack(path, predictor=sketch_for_model(path), quiet=args.quiet,
+                            down_type="f16" if shape.ftype == "f16" else
+                            "q8_0" if shape.ftype == "q4_0" else "f32")
+        except PackError as e:
+            return fail(str(e))
+        print(f"kairox synth: wrote {pk} ({os.path.getsize(pk) / 2**30:.2f} GiB)")
     return 0
 
 
@@ -297,7 +473,7 @@ def register(sub) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="KB-7B",
                    help="model shape (default: %(default)s)")
     p.add_argument("-o", "--outfile", help="output GGUF (default: PRESET-TYPE.gguf)")
-    p.add_argument("--type", choices=["f16", "f32"], help="weight type (default: the preset's)")
+    p.add_argument("--type", choices=FTYPES, help="weight type (default: the preset's)")
     p.add_argument("--act", choices=["relu", "silu"], default="relu",
                    help="FFN activation; silu writes a dense all-random model (default: relu)")
     p.add_argument("--sparsity", type=_fraction, metavar="S",
@@ -306,6 +482,16 @@ def register(sub) -> None:
                    help="ReLU only: rank of each ffn_gate, the bias channel included, in "
                         "2..min(n_ff, n_embd); the sketch predictor needs rank >= R to see it "
                         "all (default: n_embd/16)")
+    p.add_argument("--rate-spread", type=float, metavar="SIGMA",
+                   help=f"ReLU only: σ of the log firing rate across neurons, 0 for equal rates "
+                        f"(default: {DEFAULT_RATE_SPREAD})")
+    p.add_argument("--topics", type=int, metavar="K",
+                   help=f"ReLU only: token topics in the embedding, 0 for none (default: {DEFAULT_TOPICS})")
+    p.add_argument("--topic-share", type=float, metavar="RHO",
+                   help=f"ReLU only: share of a token's embedding from its topic (default: {DEFAULT_TOPIC_SHARE})")
+    p.add_argument("--pack", action="store_true",
+                   help="also write the sparse pack (sketch predictor; down rows F16 for F16 "
+                        "models, Q8_0 for Q4_0 ones) so that predicted mode works")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--vocab-gguf", type=Path, help="GGUF whose tokenizer to copy (default: LLaMA SPM)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

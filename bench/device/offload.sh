@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On the GPU machine: offload benchmarks (bench/offload.py) for the configurations given,
+# results and a log to $OUT. Builds kairox and the unpatched llama-bench unless a build
+# archive was carried in .kxbuild/ (made by an earlier call: KX_PACK_BUILD=1 writes it to
+# $OUT as parts of at most 15 MiB).
+#
+#   bash bench/device/offload.sh KB-7B [KB-13B ...]     # repo root; carry .whl (+ vendor or .kxbuild)
+#   env: KX_REPS (llama-bench repetitions), KX_NOPACK="KB-13B KB-70B" (configs without sparse pack),
+#        KX_MODES (kairox sparse modes, default predicted)
+set -uo pipefail
+W=${KX_WORK:-/tmp/kx}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" "$W"
+exec > >(tee -a "$OUT/device.log") 2>&1
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1
+export KAIROX_VOCAB_GGUF=${KAIROX_VOCAB_GGUF:-$PWD/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf}
+if [ -f .kxbuild/kxbuild.tar.xz.00 ]; then
+    cat .kxbuild/kxbuild.tar.xz.* | tar -xJ -C "$W" && echo "build unpacked ($(( $(date +%s) - t0 )) s)"
+elif [ ! -x "$W/kx/bin/llama-bench" ] || [ ! -x "$W/build-stock/bin/llama-bench" ]; then
+    bash bench/device/build.sh || exit 1
+    echo "build done ($(( $(date +%s) - t0 )) s)"
+fi
+if [ -n "${KX_PACK_BUILD:-}" ]; then
+    tar -C "$W" -cf - kx/bin kx/lib $(cd "$W" && ls build-stock/bin/llama-bench build-stock/bin/*.so*) \
+        | xz -T0 -6 | split -b 15M -d - "$OUT/kxbuild.tar.xz."
+    ls -l "$OUT"/kxbuild.tar.xz.*
+fi
+export KX_COMMIT=${KX_COMMIT:-unknown}
+for cfg in "$@"; do
+    extra=()
+    case " ${KX_NOPACK:-} " in *" $cfg "*) extra+=(--no-pack) ;; esac
+    python3 bench/offload.py --config "$cfg" --stock-bin "$W/build-stock/bin" --kairox-bin "$W/kx/bin" \
+        --kairox-lib "$W/kx/lib" --work /tmp/kxbench --out "$OUT" --reps "${KX_REPS:-2}" \
+        --modes "${KX_MODES:-predicted}" "${extra[@]}" || echo "config $cfg FAILED"
+    echo "config $cfg done at $(( $(date +%s) - t0 )) s"
+done

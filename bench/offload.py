@@ -1,0 +1,452 @@
+#!/usr/bin/env python3
+"""One offload benchmark configuration, end to end: a model that does not fit a VRAM
+budget, decoded by the unpatched llama.cpp and by kairox at that budget.
+
+  python3 bench/offload.py --config KB-7B --stock-bin /tmp/kx/build-stock/bin \
+      --work /tmp/kxbench --out bench/results
+  python3 bench/offload.py --summarize bench/results     # table + plots of all results
+
+Steps (docs/benchmarking.md): write the synthetic model (kairox synth, with its pack)
+unless it exists; measure the machine's bandwidths (kairox.hw); find the largest -ngl
+whose GPU buffers (model + KV + compute, from llama.cpp's own load log) fit the budget,
+by probing the unpatched llama-bench; then at that -ngl:
+
+* llama.cpp: unpatched `llama-bench -p 512 -n 128 -d 64` (prefill 512 tokens, decode 128
+  after a 64-token context), and the same with `--fit-target` (llama.cpp's own fitting)
+  at a margin leaving exactly the budget;
+* kairox dense: kairox's patched llama-bench, same arguments (must equal llama.cpp);
+* per-token decode time (TPOT p50/p99) of every implementation and kairox mode with
+  bench/tpot.py, one process per run, the same teacher-forced tokens for all;
+* the physical bound per token, max(GPU bytes / HBM, CPU bytes / CPU read, PCIe bytes /
+  PCIe), from the model's tensor sizes and the measured bandwidths; efficiency =
+  bound / measured time per token.
+
+Writes <out>/offload-<config>.json (raw: commands, logs' numbers, samples, commit,
+machine) and .md. The model is deleted afterwards unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python"))
+from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# name -> (synth preset or None for a given model, VRAM budget in GiB)
+CONFIGS = {
+    "KB-7B": ("KB-7B", 7.0),
+    "KB-13B": ("KB-13B", 12.0),
+    "KB-70B": ("KB-70B", 22.0),
+    "gemma3-270m": (None, 0.25),
+}
+PROMPT, GEN, PP = 64, 128, 512
+BUF_RE = re.compile(r"(CUDA\d+) (model|KV|compute|RS|output) buffer size\s*=\s*([\d.]+) MiB")
+OFFLOAD_RE = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    log("$ " + shlex.join(cmd))
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
+    if r.returncode != 0:
+        raise SystemExit(f"failed ({r.returncode}): {shlex.join(cmd)}\n{r.stderr[-3000:]}")
+    return r
+
+
+def gpu_buffers(stderr: str) -> dict:
+    """GPU memory llama.cpp allocated, from its load log: model buffers, and the largest
+    KV and compute buffers of the contexts it created (MiB)."""
+    model = kv = comp = 0.0
+    for dev, kind, mib in BUF_RE.findall(stderr):
+        v = float(mib)
+        if kind == "model":
+            model += v
+        elif kind in ("KV", "RS"):
+            kv = max(kv, v)
+        else:
+            comp = max(comp, v)
+    m = OFFLOAD_RE.findall(stderr)
+    return {"model_mib": model, "kv_mib": kv, "compute_mib": comp, "total_mib": model + kv + comp,
+            "offloaded": f"{m[-1][0]}/{m[-1][1]}" if m else None}
+
+
+def bench_cmd(binary: str, model: Path, threads: int, reps: int, extra: list[str]) -> list[str]:
+    return [binary, "-m", str(model), "-p", str(PP), "-n", str(GEN), "-d", str(PROMPT), "-r", str(reps),
+            "-t", str(threads), "-o", "json", "-v", *extra]
+
+
+def parse_bench(r: subprocess.CompletedProcess) -> dict:
+    rows = json.loads(r.stdout)
+    pp = next(x for x in rows if x["n_prompt"] > 0)
+    tg = next(x for x in rows if x["n_gen"] > 0)
+    return {"pp_tok_s": pp["avg_ts"], "pp_samples": pp.get("samples_ts"), "tg_tok_s": tg["avg_ts"],
+            "tg_samples": tg.get("samples_ts"), "gpu": gpu_buffers(r.stderr)}
+
+
+def probe(binary: str, model: Path, ngl: int, threads: int) -> dict:
+    """GPU buffers at -ngl: the prefill test allocates the most (largest KV and compute)."""
+    r = run([binary, "-m", str(model), "-p", str(PP), "-n", "0", "-d", str(PROMPT), "-r", "1",
+             "-t", str(threads), "-o", "json", "-v", "-ngl", str(ngl)])
+    return gpu_buffers(r.stderr)
+
+
+class Layout:
+    """Bytes a decode step reads, per tensor group, from the model's header."""
+
+    def __init__(self, model: Path) -> None:
+        from kairox.gguf_header import scan_header
+        hdr = scan_header(model)
+        arch = hdr.kv["general.architecture"]
+        self.n_layer = int(hdr.kv[f"{arch}.block_count"])
+        self.n_embd = int(hdr.kv[f"{arch}.embedding_length"])
+        self.layer_ffn = [0] * self.n_layer
+        self.layer_gate = [0] * self.n_layer
+        self.layer_other = [0] * self.n_layer
+        self.output = 0
+        self.n_vocab = 0
+        names = {t.name: t for t in hdr.tensors}
+        for t in hdr.tensors:
+            m = re.match(r"blk\.(\d+)\.(.*)", t.name)
+            if m:
+                il, rest = int(m.group(1)), m.group(2)
+                if rest.startswith(("ffn_gate.", "ffn_up.", "ffn_down.")):
+                    self.layer_ffn[il] += t.nbytes
+                    if rest.startswith("ffn_gate."):
+                        self.layer_gate[il] += t.nbytes
+                else:
+                    self.layer_other[il] += t.nbytes
+            elif t.name in ("output.weight", "output_norm.weight"):
+                self.output += t.nbytes
+        emb = names["token_embd.weight"]
+        self.n_vocab = emb.ne[1]
+        if "output.weight" not in names:  # tied: the output head reads the embedding matrix
+            self.output += emb.nbytes
+
+    def bytes_per_token(self, ngl: int, density: float | None = None, exact: bool = False,
+                        pred_bytes: float = 0.0) -> dict:
+        """(GPU, CPU, PCIe) bytes of one decode step at -ngl: llama.cpp offloads the last
+        ngl layers, and the output head when ngl > n_layer. density: kairox's sparse FFN
+        on the CPU layers reads that fraction of the rows (exact mode: the whole gate)."""
+        n_gpu = min(ngl, self.n_layer)
+        gpu_layers = range(self.n_layer - n_gpu, self.n_layer)
+        gpu = cpu = 0.0
+        for il in range(self.n_layer):
+            ffn = self.layer_ffn[il]
+            if il in gpu_layers:
+                gpu += self.layer_other[il] + ffn
+            elif density is None:
+                cpu += self.layer_other[il] + ffn
+            else:
+                gate = self.layer_gate[il]
+                cpu += self.layer_other[il] + (gate + density * (ffn - gate) if exact else density * ffn)
+        cpu += pred_bytes
+        out_gpu = ngl > self.n_layer
+        gpu, cpu = (gpu + self.output, cpu) if out_gpu else (gpu, cpu + self.output)
+        pcie = 0 if ngl == 0 else self.n_embd * 4 + (self.n_vocab * 4 if out_gpu else self.n_embd * 4)
+        return {"gpu": gpu, "cpu": cpu, "pcie": pcie}
+
+
+def bound(b: dict, bw: dict) -> dict:
+    """The physical floor per token (seconds), and which resource sets it."""
+    parts = {"gpu": b["gpu"] / (bw["gpu_hbm"] * 1e9) if bw.get("gpu_hbm") else 0.0,
+             "cpu": b["cpu"] / (bw["cpu_read"] * 1e9),
+             "pcie": b["pcie"] / (bw["pcie_h2d"] * 1e9) if bw.get("pcie_h2d") else 0.0}
+    key = max(parts, key=parts.get)
+    return {"seconds": parts[key], "limit": key, "parts": parts}
+
+
+def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int) -> tuple[int, dict, list]:
+    """Largest -ngl whose GPU buffers fit the budget, by probing (linear model + checks)."""
+    tried: dict[int, dict] = {}
+
+    def mem(k: int) -> float:
+        if k not in tried:
+            tried[k] = probe(stock, model, k, threads)
+            log(f"ngl {k}: {tried[k]['total_mib']:.0f} MiB ({tried[k]['offloaded']})")
+        return tried[k]["total_mib"]
+
+    top = lay.n_layer + 1
+    if model.stat().st_size / MiB <= budget_mib and mem(top) <= budget_mib:
+        k = top
+    else:
+        m1 = mem(1)
+        per = max(max(lay.layer_ffn) + max(lay.layer_other), 1) / MiB
+        k = max(0, min(top - 1, 1 + int((budget_mib - m1) // per)))
+        while k > 0 and mem(k) > budget_mib:
+            k -= 1
+        while k + 1 < top and mem(k + 1) <= budget_mib:
+            k += 1
+    return k, tried.get(k) or probe(stock, model, k, threads), [{"ngl": a, **b} for a, b in sorted(tried.items())]
+
+
+def summarize_tpot(res: dict) -> dict:
+    t = sorted(res["tpot_s"])
+    q = lambda p: t[min(len(t) - 1, int(round(p * (len(t) - 1))))]  # noqa: E731
+    return {"tok_s": len(t) / sum(t), "tpot_p50_ms": q(0.5) * 1e3, "tpot_p99_ms": q(0.99) * 1e3,
+            "prefill_s": res["prefill_s"], "counters": res.get("counters"), "mode_used": res.get("mode_used")}
+
+
+def tpot_run(impl: str, mode: str, model: Path, tokens: Path, ngl: int, threads: int, env: dict) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "tpot.py"), "--impl", impl, "--mode", mode, "--model",
+           str(model), "--tokens", str(tokens), "--prompt-len", str(PROMPT), "--ngl", str(ngl),
+           "--threads", str(threads)]
+    r = run(cmd, env=env)
+    return {"command": shlex.join(cmd), **summarize_tpot(json.loads(r.stdout.strip().splitlines()[-1]))}
+
+
+def free_mib() -> float | None:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        return float(r.stdout.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def run_config(args: argparse.Namespace) -> int:
+    preset, budget_gib = CONFIGS[args.config]
+    budget_gib = args.budget or budget_gib
+    budget_mib = budget_gib * 1024
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    threads = args.threads
+    t_start = time.time()
+    times: dict[str, float] = {}
+
+    # 1. model (and its pack)
+    if preset is None:
+        if not args.model:
+            raise SystemExit(f"--config {args.config} needs --model")
+        model = Path(args.model)
+    else:
+        from kairox.synth import PRESETS
+        model = Path(args.model or work / f"{preset}-{PRESETS[preset].ftype}.gguf")
+        if not model.exists():
+            t0 = time.time()
+            cmd = [sys.executable, "-m", "kairox", "synth", "--preset", preset, "-o", str(model), "-q"]
+            if args.pack:
+                cmd.append("--pack")
+            run(cmd, timeout=1800)
+            times["synth"] = time.time() - t0
+            log(f"synth {model.name}: {times['synth']:.0f} s")
+    from kairox.pack import pack_path_for
+    has_pack = pack_path_for(model).exists()
+
+    # 2. tokens: text on topics for synthetic models (kairox.synth.topic_prompts), else random
+    tokens_file = work / f"{model.stem}.tokens.json"
+    try:
+        from kairox.synth import topic_prompts
+        toks = topic_prompts(model, 1, PROMPT + GEN, seed=1)[0]
+        token_kind = "topic"
+    except Exception:  # not a synthetic model
+        import random
+        rnd = random.Random(1)
+        toks = [rnd.randrange(1000, 20000) for _ in range(PROMPT + GEN)]
+        token_kind = "random"
+    tokens_file.write_text(json.dumps(toks))
+
+    # 3. bandwidths
+    from kairox.hw import measure_bandwidths
+    bw = measure_bandwidths(threads)
+    log(f"bandwidths GB/s: {bw}")
+
+    lay = Layout(model)
+    stock = str(Path(args.stock_bin) / "llama-bench")
+    kxbench = str(Path(args.kairox_bin) / "llama-bench")
+    stock_env = {"LLAMA_CPP_LIB_PATH": str(Path(args.stock_bin))}
+
+    # 4. -ngl for the budget (without a GPU everything runs on the CPU: -ngl 0)
+    t0 = time.time()
+    if bw.get("gpu_hbm") is None:
+        ngl, probes = 0, []
+        mem = probe(stock, model, 0, threads)
+    else:
+        ngl, mem, probes = find_ngl(stock, model, lay, budget_mib, threads)
+    times["find_ngl"] = time.time() - t0
+    log(f"budget {budget_gib} GiB -> -ngl {ngl} ({mem['total_mib']:.0f} MiB)")
+
+    rows = []
+
+    def add(impl: str, mode: str, how: str, res: dict, density: float | None = None, cmd: str = "") -> None:
+        exact = mode == "exact"
+        pred = 0.0
+        if mode == "predicted" and has_pack:
+            pred = pred_bytes_per_token(model, lay, ngl)
+        b = lay.bytes_per_token(ngl, density, exact, pred)
+        bd = bound(b, bw)
+        tok_s = res.get("tg_tok_s") or res.get("tok_s")
+        rows.append({"impl": impl, "mode": mode, "how": how, "ngl": ngl, **res, "bytes": b, "bound": bd,
+                     "efficiency": bd["seconds"] * tok_s if tok_s else None,
+                     "gpu_share": min(ngl, lay.n_layer) / lay.n_layer, "density": density, "command": cmd})
+
+    # 5. llama-bench rows: stock at ngl, stock --fit, kairox dense at ngl
+    t0 = time.time()
+    for impl, binary, extra, how in (
+            ("llama.cpp", stock, ["-ngl", str(ngl)], "llama-bench"),
+            ("kairox", kxbench, ["-ngl", str(ngl)], "llama-bench")):
+        cmd = bench_cmd(binary, model, threads, args.reps, extra)
+        add(impl, "dense", how, parse_bench(run(cmd)), cmd=shlex.join(cmd))
+    free = free_mib()
+    if free is not None:
+        margin = max(0, int(free - budget_mib))
+        cmd = bench_cmd(stock, model, threads, args.reps, ["-fitt", str(margin), "-fitc", str(PROMPT + PP)])
+        res = parse_bench(run(cmd))
+        add("llama.cpp", "dense", f"llama-bench --fit-target {margin}", res, cmd=shlex.join(cmd))
+        rows[-1]["fit_ngl"] = res["gpu"]["offloaded"]
+    times["llama_bench"] = time.time() - t0
+
+    # 6. per-token timing
+    t0 = time.time()
+    kx_env = {"KAIROX_LIB_DIR": str(Path(args.kairox_lib))}
+    runs = [("llama.cpp", "dense", stock_env), ("kairox", "dense", kx_env)]
+    if has_pack:
+        runs += [("kairox", m, kx_env) for m in args.modes.split(",") if m]
+    for impl, mode, env in runs:
+        res = tpot_run("stock" if impl == "llama.cpp" else "kairox", mode, model, tokens_file, ngl, threads, env)
+        c = res.get("counters")
+        density = c["selected"] / c["total"] if c and c["total"] else None
+        add(impl, mode, "tpot", res, density=density, cmd=res.pop("command"))
+    times["tpot"] = time.time() - t0
+
+    result = {
+        "benchmark": "offload", "config": args.config, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "command": shlex.join([sys.executable] + sys.argv), "commit": git_commit(),
+        "machine": machine_facts(), "model": model.name, "model_bytes": model.stat().st_size,
+        "budget_gib": budget_gib, "ngl": ngl, "gpu_memory": mem, "probes": probes, "bandwidth_gbs": bw,
+        "threads": threads, "prompt": PROMPT, "gen": GEN, "pp": PP, "reps": args.reps,
+        "tokens": token_kind, "has_pack": has_pack, "rows": rows, "seconds": times,
+        "wall_s": time.time() - t_start,
+    }
+    write_results(Path(args.out) / f"offload-{args.config}", result, summary_lines(result))
+    if preset is not None and not args.keep:
+        for p in (model, pack_path_for(model)):
+            p.unlink(missing_ok=True)
+    return 0
+
+
+def pred_bytes_per_token(model: Path, lay: Layout, ngl: int) -> float:
+    """Bytes of the predictors of the CPU layers (read once per token)."""
+    from kairox.gguf_header import scan_header
+    from kairox.pack import pack_path_for
+    n_cpu = lay.n_layer - min(ngl, lay.n_layer)
+    total = 0
+    for t in scan_header(pack_path_for(model)).tensors:
+        m = re.match(r"blk\.(\d+)\.kx_pred_", t.name)
+        if m and int(m.group(1)) < n_cpu:
+            total += t.nbytes
+    return float(total)
+
+
+def fmt(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def summary_lines(r: dict) -> list[str]:
+    bw = r["bandwidth_gbs"]
+    gpu = r["machine"].get("gpu") or "no GPU"
+    lines = [f"# Offload benchmark: {r['model']} at a {r['budget_gib']:g} GiB VRAM budget", "",
+             f"-ngl {r['ngl']} (GPU buffers {r['gpu_memory']['total_mib']:.0f} MiB: model "
+             f"{r['gpu_memory']['model_mib']:.0f} + KV {r['gpu_memory']['kv_mib']:.0f} + compute "
+             f"{r['gpu_memory']['compute_mib']:.0f}); {r['threads']} threads; decode = {r['gen']} tokens "
+             f"after {r['prompt']} ({r['tokens']} tokens), prefill = {r['pp']}; commit {r['commit'][:10]}; "
+             f"{gpu}; bandwidths GB/s: CPU read {fmt(bw['cpu_read'], '.1f')}, HBM {fmt(bw['gpu_hbm'], '.0f')}, "
+             f"PCIe H2D {fmt(bw['pcie_h2d'], '.1f')}", "",
+             "| impl | mode | measured by | decode tok/s | prefill tok/s | TPOT p50 ms | TPOT p99 ms | "
+             "GPU share | density | PCIe KB/tok | bound ms/tok (limit) | efficiency |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for x in r["rows"]:
+        tok_s = x.get("tg_tok_s") or x.get("tok_s")
+        how = x["how"] + (f" (ngl {x['fit_ngl']})" if x.get("fit_ngl") else "")
+        lines.append(f"| {x['impl']} | {x['mode']} | {how} | {fmt(tok_s)} | {fmt(x.get('pp_tok_s'), '.1f')} | "
+                     f"{fmt(x.get('tpot_p50_ms'), '.1f')} | {fmt(x.get('tpot_p99_ms'), '.1f')} | "
+                     f"{x['gpu_share']:.2f} | {fmt(x['density'], '.3f')} | {x['bytes']['pcie'] / 1e3:.1f} | "
+                     f"{x['bound']['seconds'] * 1e3:.2f} ({x['bound']['limit']}) | {fmt(x['efficiency'], '.2f')} |")
+    return lines
+
+
+def summarize(folder: Path) -> int:
+    """All offload-*.json in a folder: one table and a plot of decode tok/s vs budget."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [json.loads(p.read_text()) for p in sorted(folder.glob("offload-*.json"))]
+    if not results:
+        raise SystemExit(f"no offload-*.json in {folder}")
+    lines = ["# Offload benchmarks: summary", "",
+             "| model | budget GiB | -ngl | llama.cpp tok/s | llama.cpp --fit tok/s | kairox dense tok/s | "
+             "kairox dense / llama.cpp | best kairox mode tok/s | prefill llama.cpp / kairox | efficiency llama.cpp |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        by = {(x["impl"], x["mode"], x["how"].split()[0] + ("-fit" if "fit" in x["how"] else "")): x
+              for x in r["rows"]}
+        st, fit, kx = (by.get(("llama.cpp", "dense", "llama-bench")), by.get(("llama.cpp", "dense", "llama-bench-fit")),
+                       by.get(("kairox", "dense", "llama-bench")))
+        sparse = [x for x in r["rows"] if x["impl"] == "kairox" and x["mode"] != "dense"]
+        best = max(sparse, key=lambda x: x["tok_s"]) if sparse else None
+        lines.append(
+            f"| {r['model']} | {r['budget_gib']:g} | {r['ngl']} | {fmt(st and st['tg_tok_s'])} | "
+            f"{fmt(fit and fit['tg_tok_s'])} | {fmt(kx and kx['tg_tok_s'])} | "
+            f"{fmt(st and kx and kx['tg_tok_s'] / st['tg_tok_s'], '.3f')} | "
+            f"{fmt(best and best['tok_s'])}{' (' + best['mode'] + ')' if best else ''} | "
+            f"{fmt(st and st['pp_tok_s'], '.0f')} / {fmt(kx and kx['pp_tok_s'], '.0f')} | "
+            f"{fmt(st and st['efficiency'])} |")
+        labels = [f"{x['impl']} {x['mode']}\n{x['how'].split()[0]}" for x in r["rows"]]
+        vals = [x.get("tg_tok_s") or x.get("tok_s") for x in r["rows"]]
+        ax.barh(range(len(vals)), vals, color=["tab:gray" if x["impl"] == "llama.cpp" else "tab:blue"
+                                               for x in r["rows"]])
+        ax.set_yticks(range(len(vals)), labels, fontsize=7)
+        ax.set_xlabel("decode tok/s")
+        ax.set_title(f"{r['model']} @ {r['budget_gib']:g} GiB", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(folder / "offload-summary.png", dpi=110)
+    (folder / "offload-summary.md").write_text("\n".join(lines + ["", "![decode tok/s](offload-summary.png)", ""]))
+    print("\n".join(lines))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=sorted(CONFIGS))
+    ap.add_argument("--model", help="model GGUF (default: synthesized into --work)")
+    ap.add_argument("--budget", type=float, help="VRAM budget in GiB (default: the configuration's)")
+    ap.add_argument("--stock-bin", help="bin/ of the unpatched llama.cpp build (llama-bench, libllama)")
+    ap.add_argument("--kairox-bin", help="bin/ of kairox's build (its llama-bench)")
+    ap.add_argument("--kairox-lib", help="lib/ of kairox's install (KAIROX_LIB_DIR)")
+    ap.add_argument("--work", default="/tmp/kxbench", help="where models are written")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions (default: %(default)s)")
+    ap.add_argument("--modes", default="exact,predicted",
+                    help="kairox sparse modes to time when the model has a pack (default: %(default)s)")
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--no-pack", dest="pack", action="store_false", help="skip the sparse pack (no sparse rows)")
+    ap.add_argument("--keep", action="store_true", help="keep the synthesized model")
+    ap.add_argument("--summarize", metavar="DIR", help="only summarize the results in DIR")
+    args = ap.parse_args()
+    if args.summarize:
+        return summarize(Path(args.summarize))
+    if not (args.config and args.stock_bin and args.kairox_bin and args.kairox_lib):
+        ap.error("--config, --stock-bin, --kairox-bin and --kairox-lib are required")
+    return run_config(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
