@@ -15,7 +15,7 @@ from kairox.gguf_header import GGUFHeader, scan_header
 from kairox.pack import read_model_tensor, read_pack
 from kairox.predictor import default_rank, predictor_scores, recall_and_overprediction, sketch_predictor
 from kairox.reference import LlamaReference, rms_norm
-from kairox.synth import PRESETS, Shape, SparseFFN, SynthError, synth
+from kairox.synth import PRESETS, Shape, SparseFFN, SynthError, firing_rates, synth, token_topics, topic_prompts
 
 SPARSITY = 0.89
 N_TOKENS = 256  # the zero fraction of a rank-3 gate (KB-tiny) varies from token to token
@@ -193,3 +193,93 @@ def test_progress_bar_on_stderr(capsys: pytest.CaptureFixture, tmp_path: Path, s
 def test_presets_are_kept() -> None:
     assert PRESETS["KB-350M"] == Shape(24, 1024, 2816, 16, 16, "f16")
     assert PRESETS["KB-7B"] == Shape(32, 4096, 11008, 32, 32, "f16")
+
+
+def test_firing_rates_mean_and_spread() -> None:
+    rng = np.random.default_rng(0)
+    flat = firing_rates(rng, 4096, 0.11, 0.0)
+    assert np.all(flat == 0.11)
+    r = firing_rates(rng, 4096, 0.11, 1.6)
+    assert abs(r.mean() - 0.11) < 1e-6 and r.min() >= 1e-4 and r.max() <= 0.95
+    # uneven: a quarter of the neurons carries most of the expected activations
+    top = np.sort(r)[::-1]
+    assert top[:1024].sum() / top.sum() > 0.7
+    with pytest.raises(SynthError, match="rate spread"):
+        SparseFFN(rate_spread=-1).check()
+    with pytest.raises(SynthError, match="topics must be"):
+        SparseFFN(topics=300).check()
+
+
+def test_topics_shape_the_embedding(tmp_path: Path, small_vocab: Path) -> None:
+    m = synth(tmp_path / "t.gguf", SMALL_SHAPE, vocab_gguf=small_vocab, quiet=True, seed=5,
+              sparse=SparseFFN(topics=4, topic_share=0.5))
+    hdr = scan_header(m)
+    assert hdr.kv["kairox.synth.topics"] == 4 and hdr.kv["kairox.synth.seed"] == 5
+    e = read_model_tensor(hdr, "token_embd.weight")[:, 1:]
+    topic = token_topics(5, 300, 4)
+    e = e / np.linalg.norm(e, axis=1, keepdims=True)
+    cos = e @ e.T
+    same = topic[:, None] == topic[None, :]
+    off = ~np.eye(300, dtype=bool)
+    # cos of two tokens of one topic ≈ ρ = 0.5, of different topics ≈ 0
+    assert abs(cos[same & off].mean() - 0.5) < 0.05, cos[same & off].mean()
+    assert abs(cos[~same].mean()) < 0.02
+    flat = synth(tmp_path / "f.gguf", SMALL_SHAPE, vocab_gguf=small_vocab, quiet=True, seed=5,
+                 sparse=SparseFFN(topics=0))
+    ef = read_model_tensor(scan_header(flat), "token_embd.weight")[:, 1:]
+    ef = ef / np.linalg.norm(ef, axis=1, keepdims=True)
+    assert abs((ef @ ef.T)[off].mean()) < 0.02
+
+
+def test_topic_prompts(tmp_path: Path, vocab_gguf: Path) -> None:
+    m = synth(tmp_path / "m.gguf", Shape(1, 64, 128, 4, 4, "f32"), quiet=True, seed=2)
+    topic = token_topics(2, 32000, 32)
+    p = topic_prompts(m, 3, 400, seed=1)
+    assert len(p) == 3 and all(len(x) == 400 for x in p)
+    for toks in p:
+        t = topic[np.array(toks)]
+        assert min(toks) >= 3  # no control tokens
+        main_topic = np.bincount(t[t > 0]).argmax()
+        assert set(t) == {0, main_topic}  # common words and one topic
+        assert abs(np.mean(t == 0) - 0.3) < 0.07
+    assert topic_prompts(m, 3, 400, seed=1) == p != topic_prompts(m, 3, 400, seed=2)
+    drift = topic_prompts(m, 1, 400, switch_every=100, seed=3)[0]
+    stretches = [set(topic[np.array(drift[i:i + 100])]) - {0} for i in range(0, 400, 100)]
+    assert all(len(s) == 1 for s in stretches) and len(set().union(*stretches)) > 1
+    with pytest.raises(SynthError, match="not a kairox synthetic model"):
+        topic_prompts(vocab_gguf, 1, 10)
+
+
+def test_q4_0_model(tmp_path: Path, small_vocab: Path) -> None:
+    import gguf
+    m = synth(tmp_path / "q.gguf", Shape(2, 128, 384, 4, 2, "q4_0"), vocab_gguf=small_vocab, quiet=True)
+    hdr = scan_header(m)
+    Q = gguf.GGMLQuantizationType
+    types = {t.name: Q(t.type_id) for t in hdr.tensors}
+    assert types["blk.0.ffn_gate.weight"] == Q.Q4_0 and types["token_embd.weight"] == Q.Q4_0
+    assert types["blk.0.ffn_norm.weight"] == Q.F32
+    assert hdr.kv["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    for il in range(2):
+        assert np.all(read_model_tensor(hdr, f"blk.{il}.ffn_down.weight")[0] == 0)
+    # the dequantized model is sparse as asked (quantization moves the gate by ~1/16 of a row's max)
+    x = rms_norm(read_model_tensor(hdr, "token_embd.weight"), 1.0, 1e-5)
+    zeros = float(np.mean(x @ read_model_tensor(hdr, "blk.1.ffn_gate.weight").T <= 0))
+    assert abs(zeros - 0.89) < 0.04, zeros
+    with pytest.raises(SynthError, match="multiples of 32"):
+        synth(tmp_path / "bad.gguf", Shape(1, 48, 96, 4, 4, "q4_0"), vocab_gguf=small_vocab, quiet=True)
+
+
+def test_locality_comes_from_topics(tmp_path: Path) -> None:
+    """On the real forward pass (llama.cpp with the collector): topic text reuses neurons
+    from token to token and differs between prompts; random tokens show neither."""
+    from kairox.profile import stats_on_prompts
+    m = synth(tmp_path / "m.gguf", Shape(2, 256, 1024, 4, 4, "f32"), quiet=True, seed=1)
+    topical = stats_on_prompts(m, topic_prompts(m, 8, 256, seed=4), threads=2)
+    rng = np.random.default_rng(4)
+    rand = stats_on_prompts(m, [list(rng.integers(300, 32000, 256)) for _ in range(8)], threads=2)
+    for lt, lr in zip(topical.layers, rand.layers):
+        assert abs(lt.density - 0.11) < 0.02 and abs(lr.density - 0.11) < 0.02
+        assert lt.adjacent_jaccard < lr.adjacent_jaccard - 0.03, (lt.adjacent_jaccard, lr.adjacent_jaccard)
+        assert lt.cross_prompt_jaccard > lr.cross_prompt_jaccard + 0.1, (lt.cross_prompt_jaccard, lr.cross_prompt_jaccard)
+        assert lt.hot_fraction_80 < 0.4  # uneven rates
+        assert lt.hidden_cosine is None or lt.hidden_cosine > 0.9

@@ -1,0 +1,100 @@
+"""The offload benchmark's arithmetic: GPU memory from llama.cpp's log, bytes per token
+and the physical bound (bench/offload.py), and the bandwidth probe (kairox.hw)."""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from kairox.hw import cpu_read_gbs, gpu_bandwidths
+from kairox.synth import Shape, synth
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("offload", ROOT / "bench" / "offload.py")
+offload = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(offload)
+
+LOG = """
+load_tensors: offloaded 17/33 layers to GPU
+load_tensors:        CUDA0 model buffer size =  6656.25 MiB
+load_tensors:   CPU_Mapped model buffer size =  6182.00 MiB
+llama_kv_cache:      CUDA0 KV buffer size =    76.50 MiB
+llama_kv_cache:        CPU KV buffer size =    72.00 MiB
+llama_context:      CUDA0 compute buffer size =   296.00 MiB
+llama_context:  CUDA_Host compute buffer size =    17.01 MiB
+llama_kv_cache:      CUDA0 KV buffer size =    20.00 MiB
+llama_context:      CUDA0 compute buffer size =   100.00 MiB
+"""
+
+
+def test_gpu_buffers_from_the_log() -> None:
+    g = offload.gpu_buffers(LOG)
+    # device buffers only (not CPU_Mapped / CUDA_Host), largest context
+    assert g["model_mib"] == 6656.25 and g["kv_mib"] == 76.5 and g["compute_mib"] == 296.0
+    assert g["total_mib"] == pytest.approx(6656.25 + 76.5 + 296.0)
+    assert g["offloaded"] == "17/33"
+    assert offload.gpu_buffers("nothing")["total_mib"] == 0
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory: pytest.TempPathFactory) -> "offload.Layout":
+    m = synth(tmp_path_factory.mktemp("b") / "m.gguf", Shape(4, 64, 256, 4, 4, "f32"), quiet=True)
+    return offload.Layout(m)
+
+
+def test_bytes_per_token_follow_the_split(layout) -> None:
+    L = layout
+    ffn = 3 * 64 * 256 * 4
+    assert L.n_layer == 4 and L.layer_ffn == [ffn] * 4 and L.layer_gate == [ffn // 3] * 4
+    total = sum(L.layer_ffn) + sum(L.layer_other) + L.output
+    cpu_only = L.bytes_per_token(0)
+    assert cpu_only == {"gpu": 0.0, "cpu": total, "pcie": 0}
+    half = L.bytes_per_token(2)  # the last two layers on the GPU, output head on the CPU
+    assert half["gpu"] == L.layer_ffn[3] + L.layer_other[3] + L.layer_ffn[2] + L.layer_other[2]
+    assert half["gpu"] + half["cpu"] == total and half["pcie"] == 2 * 64 * 4
+    full = L.bytes_per_token(5)  # ngl > n_layer: the output head too; logits come back
+    assert full["cpu"] == 0 and full["gpu"] == total and full["pcie"] == 64 * 4 + L.n_vocab * 4
+    # sparse CPU layers read a fraction of the FFN rows; exact mode the whole gate first
+    sp = L.bytes_per_token(2, density=0.1)
+    assert sp["cpu"] == pytest.approx(half["cpu"] - 2 * 0.9 * ffn)
+    ex = L.bytes_per_token(2, density=0.1, exact=True)
+    assert ex["cpu"] == pytest.approx(sp["cpu"] + 2 * 0.9 * ffn / 3)
+    assert L.bytes_per_token(2, density=0.1, pred_bytes=1000)["cpu"] == pytest.approx(sp["cpu"] + 1000)
+
+
+def test_bound_is_the_slowest_resource() -> None:
+    bw = {"cpu_read": 50.0, "gpu_hbm": 4000.0, "pcie_h2d": 50.0}
+    b = offload.bound({"gpu": 4e9, "cpu": 1e9, "pcie": 1e4}, bw)
+    assert b["limit"] == "cpu" and b["seconds"] == pytest.approx(0.02)
+    b = offload.bound({"gpu": 400e9, "cpu": 1e9, "pcie": 0}, bw)
+    assert b["limit"] == "gpu" and b["seconds"] == pytest.approx(0.1)
+    # no GPU measured: only the CPU counts
+    b = offload.bound({"gpu": 0, "cpu": 5e9, "pcie": 0}, {"cpu_read": 50.0, "gpu_hbm": None, "pcie_h2d": None})
+    assert b["seconds"] == pytest.approx(0.1)
+
+
+def test_tpot_percentiles() -> None:
+    s = offload.summarize_tpot({"tpot_s": [0.01] * 98 + [0.05, 0.1], "prefill_s": 0.2})
+    # nearest rank: index round(0.99 * 99) = 98 of the sorted times
+    assert s["tpot_p50_ms"] == pytest.approx(10) and s["tpot_p99_ms"] == pytest.approx(50)
+    assert s["tok_s"] == pytest.approx(100 / (0.98 + 0.15))
+
+
+def test_cpu_bandwidth_probe() -> None:
+    gbs = cpu_read_gbs(64 << 20, threads=2, reps=2)
+    assert math.isfinite(gbs) and 0.1 < gbs < 10_000
+
+
+def test_gpu_probe_without_cuda() -> None:
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    r = gpu_bandwidths(64 << 20, reps=1)
+    if has_cuda:
+        assert r["gpu_hbm"] > r["pcie_h2d"] > 0
+    else:
+        assert r is None
