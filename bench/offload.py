@@ -331,7 +331,7 @@ def run_config(args: argparse.Namespace) -> int:
         "machine": machine_facts(), "model": model.name, "model_bytes": model.stat().st_size,
         "budget_gib": budget_gib, "ngl": ngl, "gpu_memory": mem, "probes": probes, "bandwidth_gbs": bw,
         "threads": threads, "prompt": PROMPT, "gen": GEN, "pp": PP, "reps": args.reps,
-        "tokens": token_kind, "has_pack": has_pack, "rows": rows, "seconds": times,
+        "tokens": token_kind, "has_pack": has_pack, "rows": rows, "seconds": times, "note": args.note,
         "wall_s": time.time() - t_start,
     }
     write_results(Path(args.out) / f"offload-{args.config}", result, summary_lines(result))
@@ -368,6 +368,7 @@ def summary_lines(r: dict) -> list[str]:
              f"after {r['prompt']} ({r['tokens']} tokens), prefill = {r['pp']}; commit {r['commit'][:10]}; "
              f"{gpu}; bandwidths GB/s: CPU read {fmt(bw['cpu_read'], '.1f')}, HBM {fmt(bw['gpu_hbm'], '.0f')}, "
              f"PCIe H2D {fmt(bw['pcie_h2d'], '.1f')}", "",
+             *([r["note"], ""] if r.get("note") else []),
              "| impl | mode | measured by | decode tok/s | prefill tok/s | TPOT p50 ms | TPOT p99 ms | "
              "GPU share | density | PCIe KB/tok | bound ms/tok (limit) | efficiency |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -439,6 +440,7 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="skip the sparse pack (no sparse rows)")
     ap.add_argument("--keep", action="store_true", help="keep the synthesized model")
+    ap.add_argument("--note", default="", help="a line stored with the result (e.g. what the model is)")
     ap.add_argument("--summarize", metavar="DIR", help="only summarize the results in DIR")
     args = ap.parse_args()
     if args.summarize:
