@@ -98,3 +98,28 @@ def test_gpu_probe_without_cuda() -> None:
         assert r["gpu_hbm"] > r["pcie_h2d"] > 0
     else:
         assert r is None
+
+
+def test_shape_clone_keeps_the_layout(tmp_path: Path) -> None:
+    import gguf
+
+    from kairox.gguf_header import scan_header
+    spec = importlib.util.spec_from_file_location("shape_clone", ROOT / "bench" / "shape_clone.py")
+    sc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sc)
+    m = synth(tmp_path / "q.gguf", Shape(2, 128, 384, 4, 2, "q4_0"), quiet=True)
+    sc.extract(m, tmp_path / "q.kxshape")
+    assert (tmp_path / "q.kxshape").stat().st_size < m.stat().st_size / 2
+    sc.expand(tmp_path / "q.kxshape", tmp_path / "c.gguf")
+    a, b = m.read_bytes(), (tmp_path / "c.gguf").read_bytes()
+    hdr = scan_header(m)
+    start = min(t.offset for t in hdr.tensors)
+    assert len(a) == len(b) and a[:start] == b[:start]
+    for t in hdr.tensors:
+        x, y = a[t.offset:t.offset + t.nbytes], b[t.offset:t.offset + t.nbytes]
+        if t.type_id == int(gguf.GGMLQuantizationType.F32):
+            assert x == y, t.name
+        else:  # tiled from one tensor's blocks: whole 18-byte Q4_0 blocks of the sample
+            assert len(y) == t.nbytes and len(y) % 18 == 0
+    with pytest.raises(SystemExit, match="not a shape file"):
+        sc.expand(m, tmp_path / "x.gguf")

@@ -169,6 +169,10 @@ def test_refusals(tmp_path: Path, small_vocab: Path, sparse: SparseFFN, message:
     (["--gate-rank", "1"], r"gate rank must be an integer in 2\.\.64"),
     (["--sparsity", "1.5"], "argument --sparsity: must be strictly between 0 and 1"),
     (["--sparsity", "x"], "argument --sparsity: must be a number"),
+    (["--topics", "300"], r"topics must be an integer in 0\.\.255"),
+    (["--topic-share", "1"], r"topic share must be in \[0, 1\)"),
+    (["--rate-spread", "-2"], r"rate spread must be in 0\.\.4"),
+    (["--act", "silu", "--topics", "3"], "apply only to --act relu"),
 ])
 def test_cli_errors(capsys: pytest.CaptureFixture, tmp_path: Path, args: list[str], message: str) -> None:
     argv = ["synth", "--preset", "KB-tiny", "-o", str(tmp_path / "x.gguf"), "-q", *args]
@@ -283,3 +287,10 @@ def test_locality_comes_from_topics(tmp_path: Path) -> None:
         assert lt.cross_prompt_jaccard > lr.cross_prompt_jaccard + 0.1, (lt.cross_prompt_jaccard, lr.cross_prompt_jaccard)
         assert lt.hot_fraction_80 < 0.4  # uneven rates
         assert lt.hidden_cosine is None or lt.hidden_cosine > 0.9
+
+
+def test_cli_writes_the_pack(tmp_path: Path) -> None:
+    out = tmp_path / "t.gguf"
+    assert main(["synth", "--preset", "KB-tiny", "-o", str(out), "--pack", "-q"]) == 0
+    pack = read_pack(tmp_path / "t.kxpack.gguf", out)
+    assert len(pack.layers) == 2 and pack.layers[0].predictor_scores(np.ones(64, np.float32)).shape == (256,)
