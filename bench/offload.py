@@ -382,41 +382,59 @@ def summary_lines(r: dict) -> list[str]:
     return lines
 
 
-def summarize(folder: Path) -> int:
-    """All offload-*.json in a folder: one table and a plot of decode tok/s vs budget."""
+def summarize(folder: Path, cpu_gbs: float | None = None) -> int:
+    """All offload-*.json in a folder: one table and a plot of decode tok/s per mode.
+
+    cpu_gbs: a CPU read roof (GB/s) for the bound where the run's own probe measured less
+    (bounds and efficiencies are recomputed from each row's bytes)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = [json.loads(p.read_text()) for p in sorted(folder.glob("offload-*.json"))]
+    results = sorted((json.loads(p.read_text()) for p in folder.glob("offload-*.json")),
+                     key=lambda r: r["model_bytes"])
     if not results:
         raise SystemExit(f"no offload-*.json in {folder}")
     lines = ["# Offload benchmarks: summary", "",
-             "| model | budget GiB | -ngl | llama.cpp tok/s | llama.cpp --fit tok/s | kairox dense tok/s | "
-             "kairox dense / llama.cpp | best kairox mode tok/s | prefill llama.cpp / kairox | efficiency llama.cpp |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Decode tok/s, batch 1, 128 tokens after a 64-token context; prefill tok/s of 512 "
+             "tokens (llama-bench). Bound = physical floor per token of that placement "
+             "(docs/benchmarking.md); efficiency = bound / measured."
+             + (f" CPU read roof for the bound: {cpu_gbs:g} GB/s (or the run's own probe if higher)."
+                if cpu_gbs else ""), "",
+             "| model | budget GiB | -ngl (GPU MiB) | llama.cpp tok/s | llama.cpp --fit tok/s (ngl) | "
+             "kairox dense tok/s | kairox dense / llama.cpp | llama.cpp TPOT p50 / p99 ms | "
+             "prefill llama.cpp / kairox | bound ms/tok | efficiency llama.cpp (best) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.4), squeeze=False)
     for ax, r in zip(axes[0], results):
-        by = {(x["impl"], x["mode"], x["how"].split()[0] + ("-fit" if "fit" in x["how"] else "")): x
-              for x in r["rows"]}
-        st, fit, kx = (by.get(("llama.cpp", "dense", "llama-bench")), by.get(("llama.cpp", "dense", "llama-bench-fit")),
-                       by.get(("kairox", "dense", "llama-bench")))
-        sparse = [x for x in r["rows"] if x["impl"] == "kairox" and x["mode"] != "dense"]
-        best = max(sparse, key=lambda x: x["tok_s"]) if sparse else None
+        bw = dict(r["bandwidth_gbs"])
+        if cpu_gbs:
+            bw["cpu_read"] = max(bw["cpu_read"], cpu_gbs)
+        for x in r["rows"]:
+            x["bound"] = bound(x["bytes"], bw)
+            tok_s = x.get("tg_tok_s") or x.get("tok_s")
+            x["efficiency"] = x["bound"]["seconds"] * tok_s if tok_s else None
+        st = next(x for x in r["rows"] if x["impl"] == "llama.cpp" and x["how"] == "llama-bench")
+        fit = next((x for x in r["rows"] if x["how"].startswith("llama-bench --fit")), None)
+        kx = next((x for x in r["rows"] if x["impl"] == "kairox" and x["how"] == "llama-bench"), None)
+        tp = next((x for x in r["rows"] if x["impl"] == "llama.cpp" and x["how"] == "tpot"), None)
+        best = max((x for x in (st, fit) if x), key=lambda x: x["tg_tok_s"])
         lines.append(
-            f"| {r['model']} | {r['budget_gib']:g} | {r['ngl']} | {fmt(st and st['tg_tok_s'])} | "
-            f"{fmt(fit and fit['tg_tok_s'])} | {fmt(kx and kx['tg_tok_s'])} | "
-            f"{fmt(st and kx and kx['tg_tok_s'] / st['tg_tok_s'], '.3f')} | "
-            f"{fmt(best and best['tok_s'])}{' (' + best['mode'] + ')' if best else ''} | "
-            f"{fmt(st and st['pp_tok_s'], '.0f')} / {fmt(kx and kx['pp_tok_s'], '.0f')} | "
-            f"{fmt(st and st['efficiency'])} |")
-        labels = [f"{x['impl']} {x['mode']}\n{x['how'].split()[0]}" for x in r["rows"]]
+            f"| {r['model']} | {r['budget_gib']:g} | {r['ngl']} ({r['gpu_memory']['total_mib']:.0f}) | "
+            f"{fmt(st['tg_tok_s'])} | {fmt(fit and fit['tg_tok_s'])} ({fit and fit.get('fit_ngl') or '-'}) | "
+            f"{fmt(kx and kx['tg_tok_s'])} | {fmt(kx and kx['tg_tok_s'] / st['tg_tok_s'], '.3f')} | "
+            f"{fmt(tp and tp['tpot_p50_ms'], '.0f')} / {fmt(tp and tp['tpot_p99_ms'], '.0f')} | "
+            f"{fmt(st['pp_tok_s'], '.0f')} / {fmt(kx and kx['pp_tok_s'], '.0f')} | "
+            f"{st['bound']['seconds'] * 1e3:.1f} ({st['bound']['limit']}) | {fmt(best['efficiency'])} |")
+        labels = [f"{x['impl']} {x['mode']}\n{x['how'].split(' (')[0][:26]}" for x in r["rows"]]
         vals = [x.get("tg_tok_s") or x.get("tok_s") for x in r["rows"]]
         ax.barh(range(len(vals)), vals, color=["tab:gray" if x["impl"] == "llama.cpp" else "tab:blue"
                                                for x in r["rows"]])
-        ax.set_yticks(range(len(vals)), labels, fontsize=7)
+        ax.axvline(1 / st["bound"]["seconds"], color="tab:red", ls="--", label="bound")
+        ax.set_yticks(range(len(vals)), labels, fontsize=6)
         ax.set_xlabel("decode tok/s")
-        ax.set_title(f"{r['model']} @ {r['budget_gib']:g} GiB", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.set_title(f"{r['model']} @ {r['budget_gib']:g} GiB (ngl {r['ngl']})", fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "offload-summary.png", dpi=110)
     (folder / "offload-summary.md").write_text("\n".join(lines + ["", "![decode tok/s](offload-summary.png)", ""]))
@@ -442,9 +460,10 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the synthesized model")
     ap.add_argument("--note", default="", help="a line stored with the result (e.g. what the model is)")
     ap.add_argument("--summarize", metavar="DIR", help="only summarize the results in DIR")
+    ap.add_argument("--cpu-gbs", type=float, help="with --summarize: CPU read roof for the bound (GB/s)")
     args = ap.parse_args()
     if args.summarize:
-        return summarize(Path(args.summarize))
+        return summarize(Path(args.summarize), args.cpu_gbs)
     if not (args.config and args.stock_bin and args.kairox_bin and args.kairox_lib):
         ap.error("--config, --stock-bin, --kairox-bin and --kairox-lib are required")
     return run_config(args)
