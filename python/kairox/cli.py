@@ -173,12 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="GGUF file to describe")
     p.set_defaults(func=cmd_info)
 
-    from . import convert, packcli, prepare, stats, synth
+    from . import convert, packcli, plan, prepare, stats, synth
     convert.register(sub)
     synth.register(sub)
     packcli.register(sub)
     prepare.register(sub)
     stats.register(sub)
+    plan.register(sub)
     return ap
 
 

@@ -1,0 +1,296 @@
+"""Placement solver: which dense tensors and which FFN neuron groups live on the GPU.
+
+The readable reference of kairox's static placement (PowerInfer's hot/cold split plus
+ATSInfer's tensor-level placement). Decode is memory-bound, so every cost is bytes over a
+measured bandwidth (`HwProfile`, from `kairox.hw`):
+
+* A dense tensor (attention projections, output head) read on the CPU costs
+  bytes / cpu_gbs per token, on the GPU bytes / gpu_gbs. Where execution switches device
+  between two consecutive tensors the hidden state crosses PCIe: `handoff_us` each time
+  (measured on the GPU machine: 10.9-23.5 µs per round trip). `solve_dense` is a knapsack
+  DP over the tensors in execution order with the previous tensor's device in the state,
+  so it trades bytes saved against the hand-offs they cause.
+* The FFN of layer l runs its CPU and GPU parts at the same time, so it costs
+  max(cpu_l, gpu_l) with cpu_l = (expected active rows not resident) × row bytes / cpu_gbs
+  and gpu_l = (expected active rows resident) × row bytes / gpu_gbs. `solve_slots` gives
+  groups (equal bytes each) to the layer whose next group lowers Σ_l max(cpu_l, gpu_l)
+  the most, until the budget is spent: hot groups first, and no layer's CPU part is left
+  to dominate while another layer's is already hidden behind its GPU part.
+
+Expected active rows come from the pack's measured per-neuron frequencies (or, for packs
+without them, a uniform guess). The plan is explainable: `Plan.explain()`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class HwProfile:
+    cpu_gbs: float = 80.0      # CPU streaming read, GB/s
+    gpu_gbs: float = 3000.0    # GPU HBM read, GB/s
+    pcie_gbs: float = 50.0     # host-to-device, GB/s
+    handoff_us: float = 23.5   # one CPU<->GPU switch of the hidden state, µs
+
+    @classmethod
+    def from_bandwidths(cls, bw: dict[str, Any]) -> "HwProfile":
+        d = cls()
+        return cls(bw.get("cpu_read") or d.cpu_gbs, bw.get("gpu_hbm") or d.gpu_gbs,
+                   bw.get("pcie_h2d") or d.pcie_gbs)
+
+
+@dataclass(frozen=True)
+class DenseItem:
+    name: str
+    nbytes: int
+
+
+def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = 16 * MiB) -> tuple[list[bool], float]:
+    """Knapsack over dense tensors in execution order: on_gpu[i] for each, and the modelled
+    seconds per token. Weights are rounded up to `unit` bytes (the DP's resolution)."""
+    n = len(items)
+    cap = max(0, budget // unit)
+    w = [-(-it.nbytes // unit) for it in items]
+    cpu = [it.nbytes / (hw.cpu_gbs * 1e9) for it in items]
+    gpu = [it.nbytes / (hw.gpu_gbs * 1e9) for it in items]
+    hop = hw.handoff_us * 1e-6 / 2  # one direction of a round trip
+    INF = math.inf
+    # cost[c][d]: best time using c units with the last tensor on device d (0 CPU, 1 GPU)
+    cost = np.full((cap + 1, 2), INF)
+    cost[0, 0] = 0.0  # execution starts on the CPU (token embedding)
+    choice = np.zeros((n, cap + 1, 2), np.int8)  # previous device of the best path
+    for i in range(n):
+        new = np.full_like(cost, INF)
+        for d in (0, 1):
+            t = cpu[i] if d == 0 else gpu[i]
+            shift = 0 if d == 0 else w[i]
+            if shift > cap:
+                continue  # does not fit even alone
+            for prev in (0, 1):
+                src = cost[:cap + 1 - shift, prev] + t + (hop if prev != d else 0.0)
+                dst = new[shift:, d]
+                better = src < dst
+                dst[better] = src[better]
+                choice[i, shift:, d][better] = prev
+        cost = new
+    # end on the CPU: sampling reads the logits on the host
+    final = cost + np.array([0.0, hop])
+    c, d = np.unravel_index(np.argmin(final), final.shape)
+    best = float(final[c, d])
+    on_gpu = [False] * n
+    for i in range(n - 1, -1, -1):
+        on_gpu[i] = bool(d)
+        prev = int(choice[i, c, d])
+        if d == 1:
+            c -= w[i]
+        d = prev
+    return on_gpu, best
+
+
+def solve_slots(freqs: list[np.ndarray], group_bytes: list[int], budget: int, hw: HwProfile,
+                rows_per_group: list[int] | None = None) -> tuple[list[np.ndarray], float]:
+    """Resident groups per layer (ids, hottest first) and the modelled FFN seconds per token.
+
+    freqs[l][g]: expected active neurons of group g of layer l per token (sum of its
+    neurons' frequencies); group_bytes[l]: bytes of one group (gate+up+down rows)."""
+    L = len(freqs)
+    if len(group_bytes) != L:
+        raise PlanError("one group size per layer is needed")
+    order = [np.argsort(-np.asarray(f, np.float64), kind="stable") for f in freqs]
+    rows = rows_per_group or [1] * L
+    # bytes per expected active neuron: a group's bytes over its rows
+    per_row = [group_bytes[l] / rows[l] for l in range(L)]
+    cpu_mass = [float(np.sum(f)) for f in freqs]
+    gpu_mass = [0.0] * L
+    taken = [0] * L
+
+    def t(l: int, cm: float, gm: float) -> float:
+        return max(cm * per_row[l] / (hw.cpu_gbs * 1e9), gm * per_row[l] / (hw.gpu_gbs * 1e9))
+
+    def gain(l: int) -> float:
+        if taken[l] >= len(order[l]):
+            return -1.0
+        f = float(freqs[l][order[l][taken[l]]])
+        return t(l, cpu_mass[l], gpu_mass[l]) - t(l, cpu_mass[l] - f, gpu_mass[l] + f)
+
+    heap = [(-gain(l), l) for l in range(L)]
+    heapq.heapify(heap)
+    left = budget
+    while heap:
+        g, l = heapq.heappop(heap)
+        if -g <= 0 or group_bytes[l] > left:
+            if group_bytes[l] > left:
+                continue  # other layers may have smaller groups
+            break
+        f = float(freqs[l][order[l][taken[l]]])
+        cpu_mass[l] -= f
+        gpu_mass[l] += f
+        taken[l] += 1
+        left -= group_bytes[l]
+        heapq.heappush(heap, (-gain(l), l))
+    total = sum(t(l, cpu_mass[l], gpu_mass[l]) for l in range(L))
+    return [order[l][:taken[l]].astype(np.int32) for l in range(L)], total
+
+
+@dataclass
+class Plan:
+    model: str
+    budget: int
+    hw: HwProfile
+    dense_gpu: list[str]
+    dense_cpu: list[str]
+    slots: list[list[int]]            # resident group ids per layer
+    n_groups: list[int]
+    reserved: int                     # bytes set aside (KV cache, compute buffers)
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    gpu_share: list[float] = field(default_factory=list)  # expected active neurons on the GPU, per layer
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        return json.dumps(d, indent=1)
+
+    def explain(self) -> str:
+        s = self.seconds
+        out = [f"plan for {self.model}: budget {self.budget / GiB:.2f} GiB "
+               f"(reserved {self.reserved / MiB:.0f} MiB for KV cache and compute buffers)",
+               f"hardware: CPU {self.hw.cpu_gbs:g} GB/s, GPU {self.hw.gpu_gbs:g} GB/s, "
+               f"hand-off {self.hw.handoff_us:g} µs",
+               f"dense tensors on the GPU: {len(self.dense_gpu)} of {len(self.dense_gpu) + len(self.dense_cpu)} "
+               f"({self.bytes.get('dense_gpu', 0) / MiB:.0f} MiB): modelled {s.get('dense', 0) * 1e3:.2f} ms/token",
+               f"FFN slots: {sum(map(len, self.slots))} groups of {sum(self.n_groups)} "
+               f"({self.bytes.get('slots', 0) / MiB:.0f} MiB): modelled {s.get('ffn', 0) * 1e3:.2f} ms/token, "
+               f"GPU share of expected active neurons {np.mean(self.gpu_share):.2f} (mean over layers)",
+               "per layer: slots / groups, GPU share"]
+        for l, (sl, ng, sh) in enumerate(zip(self.slots, self.n_groups, self.gpu_share)):
+            out.append(f"  layer {l:3d}: {len(sl):5d} / {ng:5d}  {sh:.2f}")
+        out.append("dense on the GPU: " + (", ".join(self.dense_gpu) or "none"))
+        return "\n".join(out)
+
+
+FFN_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight$")
+
+
+def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: str | Path | None = None,
+              reserved: int = 512 * MiB, group_size: int | None = None) -> Plan:
+    """Plan a model for a VRAM budget (bytes). Without a pack, every group is assumed to
+    fire with the same frequency (the model's nominal density is unknown: 0.1)."""
+    from .gguf_header import scan_header
+    from .pack import pack_path_for, read_pack
+
+    hdr = scan_header(model_path)
+    if budget <= reserved:
+        raise PlanError(f"a budget of {budget / MiB:.0f} MiB leaves nothing after the {reserved / MiB:.0f} MiB "
+                        f"reserved for the KV cache and compute buffers")
+    arch = hdr.kv["general.architecture"]
+    n_layer = int(hdr.kv[f"{arch}.block_count"])
+    ffn_bytes = [0] * n_layer
+    dense: list[DenseItem] = []
+    for t in hdr.tensors:
+        m = FFN_RE.match(t.name)
+        if m:
+            ffn_bytes[int(m.group(1))] += t.nbytes
+        elif t.name != "token_embd.weight" and len(t.ne) >= 2:  # the embedding is a row lookup
+            dense.append(DenseItem(t.name, t.nbytes))
+    order = {"output.weight": 10**9}
+
+    def key(it: DenseItem) -> tuple[int, str]:
+        m = re.match(r"blk\.(\d+)\.", it.name)
+        return (int(m.group(1)) if m else order.get(it.name, -1), it.name)
+    dense.sort(key=key)
+    n_ff = int(hdr.kv[f"{arch}.feed_forward_length"])
+    pp = Path(pack_path) if pack_path else pack_path_for(model_path)
+    freqs, n_groups, gbytes, rows = [], [], [], []
+    if pp.exists():
+        pack = read_pack(pp, model_path)
+        for l, pl in enumerate(pack.layers):
+            f = np.asarray(pl.freq, np.float64)[pl.perm]  # in pack order
+            if not f.any():
+                f = np.full(n_ff, 0.1)
+            ng = int(pl.group.max()) + 1
+            freqs.append(np.bincount(pl.group, weights=f, minlength=ng))
+            n_groups.append(ng)
+            gbytes.append(ffn_bytes[l] * int(np.ceil(n_ff / ng)) // n_ff)
+            rows.append(int(np.ceil(n_ff / ng)))
+    else:
+        gs = group_size or 32
+        ng = -(-n_ff // gs)
+        for l in range(n_layer):
+            freqs.append(np.full(ng, 0.1 * gs))
+            n_groups.append(ng)
+            gbytes.append(ffn_bytes[l] * gs // n_ff)
+            rows.append(gs)
+    avail = budget - reserved
+    # Dense tensors first (every token reads all of them), then slots with what is left;
+    # dense bytes are capped so that the FFN keeps at least a quarter of the budget when
+    # both compete (a measured trade-off belongs to the runtime's profile; see issue notes).
+    on_gpu, t_dense = solve_dense(dense, int(avail * 0.75), hw)
+    used = sum(it.nbytes for it, g in zip(dense, on_gpu) if g)
+    slots, t_ffn = solve_slots(freqs, gbytes, avail - used, hw, rows)
+    share = [float(np.sum(f[s]) / max(np.sum(f), 1e-30)) for f, s in zip(freqs, slots)]
+    return Plan(Path(model_path).name, budget, hw, [it.name for it, g in zip(dense, on_gpu) if g],
+                [it.name for it, g in zip(dense, on_gpu) if not g], [s.tolist() for s in slots], n_groups,
+                reserved, {"dense": t_dense, "ffn": t_ffn},
+                {"dense_gpu": used, "slots": sum(len(s) * b for s, b in zip(slots, gbytes))}, share)
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*", text, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 7GiB, 512MiB)")
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    hw = HwProfile()
+    if args.hw:
+        try:
+            hw = HwProfile(**json.loads(Path(args.hw).read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            print(f"kairox plan: error: cannot read the hardware profile {args.hw}: {e}", file=sys.stderr)
+            return 2
+    try:
+        plan = make_plan(args.model, args.budget, hw, pack_path=args.pack, reserved=args.reserve)
+    except (PlanError, OSError, ValueError) as e:
+        print(f"kairox plan: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.output or Path(args.model).with_suffix(".kxplan.json"))
+    out.write_text(plan.to_json() + "\n")
+    if args.explain:
+        print(plan.explain())
+    print(f"kairox plan: wrote {out}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("plan", help="choose the GPU placement for a VRAM budget (dense tensors + neuron slots)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model GGUF (its pack next to it is used when present)")
+    p.add_argument("--budget", type=parse_size, required=True, help="VRAM budget, e.g. 7GiB")
+    p.add_argument("--pack", help="sparse pack (default: MODEL.kxpack.gguf when present)")
+    p.add_argument("--hw", help="hardware profile JSON (cpu_gbs, gpu_gbs, pcie_gbs, handoff_us)")
+    p.add_argument("--reserve", type=parse_size, default=512 * MiB,
+                   help="bytes kept for KV cache and compute buffers (default: 512MiB)")
+    p.add_argument("-o", "--output", help="plan file (default: MODEL.kxplan.json)")
+    p.add_argument("--explain", action="store_true", help="print why each part went where")
+    p.set_defaults(func=cmd_plan)

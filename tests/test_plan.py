@@ -1,0 +1,104 @@
+"""The placement solver (kairox.plan) against brute force, and `kairox plan`."""
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kairox.cli import main
+from kairox.plan import MiB, DenseItem, HwProfile, PlanError, make_plan, parse_size, solve_dense, solve_slots
+from kairox.synth import Shape, synth
+
+HW = HwProfile(cpu_gbs=50.0, gpu_gbs=2000.0, pcie_gbs=50.0, handoff_us=40.0)
+
+
+def brute_dense(items: list[DenseItem], budget: int, hw: HwProfile) -> float:
+    hop = hw.handoff_us * 1e-6 / 2
+    best = np.inf
+    for on in itertools.product((0, 1), repeat=len(items)):
+        if sum(it.nbytes for it, g in zip(items, on) if g) > budget:
+            continue
+        t, prev = 0.0, 0
+        for it, g in zip(items, on):
+            t += it.nbytes / ((hw.gpu_gbs if g else hw.cpu_gbs) * 1e9) + (hop if g != prev else 0)
+            prev = g
+        best = min(best, t + (hop if prev else 0))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dense_knapsack_is_optimal(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    items = [DenseItem(f"t{i}", int(rng.integers(1, 40)) * MiB) for i in range(9)]
+    budget = int(rng.integers(20, 150)) * MiB
+    on, t = solve_dense(items, budget, HW, unit=MiB)
+    assert sum(it.nbytes for it, g in zip(items, on) if g) <= budget
+    assert t == pytest.approx(brute_dense(items, budget, HW), rel=1e-9)
+
+
+def test_handoffs_can_keep_a_small_tensor_on_the_cpu() -> None:
+    # a tiny tensor between two CPU tensors: moving it saves less than its two hand-offs
+    items = [DenseItem("a", 100 * MiB), DenseItem("tiny", 1 * MiB), DenseItem("b", 100 * MiB)]
+    on, _ = solve_dense(items, 1 * MiB, HW, unit=MiB)
+    assert on == [False, False, False]
+    on, _ = solve_dense(items, 300 * MiB, HW, unit=MiB)
+    assert on == [True, True, True]
+
+
+def brute_slots(freqs, gbytes, budget, hw):
+    def t(f, k):
+        f = np.sort(f)[::-1]
+        return max(f[k:].sum() / (hw.cpu_gbs * 1e9), f[:k].sum() / (hw.gpu_gbs * 1e9)) * gbytes
+    best = np.inf
+    for ks in itertools.product(*[range(len(f) + 1) for f in freqs]):
+        if sum(ks) * gbytes <= budget:
+            best = min(best, sum(t(f, k) for f, k in zip(freqs, ks)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_slot_allocation_matches_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    freqs = [rng.exponential(1.0, 5) * rng.uniform(0.2, 3) for _ in range(3)]
+    budget = int(rng.integers(1, 15)) * MiB
+    hw = HwProfile(cpu_gbs=50.0, gpu_gbs=120.0)  # close speeds: balancing matters
+    slots, t = solve_slots(freqs, [MiB] * 3, budget, hw)
+    assert sum(len(s) for s in slots) * MiB <= budget
+    for f, s in zip(freqs, slots):  # hottest groups first
+        assert list(s) == list(np.argsort(-f, kind="stable")[:len(s)])
+    assert t == pytest.approx(brute_slots(freqs, MiB, budget, hw), rel=1e-9)
+
+
+def test_busier_layers_get_more_slots() -> None:
+    freqs = [np.full(100, 0.5), np.full(100, 2.0)]
+    slots, _ = solve_slots(freqs, [MiB, MiB], 60 * MiB, HW)
+    assert len(slots[1]) > len(slots[0]) and len(slots[0]) + len(slots[1]) == 60
+
+
+def test_parse_size() -> None:
+    assert parse_size("7GiB") == 7 << 30 and parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5G") == int(1.5 * (1 << 30)) and parse_size("100") == 100
+    with pytest.raises(Exception, match="not a size"):
+        parse_size("lots")
+
+
+def test_plan_a_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    m = synth(tmp_path / "m.gguf", Shape(4, 256, 1024, 4, 4, "f32"), quiet=True)
+    assert main(["pack", str(m), "-q"]) == 0
+    budget = 40 * MiB
+    rc = main(["plan", str(m), "--budget", "40MiB", "--reserve", "8MiB", "--explain"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "FFN slots" in text and "layer   3" in text
+    plan = json.loads((tmp_path / "m.kxplan.json").read_text())
+    assert plan["bytes"]["dense_gpu"] + plan["bytes"]["slots"] <= budget - 8 * MiB
+    assert len(plan["slots"]) == 4 and all(len(s) > 0 for s in plan["slots"])
+    p = make_plan(m, 1 << 30, HW)  # everything fits
+    assert all(len(s) == n for s, n in zip(p.slots, p.n_groups)) and p.dense_cpu == []
+    with pytest.raises(PlanError, match="leaves nothing"):
+        make_plan(m, 100 * MiB, HW)
+    assert main(["plan", str(m), "--budget", "1MiB"]) == 2
+    assert "leaves nothing" in capsys.readouterr().err
