@@ -87,8 +87,8 @@ def gpu_buffers(stderr: str) -> dict:
             "offloaded": f"{m[-1][0]}/{m[-1][1]}" if m else None}
 
 
-def bench_cmd(binary: str, model: Path, threads: int, reps: int, extra: list[str]) -> list[str]:
-    return [binary, "-m", str(model), "-p", str(PP), "-n", str(GEN), "-d", str(PROMPT), "-r", str(reps),
+def bench_cmd(binary: str, model: Path, threads: int, reps: int, extra: list[str], n_gen: int = GEN) -> list[str]:
+    return [binary, "-m", str(model), "-p", str(PP), "-n", str(n_gen), "-d", str(PROMPT), "-r", str(reps),
             "-t", str(threads), "-o", "json", "-v", *extra]
 
 
@@ -102,9 +102,7 @@ def parse_bench(r: subprocess.CompletedProcess) -> dict:
 
 def probe(binary: str, model: Path, ngl: int, threads: int) -> dict:
     """GPU buffers at -ngl: the prefill test allocates the most (largest KV and compute)."""
-    r = run([binary, "-m", str(model), "-p", str(PP), "-n", "0", "-d", str(PROMPT), "-r", "1",
-             "-t", str(threads), "-o", "json", "-v", "-ngl", str(ngl)])
-    return gpu_buffers(r.stderr)
+    return gpu_buffers(run(bench_cmd(binary, model, threads, 1, ["-ngl", str(ngl)], n_gen=0)).stderr)
 
 
 class Layout:

@@ -51,20 +51,20 @@ def main() -> int:
     llm = cls(model_path=args.model, n_gpu_layers=args.ngl, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
               n_threads=args.threads, n_threads_batch=args.threads, verbose=False, **extra)
     counters = None
-    if args.impl == "kairox" and args.mode != "dense":
+    sparse = args.impl == "kairox" and args.mode != "dense"
+    if sparse:
         from kairox._native import sparse_counters
-        sparse_counters(reset=True)
     t0 = time.perf_counter()
     llm.eval(toks[:args.prompt_len])
     prefill = time.perf_counter() - t0
-    if args.impl == "kairox" and args.mode != "dense":
-        sparse_counters(reset=True)
+    if sparse:
+        sparse_counters(reset=True)  # count the decode only
     times = []
     for t in toks[args.prompt_len:]:
         t0 = time.perf_counter()
         llm.eval([t])
         times.append(time.perf_counter() - t0)
-    if args.impl == "kairox" and args.mode != "dense":
+    if sparse:
         c = sparse_counters(reset=True)
         counters = {"selected": c.selected, "total": c.total, "calls": c.calls,
                     "fallbacks": c.fallbacks, "nonzero": c.nonzero}

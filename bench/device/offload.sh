@@ -16,13 +16,6 @@ t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1
 export KAIROX_VOCAB_GGUF=${KAIROX_VOCAB_GGUF:-$PWD/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf}
-presynth=
-if [ -n "${KX_PRESYNTH:-}" ]; then  # write a model (with pack) while the build runs
-    mkdir -p /tmp/kxbench
-    (for p in $KX_PRESYNTH; do nice python3 -m kairox synth --preset "$p" --pack -q \
-        -o "/tmp/kxbench/$p-f16.gguf"; done; echo "presynth done ($(( $(date +%s) - t0 )) s)") &
-    presynth=$!
-fi
 if [ -f .kxbuild/kxbuild.tar.xz.00 ]; then
     cat .kxbuild/kxbuild.tar.xz.* | tar -xJ -C "$W" && echo "build unpacked ($(( $(date +%s) - t0 )) s)"
 elif [ ! -x "$W/kx/bin/llama-bench" ] || [ ! -x "$W/build-stock/bin/llama-bench" ]; then
@@ -34,7 +27,6 @@ if [ -n "${KX_PACK_BUILD:-}" ]; then
         | xz -T0 -6 | split -b 15M -d - "$OUT/kxbuild.tar.xz."
     ls -l "$OUT"/kxbuild.tar.xz.*
 fi
-[ -z "$presynth" ] || wait $presynth
 export KX_COMMIT=${KX_COMMIT:-unknown}
 for cfg in "$@"; do
     extra=()

@@ -136,10 +136,10 @@ def solve_slots(freqs: list[np.ndarray], group_bytes: list[int], budget: int, hw
     left = budget
     while heap:
         g, l = heapq.heappop(heap)
-        if -g <= 0 or group_bytes[l] > left:
-            if group_bytes[l] > left:
-                continue  # other layers may have smaller groups
-            break
+        if -g <= 0:
+            break  # no layer gains from another group
+        if group_bytes[l] > left:
+            continue  # this layer is done; others may have smaller groups
         f = float(freqs[l][order[l][taken[l]]])
         cpu_mass[l] -= f
         gpu_mass[l] += f
@@ -241,7 +241,8 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
     avail = budget - reserved
     # Dense tensors first (every token reads all of them), then slots with what is left;
     # dense bytes are capped so that the FFN keeps at least a quarter of the budget when
-    # both compete (a measured trade-off belongs to the runtime's profile; see issue notes).
+    # both compete. A fixed split, not yet a measured trade-off: solving both jointly needs
+    # the runtime's measured per-layer costs.
     on_gpu, t_dense = solve_dense(dense, int(avail * 0.75), hw)
     used = sum(it.nbytes for it, g in zip(dense, on_gpu) if g)
     slots, t_ffn = solve_slots(freqs, gbytes, avail - used, hw, rows)

@@ -384,8 +384,7 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
 
 
 def topic_prompts(model_path: str | Path, n_prompts: int, length: int, *, seed: int = 0,
-                  common: float = DEFAULT_COMMON, switch_every: int | None = None,
-                  mix: int = 1) -> list[list[int]]:
+                  common: float = DEFAULT_COMMON, switch_every: int | None = None) -> list[list[int]]:
     """Token streams for a synthetic model that read like text on topics: each prompt picks
     a topic; each token is a common word with probability `common`, else a word of the
     prompt's topic (uniform among that topic's normal tokens). With `switch_every`, the
@@ -410,9 +409,8 @@ def topic_prompts(model_path: str | Path, n_prompts: int, length: int, *, seed: 
     for _ in range(n_prompts):
         k = np.zeros(length, np.int64)
         starts = range(0, length, switch_every or length)
-        for st in starts:  # `mix` topics per stretch; 0 (common only) when the model has none
-            span = len(k[st:st + (switch_every or length)])
-            k[st:st + span] = rng.choice(rng.integers(1, topics + 1, mix), span) if topics else 0
+        for st in starts:  # one topic per stretch; 0 (common only) when the model has none
+            k[st:st + (switch_every or length)] = rng.integers(1, topics + 1) if topics else 0
         k[rng.random(length) < common] = 0
         out.append([int(words[kk][rng.integers(words[kk].size)]) for kk in k])
     return out
@@ -437,14 +435,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.type:
         shape = dataclasses.replace(shape, ftype=args.type)
     sparse = None
-    relu_only = (args.sparsity, args.gate_rank, args.rate_spread, args.topics, args.topic_share)
+    given = {k: v for k in ("sparsity", "gate_rank", "rate_spread", "topics", "topic_share")
+             if (v := getattr(args, k)) is not None}
     if args.act == "relu":
-        d = SparseFFN()
-        sparse = SparseFFN(d.sparsity if args.sparsity is None else args.sparsity, args.gate_rank,
-                           *(d_ if a is None else a for a, d_ in
-                             ((args.rate_spread, d.rate_spread), (args.topics, d.topics),
-                              (args.topic_share, d.topic_share))))
-    elif any(a is not None for a in relu_only):
+        sparse = SparseFFN(**given)
+    elif given:
         return fail("--sparsity, --gate-rank, --rate-spread, --topics and --topic-share apply "
                     "only to --act relu (a SiLU model is dense)")
     out = Path(args.outfile or f"{args.preset}-{shape.ftype}.gguf")
