@@ -332,11 +332,19 @@ def run_config(args: argparse.Namespace) -> int:
         "tokens": token_kind, "has_pack": has_pack, "rows": rows, "seconds": times, "note": args.note,
         "wall_s": time.time() - t_start,
     }
-    write_results(Path(args.out) / f"offload-{args.config}", result, summary_lines(result))
+    write_results(Path(args.out) / result_name(args.config, budget_gib), result, summary_lines(result))
     if preset is not None and not args.keep:
         for p in (model, pack_path_for(model)):
             p.unlink(missing_ok=True)
     return 0
+
+
+def result_name(config: str, budget_gib: float) -> str:
+    """offload-<config> at the configuration's own budget, offload-<config>-<b>GiB otherwise
+    (a budget sweep keeps one file per point)."""
+    if budget_gib == CONFIGS[config][1]:
+        return f"offload-{config}"
+    return f"offload-{config}-{budget_gib:g}GiB"
 
 
 def pred_bytes_per_token(model: Path, lay: Layout, ngl: int) -> float:
@@ -390,7 +398,7 @@ def summarize(folder: Path, cpu_gbs: float | None = None) -> int:
     import matplotlib.pyplot as plt
 
     results = sorted((json.loads(p.read_text()) for p in folder.glob("offload-*.json")),
-                     key=lambda r: r["model_bytes"])
+                     key=lambda r: (r["model_bytes"], r["budget_gib"]))
     if not results:
         raise SystemExit(f"no offload-*.json in {folder}")
     lines = ["# Offload benchmarks: summary", "",
@@ -435,9 +443,45 @@ def summarize(folder: Path, cpu_gbs: float | None = None) -> int:
         ax.set_title(f"{r['model']} @ {r['budget_gib']:g} GiB (ngl {r['ngl']})", fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "offload-summary.png", dpi=110)
-    (folder / "offload-summary.md").write_text("\n".join(lines + ["", "![decode tok/s](offload-summary.png)", ""]))
+    lines += ["", "![decode tok/s](offload-summary.png)", ""]
+    if plot_budgets(results, folder / "offload-budget.png"):
+        lines += ["Decode tok/s against the VRAM budget (models measured at more than one budget):", "",
+                  "![tok/s vs budget](offload-budget.png)", ""]
+    (folder / "offload-summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
+
+
+def plot_budgets(results: list[dict], path: Path) -> bool:
+    """Decode tok/s vs VRAM budget, one panel per model with two or more budgets, one line
+    per (implementation, mode, how). Returns False (no file) when no model has a sweep."""
+    import matplotlib.pyplot as plt
+
+    by_model: dict[str, list[dict]] = {}
+    for r in results:
+        by_model.setdefault(r["model"], []).append(r)
+    sweeps = {m: rs for m, rs in by_model.items() if len({r["budget_gib"] for r in rs}) > 1}
+    if not sweeps:
+        return False
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(4.5 * len(sweeps), 3.4), squeeze=False)
+    for ax, (m, rs) in zip(axes[0], sweeps.items()):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in rs:
+            for x in r["rows"]:
+                tok_s = x.get("tg_tok_s") or x.get("tok_s")
+                if tok_s and not x["how"].startswith("llama-bench --fit"):
+                    series.setdefault(f"{x['impl']} {x['mode']} ({x['how']})", []).append((r["budget_gib"], tok_s))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                    ls="--" if label.startswith("llama.cpp") else "-")
+        ax.set_xlabel("VRAM budget (GiB)")
+        ax.set_ylabel("decode tok/s")
+        ax.set_title(m, fontsize=8)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
 
 
 def main() -> int:

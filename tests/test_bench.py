@@ -123,3 +123,20 @@ def test_shape_clone_keeps_the_layout(tmp_path: Path) -> None:
             assert len(y) == t.nbytes and len(y) % 18 == 0
     with pytest.raises(SystemExit, match="not a shape file"):
         sc.expand(m, tmp_path / "x.gguf")
+
+
+def test_result_name_keeps_one_file_per_budget():
+    assert offload.result_name("KB-7B", 7.0) == "offload-KB-7B"
+    assert offload.result_name("KB-7B", 4.0) == "offload-KB-7B-4GiB"
+    assert offload.result_name("gemma3-270m", 0.5) == "offload-gemma3-270m-0.5GiB"
+
+
+def test_budget_plot_only_for_sweeps(tmp_path: Path):
+    def res(budget: float, tok_s: float) -> dict:
+        return {"model": "m.gguf", "budget_gib": budget, "rows": [
+            {"impl": "llama.cpp", "mode": "dense", "how": "llama-bench", "tg_tok_s": tok_s},
+            {"impl": "kairox", "mode": "dense", "how": "tpot", "tok_s": tok_s * 1.1}]}
+    assert not offload.plot_budgets([res(7, 10.0)], tmp_path / "a.png")
+    assert not (tmp_path / "a.png").exists()
+    assert offload.plot_budgets([res(7, 10.0), res(4, 6.0)], tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 1000

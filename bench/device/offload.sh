@@ -5,8 +5,10 @@
 # $OUT as parts of at most 15 MiB).
 #
 #   bash bench/device/offload.sh KB-7B [KB-13B ...]     # repo root; carry .whl (+ vendor or .kxbuild)
+#   bash bench/device/offload.sh KB-7B:4 KB-7B:10      # CONFIG:BUDGET_GIB, a budget sweep
 #   env: KX_REPS (llama-bench repetitions), KX_NOPACK="KB-13B KB-70B" (configs without sparse pack),
-#        KX_MODES (kairox sparse modes, default predicted)
+#        KX_MODES (kairox sparse modes, default predicted), KX_KEEP=1 (keep models in
+#        /tmp/kxbench for a later call on the warm machine)
 set -uo pipefail
 W=${KX_WORK:-/tmp/kx}
 OUT=${OUT:-/tmp/out}
@@ -28,8 +30,11 @@ if [ -n "${KX_PACK_BUILD:-}" ]; then
     ls -l "$OUT"/kxbuild.tar.xz.*
 fi
 export KX_COMMIT=${KX_COMMIT:-unknown}
-for cfg in "$@"; do
+for arg in "$@"; do
+    cfg=${arg%%:*}
     extra=()
+    [ "$arg" = "$cfg" ] || extra+=(--budget "${arg#*:}")
+    [ -z "${KX_KEEP:-}" ] || extra+=(--keep)
     case " ${KX_NOPACK:-} " in *" $cfg "*) extra+=(--no-pack) ;; esac
     if [ "$cfg" = gemma3-270m ]; then  # the real file is too large to send: a layout clone
         mkdir -p /tmp/kxbench
@@ -39,5 +44,5 @@ for cfg in "$@"; do
     python3 bench/offload.py --config "$cfg" --stock-bin "$W/build-stock/bin" --kairox-bin "$W/kx/bin" \
         --kairox-lib "$W/kx/lib" --work /tmp/kxbench --out "$OUT" --reps "${KX_REPS:-2}" \
         --modes "${KX_MODES:-predicted}" "${extra[@]}" || echo "config $cfg FAILED"
-    echo "config $cfg done at $(( $(date +%s) - t0 )) s"
+    echo "config $arg done at $(( $(date +%s) - t0 )) s"
 done
