@@ -31,23 +31,37 @@ static void kx_check_sel(const struct ggml_tensor * sel, int64_t n) {
     GGML_ASSERT(sel->ne[0] == n + 1 && ggml_nelements(sel) == n + 1);
 }
 
+// n neurons over a weight of n_rows rows: the map (when given) has one entry per neuron
+static void kx_check_rowmap(const struct ggml_tensor * rowmap, int64_t n, int64_t n_rows) {
+    if (rowmap) {
+        GGML_ASSERT(rowmap->type == GGML_TYPE_I32 && ggml_is_contiguous(rowmap));
+        GGML_ASSERT(ggml_nelements(rowmap) == n);
+    } else {
+        GGML_ASSERT(n_rows >= n);
+    }
+}
+
 struct ggml_tensor * ggml_kx_mul_mat_rows(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,
         struct ggml_tensor  * x,
-        struct ggml_tensor  * sel) {
+        struct ggml_tensor  * sel,
+        struct ggml_tensor  * rowmap) {
     GGML_ASSERT(w->ne[2] == 1 && w->ne[3] == 1);
     GGML_ASSERT(w->nb[0] == ggml_type_size(w->type));
     GGML_ASSERT(x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float));
     GGML_ASSERT(x->ne[2] == 1 && x->ne[3] == 1);
     GGML_ASSERT(w->ne[0] == x->ne[0]);
-    kx_check_sel(sel, w->ne[1]);
+    const int64_t n = rowmap ? ggml_nelements(rowmap) : w->ne[1];
+    kx_check_sel(sel, n);
+    kx_check_rowmap(rowmap, n, w->ne[1]);
 
-    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1]);
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, x->ne[1]);
     result->op     = GGML_OP_KX_MUL_MAT_ROWS;
     result->src[0] = w;
     result->src[1] = x;
     result->src[2] = sel;
+    result->src[3] = rowmap;
     return result;
 }
 
@@ -64,12 +78,7 @@ struct ggml_tensor * ggml_kx_axpy_rows(
     GGML_ASSERT(h->ne[2] == 1 && h->ne[3] == 1);
     const int64_t n = h->ne[0];
     kx_check_sel(sel, n);
-    if (rowmap) {
-        GGML_ASSERT(rowmap->type == GGML_TYPE_I32 && ggml_is_contiguous(rowmap));
-        GGML_ASSERT(ggml_nelements(rowmap) == n);
-    } else {
-        GGML_ASSERT(wt->ne[1] >= n);
-    }
+    kx_check_rowmap(rowmap, n, wt->ne[1]);
 
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, wt->ne[0], h->ne[1]);
     result->op     = GGML_OP_KX_AXPY_ROWS;

@@ -46,7 +46,7 @@ class GGML:
         b.ggml_row_size.argtypes, b.ggml_row_size.restype = [C.c_int, C.c_int64], C.c_size_t
         b.ggml_kx_select.argtypes = [P, P, C.c_float, C.c_float, C.c_int]
         b.ggml_kx_select.restype = P
-        b.ggml_kx_mul_mat_rows.argtypes, b.ggml_kx_mul_mat_rows.restype = [P, P, P, P], P
+        b.ggml_kx_mul_mat_rows.argtypes, b.ggml_kx_mul_mat_rows.restype = [P, P, P, P, P], P
         b.ggml_kx_axpy_rows.argtypes, b.ggml_kx_axpy_rows.restype = [P, P, P, P, P], P
         c.ggml_graph_plan.argtypes, c.ggml_graph_plan.restype = [P, C.c_int, P], _CPlan
         c.ggml_graph_compute.argtypes, c.ggml_graph_compute.restype = [P, C.POINTER(_CPlan)], C.c_int
@@ -112,14 +112,15 @@ class GGML:
         return self._tensor(ctx, "i32", (n + 1,), full)
 
     def mul_mat_rows(self, w_bytes: bytes, w_type: str, n: int, k: int, x: np.ndarray, sel: np.ndarray,
-                     n_threads: int = 1, use_ref: bool = False) -> np.ndarray:
-        """w [n, k] (as ggml bytes), x [T, k] -> [T, n]."""
+                     rowmap: np.ndarray | None = None, n_threads: int = 1, use_ref: bool = False) -> np.ndarray:
+        """w [n_rows, k] (as ggml bytes, n_rows = n without a row map), x [T, k] -> [T, n]."""
         T = x.shape[0]
-        ctx = self._ctx(len(w_bytes) + x.nbytes)
+        ctx = self._ctx(len(w_bytes) + x.nbytes + 4 * n)
         try:
-            wt = self._tensor(ctx, w_type, (k, n), w_bytes)
+            wt = self._tensor(ctx, w_type, (k, len(w_bytes) // self.base.ggml_row_size(GGML_TYPE[w_type], k)), w_bytes)
             xt = self._tensor(ctx, "f32", (k, T), x.astype(np.float32))
-            out = self.base.ggml_kx_mul_mat_rows(ctx, wt, xt, self._sel(ctx, sel, n))
+            rm = None if rowmap is None else self._tensor(ctx, "i32", (n,), rowmap.astype(np.int32))
+            out = self.base.ggml_kx_mul_mat_rows(ctx, wt, xt, self._sel(ctx, sel, n), rm)
             return self._run(ctx, out, n_threads, use_ref, (T, n), np.float32).copy()
         finally:
             self.base.ggml_free(ctx)

@@ -150,3 +150,51 @@ def test_axpy_rows(g: GGML, wtype: str, m: int, T: int, permuted: bool):
                 out = g.axpy_rows(wt_raw, wtype, n, m, h_in, sel, rowmap, n_threads=nt, use_ref=use_ref)
                 err = np.abs(out - want) / np.maximum(scale, 1e-30)
                 assert err.max() <= 1e-5, (name, nt, use_ref, float(err.max()))
+
+
+def slot_map(n: int, n_slots: int, rng: np.random.Generator) -> np.ndarray:
+    """A GPU-slot style row map: n_slots random neurons in random slots, the rest -1."""
+    rowmap = np.full(n, -1, np.int32)
+    rowmap[rng.choice(n, size=n_slots, replace=False)] = rng.permutation(n_slots)
+    return rowmap
+
+
+@pytest.mark.parametrize("wtype,k", [("f16", 256), ("q4_0", 256), ("q8_0", 256)])
+def test_mul_mat_rows_slot_map(g: GGML, wtype: str, k: int):
+    """Through a row map, w holds only some neurons (in any order); listed neurons that
+    are missing (-1) stay 0, so a slot buffer and its complement split one list exactly."""
+    rng = np.random.default_rng(7)
+    n, n_slots, T = 120, 50, 2
+    full = rng.standard_normal((n, k)).astype(np.float32)
+    rowmap = slot_map(n, n_slots, rng)
+    slots = np.zeros((n_slots, k), np.float32)
+    slots[rowmap[rowmap >= 0]] = full[rowmap >= 0]
+    cold = np.where(rowmap < 0, np.arange(n), -1).astype(np.int32)   # the host side's map
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    sel = np.sort(rng.choice(n, size=40, replace=False)).astype(np.int32)
+    full_raw, slots_raw = g.quantize(full, wtype), g.quantize(slots, wtype)
+    whole = g.mul_mat_rows(full_raw, wtype, n, k, x, sel, n_threads=2)
+    hot = g.mul_mat_rows(slots_raw, wtype, n, k, x, sel, rowmap=rowmap, n_threads=2)
+    rest = g.mul_mat_rows(full_raw, wtype, n, k, x, sel, rowmap=cold, n_threads=2)
+    assert np.all(hot[:, rowmap < 0] == 0) and np.all(rest[:, rowmap >= 0] == 0)
+    np.testing.assert_array_equal(hot + rest, whole)   # same rows, same kernel: bit-exact
+
+
+def test_axpy_rows_slot_map(g: GGML):
+    rng = np.random.default_rng(8)
+    n, n_slots, m, T = 120, 50, 256, 2
+    full = rng.standard_normal((n, m)).astype(np.float32)
+    rowmap = slot_map(n, n_slots, rng)
+    slots = np.zeros((n_slots, m), np.float32)
+    slots[rowmap[rowmap >= 0]] = full[rowmap >= 0]
+    sel = np.sort(rng.choice(n, size=60, replace=False)).astype(np.int32)
+    h = np.zeros((T, n), np.float32)
+    h[:, sel] = rng.standard_normal((T, len(sel)))
+    raw_full, raw_slots = g.quantize(full, "f16"), g.quantize(slots, "f16")
+    whole = dequant(raw_full, "f16", n, m)
+    hot = g.axpy_rows(raw_slots, "f16", n_slots, m, h, sel, rowmap, n_threads=2)
+    want_hot = h[:, rowmap >= 0].astype(np.float64) @ whole[rowmap >= 0]
+    np.testing.assert_allclose(hot, want_hot, rtol=1e-5, atol=1e-4)
+    cold = np.where(rowmap < 0, np.arange(n), -1).astype(np.int32)
+    rest = g.axpy_rows(raw_full, "f16", n, m, h, sel, cold, n_threads=2)
+    np.testing.assert_allclose(hot + rest, h.astype(np.float64) @ whole, rtol=1e-5, atol=1e-4)

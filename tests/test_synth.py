@@ -294,3 +294,10 @@ def test_cli_writes_the_pack(tmp_path: Path) -> None:
     assert main(["synth", "--preset", "KB-tiny", "-o", str(out), "--pack", "-q"]) == 0
     pack = read_pack(tmp_path / "t.kxpack.gguf", out)
     assert len(pack.layers) == 2 and pack.layers[0].predictor_scores(np.ones(64, np.float32)).shape == (256,)
+    # frequencies measured on the real forward pass (default --profile): uneven, ~11% mean
+    for layer in pack.layers:
+        assert abs(float(layer.freq.mean()) - 0.11) < 0.04 and layer.freq.std() > 0.02
+    assert pack.method["kind"] == "synth" and pack.method["profile_tokens"] == 2048
+    # --profile 0: unknown (1.0 everywhere)
+    assert main(["synth", "--preset", "KB-tiny", "-o", str(tmp_path / "u.gguf"), "--pack", "--profile", "0", "-q"]) == 0
+    assert all(np.all(la.freq == 1.0) for la in read_pack(tmp_path / "u.kxpack.gguf").layers)

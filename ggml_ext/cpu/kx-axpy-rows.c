@@ -24,13 +24,23 @@
 #define KX_COL_BLOCK 32
 
 static atomic_int_fast64_t kx_stat_nonzero;
+static atomic_int_fast64_t kx_stat_rows;
+static atomic_int_fast64_t kx_stat_elsewhere;
 
-void kx_cpu_axpy_stats(int64_t * nonzero, bool reset) {
+void kx_cpu_axpy_stats(int64_t * nonzero, int64_t * rows, int64_t * elsewhere, bool reset) {
     if (nonzero) {
         *nonzero = atomic_load(&kx_stat_nonzero);
     }
+    if (rows) {
+        *rows = atomic_load(&kx_stat_rows);
+    }
+    if (elsewhere) {
+        *elsewhere = atomic_load(&kx_stat_elsewhere);
+    }
     if (reset) {
         atomic_store(&kx_stat_nonzero, 0);
+        atomic_store(&kx_stat_rows, 0);
+        atomic_store(&kx_stat_elsewhere, 0);
     }
 }
 
@@ -133,14 +143,21 @@ void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params
     const int32_t * ids   = list + 1;
     const int32_t * map   = rowmap ? (const int32_t *) rowmap->data : NULL;
 
-    int64_t nonzero = 0; // counted by the thread owning column 0 only: all walk the same rows
+    int64_t nonzero = 0;   // counted by the thread owning column 0 only: all walk the same rows
+    int64_t elsewhere = 0;
     for (int64_t j = 0; j < count; ++j) {
         const int64_t i = ids[j];
         const int64_t r = map ? map[i] : i;
+        if (r < 0) {
+            ++elsewhere; // not in this weight (the other side of a hybrid layer has it)
+            continue;
+        }
         const char * row = (const char *) wt->data + r*wt->nb[1];
         if (j + 1 < count) {
             const int64_t rn = map ? map[ids[j + 1]] : ids[j + 1];
-            __builtin_prefetch((const char *) wt->data + rn*wt->nb[1] + ggml_row_size(wt->type, c0));
+            if (rn >= 0) {
+                __builtin_prefetch((const char *) wt->data + rn*wt->nb[1] + ggml_row_size(wt->type, c0));
+            }
         }
         for (int64_t t = 0; t < nt; ++t) {
             const float v = *(const float *) ((const char *) h->data + i*sizeof(float) + t*h->nb[1]);
@@ -167,5 +184,7 @@ void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params
     }
     if (c0 == 0) {
         atomic_fetch_add(&kx_stat_nonzero, nonzero);
+        atomic_fetch_add(&kx_stat_rows, count - elsewhere);
+        atomic_fetch_add(&kx_stat_elsewhere, elsewhere);
     }
 }

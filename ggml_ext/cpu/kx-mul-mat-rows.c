@@ -1,4 +1,5 @@
-// GGML_OP_KX_MUL_MAT_ROWS on the CPU: w·x for the rows listed in sel only.
+// GGML_OP_KX_MUL_MAT_ROWS on the CPU: w·x for the rows listed in sel only (through the
+// row map when one is given: neurons it sends to -1 are not in w and stay 0).
 //
 // The fast path is ggml's own matvec inner loop: x is converted once to the weight
 // type's vec_dot_type (Q8_0/Q8_K for quantized weights, F16, BF16 or F32), then
@@ -40,12 +41,13 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
     const struct ggml_tensor * w   = dst->src[0];
     const struct ggml_tensor * x   = dst->src[1];
     const struct ggml_tensor * sel = dst->src[2];
+    const int32_t * map = dst->src[3] ? (const int32_t *) dst->src[3]->data : NULL;
 
     const int ith = params->ith;
     const int nth = params->nth;
 
     const int64_t k  = w->ne[0];
-    const int64_t n  = w->ne[1];
+    const int64_t n  = dst->ne[0];
     const int64_t nt = x->ne[1];
 
     const struct ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(w->type);
@@ -85,7 +87,11 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
         ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
         for (int64_t j = j0; j < j1; ++j) {
             const int64_t i   = ids[j];
-            const char *  row = (const char *) w->data + i*w->nb[1];
+            const int64_t r   = map ? map[i] : i;
+            if (r < 0) {
+                continue;
+            }
+            const char *  row = (const char *) w->data + r*w->nb[1];
             const float * wf  = (const float *) row;
             if (w->type != GGML_TYPE_F32) {
                 to_float(row, scratch, k);
@@ -106,12 +112,19 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
     ggml_vec_dot_t const vec_dot = tw->vec_dot;
     for (int64_t j = j0; j < j1; ++j) {
         const int64_t i   = ids[j];
-        const char *  row = (const char *) w->data + i*w->nb[1];
+        const int64_t r   = map ? map[i] : i;
+        if (r < 0) {
+            continue;
+        }
+        const char *  row = (const char *) w->data + r*w->nb[1];
         if (j + 1 < j1) {
             // rows are scattered: start the next row's first lines early
-            const char * next = (const char *) w->data + (int64_t) ids[j + 1]*w->nb[1];
-            __builtin_prefetch(next);
-            __builtin_prefetch(next + 64);
+            const int64_t rn = map ? map[ids[j + 1]] : ids[j + 1];
+            if (rn >= 0) {
+                const char * next = (const char *) w->data + rn*w->nb[1];
+                __builtin_prefetch(next);
+                __builtin_prefetch(next + 64);
+            }
         }
         for (int64_t t = 0; t < nt; ++t) {
             float * d = (float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]);

@@ -35,6 +35,23 @@ LLAMA_API int32_t kx_context_set_sparse(struct llama_context * ctx, int32_t mode
                                         char * err, size_t err_size);
 LLAMA_API int32_t kx_context_get_sparse(const struct llama_context * ctx);
 
+// Neuron slots (hybrid FFN): n_slots[il] neurons of layer il, the most frequently active by
+// the pack's statistics, are copied to `device` (NULL: the first GPU; "CPU" keeps them in
+// host memory, which exercises the same split on machines without a GPU) and computed
+// there; the layer's other neurons are computed by the CPU from the host weights, both
+// parts of one active list at the same time. The FFN weights must be in plain host
+// memory (FFN tensors overridden to the CPU, no repacking). n_layer = 0 removes the slots.
+// Call before the contexts that should use them decode (set the sparse mode after it).
+// Returns 0, or nonzero with err filled (the model then has no slots and runs as before).
+LLAMA_API int32_t kx_model_set_slots(struct llama_model * model, const int64_t * n_slots, int32_t n_layer,
+                                     const char * device, char * err, size_t err_size);
+// device bytes the slots hold (0 without slots)
+LLAMA_API int64_t kx_model_slots_bytes(const struct llama_model * model);
+// neuron ids resident in layer il's slots, in slot order: copies up to capacity into dst
+// and returns how many there are (0 without slots, -1 for a bad layer)
+LLAMA_API int64_t kx_model_slots_resident(const struct llama_model * model, int32_t il, int32_t * dst,
+                                          int64_t capacity);
+
 // "dense" / "exact" / "predicted" -> mode, -1 for anything else
 LLAMA_API int32_t kx_sparse_mode_from_str(const char * s);
 

@@ -29,10 +29,18 @@ enum kx_select_act {
     KX_SELECT_GELU  = 3, // |gelu(score)| > threshold
 };
 
+// CUDA kernels share the inline helpers below (one definition for every backend)
+#if defined(__CUDACC__)
+#define KX_HOST_DEVICE __host__ __device__
+#else
+#define KX_HOST_DEVICE
+#endif
+
 // The activation value whose magnitude the rules above compare (KX_SELECT_SCORE: the raw
 // score). GELU uses the tanh form, as ggml_gelu: only the decision depends on it. Shared
-// by the select kernel and the activation profiler, so calibration and inference agree.
-static inline float kx_act_value(float v, int32_t act) {
+// by the select kernels (CPU, CUDA) and the activation profiler, so calibration and
+// inference agree.
+static inline KX_HOST_DEVICE float kx_act_value(float v, int32_t act) {
     switch (act) {
         case KX_SELECT_RELU: return v > 0.0f ? v : 0.0f;
         case KX_SELECT_SILU: return v / (1.0f + expf(-v));
@@ -55,19 +63,27 @@ GGML_API struct ggml_tensor * ggml_kx_select(
         float                 max_density,
         enum kx_select_act    act);
 
-// w: [k, n] of any type with a CPU vec_dot (F32, F16, BF16, Q4_0, Q8_0, K-quants, ...);
-// x: F32 [k, n_tokens]; sel: I32 [n + 1] from ggml_kx_select.
-// Result: F32 [n, n_tokens]; rows listed in sel hold w·x, all other rows are 0.
+// Row maps (rowmap, I32 [n] or NULL): neuron i lives in row rowmap[i] of the weight, or
+// nowhere in it when rowmap[i] < 0. A GPU slot buffer holds some neurons' rows in any
+// order (its map sends the others to -1); the host copy of a hybrid layer maps the
+// GPU-resident neurons to -1, so each side computes only its own neurons of one list.
+
+// w: [k, n_rows] of any type with a CPU vec_dot (F32, F16, BF16, Q4_0, Q8_0, K-quants, ...);
+// x: F32 [k, n_tokens]; sel: I32 [n + 1] from ggml_kx_select; rowmap: NULL (neuron i is
+// row i, n = n_rows) or I32 [n].
+// Result: F32 [n, n_tokens]; rows listed in sel (and present in w) hold w·x, all other
+// rows are 0.
 GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,
         struct ggml_tensor  * x,
-        struct ggml_tensor  * sel);
+        struct ggml_tensor  * sel,
+        struct ggml_tensor  * rowmap);
 
 // wt: [m, n_rows] F32, F16 or Q8_0: one contiguous row of m outputs per neuron;
-// h: F32 [n, n_tokens]; sel: I32 [n + 1]; rowmap: NULL (neuron i is row i) or I32 [n]
-// (neuron i is row rowmap[i]).
-// Result: F32 [m, n_tokens], column t = sum over i in sel of h[i, t] * wt[row(i)].
+// h: F32 [n, n_tokens]; sel: I32 [n + 1]; rowmap: NULL (neuron i is row i) or I32 [n].
+// Result: F32 [m, n_tokens], column t = sum over i in sel (present in wt) of
+// h[i, t] * wt[row(i)].
 GGML_API struct ggml_tensor * ggml_kx_axpy_rows(
         struct ggml_context * ctx,
         struct ggml_tensor  * wt,
@@ -85,7 +101,10 @@ GGML_BACKEND_API void kx_cpu_select_stats(int64_t * selected, int64_t * total, i
 // summed over (row, token) pairs since the last reset. For ReLU models this counts the
 // truly active neurons that were computed: exact mode gives the true active count,
 // predicted mode the correctly predicted ones (recall = predicted / exact, same tokens).
-GGML_BACKEND_API void kx_cpu_axpy_stats(int64_t * nonzero, bool reset);
+// `rows` counts the listed rows the kernel computed (per call, not per token), `elsewhere`
+// the listed rows it skipped because the row map sends them to -1 (the other side of a
+// hybrid layer has them). Any pointer may be NULL.
+GGML_BACKEND_API void kx_cpu_axpy_stats(int64_t * nonzero, int64_t * rows, int64_t * elsewhere, bool reset);
 
 #ifdef __cplusplus
 }

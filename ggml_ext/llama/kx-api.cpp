@@ -1,6 +1,7 @@
 // The kairox C API (include/kairox.h) on top of libllama's internals.
 #include "kairox.h"
 #include "kx-pack.h"
+#include "kx-slots.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -45,6 +46,57 @@ bool kx_model_has_pack(const llama_model * model) {
 
 bool kx_model_pack_has_predictor(const llama_model * model) {
     return model && model->kx_pack_ptr && model->kx_pack_ptr->has_predictor;
+}
+
+int32_t kx_model_set_slots(llama_model * model, const int64_t * n_slots, int32_t n_layer, const char * device,
+                           char * err, size_t err_size) {
+    if (!model || !model->kx_pack_ptr) {
+        kx_set_err(err, err_size, "neuron slots need a sparse pack, and none is loaded for this model");
+        return 1;
+    }
+    if (n_layer < 0 || (n_layer > 0 && !n_slots)) {
+        kx_set_err(err, err_size, "kx_model_set_slots: n_slots must hold n_layer values");
+        return 1;
+    }
+    kx_pack & pack = *model->kx_pack_ptr;
+    try {
+        pack.slots = n_layer == 0 ? nullptr
+                   : kx_slots_build(*model, pack, std::vector<int64_t>(n_slots, n_slots + n_layer), device);
+    } catch (const std::exception & e) {
+        pack.slots.reset();
+        kx_set_err(err, err_size, e.what());
+        LLAMA_LOG_ERROR("kairox: no neuron slots: %s\n", e.what());
+        return 1;
+    }
+    if (pack.slots) {
+        int64_t total = 0;
+        for (const auto & L : pack.slots->layers) {
+            total += L.n_slots;
+        }
+        LLAMA_LOG_INFO("kairox: %lld neuron slots on %s (%.1f MiB)\n", (long long) total,
+                       pack.slots->device.c_str(), pack.slots->bytes_dev/1048576.0);
+    }
+    kx_set_err(err, err_size, "");
+    return 0;
+}
+
+int64_t kx_model_slots_bytes(const llama_model * model) {
+    return model && model->kx_pack_ptr && model->kx_pack_ptr->slots ? (int64_t) model->kx_pack_ptr->slots->bytes_dev : 0;
+}
+
+int64_t kx_model_slots_resident(const llama_model * model, int32_t il, int32_t * dst, int64_t capacity) {
+    if (!model || il < 0 || (int64_t) il >= (int64_t) model->hparams.n_layer()) {
+        return -1;
+    }
+    const kx_slots * slots = model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
+    if (!slots) {
+        return 0;
+    }
+    const std::vector<int32_t> & r = slots->layers[il].resident;
+    if (dst && capacity > 0) {
+        std::memcpy(dst, r.data(), sizeof(int32_t)*(size_t) std::min<int64_t>(capacity, (int64_t) r.size()));
+    }
+    return (int64_t) r.size();
 }
 
 int32_t kx_sparse_mode_from_str(const char * s) {

@@ -10,8 +10,17 @@
 //              y   = kx_axpy_rows(W_down^T, h, sel) (pack rows, via the row map if permuted)
 //
 // Rows outside sel are 0 in g (predicted) and u, so h is 0 there and glu needs no mask.
+//
+// Hybrid layers (neuron slots, kx-slots.h) split every step above over one active list:
+//   GPU: g, u, h, y_gpu over the slot buffers through slotmap (resident neurons only)
+//   CPU: g, u, h, y_cpu over the host weights through coldmap/colddown (the others)
+//   y = y_cpu + y_gpu
+// The predictor and select run where x is (the slots' device holds the predictor). Node
+// order puts the CPU part first, so the GPU part heads the next split and the scheduler
+// (patch 0008) runs it while the CPU part computes.
 #include "kx-ffn.h"
 #include "kx-pack.h"
+#include "kx-slots.h"
 
 #include "kx-ops.h"
 
@@ -29,6 +38,65 @@ static bool kx_host_plain(const ggml_tensor * w) {
     // repacked CPU weights (extra buffer types) are not host buffers: their rows are
     // interleaved, so a row gather cannot read them
     return w && w->buffer && ggml_backend_buffer_is_host(w->buffer);
+}
+
+static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor * uv, llm_ffn_op_type type_op) {
+    switch (type_op) {
+        case LLM_FFN_RELU: return ggml_reglu_split(ctx0, gv, uv);
+        case LLM_FFN_SILU: return ggml_swiglu_split(ctx0, gv, uv);
+        default:           return ggml_geglu_split(ctx0, gv, uv);
+    }
+}
+
+static ggml_tensor * kx_build_ffn_hybrid(
+        const llm_graph_context & g, ggml_tensor * cur, ggml_tensor * up, ggml_tensor * gate,
+        llm_ffn_op_type type_op, int32_t mode, enum kx_select_act act,
+        const kx_pack_layer & L, const kx_slot_layer & H, int il) {
+    ggml_context * ctx0 = g.ctx0;
+    auto on_cpu = [&](ggml_tensor * t) {
+        // the host part must stay on the CPU even where the scheduler would spread the
+        // device's nodes over unassigned neighbours (the GLU has no weight to pin it)
+        ggml_backend_sched_set_tensor_backend(g.sched, t, g.backend_cpu);
+        return t;
+    };
+
+    ggml_tensor * sel;
+    ggml_tensor * g_all = nullptr;
+    if (mode == 1) {
+        // exact: the true gate of every neuron, from the host weights
+        g_all = on_cpu(ggml_mul_mat(ctx0, gate, cur));
+        g.cb(g_all, "ffn_gate", il);
+        sel = on_cpu(ggml_kx_select(ctx0, g_all, L.threshold, kx_max_density, act));
+    } else {
+        ggml_tensor * s = ggml_mul_mat(ctx0, H.pred_a ? H.pred_a : L.pred_a, cur);
+        s = ggml_mul_mat(ctx0, H.pred_b ? H.pred_b : L.pred_b, s);
+        s = ggml_add(ctx0, s, H.pred_c ? H.pred_c : L.pred_c);
+        g.cb(s, "kx_pred", il);
+        sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
+    }
+    g.cb(sel, "kx_sel", il);
+
+    // host part (neurons not resident): coldmap sends the resident ones to -1
+    ggml_tensor * gc = g_all ? g_all : on_cpu(ggml_kx_mul_mat_rows(ctx0, gate, cur, sel, H.coldmap));
+    ggml_tensor * uc = on_cpu(ggml_kx_mul_mat_rows(ctx0, up, cur, sel, H.coldmap));
+    g.cb(uc, "ffn_up_cpu", il);
+    ggml_tensor * hc = on_cpu(kx_glu(ctx0, gc, uc, type_op));
+    g.cb(hc, "ffn_act_cpu", il);
+    ggml_tensor * yc = on_cpu(ggml_kx_axpy_rows(ctx0, L.down_t, hc, sel, H.colddown));
+    g.cb(yc, "ffn_out_cpu", il);
+
+    // device part (resident neurons)
+    ggml_tensor * gg = ggml_kx_mul_mat_rows(ctx0, H.gate, cur, sel, H.slotmap);
+    ggml_tensor * ug = ggml_kx_mul_mat_rows(ctx0, H.up, cur, sel, H.slotmap);
+    g.cb(ug, "ffn_up_gpu", il);
+    ggml_tensor * hg = kx_glu(ctx0, gg, ug, type_op);
+    g.cb(hg, "ffn_act_gpu", il);
+    ggml_tensor * yg = ggml_kx_axpy_rows(ctx0, H.down, hg, sel, H.slotmap);
+    g.cb(yg, "ffn_out_gpu", il);
+
+    ggml_tensor * y = ggml_add(ctx0, yc, yg);
+    g.cb(y, "ffn_out", il);
+    return y;
 }
 
 ggml_tensor * kx_build_ffn_sparse(
@@ -81,6 +149,10 @@ ggml_tensor * kx_build_ffn_sparse(
     if (!ggml_is_contiguous(cur)) {
         cur = ggml_cont(ctx0, cur);
     }
+    const kx_slot_layer * H = pack->slots && pack->slots->layers[il].n_slots > 0 ? &pack->slots->layers[il] : nullptr;
+    if (H) {
+        return kx_build_ffn_hybrid(g, cur, up, gate, type_op, mode, act, L, *H, il);
+    }
 
     ggml_tensor * sel;
     ggml_tensor * gv;
@@ -97,10 +169,10 @@ ggml_tensor * kx_build_ffn_sparse(
     }
     g.cb(sel, "kx_sel", il);
     if (mode != 1) {
-        gv = ggml_kx_mul_mat_rows(ctx0, gate, cur, sel);
+        gv = ggml_kx_mul_mat_rows(ctx0, gate, cur, sel, nullptr);
         g.cb(gv, "ffn_gate", il);
     }
-    ggml_tensor * uv = ggml_kx_mul_mat_rows(ctx0, up, cur, sel);
+    ggml_tensor * uv = ggml_kx_mul_mat_rows(ctx0, up, cur, sel, nullptr);
     g.cb(uv, "ffn_up", il);
 
     ggml_tensor * h;

@@ -408,6 +408,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
                 throw kx_pack_error(fmt("pack %s: %s has values outside [0, 1]", path.c_str(), freqs[il]->name));
             }
         }
+        pack->layers[il].freq = std::move(freq);
         if (!identity) {
             rowmaps[il] = std::move(inv);
             ggml_tensor * rm = ggml_new_tensor_1d(pack->ctx, GGML_TYPE_I32, n_ff);

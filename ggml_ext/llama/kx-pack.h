@@ -19,6 +19,7 @@ struct kx_pack_layer {
     ggml_tensor * pred_b = nullptr; // [rank, n_ff]
     ggml_tensor * pred_c = nullptr; // F32 [n_ff]
     float threshold = 0.0f;         // activation magnitude above which a neuron counts as active
+    std::vector<float> freq;        // [n_ff] measured activation frequency per neuron id (1 = unknown)
 };
 
 struct kx_pack {
@@ -32,6 +33,9 @@ struct kx_pack {
 
     ggml_context *        ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
+
+    // neuron slots (kx-slots.h), set by kx_model_set_slots; null: every neuron on the host
+    std::shared_ptr<struct kx_slots> slots;
 
     ~kx_pack();
 };

@@ -83,13 +83,19 @@ class SparseCounters:
     selected/total: rows listed by kx_select over rows possible (density = selected/total);
     calls: selections (one per sparse layer per decode); fallbacks: selections that went
     dense; nonzero: (row, token) pairs with a nonzero activation among the listed rows
-    (ReLU: exact mode counts the truly active neurons, predicted mode the ones it got right).
+    (ReLU: exact mode counts the truly active neurons, predicted mode the ones it got right);
+    rows: listed rows the CPU down projections computed (once per call, not per token);
+    elsewhere: listed rows a down projection skipped because its row map sends them to the
+    other side of a hybrid layer (each listed neuron of a hybrid layer computed on the CPU
+    backend is skipped exactly once: by the host part if resident, else by the slots').
     """
     selected: int
     total: int
     calls: int
     fallbacks: int
     nonzero: int
+    rows: int = 0
+    elsewhere: int = 0
 
     @property
     def density(self) -> float:
@@ -119,9 +125,17 @@ def ggml_library(name: str) -> ctypes.CDLL:
     raise NativeLibraryNotFound(f"lib{name}.so is not in {lib_dir}")
 
 
+def has_gpu() -> bool:
+    """Whether ggml sees a GPU device (a CUDA build on a machine with a GPU)."""
+    lib = ggml_library("ggml")
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    return bool(lib.ggml_backend_dev_by_type(1))  # GGML_BACKEND_DEVICE_TYPE_GPU
+
+
 def sparse_counters(reset: bool = False) -> SparseCounters:
     lib = ggml_library("ggml-cpu")
-    vals = [ctypes.c_int64() for _ in range(5)]
+    vals = [ctypes.c_int64() for _ in range(7)]
     lib.kx_cpu_select_stats(*[ctypes.byref(v) for v in vals[:4]], ctypes.c_bool(reset))
-    lib.kx_cpu_axpy_stats(ctypes.byref(vals[4]), ctypes.c_bool(reset))
+    lib.kx_cpu_axpy_stats(*[ctypes.byref(v) for v in vals[4:]], ctypes.c_bool(reset))
     return SparseCounters(*(int(v.value) for v in vals))

@@ -23,6 +23,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from ._native import load_llama_cpp
@@ -44,16 +45,35 @@ class KairoxOptions:
     the defaults reproduce llama.cpp exactly."""
     sparse: str | None = None        # dense | exact | predicted; None: auto if a pack is named
     sparse_pack: str | None = None   # the pack; None: MODEL.kxpack.gguf next to the model
+    # hybrid FFN: neurons per layer kept on the GPU (an int for every layer, or one per
+    # layer); the rest run on the CPU from host weights, at the same time. None: no slots.
+    gpu_slots: int | Sequence[int] | None = None
+    slots_device: str | None = None  # ggml device for the slots (None: first GPU; "CPU": tests)
 
     def __post_init__(self) -> None:
         if self.sparse is not None and self.sparse not in SPARSE_MODES:
             raise ValueError(f"sparse must be one of {', '.join(SPARSE_MODES)}, not {self.sparse!r}")
         if self.sparse_pack is not None and not isinstance(self.sparse_pack, (str, os.PathLike)):
             raise TypeError(f"sparse_pack must be a path, not {type(self.sparse_pack).__name__}")
+        if self.gpu_slots is not None:
+            vals = [self.gpu_slots] if isinstance(self.gpu_slots, int) else list(self.gpu_slots)
+            if not vals or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in vals):
+                raise ValueError(f"gpu_slots must be a count >= 0 or one count per layer, not {self.gpu_slots!r}")
+            if self.sparse == "dense":
+                raise ValueError("gpu_slots needs a sparse mode (exact or predicted), not dense")
 
     @property
     def wants_sparse(self) -> bool:
-        return self.sparse not in (None, "dense") or (self.sparse is None and self.sparse_pack is not None)
+        return (self.sparse not in (None, "dense") or (self.sparse is None and self.sparse_pack is not None)
+                or self.gpu_slots is not None)
+
+    def slots_for(self, n_layer: int) -> list[int]:
+        if isinstance(self.gpu_slots, int):
+            return [self.gpu_slots] * n_layer
+        vals = list(self.gpu_slots or [])
+        if len(vals) != n_layer:
+            raise ValueError(f"gpu_slots has {len(vals)} values, the model has {n_layer} layers")
+        return vals
 
 
 class SparsePackWarning(UserWarning):
@@ -122,6 +142,33 @@ _lib.kx_context_set_sparse.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c
 _lib.kx_context_set_sparse.restype = ctypes.c_int32
 _lib.kx_context_get_sparse.argtypes = [ctypes.c_void_p]
 _lib.kx_context_get_sparse.restype = ctypes.c_int32
+_lib.kx_model_set_slots.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32,
+                                    ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+_lib.kx_model_set_slots.restype = ctypes.c_int32
+_lib.kx_model_slots_bytes.argtypes = [ctypes.c_void_p]
+_lib.kx_model_slots_bytes.restype = ctypes.c_int64
+_lib.kx_model_slots_resident.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
+_lib.kx_model_slots_resident.restype = ctypes.c_int64
+
+
+class _BuftOverride(ctypes.Structure):
+    # llama.h: struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+# hybrid layers compute their FFN on the CPU from host weights (and copy the hot rows to
+# the GPU slots): the FFN tensors stay in host memory whatever -ngl offloads
+_FFN_ON_CPU = rb"blk\.\d+\.ffn_(gate|up|down)\.weight"
+
+
+def _ffn_on_cpu_overrides() -> ctypes.Array:
+    from ._native import ggml_library
+    base = ggml_library("ggml-base")
+    base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+    arr = (_BuftOverride * 2)()
+    arr[0].pattern, arr[0].buft = _FFN_ON_CPU, base.ggml_backend_cpu_buffer_type()
+    arr[1].pattern, arr[1].buft = None, None
+    return arr
 
 # llama.cpp reads model params once, inside the base constructor; sparse mode needs CPU
 # weights without repacking (repacked rows are interleaved; row gathers cannot read them)
@@ -144,9 +191,14 @@ class Llama(llama_cpp.Llama):
         with _params_lock:
             default_params = _C.llama_model_default_params
             if self.kx_options.wants_sparse:
+                overrides = _ffn_on_cpu_overrides() if self.kx_options.gpu_slots is not None else None
+                self._kx_overrides = overrides  # the struct must outlive the load
+
                 def no_repack():
                     p = default_params()
                     p.use_extra_bufts = False
+                    if overrides is not None:
+                        p.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
                     return p
                 _C.llama_model_default_params = no_repack
             try:
@@ -169,6 +221,14 @@ class Llama(llama_cpp.Llama):
             self._kx_refuse(err.value.decode("utf-8", "replace"))
             return
         mode = self.kx_options.sparse or ("predicted" if self.pack_has_predictor else "exact")
+        if self.kx_options.gpu_slots is not None:
+            n_layer = _C.llama_model_n_layer(self._model.model)
+            slots = self.kx_options.slots_for(n_layer)
+            arr = (ctypes.c_int64 * n_layer)(*slots)
+            dev = self.kx_options.slots_device
+            if _lib.kx_model_set_slots(self._model.model, arr, n_layer, dev and dev.encode(), err, 1024):
+                self._kx_refuse("neuron slots: " + err.value.decode("utf-8", "replace"))
+                return
         try:
             self.set_sparse(mode)
         except ValueError as e:
@@ -179,6 +239,20 @@ class Llama(llama_cpp.Llama):
         warnings.warn(SparsePackWarning(f"kairox: sparse mode unavailable, running dense: {why}"),
                       stacklevel=3)
         _errors.take()
+
+    @property
+    def slots_bytes(self) -> int:
+        """Device memory held by the neuron slots (0 without slots)."""
+        return int(_lib.kx_model_slots_bytes(self._model.model))
+
+    def slot_residents(self, il: int) -> list[int]:
+        """Neuron ids resident in layer il's slots, in slot order ([] without slots)."""
+        n = _lib.kx_model_slots_resident(self._model.model, il, None, 0)
+        if n < 0:
+            raise IndexError(f"layer {il} is out of range")
+        buf = (ctypes.c_int32 * max(n, 1))()
+        _lib.kx_model_slots_resident(self._model.model, il, buf, n)
+        return list(buf[:n])
 
     @property
     def pack_has_predictor(self) -> bool:

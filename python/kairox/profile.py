@@ -329,6 +329,27 @@ def stats_on_prompts(model_path: str | Path, prompts: list[list[int]], *, thread
     return ModelStats(Path(model_path).name, b.n_layer, b.n_ff, int(doc_id.size), layers, {})
 
 
+def measure_freqs(model_path: str | Path, prompts: list[list[int]], *, threads: int | None = None,
+                  n_gpu_layers: int = 0, quiet: bool = True) -> np.ndarray:
+    """Activation frequency of every neuron of a ReLU model, float32 [n_layer, n_ff]: the
+    share of the prompts' tokens on which it fired (act > 0), each prompt decoded densely
+    from an empty cache. What a static placement ranks neurons by (PowerInfer's offline
+    profile), without the masks and predictor data `kairox prepare` also collects."""
+    from tqdm import tqdm
+
+    n_ctx = max(len(p) for p in prompts)
+    with Profiler(model_path, n_ctx=n_ctx, n_batch=min(n_ctx, 512), threads=threads,
+                  n_gpu_layers=n_gpu_layers) as prof:
+        if prof.base.activation != "relu":
+            raise ProfileError(f"measure_freqs measures ReLU models, not {prof.base.activation!r}")
+        prof.set_thresholds(np.zeros(prof.base.n_layer, np.float32))
+        for toks in tqdm(prompts, desc="profile", unit="prompt", disable=quiet, file=sys.stderr):
+            prof.run(np.asarray(toks, np.int32))
+        agg = prof.pull()
+    n_tok = sum(len(p) for p in prompts)
+    return (agg.counts / max(n_tok, 1)).astype(np.float32)
+
+
 def unpack_masks(packed: np.ndarray, n_ff: int) -> np.ndarray:
     """uint8 [n, ceil(n_ff/8)] (little bit order) -> bool [n, n_ff]."""
     return np.unpackbits(packed, axis=1, count=n_ff, bitorder="little").astype(bool)

@@ -453,13 +453,36 @@ def cmd_synth(args: argparse.Namespace) -> int:
         from .pack import PackError, write_pack
         from .predictor import sketch_for_model
         try:
-            pk = write_pack(path, predictor=sketch_for_model(path), quiet=args.quiet,
+            layout = None
+            if args.profile and args.act == "relu":
+                layout = measured_layout(path, args.profile, args.seed, quiet=args.quiet)
+            pk = write_pack(path, predictor=sketch_for_model(path), quiet=args.quiet, layout=layout,
+                            method={"kind": "synth", "profile_tokens": args.profile if layout else 0},
                             down_type="f16" if shape.ftype == "f16" else
                             "q8_0" if shape.ftype == "q4_0" else "f32")
         except PackError as e:
             return fail(str(e))
         print(f"kairox synth: wrote {pk} ({os.path.getsize(pk) / 2**30:.2f} GiB)")
     return 0
+
+
+def measured_layout(model: Path, n_tokens: int, seed: int, quiet: bool = True):
+    """Identity neuron order with frequencies measured on `n_tokens` of topic text (a seed
+    apart from the benchmarks' prompts), so a static placement can rank neurons by use."""
+    import numpy as np
+
+    from .pack import PackLayout
+    from .profile import measure_freqs
+    from ._native import has_gpu
+
+    seg = min(512, n_tokens)
+    prompts = topic_prompts(model, max(1, n_tokens // seg), seg, seed=seed + 1000)
+    freqs = measure_freqs(model, prompts, n_gpu_layers=99 if has_gpu() else 0, quiet=quiet)
+    n_ff = freqs.shape[1]
+    perm = np.arange(n_ff, dtype=np.int32)
+    group = perm // 32
+    return PackLayout(layer=lambda il: (perm, group, freqs[il]),
+                      threshold=np.zeros(freqs.shape[0], np.float32))
 
 
 def register(sub) -> None:
@@ -484,6 +507,10 @@ def register(sub) -> None:
                    help=f"ReLU only: token topics in the embedding, 0 for none (default: {DEFAULT_TOPICS})")
     p.add_argument("--topic-share", type=float, metavar="RHO",
                    help=f"ReLU only: share of a token's embedding from its topic (default: {DEFAULT_TOPIC_SHARE})")
+    p.add_argument("--profile", type=int, default=2048, metavar="TOKENS",
+                   help="with --pack: measure each neuron's activation frequency on this many tokens "
+                        "of topic text and store it in the pack (static placement ranks neurons by it); "
+                        "0: frequencies unknown (default: %(default)s)")
     p.add_argument("--pack", action="store_true",
                    help="also write the sparse pack (sketch predictor; down rows F16 for F16 "
                         "models, Q8_0 for Q4_0 ones) so that predicted mode works")

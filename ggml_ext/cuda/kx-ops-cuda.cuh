@@ -1,0 +1,19 @@
+// CUDA kernels of the kairox ops (compiled into ggml-cuda; dispatched from ggml-cuda.cu by
+// patches/0006). One op per file: kx-select.cu, kx-mul-mat-rows.cu, kx-axpy-rows.cu.
+//
+// Every kernel runs on a fixed grid sized from tensor shapes only and reads the active
+// count from the device-side list, so a graph is captured once (CUDA graphs) and replays
+// for every token whatever its active set.
+#pragma once
+
+#include "common.cuh"
+
+// tokens per call the sparse kernels keep in registers: decode batches (1-8 tokens);
+// larger batches take llama.cpp's dense path (kx-ffn.cpp: kx_sparse_max_tokens)
+#define KX_CUDA_MAX_TOKENS 8
+
+void ggml_cuda_kx_select      (ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+void ggml_cuda_kx_axpy_rows   (ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
+bool ggml_cuda_kx_supports_op(const ggml_tensor * op);

@@ -1,0 +1,164 @@
+// GPU neuron slots (kx-slots.h): allocation and the one-time fill at load.
+#include "kx-slots.h"
+#include "kx-pack.h"
+
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdarg>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+
+kx_slots::~kx_slots() {
+    ggml_backend_buffer_free(buf_dev);
+    ggml_backend_buffer_free(buf_host);
+    ggml_free(ctx_dev);
+    ggml_free(ctx_host);
+}
+
+static std::string kx_fmt(const char * f, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, f);
+    std::vsnprintf(buf, sizeof(buf), f, ap);
+    va_end(ap);
+    return buf;
+}
+
+static ggml_backend_dev_t kx_slots_device(const char * name) {
+    if (name) {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_name(name);
+        if (!dev) {
+            throw std::runtime_error(kx_fmt("no device named %s", name));
+        }
+        return dev;
+    }
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    if (!dev) {
+        throw std::runtime_error("GPU slots need a GPU, and this build or machine has none");
+    }
+    return dev;
+}
+
+// dst row s = src row rows[s] (src: a 2-D weight in host memory), staged on the host and
+// sent in one copy (a copy per row would cost a synchronization each)
+static void kx_gather_rows(const ggml_tensor * src, const std::vector<int32_t> & rows, ggml_tensor * dst) {
+    GGML_ASSERT(src->type == dst->type && src->ne[0] == dst->ne[0] && (int64_t) rows.size() == dst->ne[1]);
+    std::vector<uint8_t> stage(ggml_nbytes(dst));
+    for (size_t s = 0; s < rows.size(); ++s) {
+        std::memcpy(stage.data() + s*dst->nb[1], (const char *) src->data + rows[s]*src->nb[1], dst->nb[1]);
+    }
+    ggml_backend_tensor_set(dst, stage.data(), 0, stage.size());
+}
+
+std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
+                                         const std::vector<int64_t> & n_slots, const char * device) {
+    const int64_t n_layer = pack.n_layer, n_ff = pack.n_ff, n_embd = pack.n_embd;
+    if ((int64_t) n_slots.size() != n_layer) {
+        throw std::runtime_error(kx_fmt("slots for %zu layers given, the model has %" PRId64,
+                                        n_slots.size(), n_layer));
+    }
+    ggml_backend_dev_t dev = kx_slots_device(device);
+    auto slots = std::make_shared<kx_slots>();
+    slots->device = ggml_backend_dev_name(dev);
+    slots->layers.resize(n_layer);
+
+    // pass 1: checks and tensor shapes
+    ggml_init_params ip = { ggml_tensor_overhead()*(size_t) (9*n_layer + 1), nullptr, true };
+    slots->ctx_dev  = ggml_init(ip);
+    slots->ctx_host = ggml_init(ip);
+    for (int64_t il = 0; il < n_layer; ++il) {
+        const int64_t S = std::min<int64_t>(std::max<int64_t>(n_slots[il], 0), n_ff);
+        if (S == 0) {
+            continue;
+        }
+        const llama_layer & ml = model.layers[il];
+        const kx_pack_layer & pl = pack.layers[il];
+        for (const ggml_tensor * w : { ml.ffn_gate, ml.ffn_up }) {
+            if (!w || !w->buffer || !ggml_backend_buffer_is_host(w->buffer) || w->ne[1] != n_ff) {
+                throw std::runtime_error(kx_fmt(
+                    "layer %" PRId64 ": the FFN weights must be in plain host memory for slots (load the "
+                    "model with the FFN tensors on the CPU and without repacking)", il));
+            }
+        }
+        kx_slot_layer & L = slots->layers[il];
+        L.n_slots = S;
+        auto dev_t = [&](ggml_type type, int64_t ne0, int64_t ne1, const char * what) {
+            ggml_tensor * t = ggml_new_tensor_2d(slots->ctx_dev, type, ne0, ne1);
+            ggml_format_name(t, "blk.%d.kx_slot_%s", (int) il, what);
+            return t;
+        };
+        L.gate    = dev_t(ml.ffn_gate->type, n_embd, S, "gate");
+        L.up      = dev_t(ml.ffn_up->type, n_embd, S, "up");
+        L.down    = dev_t(pl.down_t->type, n_embd, S, "down");
+        L.slotmap = dev_t(GGML_TYPE_I32, n_ff, 1, "map");
+        if (pl.pred_a) {
+            L.pred_a = ggml_dup_tensor(slots->ctx_dev, pl.pred_a);
+            L.pred_b = ggml_dup_tensor(slots->ctx_dev, pl.pred_b);
+            L.pred_c = ggml_dup_tensor(slots->ctx_dev, pl.pred_c);
+            ggml_format_name(L.pred_a, "blk.%d.kx_slot_pred_a", (int) il);
+            ggml_format_name(L.pred_b, "blk.%d.kx_slot_pred_b", (int) il);
+            ggml_format_name(L.pred_c, "blk.%d.kx_slot_pred_c", (int) il);
+        }
+        L.coldmap  = ggml_new_tensor_1d(slots->ctx_host, GGML_TYPE_I32, n_ff);
+        L.colddown = ggml_new_tensor_1d(slots->ctx_host, GGML_TYPE_I32, n_ff);
+        ggml_format_name(L.coldmap, "blk.%d.kx_coldmap", (int) il);
+        ggml_format_name(L.colddown, "blk.%d.kx_colddown", (int) il);
+    }
+    if (!ggml_get_first_tensor(slots->ctx_dev)) {
+        return slots; // no layer has slots: everything stays on the host
+    }
+    slots->buf_dev = ggml_backend_alloc_ctx_tensors_from_buft(slots->ctx_dev, ggml_backend_dev_buffer_type(dev));
+    if (!slots->buf_dev) {
+        throw std::runtime_error(kx_fmt("cannot allocate %s memory for the neuron slots", slots->device.c_str()));
+    }
+    // weights: the scheduler runs the ops reading them on the device that holds them
+    ggml_backend_buffer_set_usage(slots->buf_dev, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    slots->bytes_dev = ggml_backend_buffer_get_size(slots->buf_dev);
+    slots->buf_host = ggml_backend_alloc_ctx_tensors_from_buft(slots->ctx_host, ggml_backend_cpu_buffer_type());
+    if (!slots->buf_host) {
+        throw std::runtime_error("cannot allocate host memory for the slot maps");
+    }
+    ggml_backend_buffer_set_usage(slots->buf_host, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+
+    // pass 2: choose the residents (most frequently active first; ties by id) and fill
+    for (int64_t il = 0; il < n_layer; ++il) {
+        kx_slot_layer & L = slots->layers[il];
+        if (L.n_slots == 0) {
+            continue;
+        }
+        const llama_layer & ml = model.layers[il];
+        const kx_pack_layer & pl = pack.layers[il];
+        std::vector<int32_t> order(n_ff);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pl.freq[a] > pl.freq[b]; });
+        L.resident.assign(order.begin(), order.begin() + L.n_slots);
+
+        const int32_t * down_row = pl.rowmap ? (const int32_t *) pl.rowmap->data : nullptr;
+        std::vector<int32_t> slotmap(n_ff, -1), coldmap(n_ff), colddown(n_ff), resident_down(L.n_slots);
+        for (int64_t i = 0; i < n_ff; ++i) {
+            coldmap[i]  = (int32_t) i;
+            colddown[i] = down_row ? down_row[i] : (int32_t) i;
+        }
+        for (int64_t s = 0; s < L.n_slots; ++s) {
+            const int32_t i = L.resident[s];
+            resident_down[s] = colddown[i];
+            slotmap[i] = (int32_t) s;
+            coldmap[i] = colddown[i] = -1;
+        }
+        kx_gather_rows(ml.ffn_gate, L.resident, L.gate);
+        kx_gather_rows(ml.ffn_up, L.resident, L.up);
+        kx_gather_rows(pl.down_t, resident_down, L.down);
+        ggml_backend_tensor_set(L.slotmap, slotmap.data(), 0, ggml_nbytes(L.slotmap));
+        std::memcpy(L.coldmap->data, coldmap.data(), ggml_nbytes(L.coldmap));
+        std::memcpy(L.colddown->data, colddown.data(), ggml_nbytes(L.colddown));
+        if (L.pred_a) {
+            ggml_backend_tensor_set(L.pred_a, pl.pred_a->data, 0, ggml_nbytes(pl.pred_a));
+            ggml_backend_tensor_set(L.pred_b, pl.pred_b->data, 0, ggml_nbytes(pl.pred_b));
+            ggml_backend_tensor_set(L.pred_c, pl.pred_c->data, 0, ggml_nbytes(pl.pred_c));
+        }
+    }
+    return slots;
+}

@@ -1,0 +1,52 @@
+// GPU neuron slots: per layer, a fixed buffer holding the gate/up/down rows of S neurons on
+// a device, plus the maps that split one active list between the device and the host.
+//
+//   slotmap  (device, I32 [n_ff]): neuron -> its slot, -1 when not resident
+//   coldmap  (host,   I32 [n_ff]): neuron -> its row in the model's gate/up, -1 when resident
+//   colddown (host,   I32 [n_ff]): neuron -> its row in the pack's down_t, -1 when resident
+//
+// The slot buffers never move or change size, so graphs (and CUDA graphs) built on them stay
+// valid while their contents are replaced; this issue fills them once, from the hottest
+// neurons by the pack's measured activation frequency.
+#pragma once
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+struct llama_model;
+struct kx_pack;
+
+struct kx_slot_layer {
+    int64_t n_slots = 0;
+    ggml_tensor * gate     = nullptr; // [n_embd, S], the model gate's type
+    ggml_tensor * up       = nullptr; // [n_embd, S], the model up's type
+    ggml_tensor * down     = nullptr; // [n_embd, S], the pack down_t's type (one row per slot)
+    ggml_tensor * slotmap  = nullptr;
+    ggml_tensor * coldmap  = nullptr;
+    ggml_tensor * colddown = nullptr;
+    ggml_tensor * pred_a   = nullptr; // the pack's predictor, on the slots' device
+    ggml_tensor * pred_b   = nullptr;
+    ggml_tensor * pred_c   = nullptr;
+    std::vector<int32_t> resident;    // neuron ids, slot order
+};
+
+struct kx_slots {
+    std::string device;               // ggml device name (CUDA0, or CPU for tests)
+    std::vector<kx_slot_layer> layers;
+    ggml_context *        ctx_dev  = nullptr;
+    ggml_context *        ctx_host = nullptr;
+    ggml_backend_buffer_t buf_dev  = nullptr;
+    ggml_backend_buffer_t buf_host = nullptr;
+    size_t bytes_dev = 0;             // device memory held (counts against the VRAM budget)
+    ~kx_slots();
+};
+
+// Builds slots for every layer with n_slots[il] > 0 (clamped to n_ff) on device `device`
+// (nullptr: the first GPU). Throws std::runtime_error with one sentence on failure.
+std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
+                                         const std::vector<int64_t> & n_slots, const char * device);

@@ -1,0 +1,208 @@
+// test-backend-ops cases for the kairox ops: each backend (CUDA) against the CPU backend's
+// reference path. Included by tests/test-backend-ops.cpp (patches/0007) after test_case,
+// registered from make_test_cases_eval(); select with -o KX_SELECT, KX_MUL_MAT_ROWS, KX_AXPY_ROWS.
+#pragma once
+
+#include "kx-ops.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+// A random active list (ascending, `density` of n) in the I32 [n + 1] layout of kx_select.
+static void kx_init_sel(ggml_tensor * t, int64_t n, double density, std::mt19937 & rng) {
+    std::vector<int32_t> ids(n);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    const int64_t count = std::min<int64_t>(n, (int64_t) (density*n));
+    std::sort(ids.begin(), ids.begin() + count);
+    std::vector<int32_t> data(n + 1, 0);
+    data[0] = (int32_t) count;
+    std::copy(ids.begin(), ids.begin() + count, data.begin() + 1);
+    ggml_backend_tensor_set(t, data.data(), 0, data.size()*sizeof(int32_t));
+}
+
+// A GPU-slot row map: n_rows random neurons in random rows, the other neurons -1.
+static void kx_init_rowmap(ggml_tensor * t, int64_t n, int64_t n_rows, std::mt19937 & rng) {
+    std::vector<int32_t> neurons(n);
+    std::iota(neurons.begin(), neurons.end(), 0);
+    std::shuffle(neurons.begin(), neurons.end(), rng);
+    std::vector<int32_t> map(n, -1);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        map[neurons[r]] = (int32_t) r;
+    }
+    ggml_backend_tensor_set(t, map.data(), 0, map.size()*sizeof(int32_t));
+}
+
+// GGML_OP_KX_SELECT: the list must be identical (count, then the ascending ids); entries
+// past the count are unspecified and not compared.
+struct test_kx_select : public test_case {
+    const int64_t n, nt;
+    const float thr, max_density;
+    const int32_t act;
+
+    std::string vars() override { return VARS_TO_STR5(n, nt, thr, max_density, act); }
+
+    test_kx_select(int64_t n, int64_t nt, float thr, float max_density, int32_t act)
+        : n(n), nt(nt), thr(thr), max_density(max_density), act(act) {}
+
+    ggml_tensor * build_graph(ggml_context * ctx) override {
+        ggml_tensor * s = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, nt);
+        ggml_set_name(s, "scores");
+        ggml_tensor * out = ggml_kx_select(ctx, s, thr, max_density, (enum kx_select_act) act);
+        ggml_set_name(out, "out");
+        return out;
+    }
+
+    // scores on a grid of 1/64 offset by 1/128: none lies within float rounding of a
+    // threshold, so CPU and CUDA activation functions (expf, tanhf) decide alike
+    void initialize_tensors(ggml_context * ctx) override {
+        std::mt19937 rng(99);
+        std::uniform_int_distribution<int> u(-128, 127);
+        for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+            std::vector<float> v(ggml_nelements(t));
+            for (float & x : v) {
+                x = (float) u(rng)/64.0f + 1.0f/128.0f;
+            }
+            ggml_backend_tensor_set(t, v.data(), 0, v.size()*sizeof(float));
+        }
+    }
+
+    double max_err() override { return 0.0; }
+
+    double err(const float * a, const float * b, size_t len) override {
+        GGML_ASSERT(len == (size_t) n + 1);
+        if (a[0] != b[0]) {
+            return 1.0;
+        }
+        for (int64_t j = 1; j <= (int64_t) a[0]; ++j) {
+            if (a[j] != b[j]) {
+                return 1.0;
+            }
+        }
+        return 0.0;
+    }
+};
+
+// GGML_OP_KX_MUL_MAT_ROWS over a whole weight (rows = n) or a slot buffer (rows < n, map).
+struct test_kx_mul_mat_rows : public test_case {
+    const ggml_type type;
+    const int64_t k, n, nt, n_rows;
+    const double density;
+    ggml_tensor * sel = nullptr;
+    ggml_tensor * map = nullptr;
+
+    std::string vars() override { return VARS_TO_STR6(type, k, n, nt, n_rows, density); }
+
+    test_kx_mul_mat_rows(ggml_type type, int64_t k, int64_t n, int64_t nt, int64_t n_rows, double density)
+        : type(type), k(k), n(n), nt(nt), n_rows(n_rows), density(density) {}
+
+    ggml_tensor * build_graph(ggml_context * ctx) override {
+        ggml_tensor * w = ggml_new_tensor_2d(ctx, type, k, n_rows);
+        ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, nt);
+        sel = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n + 1);
+        map = n_rows < n ? ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n) : nullptr;
+        ggml_tensor * out = ggml_kx_mul_mat_rows(ctx, w, x, sel, map);
+        ggml_set_name(out, "out");
+        return out;
+    }
+
+    void initialize_tensors(ggml_context * ctx) override {
+        std::mt19937 rng(1234);
+        for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+            if (t == sel) {
+                kx_init_sel(t, n, density, rng);
+            } else if (t == map) {
+                kx_init_rowmap(t, n, n_rows, rng);
+            } else {
+                init_tensor_uniform(t);
+            }
+        }
+    }
+
+    // the reference dots dequantized rows with float x; CUDA does the same in float
+    double max_nmse_err() override { return type == GGML_TYPE_F32 ? 1e-6 : 5e-4; }
+};
+
+// GGML_OP_KX_AXPY_ROWS, with some activations exactly 0 (skipped) as after ReLU.
+struct test_kx_axpy_rows : public test_case {
+    const ggml_type type;
+    const int64_t m, n, nt, n_rows;
+    const double density;
+    ggml_tensor * h = nullptr;
+    ggml_tensor * sel = nullptr;
+    ggml_tensor * map = nullptr;
+
+    std::string vars() override { return VARS_TO_STR6(type, m, n, nt, n_rows, density); }
+
+    test_kx_axpy_rows(ggml_type type, int64_t m, int64_t n, int64_t nt, int64_t n_rows, double density)
+        : type(type), m(m), n(n), nt(nt), n_rows(n_rows), density(density) {}
+
+    ggml_tensor * build_graph(ggml_context * ctx) override {
+        ggml_tensor * wt = ggml_new_tensor_2d(ctx, type, m, n_rows);
+        h   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, nt);
+        sel = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n + 1);
+        map = n_rows < n ? ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n) : nullptr;
+        ggml_tensor * out = ggml_kx_axpy_rows(ctx, wt, h, sel, map);
+        ggml_set_name(out, "out");
+        return out;
+    }
+
+    void initialize_tensors(ggml_context * ctx) override {
+        std::mt19937 rng(4321);
+        for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+            if (t == sel) {
+                kx_init_sel(t, n, density, rng);
+            } else if (t == map) {
+                kx_init_rowmap(t, n, n_rows, rng);
+            } else if (t == h) {
+                std::vector<float> v(ggml_nelements(t));
+                std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+                for (float & x : v) {
+                    x = u(rng);
+                    x = x < -0.5f ? 0.0f : x; // a quarter exactly zero
+                }
+                ggml_backend_tensor_set(t, v.data(), 0, v.size()*sizeof(float));
+            } else {
+                init_tensor_uniform(t);
+            }
+        }
+    }
+
+    double max_nmse_err() override { return 1e-6; }
+};
+
+static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cases) {
+    // select: every activation rule, batches, the density fallback (0.6 of n active or more)
+    for (int64_t n : {1000, 11008, 28672}) {
+        for (int64_t nt : {1, 3}) {
+            test_cases.emplace_back(new test_kx_select(n, nt, 0.5f, 0.6f, KX_SELECT_SCORE));
+            test_cases.emplace_back(new test_kx_select(n, nt, 0.3f, 0.6f, KX_SELECT_RELU));
+            test_cases.emplace_back(new test_kx_select(n, nt, 0.1f, 1.0f, KX_SELECT_SILU));
+            test_cases.emplace_back(new test_kx_select(n, nt, 0.1f, 1.0f, KX_SELECT_GELU));
+            test_cases.emplace_back(new test_kx_select(n, nt, -0.9f, 0.6f, KX_SELECT_SCORE)); // falls back
+        }
+    }
+    // row gathers: LLaMA-7B-like and small odd shapes, whole weights and slot buffers
+    for (ggml_type type : {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0}) {
+        for (int64_t nt : {1, 4, 8}) {
+            test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, nt, 1000, 0.11));
+            test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, nt, 300, 0.5));
+            test_cases.emplace_back(new test_kx_mul_mat_rows(type, 4096, 11008, nt, 11008, 0.11));
+            test_cases.emplace_back(new test_kx_mul_mat_rows(type, 4096, 11008, nt, 2752, 0.11));
+        }
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 1, 1000, 0.0));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 2, 1000, 1.0));
+    }
+    for (ggml_type type : {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0}) {
+        for (int64_t nt : {1, 4, 8}) {
+            test_cases.emplace_back(new test_kx_axpy_rows(type, 256, 1000, nt, 1000, 0.11));
+            test_cases.emplace_back(new test_kx_axpy_rows(type, 320, 1000, nt, 300, 0.5));
+            test_cases.emplace_back(new test_kx_axpy_rows(type, 4096, 11008, nt, 11008, 0.11));
+            test_cases.emplace_back(new test_kx_axpy_rows(type, 4096, 11008, nt, 2752, 0.11));
+        }
+        test_cases.emplace_back(new test_kx_axpy_rows(type, 256, 1000, 1, 1000, 0.0));
+        test_cases.emplace_back(new test_kx_axpy_rows(type, 256, 1000, 2, 1000, 1.0));
+    }
+}

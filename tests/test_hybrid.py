@@ -1,0 +1,121 @@
+"""Hybrid FFN layers (neuron slots): one active list split between slot buffers and the
+host weights, y = y_host + y_slots.
+
+Without a GPU the slots go to the "CPU" device: the same graph, maps and split run on the
+CPU backend, so the partition itself is tested everywhere; the GPU run (CUDA kernels,
+overlap) is tested on the GPU machine (bench/device/hybrid.sh).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kairox.pack import write_pack
+
+PROMPT = list(range(1, 9))
+N_GEN = 48
+N_LAYER, N_FF = 2, 256  # KB-tiny
+
+
+@pytest.fixture(scope="module")
+def synth_model(tmp_path_factory: pytest.TempPathFactory, native: Path) -> Path:
+    """KB-tiny with a sketch predictor and a permuted layout (down rows in a random order,
+    random frequencies): the host part then reads down rows through the pack's row map."""
+    from kairox.pack import PackLayout
+    from kairox.predictor import sketch_for_model
+    from kairox.synth import PRESETS, synth
+    model = synth(tmp_path_factory.mktemp("hybrid") / "kb-tiny.gguf", PRESETS["KB-tiny"], seed=5, quiet=True)
+    rng = np.random.default_rng(5)
+    perms = [rng.permutation(N_FF).astype(np.int32) for _ in range(N_LAYER)]
+    freqs = [rng.random(N_FF).astype(np.float32) for _ in range(N_LAYER)]
+    layout = PackLayout(layer=lambda il: (perms[il], np.arange(N_FF, dtype=np.int32) // 32, freqs[il]),
+                        threshold=np.zeros(N_LAYER, np.float32))
+    write_pack(model, predictor=sketch_for_model(model), layout=layout, quiet=True)
+    return model
+
+
+def run(model: Path, **kw) -> tuple[list[int], np.ndarray, object]:
+    import kairox
+    from kairox._native import sparse_counters
+    llm = kairox.Llama(str(model), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
+                       verbose=False, **kw)
+    try:
+        assert llm.sparse_error is None, llm.sparse_error
+        sparse_counters(reset=True)
+        llm.eval(PROMPT)
+        toks = []
+        for _ in range(N_GEN):
+            toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval([toks[-1]])
+        return toks, np.array(llm.scores[:llm.n_tokens]), sparse_counters(reset=True)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("mode", ["exact", "predicted"])
+@pytest.mark.parametrize("slots", [1, 100, [0, 200], N_FF])
+def test_split_reproduces_the_unsplit_layer(synth_model: Path, mode: str, slots) -> None:
+    want_toks, want, c0 = run(synth_model, sparse=mode)
+    toks, got, c = run(synth_model, sparse=mode, gpu_slots=slots, slots_device="CPU")
+    assert toks == want_toks
+    # the same rows with the same kernels, summed in two parts: float-order differences only
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= 1e-5 * scale
+    assert c.selected == c0.selected and c.nonzero == c0.nonzero  # same lists, same activations
+    # every listed neuron of a layer with slots was skipped by exactly one of the two down
+    # projections (the host part if resident, else the slot part): the split really ran
+    assert c0.elsewhere == 0
+    assert c.rows == c0.rows  # each listed neuron computed once, by one of the two parts
+    if isinstance(slots, int):
+        assert c.elsewhere == c.selected
+    else:  # layer 0 has no slots: only layer 1's listed neurons are split
+        assert 0 < c.elsewhere < c.selected
+
+
+def test_residents_are_the_most_active_neurons(synth_model: Path) -> None:
+    import kairox
+    from kairox.pack import pack_path_for, read_pack
+    freqs = [layer.freq for layer in read_pack(pack_path_for(synth_model)).layers]
+    llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=[10, 40], slots_device="CPU", verbose=False)
+    try:
+        for il, S in enumerate([10, 40]):
+            res = llm.slot_residents(il)
+            assert len(res) == S and len(set(res)) == S
+            order = np.argsort(-freqs[il], kind="stable")
+            assert sorted(res) == sorted(order[:S].tolist())
+        assert llm.slots_bytes > 0
+    finally:
+        llm.close()
+
+
+def test_slots_without_a_gpu_run_unsplit_with_a_reason(synth_model: Path) -> None:
+    import kairox
+    from kairox._native import has_gpu
+    if has_gpu():
+        pytest.skip("this machine has a GPU: the slots would be made")
+    with pytest.warns(kairox.SparsePackWarning, match="GPU"):
+        llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=16, verbose=False)
+    try:
+        assert llm.sparse == "dense" and "GPU" in llm.sparse_error
+        assert llm.slots_bytes == 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("bad,match", [(-1, "gpu_slots"), ([1, 2, 3], "3 values"), ("many", "gpu_slots")])
+def test_bad_slot_counts_are_refused(synth_model: Path, bad, match: str) -> None:
+    import kairox
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=match):
+            llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=bad, slots_device="CPU", verbose=False)
+            llm.close()
+
+
+def test_slots_need_a_sparse_mode(synth_model: Path) -> None:
+    import kairox
+    with pytest.raises(ValueError, match="sparse mode"):
+        kairox.Llama(str(synth_model), sparse="dense", gpu_slots=8, verbose=False)
