@@ -201,12 +201,15 @@ def summarize_tpot(res: dict) -> dict:
             "prefill_s": res["prefill_s"], "counters": res.get("counters"), "mode_used": res.get("mode_used")}
 
 
-def tpot_run(impl: str, mode: str, model: Path, tokens: Path, ngl: int, threads: int, env: dict) -> dict:
+def tpot_run(impl: str, mode: str, model: Path, tokens: Path, ngl: int, threads: int, env: dict,
+             gpu_slots: int | None = None) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "tpot.py"), "--impl", impl, "--mode", mode, "--model",
            str(model), "--tokens", str(tokens), "--prompt-len", str(PROMPT), "--ngl", str(ngl),
-           "--threads", str(threads)]
+           "--threads", str(threads)] + ([] if gpu_slots is None else ["--gpu-slots", str(gpu_slots)])
     r = run(cmd, env=env)
-    return {"command": shlex.join(cmd), **summarize_tpot(json.loads(r.stdout.strip().splitlines()[-1]))}
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"command": shlex.join(cmd), **summarize_tpot(out), "slots_bytes": out.get("slots_bytes"),
+            "gpu_mem_mib": out.get("gpu_mem_mib")}
 
 
 def free_mib() -> float | None:
@@ -297,11 +300,11 @@ def run_config(args: argparse.Namespace) -> int:
     # 5. llama-bench rows: stock at ngl, stock --fit, kairox dense at ngl
     t0 = time.time()
     for impl, binary, extra, how in (
-            ("llama.cpp", stock, ["-ngl", str(ngl)], "llama-bench"),
+            *([] if not args.baseline else [("llama.cpp", stock, ["-ngl", str(ngl)], "llama-bench")]),
             ("kairox", kxbench, ["-ngl", str(ngl)], "llama-bench")):
         cmd = bench_cmd(binary, model, threads, args.reps, extra)
         add(impl, "dense", how, parse_bench(run(cmd)), cmd=shlex.join(cmd))
-    free = free_mib()
+    free = free_mib() if args.baseline else None
     if free is not None:
         margin = max(0, int(free - budget_mib))
         cmd = bench_cmd(stock, model, threads, args.reps, ["-fitt", str(margin), "-fitc", str(PROMPT + PP)])
@@ -313,14 +316,31 @@ def run_config(args: argparse.Namespace) -> int:
     # 6. per-token timing
     t0 = time.time()
     kx_env = {"KAIROX_LIB_DIR": str(Path(args.kairox_lib))}
-    runs = [("llama.cpp", "dense", stock_env), ("kairox", "dense", kx_env)]
+    runs = ([("llama.cpp", "dense", stock_env)] if args.baseline else []) + [("kairox", "dense", kx_env)]
+    modes = [m for m in args.modes.split(",") if m]
     if has_pack:
-        runs += [("kairox", m, kx_env) for m in args.modes.split(",") if m]
+        runs += [("kairox", m, kx_env) for m in modes if m != "hybrid"]
     for impl, mode, env in runs:
         res = tpot_run("stock" if impl == "llama.cpp" else "kairox", mode, model, tokens_file, ngl, threads, env)
         c = res.get("counters")
         density = c["selected"] / c["total"] if c and c["total"] else None
         add(impl, mode, "tpot", res, density=density, cmd=res.pop("command"))
+    hybrid = None
+    if has_pack and "hybrid" in modes and bw.get("gpu_hbm") is not None:
+        slots, hybrid = hybrid_slots(kxbench, model, lay, budget_mib, threads)
+        log(f"static hybrid: {slots} slots per layer ({hybrid['slots_mib']:.0f} MiB) + {hybrid['total_mib']:.0f} MiB")
+        res = tpot_run("kairox", "predicted", model, tokens_file, 999, threads, kx_env, gpu_slots=slots)
+        c = res["counters"]
+        n_tok = GEN
+        b = hybrid_bytes_per_token(lay, c, n_tok, hybrid["per_neuron_bytes"], hybrid["pred_mib"] * MiB,
+                                   lay_n_ff(model))
+        bd = bound(b, bw)
+        listed = c["rows"] + c["elsewhere"]
+        rows.append({"impl": "kairox", "mode": "static hybrid", "how": "tpot", "ngl": 999, **res, "bytes": b,
+                     "bound": bd, "efficiency": bd["seconds"] * res["tok_s"],
+                     "gpu_share": c["elsewhere"] / listed if listed else None,
+                     "density": listed / (n_tok * lay.n_layer * lay_n_ff(model)), "slots": slots,
+                     "command": res.pop("command")})
     times["tpot"] = time.time() - t0
 
     result = {
@@ -330,9 +350,11 @@ def run_config(args: argparse.Namespace) -> int:
         "budget_gib": budget_gib, "ngl": ngl, "gpu_memory": mem, "probes": probes, "bandwidth_gbs": bw,
         "threads": threads, "prompt": PROMPT, "gen": GEN, "pp": PP, "reps": args.reps,
         "tokens": token_kind, "has_pack": has_pack, "rows": rows, "seconds": times, "note": args.note,
+        "hybrid": hybrid,
         "wall_s": time.time() - t_start,
     }
-    write_results(Path(args.out) / result_name(args.config, budget_gib), result, summary_lines(result))
+    name = result_name(args.config, budget_gib) + ("" if args.baseline else "-kairox")
+    write_results(Path(args.out) / name, result, summary_lines(result))
     if preset is not None and not args.keep:
         for p in (model, pack_path_for(model)):
             p.unlink(missing_ok=True)
@@ -345,6 +367,53 @@ def result_name(config: str, budget_gib: float) -> str:
     if budget_gib == CONFIGS[config][1]:
         return f"offload-{config}"
     return f"offload-{config}-{budget_gib:g}GiB"
+
+
+FFN_ON_CPU = r"ffn_(gate|up|down)=CPU"
+
+
+def hybrid_slots(kxbench: str, model: Path, lay: Layout, budget_mib: float, threads: int) -> tuple[int, dict]:
+    """Neuron slots per layer for the static hybrid at a VRAM budget: every layer's
+    attention and the output head on the GPU, FFN weights in host memory, and the memory
+    left (measured by kairox's llama-bench at that placement, less the GPU predictors and
+    a 3% margin for the hybrid graph's buffers) filled with slots, the same count per
+    layer (the solver's per-layer balance is kairox plan's job)."""
+    from kairox.gguf_header import scan_header
+    from kairox.pack import pack_path_for
+    mem = gpu_buffers(run(bench_cmd(kxbench, model, threads, 1, ["-ngl", "999", "-ot", FFN_ON_CPU], n_gen=0)).stderr)
+    hdr = scan_header(model)
+    row = {n: 0 for n in ("ffn_gate", "ffn_up")}
+    n_ff = 0
+    for t in hdr.tensors:
+        for n in row:
+            if t.name == f"blk.0.{n}.weight":
+                row[n] = t.nbytes // t.ne[1]
+                n_ff = t.ne[1]
+    pack = scan_header(pack_path_for(model))
+    down = next(t for t in pack.tensors if t.name == "blk.0.kx_down_t")
+    pred = sum(t.nbytes for t in pack.tensors if "kx_pred_" in t.name) + lay.n_layer * 4 * n_ff
+    per_neuron = row["ffn_gate"] + row["ffn_up"] + down.nbytes // down.ne[1]
+    free = budget_mib * 0.97 * MiB - mem["total_mib"] * MiB - pred
+    slots = max(0, min(n_ff, int(free // (per_neuron * lay.n_layer))))
+    return slots, {**mem, "pred_mib": pred / MiB, "per_neuron_bytes": per_neuron, "slots": slots,
+                   "slots_mib": slots * per_neuron * lay.n_layer / MiB}
+
+
+def lay_n_ff(model: Path) -> int:
+    from kairox.gguf_header import scan_header
+    return next(t.ne[1] for t in scan_header(model).tensors if t.name == "blk.0.ffn_up.weight")
+
+
+def hybrid_bytes_per_token(lay: Layout, counters: dict, n_tokens: int, per_neuron: float, pred: float,
+                           n_ff: int) -> dict:
+    """(GPU, CPU, PCIe) bytes of one static-hybrid decode step: all dense tensors, the
+    predictors and the listed resident rows on the GPU; the listed other rows on the CPU;
+    per layer x and the active list down, the CPU part's output up."""
+    rows, hot = counters["rows"] / n_tokens, counters["elsewhere"] / n_tokens
+    gpu = sum(lay.layer_other) + lay.output + pred + hot * per_neuron
+    cpu = rows * per_neuron
+    pcie = lay.n_layer * (2 * lay.n_embd * 4 + 4 * (n_ff + 1))
+    return {"gpu": gpu, "cpu": cpu, "pcie": pcie}
 
 
 def pred_bytes_per_token(model: Path, lay: Layout, ngl: int) -> float:
@@ -401,6 +470,16 @@ def summarize(folder: Path, cpu_gbs: float | None = None) -> int:
                      key=lambda r: (r["model_bytes"], r["budget_gib"]))
     if not results:
         raise SystemExit(f"no offload-*.json in {folder}")
+    # kairox-only runs (--no-baseline) join the baseline run of the same model and budget
+    def key(r: dict) -> tuple:
+        return r["model"], r["budget_gib"]
+    extra = [r for r in results if not any(x["impl"] == "llama.cpp" for x in r["rows"])]
+    results = [r for r in results if r not in extra]
+    for e in extra:
+        base = next((r for r in results if key(r) == key(e)), None)
+        if base is not None:
+            base["rows"] = base["rows"] + [x for x in e["rows"] if x["how"] == "tpot" and x["impl"] == "kairox"
+                                           and x["mode"] != "dense"]
     lines = ["# Offload benchmarks: summary", "",
              "Decode tok/s, batch 1, 128 tokens after a 64-token context; prefill tok/s of 512 "
              "tokens (llama-bench). Bound = physical floor per token of that placement "
@@ -443,13 +522,35 @@ def summarize(folder: Path, cpu_gbs: float | None = None) -> int:
         ax.set_title(f"{r['model']} @ {r['budget_gib']:g} GiB (ngl {r['ngl']})", fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "offload-summary.png", dpi=110)
-    lines += ["", "![decode tok/s](offload-summary.png)", ""]
+    lines += ["", "![decode tok/s](offload-summary.png)", ""] + kairox_mode_lines(results)
     if plot_budgets(results, folder / "offload-budget.png"):
         lines += ["Decode tok/s against the VRAM budget (models measured at more than one budget):", "",
                   "![tok/s vs budget](offload-budget.png)", ""]
     (folder / "offload-summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
+
+
+def kairox_mode_lines(results: list[dict]) -> list[str]:
+    """kairox's sparse modes (per-token timing) against llama.cpp's best at the same budget."""
+    out = ["kairox sparse modes (per-token timing, teacher-forced) against llama.cpp's best decode "
+           "(-ngl or --fit) at the same budget:", "",
+           "| model | budget GiB | mode | tok/s | vs llama.cpp | TPOT p50 / p99 ms | GPU share | density | "
+           "GPU MiB measured | bound ms/tok (limit) | efficiency |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    n = len(out)
+    for r in results:
+        best = max((x.get("tg_tok_s") or 0.0) for x in r["rows"] if x["impl"] == "llama.cpp")
+        for x in r["rows"]:
+            if x["impl"] != "kairox" or x["how"] != "tpot" or x["mode"] == "dense":
+                continue
+            mode = x["mode"] + (f" ({x['slots']} slots/layer)" if x.get("slots") is not None else "")
+            out.append(f"| {r['model']} | {r['budget_gib']:g} | {mode} | {fmt(x['tok_s'])} | "
+                       f"{fmt(x['tok_s'] / best if best else None)}x | {fmt(x['tpot_p50_ms'], '.1f')} / "
+                       f"{fmt(x['tpot_p99_ms'], '.1f')} | {fmt(x.get('gpu_share'))} | {fmt(x.get('density'), '.3f')} | "
+                       f"{fmt(x.get('gpu_mem_mib'), '.0f')} | {x['bound']['seconds'] * 1e3:.2f} ({x['bound']['limit']}) | "
+                       f"{fmt(x['efficiency'])} |")
+    return out + [""] if len(out) > n else []
 
 
 def plot_budgets(results: list[dict], path: Path) -> bool:
@@ -500,6 +601,10 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="skip the sparse pack (no sparse rows)")
     ap.add_argument("--keep", action="store_true", help="keep the synthesized model")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
+                    help="skip the unpatched llama.cpp rows (--stock-bin is then only used to probe "
+                         "-ngl and may be kairox's own bin/); writes offload-<config>-kairox.json, "
+                         "which --summarize sets beside the baseline of the same model and budget")
     ap.add_argument("--note", default="", help="a line stored with the result (e.g. what the model is)")
     ap.add_argument("--summarize", metavar="DIR", help="only summarize the results in DIR")
     ap.add_argument("--cpu-gbs", type=float, help="with --summarize: CPU read roof for the bound (GB/s)")

@@ -21,6 +21,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def gpu_used_mib() -> float | None:
+    """Device memory in use on GPU 0 (MiB, whole device), or None without nvidia-smi."""
+    import subprocess
+    try:
+        r = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        return float(r.stdout.split()[0]) if r.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=["stock", "kairox"], required=True)
@@ -30,6 +41,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--ngl", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--gpu-slots", type=int, help="kairox: neuron slots per layer on the GPU (static hybrid)")
     args = ap.parse_args()
 
     # The library is loaded before numpy (on the GPU machine, numpy first makes the CUDA
@@ -38,6 +50,8 @@ def main() -> int:
         sys.path.insert(0, str(ROOT / "python"))
         import kairox
         cls, extra = kairox.Llama, {"sparse": args.mode}
+        if args.gpu_slots is not None:
+            extra["gpu_slots"] = args.gpu_slots
     else:
         import llama_cpp
         cls, extra = llama_cpp.Llama, {}
@@ -48,6 +62,7 @@ def main() -> int:
 
     toks = json.loads(Path(args.tokens).read_text())
     n_ctx = len(toks) + 16
+    mem0 = gpu_used_mib()
     llm = cls(model_path=args.model, n_gpu_layers=args.ngl, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
               n_threads=args.threads, n_threads_batch=args.threads, verbose=False, **extra)
     counters = None
@@ -66,11 +81,15 @@ def main() -> int:
         times.append(time.perf_counter() - t0)
     if sparse:
         c = sparse_counters(reset=True)
-        counters = {"selected": c.selected, "total": c.total, "calls": c.calls,
-                    "fallbacks": c.fallbacks, "nonzero": c.nonzero}
+        counters = {"selected": c.selected, "total": c.total, "calls": c.calls, "fallbacks": c.fallbacks,
+                    "nonzero": c.nonzero, "rows": c.rows, "elsewhere": c.elsewhere}
+    mem1 = gpu_used_mib()
     mode = getattr(llm, "sparse", "dense")
+    slots_bytes = getattr(llm, "slots_bytes", 0)
     llm.close()
-    print(json.dumps({"prefill_s": prefill, "tpot_s": times, "counters": counters, "mode_used": mode}))
+    print(json.dumps({"prefill_s": prefill, "tpot_s": times, "counters": counters, "mode_used": mode,
+                      "slots_bytes": slots_bytes,
+                      "gpu_mem_mib": None if mem0 is None or mem1 is None else mem1 - mem0}))
     return 0
 
 

@@ -119,3 +119,21 @@ def test_slots_need_a_sparse_mode(synth_model: Path) -> None:
     import kairox
     with pytest.raises(ValueError, match="sparse mode"):
         kairox.Llama(str(synth_model), sparse="dense", gpu_slots=8, verbose=False)
+
+
+@pytest.mark.parametrize("mode", ["exact", "predicted"])
+def test_gpu_hybrid_matches_the_cpu(synth_model: Path, mode: str) -> None:
+    """On a GPU: attention and the slot part on the GPU (CUDA kernels), the host part on
+    the CPU beside it; the same tokens and logits as the all-CPU sparse run."""
+    from kairox._native import has_gpu
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    want_toks, want, c0 = run(synth_model, sparse=mode)
+    toks, got, c = run(synth_model, sparse=mode, gpu_slots=100, n_gpu_layers=-1)
+    assert toks == want_toks
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= 1e-3 * scale
+    # both sides computed part of every list: the CPU its rows, the slots the rest
+    assert c.rows > 0 and c.elsewhere > 0
+    listed = c.rows + c.elsewhere
+    assert abs(listed - c0.rows) <= 0.01 * c0.rows  # GPU vs CPU predictor rounding may flip a few
