@@ -16,26 +16,26 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/sc && printf "try:\n    import kairox.llama\nexcept ImportError:\n    pass\n" > /tmp/sc/sitecustomize.py
 export PYTHONPATH=/tmp/sc:/tmp/site:$PWD/python:$PWD/tests PYTHONUNBUFFERED=1
 export KAIROX_VOCAB_GGUF=$PWD/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf
-if [ ! -x "$W/kx/bin/llama-bench" ] || [ ! -x "$W/build-kx/bin/test-backend-ops" ]; then
-    cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON -DKAIROX_BUILD_TESTS=ON \
-        -DKAIROX_CUDA_ARCHITECTURES=90 -DCMAKE_INSTALL_PREFIX="$W/kx" > "$W/kx-configure.log" || exit 1
-    cmake --build "$W/build-kx" -j "$(nproc)" > "$W/kx-build.log" 2>&1 \
-        && cmake --build "$W/build-kx" -j "$(nproc)" --target test-backend-ops >> "$W/kx-build.log" 2>&1 \
-        && cmake --install "$W/build-kx" > /dev/null || { tail -30 "$W/kx-build.log"; exit 1; }
-    echo "build done ($(( $(date +%s) - t0 )) s)"
-fi
-export KAIROX_LIB_DIR=$W/kx/lib
+# only what this script runs (libllama, llama-bench, test-backend-ops): the build tree's
+# bin/ holds the shared libraries next to the tools
+cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON -DKAIROX_BUILD_TESTS=ON \
+    -DKAIROX_CUDA_ARCHITECTURES=90 > "$W/kx-configure.log" || exit 1
+cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench test-backend-ops > "$W/kx-build.log" 2>&1 \
+    || { tail -30 "$W/kx-build.log"; exit 1; }
+echo "build done ($(( $(date +%s) - t0 )) s)"
+B=$W/build-kx/bin
+export KAIROX_LIB_DIR=$B
 for op in KX_SELECT KX_MUL_MAT_ROWS KX_AXPY_ROWS; do
-    "$W/build-kx/bin/test-backend-ops" -b CUDA0 -o "$op" > "$OUT/test-backend-ops-$op.log" 2>&1
+    "$B/test-backend-ops" -b CUDA0 -o "$op" > "$OUT/test-backend-ops-$op.log" 2>&1
     echo "test-backend-ops $op: rc=$? $(grep -cE '^\s+.*OK' "$OUT/test-backend-ops-$op.log") OK, $(grep -c FAIL "$OUT/test-backend-ops-$op.log") FAIL; $(tail -1 "$OUT/test-backend-ops-$op.log")"
 done
-"$W/build-kx/bin/test-backend-ops" perf -b CUDA0 -o KX_MUL_MAT_ROWS > "$OUT/test-backend-ops-perf.log" 2>&1
-"$W/build-kx/bin/test-backend-ops" perf -b CUDA0 -o KX_AXPY_ROWS >> "$OUT/test-backend-ops-perf.log" 2>&1
+"$B/test-backend-ops" perf -b CUDA0 -o KX_MUL_MAT_ROWS > "$OUT/test-backend-ops-perf.log" 2>&1
+"$B/test-backend-ops" perf -b CUDA0 -o KX_AXPY_ROWS >> "$OUT/test-backend-ops-perf.log" 2>&1
 python3 -m pytest -q -p no:cacheprovider tests/test_hybrid.py tests/test_sparse_ops.py 2>&1 | tail -15
 echo "tests done ($(( $(date +%s) - t0 )) s)"
 for cfg in ${KX_BENCH:-}; do
-    python3 bench/offload.py --config "$cfg" --stock-bin "$W/kx/bin" --kairox-bin "$W/kx/bin" \
-        --kairox-lib "$W/kx/lib" --work /tmp/kxbench --out "$OUT" --reps 1 --modes "${KX_MODES:-predicted,hybrid}" \
-        ${KX_BENCH_ARGS:-} || echo "config $cfg FAILED"
+    python3 bench/offload.py --config "$cfg" --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" \
+        --work /tmp/kxbench --out "$OUT" --reps 1 --modes "${KX_MODES:-predicted,hybrid}" --no-baseline \
+        || echo "config $cfg FAILED"
     echo "config $cfg done at $(( $(date +%s) - t0 )) s"
 done
