@@ -29,8 +29,10 @@ for op in KX_SELECT KX_MUL_MAT_ROWS KX_AXPY_ROWS; do
     "$B/test-backend-ops" -b CUDA0 -o "$op" > "$OUT/test-backend-ops-$op.log" 2>&1
     echo "test-backend-ops $op: rc=$? $(grep -cE '^\s+.*OK' "$OUT/test-backend-ops-$op.log") OK, $(grep -c FAIL "$OUT/test-backend-ops-$op.log") FAIL; $(tail -1 "$OUT/test-backend-ops-$op.log")"
 done
-"$B/test-backend-ops" perf -b CUDA0 -o KX_MUL_MAT_ROWS > "$OUT/test-backend-ops-perf.log" 2>&1
-"$B/test-backend-ops" perf -b CUDA0 -o KX_AXPY_ROWS >> "$OUT/test-backend-ops-perf.log" 2>&1
+if [ -n "${KX_PERF:-}" ]; then
+    "$B/test-backend-ops" perf -b CUDA0 -o KX_MUL_MAT_ROWS > "$OUT/test-backend-ops-perf.log" 2>&1
+    "$B/test-backend-ops" perf -b CUDA0 -o KX_AXPY_ROWS >> "$OUT/test-backend-ops-perf.log" 2>&1
+fi
 python3 -m pytest -q -p no:cacheprovider tests/test_hybrid.py tests/test_sparse_ops.py 2>&1 | tail -15
 echo "tests done ($(( $(date +%s) - t0 )) s)"
 for cfg in ${KX_BENCH:-}; do
