@@ -23,7 +23,6 @@ def test_cuda_source_compiles(src: Path, tmp_path: Path):
     if not (GGML / "include" / "ggml.h").exists():
         pytest.skip("vendor/llama.cpp is not laid out (run scripts/vendor.py)")
     cmd = ["nvcc", "-std=c++17", "-O2", "-arch=sm_90", "-c", str(src), "-o", str(tmp_path / "x.o"),
-           "-I", str(ROOT / "ggml_ext" / "include"), "-I", str(ROOT / "ggml_ext" / "cuda"), "-I", str(GGML / "include"), "-I", str(GGML / "src"),
-           "-I", str(GGML / "src" / "ggml-cuda")]
+           "-I", str(ROOT / "ggml_ext" / "include"), "-I", str(ROOT / "ggml_ext" / "cuda"), "-I", str(GGML / "include"), "-I", str(GGML / "src")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]

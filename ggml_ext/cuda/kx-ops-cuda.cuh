@@ -6,7 +6,7 @@
 // for every token whatever its active set.
 #pragma once
 
-#include "common.cuh"
+#include "ggml-cuda/common.cuh"
 
 // tokens per call the sparse kernels keep in registers: decode batches (1-8 tokens);
 // larger batches take llama.cpp's dense path (kx-ffn.cpp: kx_sparse_max_tokens)
