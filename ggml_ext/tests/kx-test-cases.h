@@ -72,7 +72,9 @@ struct test_kx_select : public test_case {
     double max_err() override { return 0.0; }
 
     double err(const float * a, const float * b, size_t len) override {
-        GGML_ASSERT(len == (size_t) n + 1);
+        if (len != (size_t) n + 1) {
+            return test_case::err(a, b, len); // the sentinel tensors around the node
+        }
         if (a[0] != b[0]) {
             return 1.0;
         }
