@@ -331,15 +331,14 @@ def run_config(args: argparse.Namespace) -> int:
         log(f"static hybrid: {slots} slots per layer ({hybrid['slots_mib']:.0f} MiB) + {hybrid['total_mib']:.0f} MiB")
         res = tpot_run("kairox", "predicted", model, tokens_file, 999, threads, kx_env, gpu_slots=slots)
         c = res["counters"]
-        n_tok = GEN
-        b = hybrid_bytes_per_token(lay, c, n_tok, hybrid["per_neuron_bytes"], hybrid["pred_mib"] * MiB,
-                                   lay_n_ff(model))
+        n_tok, n_ff = GEN, lay_n_ff(model)
+        b = hybrid_bytes_per_token(lay, c, n_tok, hybrid["per_neuron_bytes"], hybrid["pred_mib"] * MiB, n_ff)
         bd = bound(b, bw)
         listed = c["rows"] + c["elsewhere"]
         rows.append({"impl": "kairox", "mode": "static hybrid", "how": "tpot", "ngl": 999, **res, "bytes": b,
                      "bound": bd, "efficiency": bd["seconds"] * res["tok_s"],
                      "gpu_share": c["elsewhere"] / listed if listed else None,
-                     "density": listed / (n_tok * lay.n_layer * lay_n_ff(model)), "slots": slots,
+                     "density": listed / (n_tok * lay.n_layer * n_ff), "slots": slots,
                      "command": res.pop("command")})
     times["tpot"] = time.time() - t0
 

@@ -6,16 +6,9 @@
 #   bash bench/device/hybrid.sh                 # repo root; carry vendor/llama.cpp and .whl
 #   KX_BENCH="KB-7B" bash bench/device/hybrid.sh  # also the offload rows of those configs
 set -uo pipefail
-W=${KX_WORK:-/tmp/kx}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" "$W"
-exec > >(tee -a "$OUT/device.log") 2>&1
-t0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+. bench/device/env.sh
 # numpy before the CUDA libllama crashes the first load on this machine (sparse_smoke.sh)
 mkdir -p /tmp/sc && printf "try:\n    import kairox.llama\nexcept ImportError:\n    pass\n" > /tmp/sc/sitecustomize.py
-export PYTHONPATH=/tmp/site:$PWD/python:$PWD/tests PYTHONUNBUFFERED=1
-export KAIROX_VOCAB_GGUF=$PWD/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf
 # only what this script runs (libllama, llama-bench, test-backend-ops): the build tree's
 # bin/ holds the shared libraries next to the tools
 cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON -DKAIROX_BUILD_TESTS=ON \

@@ -10,14 +10,7 @@
 #        KX_MODES (kairox sparse modes, default predicted), KX_KEEP=1 (keep models in
 #        /tmp/kxbench for a later call on the warm machine)
 set -uo pipefail
-W=${KX_WORK:-/tmp/kx}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" "$W"
-exec > >(tee -a "$OUT/device.log") 2>&1
-t0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1
-export KAIROX_VOCAB_GGUF=${KAIROX_VOCAB_GGUF:-$PWD/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf}
+. bench/device/env.sh
 if [ -f .kxbuild/kxbuild.tar.xz.00 ]; then
     cat .kxbuild/kxbuild.tar.xz.* | tar -xJ -C "$W" && echo "build unpacked ($(( $(date +%s) - t0 )) s)"
 elif [ ! -x "$W/kx/bin/llama-bench" ] || [ ! -x "$W/build-stock/bin/llama-bench" ]; then

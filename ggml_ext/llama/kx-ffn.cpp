@@ -40,11 +40,15 @@ static bool kx_host_plain(const ggml_tensor * w) {
     return w && w->buffer && ggml_backend_buffer_is_host(w->buffer);
 }
 
-static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor * uv, llm_ffn_op_type type_op) {
+// act(g) * u with the dense path's own op; *name: the dense path's name for that node
+static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor * uv, llm_ffn_op_type type_op,
+                            const char ** name = nullptr) {
+    const char * unused;
+    const char ** nm = name ? name : &unused;
     switch (type_op) {
-        case LLM_FFN_RELU: return ggml_reglu_split(ctx0, gv, uv);
-        case LLM_FFN_SILU: return ggml_swiglu_split(ctx0, gv, uv);
-        default:           return ggml_geglu_split(ctx0, gv, uv);
+        case LLM_FFN_RELU: *nm = "ffn_reglu";  return ggml_reglu_split(ctx0, gv, uv);
+        case LLM_FFN_SILU: *nm = "ffn_swiglu"; return ggml_swiglu_split(ctx0, gv, uv);
+        default:           *nm = "ffn_geglu";  return ggml_geglu_split(ctx0, gv, uv);
     }
 }
 
@@ -175,12 +179,9 @@ ggml_tensor * kx_build_ffn_sparse(
     ggml_tensor * uv = ggml_kx_mul_mat_rows(ctx0, up, cur, sel, nullptr);
     g.cb(uv, "ffn_up", il);
 
-    ggml_tensor * h;
-    switch (type_op) {
-        case LLM_FFN_RELU: h = ggml_reglu_split(ctx0, gv, uv); g.cb(h, "ffn_reglu", il); break;
-        case LLM_FFN_SILU: h = ggml_swiglu_split(ctx0, gv, uv); g.cb(h, "ffn_swiglu", il); break;
-        default:           h = ggml_geglu_split(ctx0, gv, uv); g.cb(h, "ffn_geglu", il); break;
-    }
+    const char * hname;
+    ggml_tensor * h = kx_glu(ctx0, gv, uv, type_op, &hname);
+    g.cb(h, hname, il);
     ggml_tensor * y = ggml_kx_axpy_rows(ctx0, L.down_t, h, sel, L.rowmap);
     g.cb(y, "ffn_out", il);
     return y;

@@ -45,14 +45,6 @@ struct file_ptr {
     ~file_ptr() { if (f) { std::fclose(f); } }
 };
 
-std::string fmt(const char * format, ...) {
-    char buf[1024];
-    va_list ap;
-    va_start(ap, format);
-    std::vsnprintf(buf, sizeof(buf), format, ap);
-    va_end(ap);
-    return buf;
-}
 
 int64_t file_size(FILE * f) {
     if (std::fseek(f, 0, SEEK_END) != 0) {
@@ -65,7 +57,7 @@ void open_gguf(gguf_ptr & out, const std::string & path, const char * what) {
     gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ &out.meta };
     out.g = gguf_init_from_file(path.c_str(), ip);
     if (!out.g) {
-        throw kx_pack_error(fmt("%s %s is not a readable GGUF file; it may be truncated or corrupt",
+        throw kx_pack_error(kx_fmt("%s %s is not a readable GGUF file; it may be truncated or corrupt",
                                 what, path.c_str()));
     }
 }
@@ -75,13 +67,13 @@ void check_complete(const gguf_ptr & gp, const std::string & path, const char * 
     file_ptr fp(path);
     const int64_t size = fp.f ? file_size(fp.f) : -1;
     if (size < 0) {
-        throw kx_pack_error(fmt("cannot read %s %s", what, path.c_str()));
+        throw kx_pack_error(kx_fmt("cannot read %s %s", what, path.c_str()));
     }
     const size_t data = gguf_get_data_offset(gp.g);
     for (int64_t i = 0; i < gguf_get_n_tensors(gp.g); ++i) {
         const uint64_t end = data + gguf_get_tensor_offset(gp.g, i) + gguf_get_tensor_size(gp.g, i);
         if (end > (uint64_t) size) {
-            throw kx_pack_error(fmt("%s %s is truncated: tensor %s ends past the end of the file",
+            throw kx_pack_error(kx_fmt("%s %s is truncated: tensor %s ends past the end of the file",
                                     what, path.c_str(), gguf_get_tensor_name(gp.g, i)));
         }
     }
@@ -99,7 +91,7 @@ uint64_t fnv1a(uint64_t h, const void * data, size_t n) {
 std::string fingerprint_of(const gguf_ptr & gp, const std::string & path) {
     file_ptr fp(path);
     if (!fp.f) {
-        throw kx_pack_error(fmt("cannot read model %s", path.c_str()));
+        throw kx_pack_error(kx_fmt("cannot read model %s", path.c_str()));
     }
     uint64_t h = 0xcbf29ce484222325ULL;
     const size_t data = gguf_get_data_offset(gp.g);
@@ -125,22 +117,22 @@ std::string fingerprint_of(const gguf_ptr & gp, const std::string & path) {
         for (const auto & r : ranges) {
             const size_t n = (size_t) (r[1] - r[0]);
             if (fseeko(fp.f, (off_t) (off + r[0]), SEEK_SET) != 0 || std::fread(buf.data(), 1, n, fp.f) != n) {
-                throw kx_pack_error(fmt("%s is truncated: tensor %s ends past the end of the file",
+                throw kx_pack_error(kx_fmt("%s is truncated: tensor %s ends past the end of the file",
                                         path.c_str(), name));
             }
             h = fnv1a(h, buf.data(), n);
         }
     }
-    return fmt("kxfp1-%016" PRIx64, h);
+    return kx_fmt("kxfp1-%016" PRIx64, h);
 }
 
 int64_t find_key(const gguf_ptr & gp, const std::string & path, const char * key, gguf_type type) {
     const int64_t id = gguf_find_key(gp.g, key);
     if (id < 0) {
-        throw kx_pack_error(fmt("pack %s lacks the key %s", path.c_str(), key));
+        throw kx_pack_error(kx_fmt("pack %s lacks the key %s", path.c_str(), key));
     }
     if (gguf_get_kv_type(gp.g, id) != type) {
-        throw kx_pack_error(fmt("pack %s: %s has type %s, expected %s", path.c_str(), key,
+        throw kx_pack_error(kx_fmt("pack %s: %s has type %s, expected %s", path.c_str(), key,
                                 gguf_type_name(gguf_get_kv_type(gp.g, id)), gguf_type_name(type)));
     }
     return id;
@@ -171,7 +163,7 @@ std::string model_activation(const gguf_ptr & gp, const std::string & arch) {
 void check_tensor(const ggml_tensor * t, const std::string & path, std::initializer_list<ggml_type> types,
                   int64_t ne0, int64_t ne1) {
     if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != 1 || t->ne[3] != 1) {
-        throw kx_pack_error(fmt("pack %s: %s has shape (ggml ne) [%" PRId64 ", %" PRId64 "], expected [%" PRId64
+        throw kx_pack_error(kx_fmt("pack %s: %s has shape (ggml ne) [%" PRId64 ", %" PRId64 "], expected [%" PRId64
                                 ", %" PRId64 "]", path.c_str(), t->name, t->ne[0], t->ne[1], ne0, ne1));
     }
     for (ggml_type ty : types) {
@@ -179,11 +171,20 @@ void check_tensor(const ggml_tensor * t, const std::string & path, std::initiali
             return;
         }
     }
-    throw kx_pack_error(fmt("pack %s: %s has type %s, which this pack version does not allow",
+    throw kx_pack_error(kx_fmt("pack %s: %s has type %s, which this pack version does not allow",
                             path.c_str(), t->name, ggml_type_name(t->type)));
 }
 
 } // namespace
+
+std::string kx_fmt(const char * format, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, format);
+    std::vsnprintf(buf, sizeof(buf), format, ap);
+    va_end(ap);
+    return buf;
+}
 
 kx_pack::~kx_pack() {
     if (buf) { ggml_backend_buffer_free(buf); }
@@ -196,7 +197,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     {
         file_ptr probe(path);
         if (!probe.f) {
-            throw kx_pack_error(fmt("no pack at %s", path.c_str()));
+            throw kx_pack_error(kx_fmt("no pack at %s", path.c_str()));
         }
     }
     open_gguf(gp, path, "pack");
@@ -205,18 +206,18 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     // ---- metadata
     const std::string arch = get_str(gp, path, "general.architecture");
     if (arch != KX_PACK_ARCH) {
-        throw kx_pack_error(fmt("%s is not a kairox pack (general.architecture is '%s', not '%s')",
+        throw kx_pack_error(kx_fmt("%s is not a kairox pack (general.architecture is '%s', not '%s')",
                                 path.c_str(), arch.c_str(), KX_PACK_ARCH));
     }
     const uint32_t version = get_u32(gp, path, "kx.pack.version");
     if (version < 1 || version > KX_PACK_VERSION) {
-        throw kx_pack_error(fmt("pack %s has format version %u, but this kairox reads versions 1 to %u; "
+        throw kx_pack_error(kx_fmt("pack %s has format version %u, but this kairox reads versions 1 to %u; "
                                 "rebuild the pack with this kairox", path.c_str(), version, KX_PACK_VERSION));
     }
     get_str(gp, path, "kx.pack.created_by");
     const std::string method = get_str(gp, path, "kx.pack.method");
     if (method.empty() || method.front() != '{' || method.back() != '}') {
-        throw kx_pack_error(fmt("pack %s: kx.pack.method is not a JSON object", path.c_str()));
+        throw kx_pack_error(kx_fmt("pack %s: kx.pack.method is not a JSON object", path.c_str()));
     }
     auto pack = std::make_shared<kx_pack>();
     pack->path = path;
@@ -228,10 +229,10 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     const std::string fp = get_str(gp, path, "kx.base.fingerprint");
     const uint32_t group_size = get_u32(gp, path, "kx.group_size");
     if (pack->n_layer < 1 || pack->n_embd < 1 || pack->n_ff < 1 || group_size < 1) {
-        throw kx_pack_error(fmt("pack %s records an empty model or group size 0", path.c_str()));
+        throw kx_pack_error(kx_fmt("pack %s records an empty model or group size 0", path.c_str()));
     }
     if (pack->activation != "relu" && pack->activation != "silu" && pack->activation != "gelu") {
-        throw kx_pack_error(fmt("pack %s records activation '%s' (supported: relu, silu, gelu)",
+        throw kx_pack_error(kx_fmt("pack %s records activation '%s' (supported: relu, silu, gelu)",
                                 path.c_str(), pack->activation.c_str()));
     }
 
@@ -242,7 +243,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         check_complete(mp, model_path, "model");
         const std::string mfp = fingerprint_of(mp, model_path);
         if (mfp != fp) {
-            throw kx_pack_error(fmt("pack %s was made for a different model (pack fingerprint %s, %s has %s); "
+            throw kx_pack_error(kx_fmt("pack %s was made for a different model (pack fingerprint %s, %s has %s); "
                                     "rebuild the pack for this model", path.c_str(), fp.c_str(),
                                     model_path.c_str(), mfp.c_str()));
         }
@@ -254,7 +255,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         }
         if (march != base_arch || (int64_t) model.hparams.n_layer() != pack->n_layer ||
             (int64_t) model.hparams.n_embd != pack->n_embd || !same_ff || mact != pack->activation) {
-            throw kx_pack_error(fmt("pack %s records %s %" PRId64 " layers x %" PRId64 " embd x %" PRId64 " ff %s, "
+            throw kx_pack_error(kx_fmt("pack %s records %s %" PRId64 " layers x %" PRId64 " embd x %" PRId64 " ff %s, "
                                     "but %s is %s %u layers x %u embd x %u ff %s", path.c_str(), base_arch.c_str(),
                                     pack->n_layer, pack->n_embd, pack->n_ff, pack->activation.c_str(),
                                     model_path.c_str(), march.c_str(), model.hparams.n_layer(), model.hparams.n_embd,
@@ -269,7 +270,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         const std::string name = gguf_get_tensor_name(gp.g, i);
         for (const char * bad : { "ffn_up", "ffn_gate", "ffn_down" }) {
             if (name.find(bad) != std::string::npos) {
-                throw kx_pack_error(fmt("pack %s holds tensor '%s', whose name llama.cpp tools would take "
+                throw kx_pack_error(kx_fmt("pack %s holds tensor '%s', whose name llama.cpp tools would take "
                                         "for a model weight", path.c_str(), name.c_str()));
             }
         }
@@ -279,7 +280,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     auto need = [&](const std::string & name) -> ggml_tensor * {
         ggml_tensor * t = names.count(name) ? ggml_get_tensor(gp.meta, name.c_str()) : nullptr;
         if (!t) {
-            throw kx_pack_error(fmt("pack %s lacks the tensor %s", path.c_str(), name.c_str()));
+            throw kx_pack_error(kx_fmt("pack %s lacks the tensor %s", path.c_str(), name.c_str()));
         }
         expected.insert(name);
         return t;
@@ -318,7 +319,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
                 have += names.count(p + name) ? 1 : 0;
             }
             if (have != 0 && have != 3) {
-                throw kx_pack_error(fmt("pack %s: layer %" PRId64 " has %d of the 3 tensors %s, %s, %s; "
+                throw kx_pack_error(kx_fmt("pack %s: layer %" PRId64 " has %d of the 3 tensors %s, %s, %s; "
                                         "they come together", path.c_str(), il, have, k[0], k[1], k[2]));
             }
             if (have == 0) {
@@ -329,7 +330,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
             ggml_tensor * c = need(p + k[2]);
             const int64_t rank = a->ne[1];
             if (rank < 1) {
-                throw kx_pack_error(fmt("pack %s: %s must be 2-D [rank, n_embd]", path.c_str(), a->name));
+                throw kx_pack_error(kx_fmt("pack %s: %s must be 2-D [rank, n_embd]", path.c_str(), a->name));
             }
             check_tensor(a, path, { GGML_TYPE_F32, GGML_TYPE_F16 }, n_embd, rank);
             check_tensor(b, path, { GGML_TYPE_F32, GGML_TYPE_F16 }, rank, n_ff);
@@ -353,7 +354,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     check_tensor(thr, path, { GGML_TYPE_F32 }, n_layer, 1);
     for (const auto & name : names) {
         if (!expected.count(name)) {
-            throw kx_pack_error(fmt("pack %s holds unexpected tensor '%s'; it is not part of pack version %u",
+            throw kx_pack_error(kx_fmt("pack %s holds unexpected tensor '%s'; it is not part of pack version %u",
                                     path.c_str(), name.c_str(), version));
         }
     }
@@ -367,7 +368,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         const size_t  n  = gguf_get_tensor_size(gp.g, id);
         if (fseeko(fp_.f, (off_t) (data + gguf_get_tensor_offset(gp.g, id)), SEEK_SET) != 0 ||
             std::fread(dst, 1, n, fp_.f) != n) {
-            throw kx_pack_error(fmt("pack %s is truncated: cannot read %s", path.c_str(), meta_t->name));
+            throw kx_pack_error(kx_fmt("pack %s is truncated: cannot read %s", path.c_str(), meta_t->name));
         }
     };
     std::vector<float> thresholds(n_layer);
@@ -376,7 +377,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     const int64_t n_groups = (n_ff + group_size - 1)/group_size;
     for (int64_t il = 0; il < n_layer; ++il) {
         if (!std::isfinite(thresholds[il])) {
-            throw kx_pack_error(fmt("pack %s: kx_threshold has non-finite values", path.c_str()));
+            throw kx_pack_error(kx_fmt("pack %s: kx_threshold has non-finite values", path.c_str()));
         }
         pack->layers[il].threshold = thresholds[il];
         std::vector<int32_t> perm(n_ff), group(n_ff);
@@ -389,7 +390,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         for (int64_t p = 0; p < n_ff; ++p) {
             const int32_t id = perm[p];
             if (id < 0 || id >= n_ff || inv[id] != -1) {
-                throw kx_pack_error(fmt("pack %s: %s is not a permutation of 0..%" PRId64, path.c_str(),
+                throw kx_pack_error(kx_fmt("pack %s: %s is not a permutation of 0..%" PRId64, path.c_str(),
                                         perms[il]->name, n_ff - 1));
             }
             inv[id] = (int32_t) p;
@@ -397,15 +398,15 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         }
         for (int64_t p = 0; p < n_ff; ++p) {
             if (group[p] < 0 || group[p] >= n_groups) {
-                throw kx_pack_error(fmt("pack %s: %s has group ids outside 0..%" PRId64, path.c_str(),
+                throw kx_pack_error(kx_fmt("pack %s: %s has group ids outside 0..%" PRId64, path.c_str(),
                                         groups[il]->name, n_groups - 1));
             }
             if (p > 0 && group[p] < group[p - 1]) {
-                throw kx_pack_error(fmt("pack %s: %s is not non-decreasing (a group must be a contiguous run "
+                throw kx_pack_error(kx_fmt("pack %s: %s is not non-decreasing (a group must be a contiguous run "
                                         "of pack rows)", path.c_str(), groups[il]->name));
             }
             if (!(freq[p] >= 0.0f && freq[p] <= 1.0f)) {
-                throw kx_pack_error(fmt("pack %s: %s has values outside [0, 1]", path.c_str(), freqs[il]->name));
+                throw kx_pack_error(kx_fmt("pack %s: %s has values outside [0, 1]", path.c_str(), freqs[il]->name));
             }
         }
         pack->layers[il].freq = std::move(freq);
@@ -421,7 +422,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     // the ops that read them on the CPU backend, where the buffer lives)
     pack->buf = ggml_backend_alloc_ctx_tensors_from_buft(pack->ctx, ggml_backend_cpu_buffer_type());
     if (!pack->buf) {
-        throw kx_pack_error(fmt("cannot allocate host memory for pack %s", path.c_str()));
+        throw kx_pack_error(kx_fmt("cannot allocate host memory for pack %s", path.c_str()));
     }
     ggml_backend_buffer_set_usage(pack->buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     for (const auto & [src, dst] : copies) {
@@ -430,7 +431,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
             const float * c = (const float *) dst->data;
             for (int64_t i = 0; i < n_ff; ++i) {
                 if (!std::isfinite(c[i])) {
-                    throw kx_pack_error(fmt("pack %s: %s has non-finite values", path.c_str(), dst->name));
+                    throw kx_pack_error(kx_fmt("pack %s: %s has non-finite values", path.c_str(), dst->name));
                 }
             }
         }

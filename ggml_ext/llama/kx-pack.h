@@ -40,6 +40,9 @@ struct kx_pack {
     ~kx_pack();
 };
 
+// printf into a std::string (the messages of kx_pack_error and the slot errors)
+std::string kx_fmt(const char * format, ...);
+
 // Thrown with one sentence saying which check failed.
 struct kx_pack_error : std::runtime_error {
     using std::runtime_error::runtime_error;

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cinttypes>
-#include <cstdarg>
 #include <cstring>
 #include <numeric>
 #include <stdexcept>
@@ -16,15 +15,6 @@ kx_slots::~kx_slots() {
     ggml_backend_buffer_free(buf_host);
     ggml_free(ctx_dev);
     ggml_free(ctx_host);
-}
-
-static std::string kx_fmt(const char * f, ...) {
-    char buf[1024];
-    va_list ap;
-    va_start(ap, f);
-    std::vsnprintf(buf, sizeof(buf), f, ap);
-    va_end(ap);
-    return buf;
 }
 
 static ggml_backend_dev_t kx_slots_device(const char * name) {

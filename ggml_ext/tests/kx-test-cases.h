@@ -87,40 +87,56 @@ struct test_kx_select : public test_case {
     }
 };
 
-// GGML_OP_KX_MUL_MAT_ROWS over a whole weight (rows = n) or a slot buffer (rows < n, map).
-struct test_kx_mul_mat_rows : public test_case {
+// The row ops' common inputs: an active list of `density` of n neurons, and a row map when
+// the weight holds fewer rows than neurons (a slot buffer); other inputs uniform unless
+// init_other() fills them.
+struct test_kx_rows : public test_case {
     const ggml_type type;
-    const int64_t k, n, nt, n_rows;
+    const int64_t width, n, nt, n_rows; // width: k (gather) or m (axpy)
     const double density;
+    const uint32_t seed;
     ggml_tensor * sel = nullptr;
     ggml_tensor * map = nullptr;
 
-    std::string vars() override { return VARS_TO_STR6(type, k, n, nt, n_rows, density); }
+    test_kx_rows(ggml_type type, int64_t width, int64_t n, int64_t nt, int64_t n_rows, double density, uint32_t seed)
+        : type(type), width(width), n(n), nt(nt), n_rows(n_rows), density(density), seed(seed) {}
 
-    test_kx_mul_mat_rows(ggml_type type, int64_t k, int64_t n, int64_t nt, int64_t n_rows, double density)
-        : type(type), k(k), n(n), nt(nt), n_rows(n_rows), density(density) {}
+    std::string vars() override { return VARS_TO_STR6(type, width, n, nt, n_rows, density); }
 
-    ggml_tensor * build_graph(ggml_context * ctx) override {
-        ggml_tensor * w = ggml_new_tensor_2d(ctx, type, k, n_rows);
-        ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, nt);
+    // the weight [width, n_rows] plus sel and the row map (when rows < n)
+    ggml_tensor * new_inputs(ggml_context * ctx) {
         sel = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n + 1);
         map = n_rows < n ? ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n) : nullptr;
-        ggml_tensor * out = ggml_kx_mul_mat_rows(ctx, w, x, sel, map);
-        ggml_set_name(out, "out");
-        return out;
+        return ggml_new_tensor_2d(ctx, type, width, n_rows);
     }
 
+    virtual bool init_other(ggml_tensor * t, std::mt19937 & rng) { (void) t; (void) rng; return false; }
+
     void initialize_tensors(ggml_context * ctx) override {
-        std::mt19937 rng(1234);
+        std::mt19937 rng(seed);
         for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
             if (t == sel) {
                 kx_init_sel(t, n, density, rng);
             } else if (t == map) {
                 kx_init_rowmap(t, n, n_rows, rng);
-            } else {
+            } else if (!init_other(t, rng)) {
                 init_tensor_uniform(t);
             }
         }
+    }
+};
+
+// GGML_OP_KX_MUL_MAT_ROWS over a whole weight (rows = n) or a slot buffer (rows < n, map).
+struct test_kx_mul_mat_rows : public test_kx_rows {
+    test_kx_mul_mat_rows(ggml_type type, int64_t k, int64_t n, int64_t nt, int64_t n_rows, double density)
+        : test_kx_rows(type, k, n, nt, n_rows, density, 1234) {}
+
+    ggml_tensor * build_graph(ggml_context * ctx) override {
+        ggml_tensor * w = new_inputs(ctx);
+        ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, nt);
+        ggml_tensor * out = ggml_kx_mul_mat_rows(ctx, w, x, sel, map);
+        ggml_set_name(out, "out");
+        return out;
     }
 
     // the reference dots dequantized rows with float x; CUDA does the same in float
@@ -128,48 +144,32 @@ struct test_kx_mul_mat_rows : public test_case {
 };
 
 // GGML_OP_KX_AXPY_ROWS, with some activations exactly 0 (skipped) as after ReLU.
-struct test_kx_axpy_rows : public test_case {
-    const ggml_type type;
-    const int64_t m, n, nt, n_rows;
-    const double density;
+struct test_kx_axpy_rows : public test_kx_rows {
     ggml_tensor * h = nullptr;
-    ggml_tensor * sel = nullptr;
-    ggml_tensor * map = nullptr;
-
-    std::string vars() override { return VARS_TO_STR6(type, m, n, nt, n_rows, density); }
 
     test_kx_axpy_rows(ggml_type type, int64_t m, int64_t n, int64_t nt, int64_t n_rows, double density)
-        : type(type), m(m), n(n), nt(nt), n_rows(n_rows), density(density) {}
+        : test_kx_rows(type, m, n, nt, n_rows, density, 4321) {}
 
     ggml_tensor * build_graph(ggml_context * ctx) override {
-        ggml_tensor * wt = ggml_new_tensor_2d(ctx, type, m, n_rows);
-        h   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, nt);
-        sel = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n + 1);
-        map = n_rows < n ? ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n) : nullptr;
+        ggml_tensor * wt = new_inputs(ctx);
+        h = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, nt);
         ggml_tensor * out = ggml_kx_axpy_rows(ctx, wt, h, sel, map);
         ggml_set_name(out, "out");
         return out;
     }
 
-    void initialize_tensors(ggml_context * ctx) override {
-        std::mt19937 rng(4321);
-        for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
-            if (t == sel) {
-                kx_init_sel(t, n, density, rng);
-            } else if (t == map) {
-                kx_init_rowmap(t, n, n_rows, rng);
-            } else if (t == h) {
-                std::vector<float> v(ggml_nelements(t));
-                std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-                for (float & x : v) {
-                    x = u(rng);
-                    x = x < -0.5f ? 0.0f : x; // a quarter exactly zero
-                }
-                ggml_backend_tensor_set(t, v.data(), 0, v.size()*sizeof(float));
-            } else {
-                init_tensor_uniform(t);
-            }
+    bool init_other(ggml_tensor * t, std::mt19937 & rng) override {
+        if (t != h) {
+            return false;
         }
+        std::vector<float> v(ggml_nelements(t));
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        for (float & x : v) {
+            x = u(rng);
+            x = x < -0.5f ? 0.0f : x; // a quarter exactly zero
+        }
+        ggml_backend_tensor_set(t, v.data(), 0, v.size()*sizeof(float));
+        return true;
     }
 
     double max_nmse_err() override { return 1e-6; }
