@@ -202,14 +202,14 @@ def summarize_tpot(res: dict) -> dict:
 
 
 def tpot_run(impl: str, mode: str, model: Path, tokens: Path, ngl: int, threads: int, env: dict,
-             gpu_slots: int | None = None) -> dict:
+             extra: list[str] = ()) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "tpot.py"), "--impl", impl, "--mode", mode, "--model",
            str(model), "--tokens", str(tokens), "--prompt-len", str(PROMPT), "--ngl", str(ngl),
-           "--threads", str(threads)] + ([] if gpu_slots is None else ["--gpu-slots", str(gpu_slots)])
+           "--threads", str(threads)] + list(extra)
     r = run(cmd, env=env)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     return {"command": shlex.join(cmd), **summarize_tpot(out), "slots_bytes": out.get("slots_bytes"),
-            "gpu_mem_mib": out.get("gpu_mem_mib")}
+            "gpu_mem_mib": out.get("gpu_mem_mib"), "vram": out.get("vram"), "pp_tok_s": out.get("pp_tok_s")}
 
 
 def free_mib() -> float | None:
@@ -325,21 +325,32 @@ def run_config(args: argparse.Namespace) -> int:
         c = res.get("counters")
         density = c["selected"] / c["total"] if c and c["total"] else None
         add(impl, mode, "tpot", res, density=density, cmd=res.pop("command"))
-    hybrid = None
+    hybrid = trace = None
     if has_pack and "hybrid" in modes and bw.get("gpu_hbm") is not None:
         slots, hybrid = hybrid_slots(kxbench, model, lay, budget_mib, threads)
-        log(f"static hybrid: {slots} slots per layer ({hybrid['slots_mib']:.0f} MiB) + {hybrid['total_mib']:.0f} MiB")
-        res = tpot_run("kairox", "predicted", model, tokens_file, 999, threads, kx_env, gpu_slots=slots)
-        c = res["counters"]
+        log(f"static hybrid: harness estimate {slots} slots per layer ({hybrid['slots_mib']:.0f} MiB) + "
+            f"{hybrid['total_mib']:.0f} MiB; the runtime picks its own under --vram-budget")
+        budget_arg = ["--vram-budget", f"{int(budget_mib)}MiB"]
         n_tok, n_ff = GEN, lay_n_ff(model)
-        b = hybrid_bytes_per_token(lay, c, n_tok, hybrid["per_neuron_bytes"], hybrid["pred_mib"] * MiB, n_ff)
-        bd = bound(b, bw)
-        listed = c["rows"] + c["elsewhere"]
-        rows.append({"impl": "kairox", "mode": "static hybrid", "how": "tpot", "ngl": 999, **res, "bytes": b,
-                     "bound": bd, "efficiency": bd["seconds"] * res["tok_s"],
-                     "gpu_share": c["elsewhere"] / listed if listed else None,
-                     "density": listed / (n_tok * lay.n_layer * n_ff), "slots": slots,
-                     "command": res.pop("command")})
+
+        def add_hybrid(mode: str, res: dict) -> None:
+            c = res["counters"]
+            b = hybrid_bytes_per_token(lay, c, n_tok, hybrid["per_neuron_bytes"], hybrid["pred_mib"] * MiB, n_ff)
+            bd = bound(b, bw)
+            listed = c["rows"] + c["elsewhere"]
+            rows.append({"impl": "kairox", "mode": mode, "how": "tpot", "ngl": 999, **res, "bytes": b,
+                         "bound": bd, "efficiency": bd["seconds"] * res["tok_s"],
+                         "gpu_share": c["elsewhere"] / listed if listed else None,
+                         "density": listed / (n_tok * lay.n_layer * n_ff),
+                         "slots": (res.get("vram") or {}).get("slot_counts", [None])[0],
+                         "command": res.pop("command")})
+        add_hybrid("static hybrid", tpot_run("kairox", "predicted", model, tokens_file, 999, threads, kx_env,
+                                             budget_arg + ["--pp", str(PP)]))
+        # A/B: the same run with the scheduler's CPU/GPU overlap off (stock split order)
+        add_hybrid("static hybrid, no overlap", tpot_run("kairox", "predicted", model, tokens_file, 999, threads,
+                                                         {**kx_env, "KX_NO_OVERLAP": "1"}, budget_arg))
+        trace = hybrid_trace(Path(args.out), result_name(args.config, budget_gib), model, tokens_file,
+                             threads, kx_env, budget_arg)
     times["tpot"] = time.time() - t0
 
     result = {
@@ -349,7 +360,7 @@ def run_config(args: argparse.Namespace) -> int:
         "budget_gib": budget_gib, "ngl": ngl, "gpu_memory": mem, "probes": probes, "bandwidth_gbs": bw,
         "threads": threads, "prompt": PROMPT, "gen": GEN, "pp": PP, "reps": args.reps,
         "tokens": token_kind, "has_pack": has_pack, "rows": rows, "seconds": times, "note": args.note,
-        "hybrid": hybrid,
+        "hybrid": hybrid, "trace": trace,
         "wall_s": time.time() - t_start,
     }
     name = result_name(args.config, budget_gib) + ("" if args.baseline else "-kairox")
@@ -377,25 +388,33 @@ def hybrid_slots(kxbench: str, model: Path, lay: Layout, budget_mib: float, thre
     left (measured by kairox's llama-bench at that placement, less the GPU predictors and
     a 3% margin for the hybrid graph's buffers) filled with slots, the same count per
     layer (the solver's per-layer balance is kairox plan's job)."""
-    from kairox.gguf_header import scan_header
-    from kairox.pack import pack_path_for
+    from kairox.plan import slot_costs
     mem = gpu_buffers(run(bench_cmd(kxbench, model, threads, 1, ["-ngl", "999", "-ot", FFN_ON_CPU], n_gen=0)).stderr)
-    hdr = scan_header(model)
-    row = {n: 0 for n in ("ffn_gate", "ffn_up")}
-    n_ff = 0
-    for t in hdr.tensors:
-        for n in row:
-            if t.name == f"blk.0.{n}.weight":
-                row[n] = t.nbytes // t.ne[1]
-                n_ff = t.ne[1]
-    pack = scan_header(pack_path_for(model))
-    down = next(t for t in pack.tensors if t.name == "blk.0.kx_down_t")
-    pred = sum(t.nbytes for t in pack.tensors if "kx_pred_" in t.name) + lay.n_layer * 4 * n_ff
-    per_neuron = row["ffn_gate"] + row["ffn_up"] + down.nbytes // down.ne[1]
-    free = budget_mib * 0.97 * MiB - mem["total_mib"] * MiB - pred
-    slots = max(0, min(n_ff, int(free // (per_neuron * lay.n_layer))))
-    return slots, {**mem, "pred_mib": pred / MiB, "per_neuron_bytes": per_neuron, "slots": slots,
-                   "slots_mib": slots * per_neuron * lay.n_layer / MiB}
+    c = slot_costs(model)
+    free = budget_mib * 0.97 * MiB - mem["total_mib"] * MiB - c.pred
+    slots = max(0, min(c.n_ff, int(free // (c.per_neuron * lay.n_layer))))
+    return slots, {**mem, "pred_mib": c.pred / MiB, "per_neuron_bytes": c.per_neuron, "slots": slots,
+                   "slots_mib": slots * c.per_neuron * lay.n_layer / MiB}
+
+
+def hybrid_trace(out: Path, name: str, model: Path, tokens: Path, threads: int, env: dict,
+                 extra: list[str]) -> dict:
+    """One more static-hybrid run with the scheduler trace on (KX_TRACE; stamps cost a few
+    µs each, so it is not a timing run): the overlap figures, a typical step's timeline
+    (trace-NAME.png) and that step's records with its neighbours (trace-NAME.jsonl)."""
+    from kairox import trace as kxtrace
+    raw = out / f"trace-{name}.full.jsonl"
+    tpot_run("kairox", "predicted", model, tokens, 999, threads,
+             {**env, "KX_TRACE": str(raw), "KX_TRACE_MAX": "1000000"}, extra)
+    recs, dropped = kxtrace.read_trace(raw)
+    summary = kxtrace.summarize(recs)
+    g = kxtrace.pick_graph(recs)
+    kxtrace.plot_graph(recs, g, out / f"trace-{name}.png")
+    kxtrace.trim(raw, out / f"trace-{name}.jsonl", [g - 1, g, g + 1])
+    raw.unlink()
+    log("trace: " + kxtrace.summary_text(summary).replace("\n", "; "))
+    return {**summary, "graph_drawn": g, "dropped": dropped, "png": f"trace-{name}.png",
+            "records": f"trace-{name}.jsonl"}
 
 
 def lay_n_ff(model: Path) -> int:
@@ -453,6 +472,18 @@ def summary_lines(r: dict) -> list[str]:
                      f"{fmt(x.get('tpot_p50_ms'), '.1f')} | {fmt(x.get('tpot_p99_ms'), '.1f')} | "
                      f"{x['gpu_share']:.2f} | {fmt(x['density'], '.3f')} | {x['bytes']['pcie'] / 1e3:.1f} | "
                      f"{x['bound']['seconds'] * 1e3:.2f} ({x['bound']['limit']}) | {fmt(x['efficiency'], '.2f')} |")
+    for x in r["rows"]:
+        if x.get("vram"):
+            v = x["vram"]
+            lines += ["", f"{x['mode']}: runtime VRAM check: {v['used'] / MiB:.0f} MiB used of {v['budget'] / MiB:.0f} "
+                          f"MiB (base {v['base'] / MiB:.0f}, slots {v['slots'] / MiB:.0f} MiB = {v['slot_counts'][0]} "
+                          f"neurons/layer; {fmt((v.get('used_after_run') or 0) / MiB, '.0f')} MiB after the run)"]
+            break
+    t = r.get("trace")
+    if t:
+        from kairox.trace import summary_text
+        lines += ["", f"Overlap trace (KX_TRACE, one more run; [{t['png']}]({t['png']}), records {t['records']}):", "",
+                  *[f"    {ln}" for ln in summary_text(t).splitlines()]]
     return lines
 
 

@@ -12,6 +12,7 @@ and for kairox's sparse modes the CPU kernels' counters over the decode.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,7 +42,11 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--ngl", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--pp", type=int, default=0,
+                    help="after the decode, also time a prefill of this many tokens (best of 2)")
     ap.add_argument("--gpu-slots", type=int, help="kairox: neuron slots per layer on the GPU (static hybrid)")
+    ap.add_argument("--vram-budget", help="kairox: static hybrid under this GPU budget (e.g. 7GiB); the "
+                    "runtime picks the slots and checks the budget on the device")
     args = ap.parse_args()
 
     # The library is loaded before numpy (on the GPU machine, numpy first makes the CUDA
@@ -52,6 +57,8 @@ def main() -> int:
         cls, extra = kairox.Llama, {"sparse": args.mode}
         if args.gpu_slots is not None:
             extra["gpu_slots"] = args.gpu_slots
+        if args.vram_budget is not None:
+            extra["vram_budget"] = args.vram_budget
     else:
         import llama_cpp
         cls, extra = llama_cpp.Llama, {}
@@ -61,7 +68,7 @@ def main() -> int:
     set_verbose(False)
 
     toks = json.loads(Path(args.tokens).read_text())
-    n_ctx = len(toks) + 16
+    n_ctx = max(len(toks), args.pp) + 16
     mem0 = gpu_used_mib()
     llm = cls(model_path=args.model, n_gpu_layers=args.ngl, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
               n_threads=args.threads, n_threads_batch=args.threads, verbose=False, **extra)
@@ -83,12 +90,23 @@ def main() -> int:
         c = sparse_counters(reset=True)
         counters = {"selected": c.selected, "total": c.total, "calls": c.calls, "fallbacks": c.fallbacks,
                     "nonzero": c.nonzero, "rows": c.rows, "elsewhere": c.elsewhere}
+    pp_s = None
+    if args.pp:
+        batch = (toks * (args.pp // len(toks) + 1))[:args.pp]
+        for _ in range(2):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(batch)
+            pp_s = min(pp_s or 1e30, time.perf_counter() - t0)
     mem1 = gpu_used_mib()
     mode = getattr(llm, "sparse", "dense")
     slots_bytes = getattr(llm, "slots_bytes", 0)
+    vram = getattr(llm, "vram", None)
+    vram = None if vram is None else {**dataclasses.asdict(vram), "used_after_run": llm.vram_used()}
     llm.close()
     print(json.dumps({"prefill_s": prefill, "tpot_s": times, "counters": counters, "mode_used": mode,
-                      "slots_bytes": slots_bytes,
+                      "slots_bytes": slots_bytes, "vram": vram,
+                      "pp_tok_s": args.pp / pp_s if pp_s else None,
                       "gpu_mem_mib": None if mem0 is None or mem1 is None else mem1 - mem0}))
     return 0
 

@@ -28,11 +28,11 @@ if [ -n "${KX_PERF:-}" ]; then
 fi
 # (the library-first import only for pytest: offload.py's own process uses torch, not libllama)
 [ -z "${KX_SKIP_TESTS:-}" ] && PYTHONPATH=/tmp/sc:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider \
-    tests/test_hybrid.py tests/test_sparse_ops.py 2>&1 | tail -15
+    tests/test_hybrid.py tests/test_sparse_ops.py tests/test_budget.py tests/test_trace.py 2>&1 | tail -15
 echo "tests done ($(( $(date +%s) - t0 )) s)"
 for cfg in ${KX_BENCH:-}; do
     python3 bench/offload.py --config "$cfg" --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" \
-        --work /tmp/kxbench --out "$OUT" --reps 1 --modes "${KX_MODES:-predicted,hybrid}" --no-baseline \
+        --work /tmp/kxbench --out "$OUT" --reps 1 --modes "${KX_MODES:-predicted,hybrid}" --no-baseline ${KX_KEEP:+--keep} \
         || echo "config $cfg FAILED"
     echo "config $cfg done at $(( $(date +%s) - t0 )) s"
 done

@@ -17,3 +17,6 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
 void ggml_cuda_kx_axpy_rows   (ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 
 bool ggml_cuda_kx_supports_op(const ggml_tensor * op);
+
+// scheduler trace stamp (kx-trace-mark.cu; include/kx-trace.h: kx_backend_trace_mark_t)
+void ggml_cuda_kx_trace_mark(ggml_backend_t backend, int64_t * t_us);

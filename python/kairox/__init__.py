@@ -18,11 +18,11 @@ if "llama_cpp.llama_cpp" not in _sys.modules:
         pass  # kairox.Llama will say so; convert/synth/info work without it
 
 __version__ = "0.1.0"
-__all__ = ["Llama", "ModelLoadError", "SparsePackWarning", "__version__"]
+__all__ = ["Llama", "ModelLoadError", "SparsePackWarning", "VramBudgetError", "__version__"]
 
 
 def __getattr__(name: str):
-    if name in ("Llama", "ModelLoadError", "SparsePackWarning"):
+    if name in ("Llama", "ModelLoadError", "SparsePackWarning", "VramBudgetError"):
         from . import llama
         return getattr(llama, name)
     raise AttributeError(f"module 'kairox' has no attribute {name!r}")

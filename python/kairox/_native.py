@@ -125,12 +125,30 @@ def ggml_library(name: str) -> ctypes.CDLL:
     raise NativeLibraryNotFound(f"lib{name}.so is not in {lib_dir}")
 
 
-def has_gpu() -> bool:
-    """Whether ggml sees a GPU device (a CUDA build on a machine with a GPU)."""
+def _first_gpu() -> tuple[ctypes.CDLL, int | None]:
     lib = ggml_library("ggml")
     lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
     lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    return bool(lib.ggml_backend_dev_by_type(1))  # GGML_BACKEND_DEVICE_TYPE_GPU
+    return lib, lib.ggml_backend_dev_by_type(1)  # GGML_BACKEND_DEVICE_TYPE_GPU
+
+
+def has_gpu() -> bool:
+    """Whether ggml sees a GPU device (a CUDA build on a machine with a GPU)."""
+    return bool(_first_gpu()[1])
+
+
+def gpu_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of the first GPU as its driver reports them (cudaMemGetInfo: the
+    whole device, every process), or None without a GPU."""
+    lib, dev = _first_gpu()
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    lib.ggml_backend_dev_memory.restype = None
+    if not dev:
+        return None
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+    return int(free.value), int(total.value)
 
 
 def sparse_counters(reset: bool = False) -> SparseCounters:

@@ -26,6 +26,11 @@ def _positive(v: str) -> int:
     return n
 
 
+def _size(v: str) -> int:
+    from .plan import parse_size
+    return parse_size(v)
+
+
 def _context_length(path: Path) -> int | None:
     """The model's training context, from the GGUF header (None if absent or unreadable)."""
     from .gguf_header import GGUFHeaderError, scan_header
@@ -54,9 +59,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", kxl.SparsePackWarning)
+            hybrid = {k: v for k, v in (("gpu_slots", args.gpu_slots), ("vram_budget", args.vram_budget),
+                                        ("plan", args.plan)) if v is not None}
+            if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
+                hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
             llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
-                            n_gpu_layers=args.n_gpu_layers, verbose=args.verbose,
-                            sparse=args.sparse, sparse_pack=args.sparse_pack)
+                            verbose=args.verbose, sparse=args.sparse, sparse_pack=args.sparse_pack, **hybrid)
     except ValueError as e:
         print(f"kairox run: error: {e}", file=sys.stderr)
         return 2
@@ -64,6 +72,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"kairox run: warning: {w.message}", file=sys.stderr)
     print(f"kairox: {model.name} ({llm.n_ctx()} ctx, {llm.context_params.n_threads} threads, "
           f"FFN {llm.sparse})", file=sys.stderr)
+    if llm.vram is not None:
+        print(f"kairox: {llm.vram.text()}", file=sys.stderr)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     t0 = time.perf_counter()
@@ -153,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context size (default: the model's, at most 2048)")
     p.add_argument("-t", "--threads", type=_positive, default=None,
                    help="CPU threads (default: half the cores, as llama-cpp-python)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                   help="layers on the GPU; -1 = all (default: 0)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+                   help="layers on the GPU; -1 = all (default: 0, or all with a hybrid FFN option)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--sparse", choices=["dense", "exact", "predicted"], default=None,
@@ -164,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparse-pack", default=None,
                    help="sparse pack (default with --sparse: MODEL.kxpack.gguf next to the model; "
                    "make one with `kairox pack MODEL`)")
+    p.add_argument("--gpu-slots", type=int, default=None,
+                   help="hybrid FFN: neurons per layer kept on the GPU (the most active ones); the rest "
+                   "run on the CPU at the same time; dense tensors on the GPU unless -ngl says otherwise")
+    p.add_argument("--vram-budget", type=_size, default=None,
+                   help="hybrid FFN under a GPU memory budget (e.g. 7GiB): dense tensors on the GPU, "
+                   "slots fill the rest; measured on the device, a clear error when it cannot fit")
+    p.add_argument("--plan", default=None, help="hybrid FFN placed by a `kairox plan` file")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's load log")
     p.set_defaults(func=cmd_run)
 
@@ -173,13 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="GGUF file to describe")
     p.set_defaults(func=cmd_info)
 
-    from . import convert, packcli, plan, prepare, stats, synth
+    from . import convert, hw, packcli, plan, prepare, stats, synth, trace
     convert.register(sub)
     synth.register(sub)
     packcli.register(sub)
     prepare.register(sub)
     stats.register(sub)
     plan.register(sub)
+    hw.register(sub)
+    trace.register(sub)
     return ap
 
 

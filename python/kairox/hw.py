@@ -17,9 +17,13 @@ GPU figures need torch with CUDA (present on the GPU machine); without it they a
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,7 +77,74 @@ def gpu_bandwidths(nbytes: int = 2 << 30, reps: int = 3) -> dict[str, float] | N
     return r
 
 
+def pcie_by_size(sizes: tuple[int, ...] = tuple(1 << k for k in range(12, 29, 2)), reps: int = 5
+                 ) -> dict[int, float] | None:
+    """Host-to-device GB/s of one pinned copy per size (bytes): small reloads pay latency."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    host = torch.empty(max(sizes), dtype=torch.uint8).pin_memory()
+    dev = torch.empty(max(sizes), dtype=torch.uint8, device="cuda")
+    out = {}
+    for n in sizes:
+        dev[:n].copy_(host[:n], non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dev[:n].copy_(host[:n], non_blocking=True)
+        torch.cuda.synchronize()
+        out[n] = n * reps / (time.perf_counter() - t0) / 1e9
+    del host, dev
+    torch.cuda.empty_cache()
+    return out
+
+
 def measure_bandwidths(threads: int | None = None) -> dict[str, float | None]:
     out: dict[str, float | None] = {"cpu_read": cpu_read_gbs(threads=threads)}
     out.update(gpu_bandwidths() or {"gpu_hbm": None, "pcie_h2d": None})
     return out
+
+
+# one CPU<->GPU hand-off of the hidden state (a stream sync each way), measured on the GPU
+# machine (shared/reference/hardware.md): the solver's default when nothing else is known
+HANDOFF_US = 23.5
+
+
+def profile(threads: int | None = None) -> dict[str, Any]:
+    """The hardware profile `kairox plan --hw` reads: HwProfile's fields plus details."""
+    bw = measure_bandwidths(threads)
+    from .plan import HwProfile
+    hp = HwProfile.from_bandwidths(bw)
+    out: dict[str, Any] = {"cpu_gbs": hp.cpu_gbs, "gpu_gbs": hp.gpu_gbs, "pcie_gbs": hp.pcie_gbs,
+                           "handoff_us": HANDOFF_US}
+    curve = pcie_by_size()
+    out["details"] = {"measured": {k: v for k, v in bw.items()}, "threads": threads or os.cpu_count(),
+                      "pcie_h2d_gbs_by_bytes": {str(k): v for k, v in (curve or {}).items()},
+                      "gpu": bw.get("gpu_hbm") is not None,
+                      "note": "GPU and PCIe figures need torch with CUDA; without them the solver's defaults stand"}
+    return out
+
+
+def cmd_profile_hw(args: argparse.Namespace) -> int:
+    print("kairox profile-hw: measuring (CPU read, GPU HBM, PCIe by transfer size; ~30 s)...", file=sys.stderr)
+    prof = profile(args.threads)
+    try:
+        Path(args.output).write_text(json.dumps(prof, indent=1) + "\n")
+    except OSError as e:
+        print(f"kairox profile-hw: error: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"CPU read {prof['cpu_gbs']:.1f} GB/s, GPU {prof['gpu_gbs']:.0f} GB/s, PCIe {prof['pcie_gbs']:.1f} GB/s"
+          + ("" if prof["details"]["gpu"] else " (no GPU measured: defaults)"))
+    print(f"kairox profile-hw: wrote {args.output} (use it with `kairox plan --hw {args.output}`)")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("profile-hw", help="measure this machine's bandwidths for `kairox plan --hw`",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-o", "--output", default="kxhw.json", help="profile file (default: %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.set_defaults(func=cmd_profile_hw)

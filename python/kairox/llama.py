@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._native import load_llama_cpp
+from .budget import VramBudgetError, VramReport
 
 llama_cpp = load_llama_cpp()
 _C = llama_cpp.llama_cpp
@@ -49,8 +50,38 @@ class KairoxOptions:
     # layer); the rest run on the CPU from host weights, at the same time. None: no slots.
     gpu_slots: int | Sequence[int] | None = None
     slots_device: str | None = None  # ggml device for the slots (None: first GPU; "CPU": tests)
+    # GPU memory (bytes, or a size such as "7GiB") that everything kairox and llama.cpp
+    # allocate on the GPU must stay under: weights, slots, predictors, KV cache, compute
+    # buffers. Measured on the device around load and a warm-up batch; without gpu_slots or
+    # a plan, the slots fill what the rest leaves. Implies the hybrid placement.
+    vram_budget: int | str | None = None
+    plan: str | None = None          # a `kairox plan` file: dense tensors on the GPU, slots per layer
 
     def __post_init__(self) -> None:
+        self._check_sparse()
+        if self.vram_budget is not None:
+            from .plan import parse_size
+            b = self.vram_budget
+            try:
+                b = parse_size(b) if isinstance(b, str) else b
+            except Exception as e:  # parse_size raises argparse.ArgumentTypeError
+                raise ValueError(f"vram_budget: {e}") from None
+            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+                raise ValueError(f"vram_budget must be a size in bytes > 0 or a string like '7GiB', not {self.vram_budget!r}")
+            object.__setattr__(self, "vram_budget", b)
+        if self.plan is not None and not isinstance(self.plan, (str, os.PathLike)):
+            raise TypeError(f"plan must be a path, not {type(self.plan).__name__}")
+        if self.plan is not None and self.gpu_slots is not None:
+            raise ValueError("give either gpu_slots or a plan (the plan holds the slot counts), not both")
+        if self.wants_slots and self.sparse == "dense":
+            raise ValueError("gpu_slots, vram_budget and plan place FFN neurons on the GPU: they need a sparse "
+                             "mode (exact or predicted), not dense")
+
+    @property
+    def wants_slots(self) -> bool:
+        return self.gpu_slots is not None or self.vram_budget is not None or self.plan is not None
+
+    def _check_sparse(self) -> None:
         if self.sparse is not None and self.sparse not in SPARSE_MODES:
             raise ValueError(f"sparse must be one of {', '.join(SPARSE_MODES)}, not {self.sparse!r}")
         if self.sparse_pack is not None and not isinstance(self.sparse_pack, (str, os.PathLike)):
@@ -59,13 +90,11 @@ class KairoxOptions:
             vals = [self.gpu_slots] if isinstance(self.gpu_slots, int) else list(self.gpu_slots)
             if not vals or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in vals):
                 raise ValueError(f"gpu_slots must be a count >= 0 or one count per layer, not {self.gpu_slots!r}")
-            if self.sparse == "dense":
-                raise ValueError("gpu_slots needs a sparse mode (exact or predicted), not dense")
 
     @property
     def wants_sparse(self) -> bool:
         return (self.sparse not in (None, "dense") or (self.sparse is None and self.sparse_pack is not None)
-                or self.gpu_slots is not None)
+                or self.wants_slots)
 
     def slots_for(self, n_layer: int) -> list[int]:
         if isinstance(self.gpu_slots, int):
@@ -85,6 +114,8 @@ _KX_KWARGS = frozenset(f.name for f in dataclasses.fields(KairoxOptions))
 
 class ModelLoadError(ValueError):
     """The model file could not be loaded; the message holds llama.cpp's own errors."""
+
+
 
 
 class _ErrorLog:
@@ -161,14 +192,31 @@ class _BuftOverride(ctypes.Structure):
 _FFN_ON_CPU = rb"blk\.\d+\.ffn_(gate|up|down)\.weight"
 
 
-def _ffn_on_cpu_overrides() -> ctypes.Array:
+def _cpu_overrides(names: Sequence[str] = ()) -> tuple[ctypes.Array, list[bytes]]:
+    """tensor_buft_overrides keeping the FFN tensors, and the named dense tensors (a plan's
+    CPU side), in host memory. One pattern per tensor kind (blk.(3|7).attn_q.weight, dots escaped)
+    keeps llama.cpp's per-tensor regex matching short. Returns the array and the pattern
+    bytes, which must outlive the load."""
+    import re
     from ._native import ggml_library
     base = ggml_library("ggml-base")
     base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
-    arr = (_BuftOverride * 2)()
-    arr[0].pattern, arr[0].buft = _FFN_ON_CPU, base.ggml_backend_cpu_buffer_type()
-    arr[1].pattern, arr[1].buft = None, None
-    return arr
+    kinds: dict[str, list[str]] = {}
+    other: list[str] = []
+    for n in names:
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", n)
+        if m:
+            kinds.setdefault(m.group(2), []).append(m.group(1))
+        else:
+            other.append(n)
+    pats = [_FFN_ON_CPU] + [rf"^blk\.({'|'.join(ls)})\.{re.escape(k)}$".encode() for k, ls in kinds.items()]
+    pats += [f"^{re.escape(n)}$".encode() for n in other]
+    arr = (_BuftOverride * (len(pats) + 1))()
+    cpu = base.ggml_backend_cpu_buffer_type()
+    for i, pat in enumerate(pats):
+        arr[i].pattern, arr[i].buft = pat, cpu
+    arr[len(pats)].pattern, arr[len(pats)].buft = None, None
+    return arr, pats
 
 # llama.cpp reads model params once, inside the base constructor; sparse mode needs CPU
 # weights without repacking (repacked rows are interleaved; row gathers cannot read them)
@@ -188,10 +236,28 @@ class Llama(llama_cpp.Llama):
         self.sparse = "dense"
         self.sparse_error: str | None = None
         _errors.take()
+        opts = self.kx_options
+        self._kx_plan = None
+        if opts.plan is not None:
+            from .plan import Plan
+            self._kx_plan = Plan.read(opts.plan)
+            if self._kx_plan.model != Path(model_path).name:
+                raise ValueError(f"the plan {opts.plan} was made for {self._kx_plan.model}, not {Path(model_path).name}")
+        self._kx_free0: int | None = None
+        self.vram: VramReport | None = None
+        if opts.wants_slots:
+            # hybrid placement: every layer's dense part on the GPU unless the caller says
+            kwargs.setdefault("n_gpu_layers", -1)
+            if opts.vram_budget is not None and opts.slots_device is None:
+                from ._native import gpu_memory
+                mem = gpu_memory()
+                self._kx_free0 = mem[0] if mem else None
         with _params_lock:
             default_params = _C.llama_model_default_params
-            if self.kx_options.wants_sparse:
-                overrides = _ffn_on_cpu_overrides() if self.kx_options.gpu_slots is not None else None
+            if opts.wants_sparse:
+                overrides = None
+                if opts.wants_slots:
+                    overrides, self._kx_patterns = _cpu_overrides(self._kx_plan.dense_cpu if self._kx_plan else ())
                 self._kx_overrides = overrides  # the struct must outlive the load
 
                 def no_repack():
@@ -210,31 +276,101 @@ class Llama(llama_cpp.Llama):
                 raise
             finally:
                 _C.llama_model_default_params = default_params
-        if self.kx_options.wants_sparse:
-            self._kx_attach(model_path)
+        if opts.wants_sparse:
+            try:
+                self._kx_attach(model_path)
+            except VramBudgetError:
+                self.close()
+                raise
 
     def _kx_attach(self, model_path: str) -> None:
         from .pack import pack_path_for
-        pack = Path(self.kx_options.sparse_pack or pack_path_for(model_path))
+        opts = self.kx_options
+        pack = Path(opts.sparse_pack or pack_path_for(model_path))
         err = ctypes.create_string_buffer(1024)
         if _lib.kx_model_load_pack(self._model.model, os.fsencode(model_path), os.fsencode(pack), err, 1024):
             self._kx_refuse(err.value.decode("utf-8", "replace"))
             return
         mode = self.kx_options.sparse or ("predicted" if self.pack_has_predictor else "exact")
-        if self.kx_options.gpu_slots is not None:
+        if opts.wants_slots:
             n_layer = _C.llama_model_n_layer(self._model.model)
-            slots = self.kx_options.slots_for(n_layer)
-            arr = (ctypes.c_int64 * n_layer)(*slots)
-            dev = self.kx_options.slots_device
-            if _lib.kx_model_set_slots(self._model.model, arr, n_layer, dev and dev.encode(), err, 1024):
-                self._kx_refuse("neuron slots: " + err.value.decode("utf-8", "replace"))
+            if opts.gpu_slots is not None:
+                counts = opts.slots_for(n_layer)
+            elif self._kx_plan is not None:
+                counts = list(self._kx_plan.slot_neurons)
+                if len(counts) != n_layer:
+                    raise ValueError(f"the plan {opts.plan} has {len(counts)} layers, the model {n_layer}")
+            else:
+                counts = None  # from the budget
+            budgeted = self._kx_free0 is not None
+            if budgeted:
+                from . import budget
+                from ._native import gpu_memory
+                from .plan import slot_costs
+                costs = slot_costs(model_path, pack)
+                base = self._kx_free0 - gpu_memory()[0]
+                b = opts.vram_budget
+                if counts is None:
+                    counts = [budget.auto_slots(b, base, costs)] * n_layer
+                else:
+                    budget.check_slots(b, base, costs, counts)
+            elif counts is None:
+                counts = [0] * n_layer  # a budget without a GPU to hold anything
+            if not self._kx_set_slots(counts, mode):
                 return
+            if budgeted:
+                used = self._kx_warm_used()
+                if used > b and opts.gpu_slots is None and self._kx_plan is None:
+                    # the hybrid graph took more than the margin: give the overflow back once
+                    counts = budget.shrink(counts, used - b + budget.margin_for(b), costs)
+                    if not self._kx_set_slots(counts, mode):
+                        return
+                    used = self._kx_warm_used()
+                self.vram = VramReport(b, base, self.slots_bytes, used, counts)
+                if used > b:
+                    raise VramBudgetError(f"over the VRAM budget after a warm-up batch: {self.vram.text()}")
+            return
         try:
             self.set_sparse(mode)
         except ValueError as e:
             self._kx_refuse(str(e))
 
+    def _kx_set_slots(self, counts: list[int], mode: str) -> bool:
+        n_layer = len(counts)
+        err = ctypes.create_string_buffer(1024)
+        arr = (ctypes.c_int64 * n_layer)(*counts)
+        dev = self.kx_options.slots_device
+        if _lib.kx_model_set_slots(self._model.model, arr, n_layer, dev and dev.encode(), err, 1024):
+            self._kx_refuse("neuron slots: " + err.value.decode("utf-8", "replace"))
+            return False
+        try:
+            self.set_sparse(mode)  # (re)builds the graph on these slots
+        except ValueError as e:
+            self._kx_refuse(str(e))
+            return False
+        return True
+
+    def _kx_warm_used(self) -> int:
+        """GPU memory in use after one full batch (the largest graph) and one decode step."""
+        from ._native import gpu_memory
+        n = max(1, min(self.context_params.n_ubatch, self.n_ctx() - 2))
+        tok = max(self.token_bos(), 0)
+        self.eval([tok] * n)
+        self.eval([tok])
+        self.reset()
+        return self._kx_free0 - gpu_memory()[0]
+
+    def vram_used(self) -> int | None:
+        """GPU memory this model took so far (bytes, measured now), when it runs under a budget."""
+        if self._kx_free0 is None:
+            return None
+        from ._native import gpu_memory
+        return self._kx_free0 - gpu_memory()[0]
+
     def _kx_refuse(self, why: str) -> None:
+        if self._kx_free0 is not None:
+            # running dense with every layer on the GPU would break the budget
+            raise VramBudgetError(f"vram_budget needs kairox's hybrid FFN, which is unavailable: {why}")
         self.sparse_error = why
         warnings.warn(SparsePackWarning(f"kairox: sparse mode unavailable, running dense: {why}"),
                       stacklevel=3)

@@ -51,6 +51,15 @@ class HwProfile:
     handoff_us: float = 23.5   # one CPU<->GPU switch of the hidden state, µs
 
     @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "HwProfile":
+        """A profile from `kairox profile-hw` (extra keys such as "details" are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        vals = {k: float(v) for k, v in d.items() if k in names}
+        if not vals or any(v <= 0 for v in vals.values()):
+            raise ValueError("expected positive cpu_gbs, gpu_gbs, pcie_gbs, handoff_us")
+        return cls(**vals)
+
+    @classmethod
     def from_bandwidths(cls, bw: dict[str, Any]) -> "HwProfile":
         d = cls()
         return cls(bw.get("cpu_read") or d.cpu_gbs, bw.get("gpu_hbm") or d.gpu_gbs,
@@ -163,6 +172,30 @@ class Plan:
     seconds: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     gpu_share: list[float] = field(default_factory=list)  # expected active neurons on the GPU, per layer
+    # neurons per layer the runtime keeps in GPU slots (the chosen groups' rows); the runtime
+    # fills them with the layer's most frequently active neurons, which the hot-first group
+    # choice above approximates at group granularity
+    slot_neurons: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "plan") -> "Plan":
+        try:
+            d = json.loads(text)
+            d["hw"] = HwProfile.from_json(d["hw"])
+            plan = cls(**d)
+        except (ValueError, TypeError, KeyError) as e:
+            raise PlanError(f"{where} is not a kairox plan file ({e}); write one with `kairox plan`") from None
+        if len(plan.slot_neurons) != len(plan.slots):
+            raise PlanError(f"{where} has no per-layer slot counts (an older plan); run `kairox plan` again")
+        return plan
+
+    @classmethod
+    def read(cls, path: str | Path) -> "Plan":
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read the plan {path}: {e.strerror or e}") from None
+        return cls.from_json(text, str(path))
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -250,7 +283,37 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
     return Plan(Path(model_path).name, budget, hw, [it.name for it, g in zip(dense, on_gpu) if g],
                 [it.name for it, g in zip(dense, on_gpu) if not g], [s.tolist() for s in slots], n_groups,
                 reserved, {"dense": t_dense, "ffn": t_ffn},
-                {"dense_gpu": used, "slots": sum(len(s) * b for s, b in zip(slots, gbytes))}, share)
+                {"dense_gpu": used, "slots": sum(len(s) * b for s, b in zip(slots, gbytes))}, share,
+                [min(n_ff, len(s) * r) for s, r in zip(slots, rows)])
+
+
+@dataclass(frozen=True)
+class SlotCosts:
+    """What neuron slots cost on the device, from the model's and the pack's headers."""
+    n_layer: int
+    n_ff: int
+    per_neuron: int  # one neuron's slot: its gate row, up row and transposed down row
+    pred: int        # predictors copied beside the slots, and the slot maps (all layers)
+
+
+def slot_costs(model_path: str | Path, pack_path: str | Path | None = None) -> SlotCosts:
+    from .gguf_header import scan_header
+    from .pack import pack_path_for
+    hdr = scan_header(model_path)
+    rows: dict[str, int] = {}
+    n_ff = 0
+    for t in hdr.tensors:
+        if t.name in ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"):
+            rows[t.name] = t.nbytes // t.ne[1]
+            n_ff = t.ne[1]
+    arch = hdr.kv["general.architecture"]
+    n_layer = int(hdr.kv[f"{arch}.block_count"])
+    pack = scan_header(pack_path or pack_path_for(model_path))
+    down = next((t for t in pack.tensors if t.name == "blk.0.kx_down_t"), None)
+    if down is None or len(rows) != 2:
+        raise PlanError(f"{model_path} has no gated FFN with a pack down projection; it cannot have neuron slots")
+    pred = sum(t.nbytes for t in pack.tensors if "kx_pred_" in t.name) + n_layer * 4 * n_ff
+    return SlotCosts(n_layer, n_ff, sum(rows.values()) + down.nbytes // down.ne[1], pred)
 
 
 def parse_size(text: str) -> int:
@@ -266,7 +329,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hw = HwProfile()
     if args.hw:
         try:
-            hw = HwProfile(**json.loads(Path(args.hw).read_text()))
+            hw = HwProfile.from_json(json.loads(Path(args.hw).read_text()))
         except (OSError, ValueError, TypeError) as e:
             print(f"kairox plan: error: cannot read the hardware profile {args.hw}: {e}", file=sys.stderr)
             return 2
@@ -289,7 +352,7 @@ def register(sub: Any) -> None:
     p.add_argument("model", help="model GGUF (its pack next to it is used when present)")
     p.add_argument("--budget", type=parse_size, required=True, help="VRAM budget, e.g. 7GiB")
     p.add_argument("--pack", help="sparse pack (default: MODEL.kxpack.gguf when present)")
-    p.add_argument("--hw", help="hardware profile JSON (cpu_gbs, gpu_gbs, pcie_gbs, handoff_us)")
+    p.add_argument("--hw", help="hardware profile JSON from `kairox profile-hw` (default: the GPU machine's figures)")
     p.add_argument("--reserve", type=parse_size, default=512 * MiB,
                    help="bytes kept for KV cache and compute buffers (default: 512MiB)")
     p.add_argument("-o", "--output", help="plan file (default: MODEL.kxplan.json)")

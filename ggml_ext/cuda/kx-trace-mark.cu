@@ -1,0 +1,16 @@
+// The CUDA backend's stamp for the scheduler trace (include/kx-trace.h): a host function
+// queued on the backend's stream writes the time when the stream reaches it, i.e. when
+// the work queued before it has finished on the GPU. Returned by the CUDA registry as
+// "kx_backend_trace_mark" (patches/0006); only called while KX_TRACE is set.
+#include "kx-ops-cuda.cuh"
+#include "ggml-backend-impl.h"
+
+static void CUDART_CB kx_trace_stamp(void * t_us) {
+    *(int64_t *) t_us = ggml_time_us(); // no CUDA calls allowed here
+}
+
+void ggml_cuda_kx_trace_mark(ggml_backend_t backend, int64_t * t_us) {
+    auto * ctx = (ggml_backend_cuda_context *) backend->context;
+    ggml_cuda_set_device(ctx->device);
+    CUDA_CHECK(cudaLaunchHostFunc(ctx->stream(), kx_trace_stamp, t_us));
+}

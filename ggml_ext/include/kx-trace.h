@@ -1,0 +1,58 @@
+// kairox scheduler trace: when each backend ran which part of a graph.
+//
+// KX_TRACE=FILE turns it on. Every split the scheduler computes becomes one interval, in
+// ggml_time_us() (CLOCK_MONOTONIC, µs) on one clock for all backends:
+//  - CPU splits: host time around the (synchronous) compute;
+//  - GPU splits: stamps written by the device's stream itself when it reaches the start and
+//    the end of the split's kernels (a host function queued on the stream, obtained from the
+//    backend's registry as "kx_backend_trace_mark"), so a trace shows when the GPU really
+//    worked, not when work was queued;
+//  - input hand-offs: host time the scheduler spent copying a split's inputs (this includes
+//    waiting for the producer).
+// Records go to a fixed array (KX_TRACE_MAX, default 131072) and are written as JSON lines
+// at exit or by kx_trace_dump(). Off by default: each GPU stamp costs a few µs.
+#pragma once
+
+#include "ggml-backend.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum kx_trace_part {
+    KX_TRACE_WHOLE = 'w', // a split computed in one piece
+    KX_TRACE_HEAD  = 'h', // leading nodes queued early, beside the previous CPU split (0008)
+    KX_TRACE_TAIL  = 't', // the rest of a split whose head ran early
+    KX_TRACE_INPUT = 'i', // copying a split's inputs to its backend (host time)
+};
+
+struct kx_trace_rec {
+    int64_t t0, t1;      // µs, ggml_time_us(); 0 until stamped
+    int32_t graph;       // graph computation number (one per llama_decode of one ubatch)
+    int32_t split;       // split index in that graph
+    int32_t n_nodes;
+    char    part;        // enum kx_trace_part
+    char    backend[11];
+    char    first[GGML_MAX_NAME]; // name of the first and last node (layer ids are in the names)
+    char    last[GGML_MAX_NAME];
+};
+
+// where a GPU backend stamps the time when its stream reaches this point
+typedef void (*kx_backend_trace_mark_t)(ggml_backend_t backend, int64_t * t_us);
+
+GGML_API bool                  kx_trace_enabled(void);
+// start the next graph's records (the scheduler calls it once per graph)
+GGML_API void                  kx_trace_next_graph(void);
+// a new record, or NULL when the trace is off or full (counted in the file's last line)
+GGML_API struct kx_trace_rec * kx_trace_add(int32_t split, const char * backend, enum kx_trace_part part,
+                                            const struct ggml_cgraph * g);
+// write all records so far as JSON lines (they must be complete: synchronize first);
+// returns the number written, -1 when the file cannot be written
+GGML_API int64_t               kx_trace_dump(const char * path);
+
+#ifdef __cplusplus
+}
+#endif

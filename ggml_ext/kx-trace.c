@@ -1,0 +1,96 @@
+// kairox scheduler trace (include/kx-trace.h): a fixed record array, written at exit.
+#include "kx-trace.h"
+
+#include "ggml-impl.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static struct kx_trace_rec * kx_recs;
+static int64_t               kx_cap;
+static atomic_llong          kx_n;       // records handed out (may pass kx_cap: dropped)
+static atomic_int            kx_graph = -1;
+static const char *          kx_path;
+static int                   kx_state;   // 0 unknown, 1 on, 2 off
+
+static void kx_trace_atexit(void) {
+    if (kx_trace_dump(kx_path) < 0) {
+        fprintf(stderr, "kairox: cannot write the trace to %s\n", kx_path);
+    }
+}
+
+bool kx_trace_enabled(void) {
+    // first called by the scheduler from one thread, before any record is added
+    if (kx_state == 0) {
+        kx_path = getenv("KX_TRACE");
+        kx_state = 2;
+        if (kx_path && *kx_path) {
+            const char * m = getenv("KX_TRACE_MAX");
+            kx_cap  = m ? atoll(m) : 131072;
+            kx_recs = kx_cap > 0 ? (struct kx_trace_rec *) calloc((size_t) kx_cap, sizeof(*kx_recs)) : NULL;
+            if (kx_recs) {
+                kx_state = 1;
+                atexit(kx_trace_atexit);
+            }
+        }
+    }
+    return kx_state == 1;
+}
+
+void kx_trace_next_graph(void) {
+    atomic_fetch_add(&kx_graph, 1);
+}
+
+// names go into JSON strings unescaped: quotes and backslashes become '?'
+static void kx_copy_name(char * dst, size_t n, const char * src) {
+    snprintf(dst, n, "%s", src ? src : "");
+    for (char * c = dst; *c; c++) {
+        if (*c == '"' || *c == '\\' || (unsigned char) *c < 0x20) {
+            *c = '?';
+        }
+    }
+}
+
+struct kx_trace_rec * kx_trace_add(int32_t split, const char * backend, enum kx_trace_part part,
+                                   const struct ggml_cgraph * g) {
+    if (!kx_trace_enabled()) {
+        return NULL;
+    }
+    const int64_t i = atomic_fetch_add(&kx_n, 1);
+    if (i >= kx_cap) {
+        return NULL;
+    }
+    struct kx_trace_rec * r = &kx_recs[i];
+    r->graph   = atomic_load(&kx_graph);
+    r->split   = split;
+    r->part    = (char) part;
+    r->n_nodes = g ? g->n_nodes : 0;
+    kx_copy_name(r->backend, sizeof(r->backend), backend);
+    kx_copy_name(r->first, sizeof(r->first), g && g->n_nodes > 0 ? g->nodes[0]->name : "");
+    kx_copy_name(r->last,  sizeof(r->last),  g && g->n_nodes > 0 ? g->nodes[g->n_nodes - 1]->name : "");
+    return r;
+}
+
+int64_t kx_trace_dump(const char * path) {
+    if (!path || !kx_recs) {
+        return 0;
+    }
+    FILE * f = fopen(path, "w");
+    if (!f) {
+        return -1;
+    }
+    const int64_t n_all = atomic_load(&kx_n);
+    const int64_t n     = n_all < kx_cap ? n_all : kx_cap;
+    for (int64_t i = 0; i < n; i++) {
+        const struct kx_trace_rec * r = &kx_recs[i];
+        fprintf(f, "{\"graph\":%d,\"split\":%d,\"part\":\"%c\",\"backend\":\"%s\",\"n_nodes\":%d,"
+                   "\"first\":\"%s\",\"last\":\"%s\",\"t0\":%lld,\"t1\":%lld}\n",
+                r->graph, r->split, r->part, r->backend, r->n_nodes, r->first, r->last,
+                (long long) r->t0, (long long) r->t1);
+    }
+    fprintf(f, "{\"dropped\":%lld}\n", (long long) (n_all - n));
+    const int bad = ferror(f);
+    return fclose(f) == 0 && !bad ? n : -1;
+}

@@ -1,0 +1,92 @@
+"""VRAM budget: how many neuron slots fit, and whether a run stayed under its budget.
+
+The runtime measures, it does not model: `kairox.Llama(vram_budget=...)` reads the GPU's
+free memory (cudaMemGetInfo) before the model loads, after it loaded with its dense
+tensors, KV cache and compute buffers on the GPU ("base"), and after a warm-up batch of
+n_ubatch tokens with the slots in place ("used", which includes the predictors, the slot
+buffers and whatever the first batches allocate: cuBLAS workspaces, memory pools). The
+CUDA context itself exists before the first reading and is not counted, as llama.cpp's
+own buffer log does not count it (~0.3-0.5 GiB on the GPU machine). Other processes on the
+same GPU change the readings: the budget assumes the GPU is ours while loading.
+
+The arithmetic is here, apart from the measurements, so it can be tested anywhere.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .plan import SlotCosts
+
+MiB = 1 << 20
+
+
+class VramBudgetError(ValueError):
+    """The model cannot run within the VRAM budget; the message says what took the memory."""
+
+
+def margin_for(budget: int) -> int:
+    """Bytes kept free for what the hybrid graph allocates after the base reading (its
+    compute buffers differ from the dense graph's): 3%, at least 64 MiB. Measured on the
+    GPU machine: KB-7B's hybrid took 6953 MiB of buffers under a 7168 MiB budget with 3%."""
+    return max(64 * MiB, budget * 3 // 100)
+
+
+def _mib(b: int) -> str:
+    return f"{b / MiB:.0f} MiB"
+
+
+def auto_slots(budget: int, base: int, costs: SlotCosts) -> int:
+    """Slots per layer (the same for every layer) that fill what the budget leaves."""
+    left = budget - margin_for(budget) - base - costs.pred
+    if budget < base:
+        raise VramBudgetError(
+            f"a VRAM budget of {_mib(budget)} is too small: the dense tensors, KV cache and compute buffers "
+            f"alone took {_mib(base)} on the GPU. Give at least {_mib(base + costs.pred + margin_for(budget))}, "
+            f"or lower n_ctx / n_ubatch, or keep some dense tensors on the CPU with a `kairox plan` file")
+    if left < 0:
+        raise VramBudgetError(
+            f"a VRAM budget of {_mib(budget)} leaves {_mib(budget - base)} after the dense tensors, KV cache and "
+            f"compute buffers ({_mib(base)}); the GPU predictors need {_mib(costs.pred)} and a margin of "
+            f"{_mib(margin_for(budget))}: give at least {_mib(base + costs.pred + margin_for(budget))}")
+    return max(0, min(costs.n_ff, left // (costs.per_neuron * costs.n_layer)))
+
+
+def check_slots(budget: int, base: int, costs: SlotCosts, counts: Sequence[int]) -> None:
+    """Refuse slot counts (given, or from a plan) that cannot fit beside the base."""
+    need = sum(min(c, costs.n_ff) for c in counts) * costs.per_neuron + costs.pred
+    if base + need + margin_for(budget) > budget:
+        raise VramBudgetError(
+            f"the neuron slots asked for need {_mib(need)} (with the GPU predictors) beside the {_mib(base)} the "
+            f"dense tensors, KV cache and compute buffers took: {_mib(base + need)} with a margin of "
+            f"{_mib(margin_for(budget))}, over the budget of {_mib(budget)}. Use fewer slots, or re-plan with "
+            f"`kairox plan --reserve {(base + margin_for(budget)) // MiB}MiB` (the measured base)")
+
+
+def shrink(counts: Sequence[int], over: int, costs: SlotCosts) -> list[int]:
+    """Slot counts lowered as evenly as the layers allow so that at least `over` bytes are
+    given back (a layer with few slots gives what it has, the others the rest)."""
+    out = list(counts)
+    need = -(-over // costs.per_neuron)  # neurons
+    while need > 0 and any(out):
+        live = [i for i, c in enumerate(out) if c > 0]
+        k = -(-need // len(live))
+        for i in live:
+            take = min(k, out[i], need)
+            out[i] -= take
+            need -= take
+    return out
+
+
+@dataclass
+class VramReport:
+    budget: int
+    base: int          # after load: dense tensors, KV cache, compute buffers
+    slots: int         # the slot buffers (kx_model_slots_bytes)
+    used: int          # after the warm-up batch: everything
+    slot_counts: list[int]
+
+    def text(self) -> str:
+        return (f"VRAM {_mib(self.used)} of {_mib(self.budget)}: base {_mib(self.base)} (dense tensors, KV cache, "
+                f"compute buffers), slots {_mib(self.slots)} ({sum(self.slot_counts)} neurons), "
+                f"rest {_mib(self.used - self.base - self.slots)} (predictors, maps, workspaces)")

@@ -1,0 +1,238 @@
+"""Scheduler traces: when the CPU and the GPU worked, layer by layer.
+
+Run anything kairox runs with `KX_TRACE=FILE` set (the native library reads it once):
+every split the scheduler computes is written as one JSON line with its backend, its
+first and last node names (which carry the layer number, "ffn_out-12") and its interval
+in µs on one monotonic clock. GPU intervals are stamped by the GPU's stream itself when it
+reaches the split's start and end, so they show when the device worked, not when the host
+queued the work (ggml_ext/include/kx-trace.h).
+
+`kairox trace FILE` reads such a file and says how much of each hybrid layer's CPU work
+ran while the GPU worked on the same layer: for every CPU split followed by a GPU split
+whose leading nodes were queued before it ("head", the scheduler's overlap, patch 0008),
+the two intervals and their intersection. `--png` draws one token's timeline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_LAYER_RE = re.compile(r"-(\d+)(?:\D.*)?$")
+
+
+@dataclass(frozen=True)
+class TraceRec:
+    graph: int
+    split: int
+    part: str          # w whole split, h head queued early, t tail, i input copies (host time)
+    backend: str
+    n_nodes: int
+    first: str
+    last: str
+    t0: int            # µs
+    t1: int
+
+    @property
+    def cpu(self) -> bool:
+        return self.backend.upper().startswith("CPU")
+
+    @property
+    def layer(self) -> int | None:
+        for name in (self.first, self.last):
+            m = _LAYER_RE.search(name)
+            if m:
+                return int(m.group(1))
+        return None
+
+    @property
+    def us(self) -> int:
+        return self.t1 - self.t0
+
+
+class TraceError(ValueError):
+    pass
+
+
+def read_trace(path: str | Path) -> tuple[list[TraceRec], int]:
+    """Records (complete ones only: both stamps set) and the number the writer dropped."""
+    recs, dropped = [], 0
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise TraceError(f"cannot read the trace {path}: {e.strerror or e}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            if "dropped" in d:
+                dropped = int(d["dropped"])
+                continue
+            r = TraceRec(int(d["graph"]), int(d["split"]), str(d["part"]), str(d["backend"]), int(d["n_nodes"]),
+                         str(d["first"]), str(d["last"]), int(d["t0"]), int(d["t1"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise TraceError(f"{path}:{i}: not a kairox trace line ({e})") from None
+        if r.t0 > 0 and r.t1 >= r.t0:
+            recs.append(r)
+    return recs, dropped
+
+
+@dataclass(frozen=True)
+class Overlap:
+    graph: int
+    layer: int | None
+    cpu: TraceRec      # the CPU split
+    gpu: TraceRec      # the next split's head, queued on the GPU before the CPU split ran
+
+    @property
+    def overlap_us(self) -> int:
+        return max(0, min(self.cpu.t1, self.gpu.t1) - max(self.cpu.t0, self.gpu.t0))
+
+
+def overlaps(recs: list[TraceRec]) -> list[Overlap]:
+    """Every CPU split paired with the head of the split after it (same graph)."""
+    heads = {(r.graph, r.split): r for r in recs if r.part == "h" and not r.cpu}
+    out = []
+    for r in recs:
+        if r.cpu and r.part in "wt":
+            h = heads.get((r.graph, r.split + 1))
+            if h is not None:
+                out.append(Overlap(r.graph, r.layer, r, h))
+    return out
+
+
+def by_graph(recs: list[TraceRec]) -> dict[int, list[TraceRec]]:
+    g: dict[int, list[TraceRec]] = {}
+    for r in recs:
+        g.setdefault(r.graph, []).append(r)
+    return g
+
+
+def summarize(recs: list[TraceRec]) -> dict[str, Any]:
+    """Figures over the graphs that had overlapped layers (decode steps of hybrid layers).
+
+    hidden: Σ overlap / Σ min(CPU, GPU head) over the pairs, 1.0 when the shorter side of
+    every layer ran entirely beside the longer one; concurrency: (CPU busy + GPU busy) /
+    wall time of those graphs, above 1.0 only when the two worked at the same time."""
+    ov = overlaps(recs)
+    graphs = sorted({o.graph for o in ov})
+    per = by_graph(recs)
+    busy_cpu = busy_gpu = wall = 0
+    for g in graphs:
+        rs = [r for r in per[g] if r.part != "i"]
+        busy_cpu += sum(r.us for r in rs if r.cpu)
+        busy_gpu += sum(r.us for r in rs if not r.cpu)
+        wall += max(r.t1 for r in rs) - min(r.t0 for r in rs)
+    n = len(ov)
+    short = sum(min(o.cpu.us, o.gpu.us) for o in ov)
+    return {
+        "graphs": len(per), "overlapped_graphs": len(graphs), "pairs": n,
+        "pairs_per_graph": n / len(graphs) if graphs else 0.0,
+        "cpu_us_per_pair": sum(o.cpu.us for o in ov) / n if n else None,
+        "gpu_head_us_per_pair": sum(o.gpu.us for o in ov) / n if n else None,
+        "overlap_us_per_pair": sum(o.overlap_us for o in ov) / n if n else None,
+        "hidden": sum(o.overlap_us for o in ov) / short if short else None,
+        "concurrency": (busy_cpu + busy_gpu) / wall if wall else None,
+        "graph_ms": wall / len(graphs) / 1e3 if graphs else None,
+        "handoff_us_per_pair": (sum(r.us for g in graphs for r in per[g] if r.part == "i") / n) if n else None,
+    }
+
+
+def pick_graph(recs: list[TraceRec]) -> int:
+    """The overlapped graph of median length (a typical decode step)."""
+    per = by_graph(recs)
+    graphs = sorted({o.graph for o in overlaps(recs)}) or sorted(per)
+    if not graphs:
+        raise TraceError("the trace holds no complete records")
+    span = sorted((max(r.t1 for r in per[g]) - min(r.t0 for r in per[g]), g) for g in graphs)
+    return span[len(span) // 2][1]
+
+
+def plot_graph(recs: list[TraceRec], graph: int, path: str | Path, title: str = "") -> None:
+    """One graph's timeline: GPU, CPU and hand-off lanes, layer numbers on the CPU bars."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise RuntimeError(f"plotting needs matplotlib ({e}); install it with `pip install matplotlib`") from None
+    rs = [r for r in recs if r.graph == graph]
+    if not rs:
+        raise TraceError(f"graph {graph} is not in the trace")
+    t_start = min(r.t0 for r in rs)
+    lanes = {"GPU": 2, "CPU": 1, "hand-off": 0}
+    colors = {"h": "tab:green", "t": "tab:blue", "w": "tab:blue", "i": "tab:gray"}
+    fig = Figure(figsize=(14, 3.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for r in rs:
+        lane = "hand-off" if r.part == "i" else ("CPU" if r.cpu else "GPU")
+        color = "tab:orange" if lane == "CPU" else colors[r.part]
+        x0, w = (r.t0 - t_start) / 1e3, max(r.us, 1) / 1e3
+        ax.broken_barh([(x0, w)], (lanes[lane] - 0.38, 0.76), facecolors=color, edgecolors="none")
+        if lane == "CPU" and r.layer is not None:
+            ax.text(x0 + w / 2, lanes[lane], str(r.layer), ha="center", va="center", fontsize=6)
+    ax.set_yticks(list(lanes.values()), list(lanes.keys()))
+    ax.set_xlabel("ms since the step's first split")
+    ax.set_title(title or f"graph {graph}: GPU (green: head queued beside the CPU split, blue: rest), "
+                          f"CPU (orange, layer numbers), input hand-offs (gray, host time)", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=130)
+
+
+def trim(src: str | Path, dst: str | Path, graphs: list[int]) -> int:
+    """Copy the records of some graphs to a smaller trace file; returns lines written."""
+    keep = set(graphs)
+    n = 0
+    with open(src) as f, open(dst, "w") as out:
+        for line in f:
+            d = json.loads(line)
+            if d.get("graph") in keep:
+                out.write(line)
+                n += 1
+    return n
+
+
+def summary_text(s: dict[str, Any]) -> str:
+    def f(v: Any, spec: str = ".1f") -> str:
+        return "-" if v is None else format(v, spec)
+    return (f"{s['graphs']} graphs, {s['overlapped_graphs']} with overlapped layers "
+            f"({f(s['pairs_per_graph'])} CPU splits beside a GPU head per graph)\n"
+            f"per pair: CPU {f(s['cpu_us_per_pair'])} µs, GPU head {f(s['gpu_head_us_per_pair'])} µs, "
+            f"both at once {f(s['overlap_us_per_pair'])} µs, hand-offs {f(s['handoff_us_per_pair'])} µs\n"
+            f"hidden: {f(s['hidden'], '.2f')} of the shorter side ran beside the longer; "
+            f"concurrency {f(s['concurrency'], '.2f')} (CPU+GPU busy / wall); step {f(s['graph_ms'], '.2f')} ms")
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    try:
+        recs, dropped = read_trace(args.trace)
+        s = summarize(recs)
+        print(summary_text(s))
+        if dropped:
+            print(f"kairox trace: {dropped} records were dropped (raise KX_TRACE_MAX)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(s, indent=1) + "\n")
+        if args.png:
+            g = args.graph if args.graph is not None else pick_graph(recs)
+            plot_graph(recs, g, args.png)
+            print(f"kairox trace: drew graph {g} to {args.png}")
+    except (TraceError, RuntimeError) as e:
+        print(f"kairox trace: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("trace", help="read a scheduler trace (KX_TRACE=FILE): CPU/GPU overlap per layer, timeline",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="trace file written by a run with KX_TRACE=FILE")
+    p.add_argument("--png", help="draw one step's timeline to this PNG")
+    p.add_argument("--graph", type=int, help="which graph to draw (default: a typical overlapped step)")
+    p.add_argument("--json", help="write the summary figures to this JSON file")
+    p.set_defaults(func=cmd_trace)

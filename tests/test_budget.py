@@ -1,0 +1,136 @@
+"""VRAM budget arithmetic (kairox.budget), plan files the runtime loads, and the budget on
+a GPU (skipped without one; bench/device/hybrid.sh runs it on the GPU machine)."""
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from kairox.budget import VramBudgetError, VramReport, auto_slots, check_slots, margin_for, shrink
+from kairox.plan import HwProfile, Plan, PlanError, SlotCosts
+from test_hybrid import synth_model  # noqa: F401  (KB-tiny with a pack: a pytest fixture)
+
+MiB = 1 << 20
+COSTS = SlotCosts(n_layer=4, n_ff=1000, per_neuron=8192, pred=10 * MiB)
+
+
+def test_auto_slots_fill_what_the_base_leaves() -> None:
+    budget, base = 1024 * MiB, 600 * MiB
+    s = auto_slots(budget, base, COSTS)
+    left = budget - margin_for(budget) - base - COSTS.pred
+    assert s == min(COSTS.n_ff, left // (COSTS.per_neuron * COSTS.n_layer))
+    # one more slot per layer would not fit
+    assert base + COSTS.pred + (s + 1) * COSTS.per_neuron * COSTS.n_layer + margin_for(budget) > budget or s == COSTS.n_ff
+    check_slots(budget, base, COSTS, [s] * COSTS.n_layer)  # the chosen counts pass the check
+    assert auto_slots(64 << 30, base, COSTS) == COSTS.n_ff  # clipped at the layer's neurons
+
+
+def test_budgets_that_cannot_fit_say_why() -> None:
+    with pytest.raises(VramBudgetError, match="too small.*took 600 MiB"):
+        auto_slots(500 * MiB, 600 * MiB, COSTS)
+    with pytest.raises(VramBudgetError, match="predictors need 10 MiB"):
+        auto_slots(620 * MiB, 600 * MiB, COSTS)
+    with pytest.raises(VramBudgetError, match="over the budget.*--reserve"):
+        check_slots(700 * MiB, 600 * MiB, COSTS, [1000] * 4)
+
+
+def test_shrink_gives_the_overflow_back() -> None:
+    counts = [900, 900, 10, 900]
+    for over in (1, 3 * MiB, 20 * MiB, 10**12):
+        out = shrink(counts, over, COSTS)
+        assert all(0 <= b <= a for a, b in zip(counts, out))
+        freed = (sum(counts) - sum(out)) * COSTS.per_neuron
+        assert freed >= over or not any(out)  # enough given back, or nothing left to give
+        assert freed < over + len(counts) * COSTS.per_neuron  # and not much more
+
+
+def test_report_text() -> None:
+    r = VramReport(budget=7 << 30, base=5 << 30, slots=1 << 30, used=int(6.5 * (1 << 30)), slot_counts=[10, 20])
+    assert re.search(r"VRAM 6656 MiB of 7168 MiB: base 5120 MiB .* slots 1024 MiB \(30 neurons\), rest 512 MiB", r.text())
+
+
+def _plan(tmp: Path, model: str, n_layer: int, neurons: list[int]) -> Path:
+    p = Plan(model, 1 << 30, HwProfile(), [], ["output.weight"],
+             [[0]] * n_layer, [8] * n_layer, 0, slot_neurons=neurons)
+    f = tmp / "m.kxplan.json"
+    f.write_text(p.to_json())
+    return f
+
+
+def test_plan_files_round_trip_and_refuse_old_or_foreign_ones(tmp_path: Path) -> None:
+    f = _plan(tmp_path, "m.gguf", 2, [32, 64])
+    assert Plan.read(f).slot_neurons == [32, 64]
+    d = json.loads(f.read_text())
+    del d["slot_neurons"]
+    f.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="older plan"):
+        Plan.read(f)
+    f.write_text("{not json")
+    with pytest.raises(PlanError, match="not a kairox plan"):
+        Plan.read(f)
+    with pytest.raises(PlanError, match="cannot read"):
+        Plan.read(tmp_path / "missing.json")
+
+
+def test_cpu_overrides_match_exactly_the_named_tensors(native: Path) -> None:
+    from kairox.llama import _cpu_overrides
+    names = ["blk.3.attn_q.weight", "blk.12.attn_q.weight", "blk.0.attn_output.weight", "output.weight"]
+    _, pats = _cpu_overrides(names)
+    # llama.cpp matches each pattern with std::regex_search; Python's re.search is the same here
+    def placed(t: str) -> bool:
+        return any(re.search(p.decode(), t) for p in pats)
+    for t in names + ["blk.7.ffn_up.weight", "blk.0.ffn_down.weight"]:
+        assert placed(t), t
+    for t in ["blk.1.attn_q.weight", "blk.123.attn_q.weight", "blk.3.attn_q_norm.weight", "output_norm.weight",
+              "blk.0.attn_output.bias"]:
+        assert not placed(t), t
+
+
+def test_the_runtime_loads_a_plan(tmp_path: Path, synth_model: Path) -> None:
+    import kairox
+    f = _plan(tmp_path, synth_model.name, 2, [32, 64])
+    llm = kairox.Llama(str(synth_model), sparse="predicted", plan=str(f), slots_device="CPU", verbose=False)
+    try:
+        assert llm.sparse == "predicted" and llm.sparse_error is None
+        assert [len(llm.slot_residents(il)) for il in range(2)] == [32, 64]
+    finally:
+        llm.close()
+    other = _plan(tmp_path, "other.gguf", 2, [1, 1])
+    with pytest.raises(ValueError, match="made for other.gguf"):
+        kairox.Llama(str(synth_model), sparse="predicted", plan=str(other), slots_device="CPU", verbose=False)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"vram_budget": "lots"}, "vram_budget"), ({"vram_budget": 0}, "vram_budget"),
+    ({"vram_budget": "1GiB", "sparse": "dense"}, "sparse mode"),
+    ({"plan": "x.json", "gpu_slots": 3}, "not both")])
+def test_bad_hybrid_options_are_refused(synth_model: Path, kw: dict, match: str) -> None:
+    import kairox
+    with pytest.raises(ValueError, match=match):
+        kairox.Llama(str(synth_model), verbose=False, **kw)
+
+
+def test_budget_on_the_gpu(synth_model: Path) -> None:
+    """On a GPU: the runtime measures what it took, stays under the budget, and refuses a
+    budget the dense part alone exceeds."""
+    import kairox
+    from kairox._native import has_gpu
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    budget = 512 * MiB
+    llm = kairox.Llama(str(synth_model), sparse="predicted", vram_budget=budget, n_ctx=256, verbose=False)
+    try:
+        assert llm.vram is not None and 0 < llm.vram.used <= budget
+        assert llm.vram.slot_counts == [256, 256]  # KB-tiny's whole FFN fits
+        assert llm.slots_bytes == llm.vram.slots > 0
+        llm.eval(list(range(1, 40)))
+        assert llm.vram_used() <= budget
+    finally:
+        llm.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(VramBudgetError, match="too small"):
+            kairox.Llama(str(synth_model), sparse="predicted", vram_budget=1 * MiB, n_ctx=256, verbose=False)

@@ -1,0 +1,76 @@
+"""The scheduler trace (KX_TRACE): its analysis on known intervals, and a real run writing it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kairox import trace as kt
+from test_hybrid import synth_model  # noqa: F401  (KB-tiny with a pack: a pytest fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rec(graph: int, split: int, part: str, backend: str, t0: int, t1: int, first: str = "n", last: str = "n") -> str:
+    return json.dumps({"graph": graph, "split": split, "part": part, "backend": backend, "n_nodes": 3,
+                       "first": first, "last": last, "t0": t0, "t1": t1})
+
+
+def test_overlap_of_known_intervals(tmp_path: Path) -> None:
+    lines = [
+        # graph 0: layer 0's CPU split [100, 200] beside its GPU head [90, 150] -> 50 µs together
+        rec(0, 0, "w", "CUDA0", 10, 90, "attn_norm-0"),
+        rec(0, 1, "i", "CPU", 90, 100, "x-0"),
+        rec(0, 2, "h", "CUDA0", 90, 150, "kx_slots-0"),
+        rec(0, 1, "w", "CPU", 100, 200, "kx_host-0", "ffn_cpu-0"),
+        rec(0, 2, "t", "CUDA0", 205, 230, "ffn_out-0"),
+        # layer 1: the head ends before the CPU starts -> nothing hidden
+        rec(0, 4, "h", "CUDA0", 230, 240, "kx_slots-1"),
+        rec(0, 3, "w", "CPU", 250, 300, "kx_host-1"),
+        rec(0, 5, "w", "CUDA0", 0, 0),  # never stamped: dropped by the reader
+        json.dumps({"dropped": 7}),
+    ]
+    f = tmp_path / "t.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    recs, dropped = kt.read_trace(f)
+    assert dropped == 7 and len(recs) == 7
+    ov = kt.overlaps(recs)
+    assert [(o.layer, o.overlap_us) for o in ov] == [(0, 50), (1, 0)]
+    s = kt.summarize(recs)
+    assert s["pairs"] == 2 and s["hidden"] == pytest.approx(50 / (60 + 10))
+    busy = (80 + 60 + 25 + 10) + (100 + 50)
+    assert s["concurrency"] == pytest.approx(busy / (300 - 10))
+    assert kt.pick_graph(recs) == 0
+    png = tmp_path / "t.png"
+    kt.plot_graph(recs, 0, png)
+    assert png.stat().st_size > 1000
+    f.write_text("garbage\n")
+    with pytest.raises(kt.TraceError, match=":1: not a kairox trace"):
+        kt.read_trace(f)
+
+
+def test_a_run_writes_its_trace(tmp_path: Path, synth_model: Path, native: Path) -> None:
+    """KX_TRACE on a hybrid run (slots on the CPU device here): one graph per decode, every
+    split stamped; `kairox trace` reads it. (The GPU machine's run has the CPU and GPU
+    splits: bench/device/hybrid.sh.)"""
+    out = tmp_path / "run.jsonl"
+    code = (f"import kairox; llm = kairox.Llama({str(synth_model)!r}, sparse='predicted', gpu_slots=64, "
+            f"slots_device='CPU', n_ctx=64, verbose=False); llm.eval([1, 2, 3]); llm.eval([4]); llm.eval([5])")
+    env = {**os.environ, "KX_TRACE": str(out), "PYTHONPATH": f"{ROOT / 'python'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    recs, dropped = kt.read_trace(out)
+    assert dropped == 0 and recs
+    graphs = sorted({r.graph for r in recs})
+    assert graphs == [0, 1, 2]  # one graph per eval
+    assert all(r.t1 >= r.t0 > 0 for r in recs)
+    # one backend: one split per graph, from the input embedding to the logits
+    assert [(r.part, r.first, r.last) for r in recs] == [("w", "embd", "result_output")] * 3
+    assert all(r.cpu for r in recs)  # no GPU device: nothing overlaps
+    assert kt.summarize(recs)["pairs"] == 0
+    from kairox.cli import main
+    assert main(["trace", str(out), "--json", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["graphs"] == len(graphs)
