@@ -12,8 +12,6 @@ import pytest
 from kairox import trace as kt
 from test_hybrid import synth_model  # noqa: F401  (KB-tiny with a pack: a pytest fixture)
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def rec(graph: int, split: int, part: str, backend: str, t0: int, t1: int, first: str = "n", last: str = "n") -> str:
     return json.dumps({"graph": graph, "split": split, "part": part, "backend": backend, "n_nodes": 3,
@@ -60,7 +58,11 @@ def test_a_run_writes_its_trace(tmp_path: Path, synth_model: Path, native: Path)
     out = tmp_path / "run.jsonl"
     code = (f"import kairox; llm = kairox.Llama({str(synth_model)!r}, sparse='predicted', gpu_slots=64, "
             f"slots_device='CPU', n_ctx=64, verbose=False); llm.eval([1, 2, 3]); llm.eval([4]); llm.eval([5])")
-    env = {**os.environ, "KX_TRACE": str(out), "PYTHONPATH": f"{ROOT / 'python'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    import kairox
+    # the child imports the same kairox package (source tree or installed) and library
+    pkg_parent = str(Path(kairox.__file__).resolve().parent.parent)
+    env = {**os.environ, "KX_TRACE": str(out), "KAIROX_LIB_DIR": str(native),
+           "PYTHONPATH": f"{pkg_parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     recs, dropped = kt.read_trace(out)
     assert dropped == 0 and recs
