@@ -109,14 +109,7 @@ def ggml_library(name: str) -> ctypes.CDLL:
     Installed wheels hold real files, not symlinks, so libggml-cpu.so and libggml-cpu.so.0
     are two copies, and loading the wrong one gives a second instance with its own
     state. Prefer the copy already mapped (loaded as libllama's dependency), else the
-    soname (.so.0) that libllama's dependencies name.
-
-    libllama is loaded first when it is not yet: loading a ggml library on its own with
-    RTLD_GLOBAL puts the CUDA backend's C++ symbols ahead of libstdc++'s for everything
-    loaded later, and libllama then crashed in its first model load on the GPU machine
-    (std::ostream inserters bound into libggml-cuda)."""
-    if "llama_cpp.llama_cpp" not in sys.modules:
-        load_llama_cpp()
+    soname (.so.0) that libllama's dependencies name."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:

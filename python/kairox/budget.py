@@ -39,16 +39,17 @@ def _mib(b: int) -> str:
 def auto_slots(budget: int, base: int, costs: SlotCosts) -> int:
     """Slots per layer (the same for every layer) that fill what the budget leaves."""
     left = budget - margin_for(budget) - base - costs.pred
+    least = _mib(base + costs.pred + margin_for(budget))  # the smallest budget that holds 0 slots
     if budget < base:
         raise VramBudgetError(
             f"a VRAM budget of {_mib(budget)} is too small: the dense tensors, KV cache and compute buffers "
-            f"alone took {_mib(base)} on the GPU. Give at least {_mib(base + costs.pred + margin_for(budget))}, "
+            f"alone took {_mib(base)} on the GPU. Give at least {least}, "
             f"or lower n_ctx / n_ubatch, or keep some dense tensors on the CPU with a `kairox plan` file")
     if left < 0:
         raise VramBudgetError(
             f"a VRAM budget of {_mib(budget)} leaves {_mib(budget - base)} after the dense tensors, KV cache and "
             f"compute buffers ({_mib(base)}); the GPU predictors need {_mib(costs.pred)} and a margin of "
-            f"{_mib(margin_for(budget))}: give at least {_mib(base + costs.pred + margin_for(budget))}")
+            f"{_mib(margin_for(budget))}: give at least {least}")
     return max(0, min(costs.n_ff, left // (costs.per_neuron * costs.n_layer)))
 
 

@@ -26,11 +26,6 @@ def _positive(v: str) -> int:
     return n
 
 
-def _size(v: str) -> int:
-    from .plan import parse_size
-    return parse_size(v)
-
-
 def _context_length(path: Path) -> int | None:
     """The model's training context, from the GGUF header (None if absent or unreadable)."""
     from .gguf_header import GGUFHeaderError, scan_header
@@ -151,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kairox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"kairox {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    from .plan import parse_size
 
     p = sub.add_parser("run", help="generate text from a prompt, streaming, with tokens/s",
                        description="Generate text with kairox's llama.cpp and print tokens/s. "
@@ -177,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-slots", type=int, default=None,
                    help="hybrid FFN: neurons per layer kept on the GPU (the most active ones); the rest "
                    "run on the CPU at the same time; dense tensors on the GPU unless -ngl says otherwise")
-    p.add_argument("--vram-budget", type=_size, default=None,
+    p.add_argument("--vram-budget", type=parse_size, default=None,
                    help="hybrid FFN under a GPU memory budget (e.g. 7GiB): dense tensors on the GPU, "
                    "slots fill the rest; measured on the device, a clear error when it cannot fit")
     p.add_argument("--plan", default=None, help="hybrid FFN placed by a `kairox plan` file")

@@ -121,7 +121,7 @@ def profile(threads: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"cpu_gbs": hp.cpu_gbs, "gpu_gbs": hp.gpu_gbs, "pcie_gbs": hp.pcie_gbs,
                            "handoff_us": HANDOFF_US}
     curve = pcie_by_size()
-    out["details"] = {"measured": {k: v for k, v in bw.items()}, "threads": threads or os.cpu_count(),
+    out["details"] = {"measured": dict(bw), "threads": threads or os.cpu_count(),
                       "pcie_h2d_gbs_by_bytes": {str(k): v for k, v in (curve or {}).items()},
                       "gpu": bw.get("gpu_hbm") is not None,
                       "note": "GPU and PCIe figures need torch with CUDA; without them the solver's defaults stand"}
