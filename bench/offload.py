@@ -249,6 +249,9 @@ def run_config(args: argparse.Namespace) -> int:
             log(f"synth {model.name}: {times['synth']:.0f} s")
     from kairox.pack import pack_path_for
     has_pack = pack_path_for(model).exists()
+    if args.synth_only:
+        log(f"{model} ready" + (" with its pack" if has_pack else ""))
+        return 0
 
     # 2. tokens: text on topics for synthetic models (kairox.synth.topic_prompts), else random
     tokens_file = work / f"{model.stem}.tokens.json"
@@ -301,7 +304,7 @@ def run_config(args: argparse.Namespace) -> int:
     t0 = time.time()
     for impl, binary, extra, how in (
             *([] if not args.baseline else [("llama.cpp", stock, ["-ngl", str(ngl)], "llama-bench")]),
-            ("kairox", kxbench, ["-ngl", str(ngl)], "llama-bench")):
+            *([] if not args.dense else [("kairox", kxbench, ["-ngl", str(ngl)], "llama-bench")])):
         cmd = bench_cmd(binary, model, threads, args.reps, extra)
         add(impl, "dense", how, parse_bench(run(cmd)), cmd=shlex.join(cmd))
     free = free_mib() if args.baseline else None
@@ -316,7 +319,8 @@ def run_config(args: argparse.Namespace) -> int:
     # 6. per-token timing
     t0 = time.time()
     kx_env = {"KAIROX_LIB_DIR": str(Path(args.kairox_lib))}
-    runs = ([("llama.cpp", "dense", stock_env)] if args.baseline else []) + [("kairox", "dense", kx_env)]
+    runs = (([("llama.cpp", "dense", stock_env)] if args.baseline else [])
+            + ([("kairox", "dense", kx_env)] if args.dense else []))
     modes = [m for m in args.modes.split(",") if m]
     if has_pack:
         runs += [("kairox", m, kx_env) for m in modes if m != "hybrid"]
@@ -346,9 +350,15 @@ def run_config(args: argparse.Namespace) -> int:
                          "command": res.pop("command")})
         add_hybrid("static hybrid", tpot_run("kairox", "predicted", model, tokens_file, 999, threads, kx_env,
                                              budget_arg + ["--pp", str(PP)]))
-        # A/B: the same run with the scheduler's CPU/GPU overlap off (stock split order)
+        # A/B: the same run with the scheduler's CPU/GPU overlap off (stock split order); the
+        # same context (--pp), so the runtime picks the same slots
         add_hybrid("static hybrid, no overlap", tpot_run("kairox", "predicted", model, tokens_file, 999, threads,
-                                                         {**kx_env, "KX_NO_OVERLAP": "1"}, budget_arg))
+                                                         {**kx_env, "KX_NO_OVERLAP": "1"},
+                                                         budget_arg + ["--pp", str(PP)]))
+        if args.ab_pageable:  # A/B: host weights mapped from the file instead of page-locked
+            add_hybrid("static hybrid, pageable host weights",
+                       tpot_run("kairox", "predicted", model, tokens_file, 999, threads, kx_env,
+                                budget_arg + ["--pp", str(PP), "--no-pinned"]))
         trace = hybrid_trace(Path(args.out), result_name(args.config, budget_gib), model, tokens_file,
                              threads, kx_env, budget_arg)
     times["tpot"] = time.time() - t0
@@ -561,23 +571,30 @@ def summarize(folder: Path, cpu_gbs: float | None = None) -> int:
     return 0
 
 
+def pp_vs(pp: float | None, ref: float | None) -> str:
+    """'496 (0.78x)': a prefill tok/s and its ratio to llama.cpp's, '-' when not measured."""
+    return "-" if not pp else f"{pp:.0f}" + (f" ({pp / ref:.2f}x)" if ref else "")
+
+
 def kairox_mode_lines(results: list[dict]) -> list[str]:
     """kairox's sparse modes (per-token timing) against llama.cpp's best at the same budget."""
     out = ["kairox sparse modes (per-token timing, teacher-forced) against llama.cpp's best decode "
            "(-ngl or --fit) at the same budget:", "",
-           "| model | budget GiB | mode | tok/s | vs llama.cpp | TPOT p50 / p99 ms | GPU share | density | "
-           "GPU MiB measured | bound ms/tok (limit) | efficiency |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| model | budget GiB | mode | tok/s | vs llama.cpp | TPOT p50 / p99 ms | prefill tok/s (vs llama.cpp) | "
+           "GPU share | density | GPU MiB measured | bound ms/tok (limit) | efficiency |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     n = len(out)
     for r in results:
         best = max((x.get("tg_tok_s") or 0.0) for x in r["rows"] if x["impl"] == "llama.cpp")
+        st_pp = next((x.get("pp_tok_s") for x in r["rows"] if x["impl"] == "llama.cpp" and x["how"] == "llama-bench"), None)
         for x in r["rows"]:
             if x["impl"] != "kairox" or x["how"] != "tpot" or x["mode"] == "dense":
                 continue
             mode = x["mode"] + (f" ({x['slots']} slots/layer)" if x.get("slots") is not None else "")
             out.append(f"| {r['model']} | {r['budget_gib']:g} | {mode} | {fmt(x['tok_s'])} | "
                        f"{fmt(x['tok_s'] / best if best else None)}x | {fmt(x['tpot_p50_ms'], '.1f')} / "
-                       f"{fmt(x['tpot_p99_ms'], '.1f')} | {fmt(x.get('gpu_share'))} | {fmt(x.get('density'), '.3f')} | "
+                       f"{fmt(x['tpot_p99_ms'], '.1f')} | {pp_vs(x.get('pp_tok_s'), st_pp)} | "
+                       f"{fmt(x.get('gpu_share'))} | {fmt(x.get('density'), '.3f')} | "
                        f"{fmt(x.get('gpu_mem_mib'), '.0f')} | {x['bound']['seconds'] * 1e3:.2f} ({x['bound']['limit']}) | "
                        f"{fmt(x['efficiency'])} |")
     return out + [""] if len(out) > n else []
@@ -635,6 +652,12 @@ def main() -> int:
                     help="skip the unpatched llama.cpp rows (--stock-bin is then only used to probe "
                          "-ngl and may be kairox's own bin/); writes offload-<config>-kairox.json, "
                          "which --summarize sets beside the baseline of the same model and budget")
+    ap.add_argument("--synth-only", action="store_true",
+                    help="only synthesize the configuration's model (and pack) into --work, for a later run")
+    ap.add_argument("--no-dense", dest="dense", action="store_false",
+                    help="skip kairox's dense rows (llama-bench and per-token timing)")
+    ap.add_argument("--ab-pageable", action="store_true",
+                    help="hybrid: also a row with the host weights pageable (--no-pinned), for prefill")
     ap.add_argument("--note", default="", help="a line stored with the result (e.g. what the model is)")
     ap.add_argument("--summarize", metavar="DIR", help="only summarize the results in DIR")
     ap.add_argument("--cpu-gbs", type=float, help="with --summarize: CPU read roof for the bound (GB/s)")

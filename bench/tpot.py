@@ -47,6 +47,8 @@ def main() -> int:
     ap.add_argument("--gpu-slots", type=int, help="kairox: neuron slots per layer on the GPU (static hybrid)")
     ap.add_argument("--vram-budget", help="kairox: static hybrid under this GPU budget (e.g. 7GiB); the "
                     "runtime picks the slots and checks the budget on the device")
+    ap.add_argument("--no-pinned", dest="pinned", action="store_false",
+                    help="kairox hybrid: host-side weights mapped from the file, not page-locked")
     args = ap.parse_args()
 
     # The library is loaded before numpy (on the GPU machine, numpy first makes the CUDA
@@ -59,6 +61,8 @@ def main() -> int:
             extra["gpu_slots"] = args.gpu_slots
         if args.vram_budget is not None:
             extra["vram_budget"] = args.vram_budget
+        if not args.pinned:
+            extra["pinned"] = False
     else:
         import llama_cpp
         cls, extra = llama_cpp.Llama, {}

@@ -137,3 +137,58 @@ def test_gpu_hybrid_matches_the_cpu(synth_model: Path, mode: str) -> None:
     assert c.rows > 0 and c.elsewhere > 0
     listed = c.rows + c.elsewhere
     assert abs(listed - c0.rows) <= 0.01 * c0.rows  # GPU vs CPU predictor rounding may flip a few
+
+
+def test_placement_is_reported_per_tensor(synth_model: Path) -> None:
+    """Hybrid placement without a GPU (slots on the CPU device): every weight in plain
+    CPU buffers (mapped from the file: CPU_Mapped); the lookup names the buffer type, None
+    for a tensor the model lacks."""
+    import kairox
+    llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=8, slots_device="CPU",
+                       n_gpu_layers=0, verbose=False)
+    try:
+        for name in ("blk.0.ffn_gate.weight", "blk.1.ffn_down.weight", "blk.0.attn_q.weight"):
+            assert llm.tensor_buffer_type(name) == "CPU_Mapped", name
+        assert llm.tensor_buffer_type("blk.9.ffn_gate.weight") is None
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_gpu_host_weights_are_pinned(synth_model: Path, pinned: bool) -> None:
+    """On a GPU: the FFN weights stay in host memory, page-locked (the GPU's host buffer
+    type, where llama.cpp keeps its own CPU layers) unless pinned=False; attention on the
+    GPU. A prompt of 40 tokens (a batch the scheduler offloads to the GPU, weights copied
+    from host memory) gives the logits of the all-CPU sparse run."""
+    import kairox
+    from kairox._native import has_gpu
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    prompt = list(range(1, 41))
+    ref = kairox.Llama(str(synth_model), sparse="exact", n_ctx=128, n_batch=64, n_ubatch=64,
+                       logits_all=True, verbose=False)
+    try:
+        ref.eval(prompt)
+        want = np.array(ref.scores[:len(prompt)])
+    finally:
+        ref.close()
+    llm = kairox.Llama(str(synth_model), sparse="exact", gpu_slots=100, n_gpu_layers=-1, pinned=pinned,
+                       n_ctx=128, n_batch=64, n_ubatch=64, logits_all=True, verbose=False)
+    try:
+        host = llm.tensor_buffer_type("blk.0.ffn_up.weight")
+        assert host == ("CUDA_Host" if pinned else "CPU_Mapped")
+        assert llm.tensor_buffer_type("blk.1.ffn_down.weight") == host
+        assert llm.tensor_buffer_type("blk.0.attn_q.weight").startswith("CUDA")
+        assert llm.tensor_buffer_type("blk.0.attn_q.weight") != "CUDA_Host"
+        llm.eval(prompt)
+        got = np.array(llm.scores[:len(prompt)])
+    finally:
+        llm.close()
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= 1e-2 * scale
+
+
+def test_pinned_must_be_a_bool() -> None:
+    from kairox.llama import KairoxOptions
+    with pytest.raises(TypeError, match="pinned"):
+        KairoxOptions(gpu_slots=4, pinned="yes")

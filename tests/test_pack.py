@@ -396,3 +396,47 @@ def test_write_refuses_bad_layout(tmp_path: Path, small_relu: Path) -> None:
                    layout=PackLayout(lambda il: (ids, ids // 32, np.ones(base.n_ff)),
                                      np.full(base.n_layer, np.nan, np.float32)))
     assert not any(tmp_path.iterdir())
+
+
+def test_layers_on_threads_write_the_same_pack(tmp_path: Path, small_relu: Path) -> None:
+    """Layers computed several at a time on threads come out in order: the same bytes as
+    one at a time (the sketch is seeded per layer), and an error in a layer still leaves
+    no file behind."""
+    from kairox.predictor import sketch_for_model
+    _, base = inspect_model(small_relu)
+    rng = np.random.default_rng(4)
+    perms = [rng.permutation(base.n_ff).astype(np.int32) for _ in range(base.n_layer)]
+    layout = PackLayout(lambda il: (perms[il], np.arange(base.n_ff) // 16, np.full(base.n_ff, 0.5, np.float32)),
+                        np.zeros(base.n_layer, np.float32))
+    outs = [write_pack(small_relu, tmp_path / f"w{w}.kxpack.gguf", group_size=16, layout=layout, quiet=True,
+                       predictor=sketch_for_model(small_relu), down_type="q8_0", workers=w) for w in (1, 3)]
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+
+    def bad_layer(il: int):
+        if il == base.n_layer - 1:
+            raise PackError("layer broke")
+        return perms[il], np.arange(base.n_ff) // 16, np.full(base.n_ff, 0.5, np.float32)
+    with pytest.raises(PackError, match="layer broke"):
+        write_pack(small_relu, tmp_path / "bad.kxpack.gguf", group_size=16, quiet=True, workers=3,
+                   layout=PackLayout(bad_layer, np.zeros(base.n_layer, np.float32)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w1.kxpack.gguf", "w3.kxpack.gguf"]
+
+
+def test_map_ahead_keeps_order_and_bounds_the_look_ahead() -> None:
+    import threading
+    import time
+    from kairox.gguffile import map_ahead
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def fn(i: int) -> int:
+        with lock:
+            started.append(i)
+        time.sleep(0.01 * (5 - i % 5))  # later items finish first
+        return i * i
+    gen = map_ahead(fn, range(20), 4)
+    assert next(gen) == 0
+    time.sleep(0.1)
+    assert len(started) <= 5  # the first result taken, at most `workers` more started
+    assert list(gen) == [i * i for i in range(1, 20)]
+    assert list(map_ahead(fn, range(5), 1)) == [0, 1, 4, 9, 16]

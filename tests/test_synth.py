@@ -301,3 +301,20 @@ def test_cli_writes_the_pack(tmp_path: Path) -> None:
     # --profile 0: unknown (1.0 everywhere)
     assert main(["synth", "--preset", "KB-tiny", "-o", str(tmp_path / "u.gguf"), "--pack", "--profile", "0", "-q"]) == 0
     assert all(np.all(la.freq == 1.0) for la in read_pack(tmp_path / "u.kxpack.gguf").layers)
+
+
+def test_cli_pack_only_packs_an_earlier_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Model and pack in two runs (the model needs no GPU, the profile does) give the pack
+    of one run; --pack-only never rewrites the model and needs it to exist."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    assert main(["synth", "--preset", "KB-tiny", "-o", str(one / "m.gguf"), "--pack", "--profile", "64", "-q"]) == 0
+    assert main(["synth", "--preset", "KB-tiny", "-o", str(two / "m.gguf"), "-q"]) == 0
+    model_bytes = (two / "m.gguf").read_bytes()
+    assert not (two / "m.kxpack.gguf").exists()
+    assert main(["synth", "--preset", "KB-tiny", "-o", str(two / "m.gguf"), "--pack-only", "--profile", "64", "-q"]) == 0
+    assert (two / "m.gguf").read_bytes() == model_bytes == (one / "m.gguf").read_bytes()
+    assert (two / "m.kxpack.gguf").read_bytes() == (one / "m.kxpack.gguf").read_bytes()
+    capsys.readouterr()
+    assert main(["synth", "--preset", "KB-tiny", "-o", str(tmp_path / "none.gguf"), "--pack-only", "-q"]) == 2
+    assert "no model at" in capsys.readouterr().err

@@ -5,10 +5,22 @@
 #
 #   bash bench/device/hybrid.sh                 # repo root; carry vendor/llama.cpp and .whl
 #   KX_BENCH="KB-7B" bash bench/device/hybrid.sh  # also the offload rows of those configs
+#   KX_SYNTH="KB-70B" ...        # synthesize models (and packs) first, kept for a later call
+#   KX_BENCH_ARGS="--no-dense --ab-pageable" ...  # more offload.py arguments
+#   KX_SYNTH_BG="KB-70B" ...     # write that model (no pack) during the build, its pack after
+#   KX_SKIP_TESTS=1 ...          # a warm rerun: no test-backend-ops, no pytest
+#   KX_SKIP_OPS=1 ...            # no test-backend-ops (CUDA sources unchanged since a checked run)
 set -uo pipefail
 . bench/device/env.sh
-# numpy before the CUDA libllama crashes the first load on this machine (sparse_smoke.sh)
-mkdir -p /tmp/sc && printf "try:\n    import kairox.llama\nexcept ImportError:\n    pass\n" > /tmp/sc/sitecustomize.py
+mkdir -p /tmp/kxbench
+bg_model() {  # "PRESET PATH": a configuration's preset and where offload.py looks for its model
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from offload import CONFIGS; from kairox.synth import PRESETS; \
+p = CONFIGS['$1'][0]; print(p, f'/tmp/kxbench/{p}-{PRESETS[p].ftype}.gguf')"
+}
+for cfg in ${KX_SYNTH_BG:-}; do
+    read -r pre m < <(bg_model "$cfg")
+    [ -f "$m" ] || (nice python3 -m kairox synth --preset "$pre" -o "$m" -q > "$OUT/synth-$cfg.log" 2>&1 &)
+done
 # only what this script runs (libllama, llama-bench, test-backend-ops): the build tree's
 # bin/ holds the shared libraries next to the tools
 cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON -DKAIROX_BUILD_TESTS=ON \
@@ -18,7 +30,7 @@ cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench test-backen
 echo "build done ($(( $(date +%s) - t0 )) s)"
 B=$W/build-kx/bin
 export KAIROX_LIB_DIR=$B
-[ -z "${KX_SKIP_TESTS:-}" ] && for op in KX_SELECT KX_MUL_MAT_ROWS KX_AXPY_ROWS; do
+[ -z "${KX_SKIP_TESTS:-}${KX_SKIP_OPS:-}" ] && for op in KX_SELECT KX_MUL_MAT_ROWS KX_AXPY_ROWS; do
     "$B/test-backend-ops" -b CUDA0 -o "$op" > "$OUT/test-backend-ops-$op.log" 2>&1
     echo "test-backend-ops $op: rc=$? $(grep -cE '^\s+.*OK' "$OUT/test-backend-ops-$op.log") OK, $(grep -c FAIL "$OUT/test-backend-ops-$op.log") FAIL; $(tail -1 "$OUT/test-backend-ops-$op.log")"
 done
@@ -26,13 +38,24 @@ if [ -n "${KX_PERF:-}" ]; then
     "$B/test-backend-ops" perf -b CUDA0 -o KX_MUL_MAT_ROWS > "$OUT/test-backend-ops-perf.log" 2>&1
     "$B/test-backend-ops" perf -b CUDA0 -o KX_AXPY_ROWS >> "$OUT/test-backend-ops-perf.log" 2>&1
 fi
-# (the library-first import only for pytest: offload.py's own process uses torch, not libllama)
-[ -z "${KX_SKIP_TESTS:-}" ] && PYTHONPATH=/tmp/sc:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider \
-    tests/test_hybrid.py tests/test_sparse_ops.py tests/test_budget.py tests/test_trace.py 2>&1 | tail -15
+[ -z "${KX_SKIP_TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider \
+    tests/test_hybrid.py tests/test_sparse_ops.py tests/test_budget.py tests/test_trace.py tests/test_pack.py 2>&1 | tail -15
 echo "tests done ($(( $(date +%s) - t0 )) s)"
+df -h /tmp | tail -1
+for cfg in ${KX_SYNTH_BG:-}; do
+    read -r pre m < <(bg_model "$cfg")
+    while pgrep -f "kairox synth --preset" > /dev/null; do sleep 2; done
+    echo "synth $cfg (model) done at $(( $(date +%s) - t0 )) s: $(cat "$OUT/synth-$cfg.log" 2>/dev/null | tail -1)"
+    python3 -m kairox synth --preset "$pre" -o "$m" --pack-only -q || echo "pack $cfg FAILED"
+    echo "synth $cfg (pack) done at $(( $(date +%s) - t0 )) s"; df -h /tmp | tail -1
+done
+for cfg in ${KX_SYNTH:-}; do
+    python3 bench/offload.py --config "$cfg" --work /tmp/kxbench --synth-only || echo "synth $cfg FAILED"
+    echo "synth $cfg done at $(( $(date +%s) - t0 )) s"; df -h /tmp | tail -1
+done
 for cfg in ${KX_BENCH:-}; do
     python3 bench/offload.py --config "$cfg" --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" \
         --work /tmp/kxbench --out "$OUT" --reps 1 --modes "${KX_MODES:-predicted,hybrid}" --no-baseline ${KX_KEEP:+--keep} \
-        || echo "config $cfg FAILED"
+        ${KX_BENCH_ARGS:-} || echo "config $cfg FAILED"
     echo "config $cfg done at $(( $(date +%s) - t0 )) s"
 done

@@ -52,6 +52,10 @@ LLAMA_API int64_t kx_model_slots_bytes(const struct llama_model * model);
 LLAMA_API int64_t kx_model_slots_resident(const struct llama_model * model, int32_t il, int32_t * dst,
                                           int64_t capacity);
 
+// name of the buffer type holding the model tensor `name` ("CPU", "CUDA0", "CUDA_Host", ...),
+// NULL when the model has no such tensor: where a placement put each weight
+LLAMA_API const char * kx_model_tensor_buffer_type(const struct llama_model * model, const char * name);
+
 // "dense" / "exact" / "predicted" -> mode, -1 for anything else
 LLAMA_API int32_t kx_sparse_mode_from_str(const char * s);
 

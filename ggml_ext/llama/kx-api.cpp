@@ -99,6 +99,11 @@ int64_t kx_model_slots_resident(const llama_model * model, int32_t il, int32_t *
     return (int64_t) r.size();
 }
 
+const char * kx_model_tensor_buffer_type(const llama_model * model, const char * name) {
+    const ggml_tensor * t = model && name ? model->get_tensor(name) : nullptr;
+    return t && t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : nullptr;
+}
+
 int32_t kx_sparse_mode_from_str(const char * s) {
     if (!s) {
         return -1;

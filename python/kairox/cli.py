@@ -56,6 +56,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             warnings.simplefilter("always", kxl.SparsePackWarning)
             hybrid = {k: v for k, v in (("gpu_slots", args.gpu_slots), ("vram_budget", args.vram_budget),
                                         ("plan", args.plan)) if v is not None}
+            if hybrid and not args.pinned:
+                hybrid["pinned"] = False
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
                 hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
             llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
@@ -177,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid FFN under a GPU memory budget (e.g. 7GiB): dense tensors on the GPU, "
                    "slots fill the rest; measured on the device, a clear error when it cannot fit")
     p.add_argument("--plan", default=None, help="hybrid FFN placed by a `kairox plan` file")
+    p.add_argument("--no-pinned", dest="pinned", action="store_false",
+                   help="hybrid: map the host-side weights from the file instead of page-locking them "
+                   "(less RAM pinned; prompts offloaded to the GPU then copy them more slowly)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's load log")
     p.set_defaults(func=cmd_run)
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, scan_header
-from .gguffile import encode_tensor, finish_atomically
+from .gguffile import encode_tensor, finish_atomically, map_ahead
 
 # `gguf` and `tqdm` are imported inside the functions that use them, as in convert.py.
 
@@ -261,6 +261,18 @@ class Pack:
 # -------------------------------------------------------------------------- writing
 
 
+def _available_memory() -> int:
+    """Bytes of memory available to new allocations (MemAvailable), 8 GiB when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 30
+
+
 def _read_dequantized(path: Path, t: TensorInfo) -> np.ndarray:
     """A tensor of the model as float32, in numpy shape (ne reversed: [ne[1], ne[0]] for 2-D)."""
     import gguf
@@ -348,14 +360,15 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
                down_type: str = "f32", method: dict[str, Any] | None = None,
                predictor: PackPredictor | None = None, ahead: PackPredictor | None = None,
                layout: PackLayout | None = None, stats: str | None = None,
-               quiet: bool = False) -> Path:
+               quiet: bool = False, workers: int | None = None) -> Path:
     """Write a pack for the model at `model_path`; returns the pack's path.
 
     Without `layout` the pack is an identity pack (original neuron order, groups of
     consecutive neurons, frequencies unknown, threshold 0). With `predictor` (`ahead`),
     every layer also gets kx_pred_* (kx_ahead_*) from its `layer(il)`; `stats` is stored
     as kx.stats. The model is only read. The pack is streamed, one layer at a time, to a
-    temporary file and renamed into place when complete.
+    temporary file and renamed into place when complete. Layers are computed `workers`
+    at a time on threads (None: from the cores and the free memory), written in order.
     """
     import gguf
     from tqdm import tqdm
@@ -450,32 +463,43 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
 
     ids = np.arange(base.n_ff, dtype=np.int32)
 
+    def layer_data(il: int) -> list[np.ndarray]:
+        """Layer il's tensors, in declaration order."""
+        if layout is None:  # identity order and groups, frequency unknown
+            perm, group, freq = ids, ids // np.int32(group_size), np.ones(base.n_ff, np.float32)
+        else:
+            perm, group, freq = _check_layout(il, layout.layer(il), base.n_ff, group_size)
+        t = tensors[f"blk.{il}.ffn_down.weight"]
+        down = _read_dequantized(model_path, t)        # [n_embd, n_ff]
+        try:  # one row per neuron, in pack order
+            arrs = [encode_tensor(down.T[perm] if layout is not None else down.T, dq, t.name)]
+        except ValueError as e:
+            raise PackError(str(e)) from None
+        del down
+        arrs += [perm, group, freq]
+        n = _tensor_names(il)
+        for keys, pr in trios:
+            a, b, c = _check_factors(il, pr.layer(il), pr.rank, base.n_embd, base.n_ff)
+            for name, f in ((keys[0], a), (keys[1], b)):
+                try:
+                    arrs.append(encode_tensor(f, Q[pr.dtype.upper()], n[name]))
+                except ValueError:
+                    raise PackError(f"{n[name]} has values beyond float16's range (65504); "
+                                    f"store the predictor as f32") from None
+            arrs.append(c)
+        return arrs
+
+    if workers is None:
+        # ~5 float32 copies of one FFN matrix per layer in flight (KB-70B: ~5 GB), so
+        # threads scale with the cores and stop where memory would run short
+        per_layer = 5 * 4 * base.n_ff * base.n_embd
+        workers = max(1, min((os.cpu_count() or 1) // 4, 8, _available_memory() // (2 * per_layer)))
+
     def data():
-        for il in tqdm(range(base.n_layer), desc=f"pack {out.name}", unit="layer",
-                       disable=quiet, file=sys.stderr):
-            if layout is None:  # identity order and groups, frequency unknown
-                perm, group, freq = ids, ids // np.int32(group_size), np.ones(base.n_ff, np.float32)
-            else:
-                perm, group, freq = _check_layout(il, layout.layer(il), base.n_ff, group_size)
-            t = tensors[f"blk.{il}.ffn_down.weight"]
-            down = _read_dequantized(model_path, t)        # [n_embd, n_ff]
-            try:  # one row per neuron, in pack order
-                yield encode_tensor(down.T[perm] if layout is not None else down.T, dq, t.name)
-            except ValueError as e:
-                raise PackError(str(e)) from None
-            yield perm
-            yield group
-            yield freq
-            n = _tensor_names(il)
-            for keys, pr in trios:
-                a, b, c = _check_factors(il, pr.layer(il), pr.rank, base.n_embd, base.n_ff)
-                for name, f in ((keys[0], a), (keys[1], b)):
-                    try:
-                        yield encode_tensor(f, Q[pr.dtype.upper()], n[name])
-                    except ValueError:
-                        raise PackError(f"{n[name]} has values beyond float16's range (65504); "
-                                        f"store the predictor as f32") from None
-                yield c
+        layers = map_ahead(layer_data, range(base.n_layer), workers)
+        for arrs in tqdm(layers, total=base.n_layer, desc=f"pack {out.name}", unit="layer",
+                         disable=quiet, file=sys.stderr):
+            yield from arrs
         # threshold: fire when |act| > threshold (0 without a layout)
         yield (np.zeros(base.n_layer, np.float32) if layout is None
                else np.asarray(layout.threshold, np.float32))

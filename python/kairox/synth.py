@@ -443,13 +443,19 @@ def cmd_synth(args: argparse.Namespace) -> int:
         return fail("--sparsity, --gate-rank, --rate-spread, --topics and --topic-share apply "
                     "only to --act relu (a SiLU model is dense)")
     out = Path(args.outfile or f"{args.preset}-{shape.ftype}.gguf")
-    try:
-        path = synth(out, shape, seed=args.seed, vocab_gguf=args.vocab_gguf,
-                     act=args.act, sparse=sparse, quiet=args.quiet)
-    except SynthError as e:
-        return fail(str(e))
-    print(f"kairox synth: wrote {path} ({os.path.getsize(path) / 2**30:.2f} GiB)")
-    if args.pack:
+    if args.pack_only:
+        # the model was written by an earlier run (same preset and options): its pack only
+        if not out.is_file():
+            return fail(f"--pack-only: no model at {out} (synthesize it first, without --pack-only)")
+        path = out
+    else:
+        try:
+            path = synth(out, shape, seed=args.seed, vocab_gguf=args.vocab_gguf,
+                         act=args.act, sparse=sparse, quiet=args.quiet)
+        except SynthError as e:
+            return fail(str(e))
+        print(f"kairox synth: wrote {path} ({os.path.getsize(path) / 2**30:.2f} GiB)")
+    if args.pack or args.pack_only:
         from .pack import PackError, write_pack
         from .predictor import sketch_for_model
         try:
@@ -514,6 +520,9 @@ def register(sub) -> None:
     p.add_argument("--pack", action="store_true",
                    help="also write the sparse pack (sketch predictor; down rows F16 for F16 "
                         "models, Q8_0 for Q4_0 ones) so that predicted mode works")
+    p.add_argument("--pack-only", action="store_true",
+                   help="write only the pack of a model an earlier run synthesized at OUTFILE "
+                        "(model writing needs no GPU, the pack's --profile uses one: split on a GPU machine)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--vocab-gguf", type=Path, help="GGUF whose tokenizer to copy (default: LLaMA SPM)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
