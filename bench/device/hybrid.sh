@@ -44,7 +44,10 @@ echo "tests done ($(( $(date +%s) - t0 )) s)"
 df -h /tmp | tail -1
 for cfg in ${KX_SYNTH_BG:-}; do
     read -r pre m < <(bg_model "$cfg")
-    while pgrep -f "kairox synth --preset" > /dev/null; do sleep 2; done
+    while pgrep -f "kairox synth --preset" > /dev/null; do
+        [ $(( $(date +%s) - t0 )) -gt $(( ${KX_DEADLINE:-575} - 15 )) ] && { echo "synth $cfg still running"; break; }
+        sleep 2
+    done
     echo "synth $cfg (model) done at $(( $(date +%s) - t0 )) s: $(cat "$OUT/synth-$cfg.log" 2>/dev/null | tail -1)"
     rm -f /tmp/kxbench/.*.tmp  # a pack an earlier call's limit cut short
     # the pack only when it can finish inside this call (KX_DEADLINE: the call's seconds;
