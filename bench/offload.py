@@ -359,8 +359,9 @@ def run_config(args: argparse.Namespace) -> int:
             add_hybrid("static hybrid, pageable host weights",
                        tpot_run("kairox", "predicted", model, tokens_file, 999, threads, kx_env,
                                 budget_arg + ["--pp", str(PP), "--no-pinned"]))
-        trace = hybrid_trace(Path(args.out), result_name(args.config, budget_gib), model, tokens_file,
-                             threads, kx_env, budget_arg)
+        if args.trace:
+            trace = hybrid_trace(Path(args.out), result_name(args.config, budget_gib), model, tokens_file,
+                                 threads, kx_env, budget_arg)
     times["tpot"] = time.time() - t0
 
     result = {
@@ -656,6 +657,8 @@ def main() -> int:
                     help="only synthesize the configuration's model (and pack) into --work, for a later run")
     ap.add_argument("--no-dense", dest="dense", action="store_false",
                     help="skip kairox's dense rows (llama-bench and per-token timing)")
+    ap.add_argument("--no-trace", dest="trace", action="store_false",
+                    help="hybrid: skip the traced run (overlap figures and timeline)")
     ap.add_argument("--ab-pageable", action="store_true",
                     help="hybrid: also a row with the host weights pageable (--no-pinned), for prefill")
     ap.add_argument("--note", default="", help="a line stored with the result (e.g. what the model is)")

@@ -309,7 +309,7 @@ def test_round_trip_predictor(tmp_path: Path, small_relu: Path, dtype: str) -> N
     pred = PackPredictor(5, layer, dtype, {"kind": "toy"})
     pack = read_pack(write_pack(small_relu, tmp_path / "p.kxpack.gguf", predictor=pred, quiet=True),
                      small_relu)
-    assert calls == [0, 1]  # asked for once per layer, in order, while that layer is written
+    assert sorted(calls) == [0, 1]  # asked for once per layer (layers may run on threads)
     assert pack.method == {"kind": "identity", "predictor": {"kind": "toy", "rank": 5, "type": dtype}}
     tol = 0 if dtype == "f32" else 2e-3
     x = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)

@@ -46,6 +46,17 @@ def test_overlap_of_known_intervals(tmp_path: Path) -> None:
     png = tmp_path / "t.png"
     kt.plot_graph(recs, 0, png)
     assert png.stat().st_size > 1000
+    # a second, longer graph (a prompt's batch): the breakdown's default
+    recs += kt.read_trace_lines([rec(1, 0, "w", "CUDA0", 1000, 1400, "attn-0"), rec(1, 1, "i", "CUDA0", 1400, 2400, "w-0"),
+                                 rec(1, 1, "w", "CUDA0", 2400, 2600, "ffn-0"), rec(1, 2, "w", "CPU", 2600, 2700, "out")])
+    assert kt.longest_graph(recs) == 1
+    b = kt.breakdown(recs, 1, top=2)
+    assert b["span_ms"] == pytest.approx(1.7) and b["splits"] == 3
+    assert (b["cpu_ms"], b["gpu_ms"], b["input_copy_ms"]) == pytest.approx((0.1, 0.6, 1.0))
+    assert [(x["split"], x["part"]) for x in b["longest"]] == [(1, "i"), (0, "w")]
+    assert "input copies (host) 1.00 ms" in kt.breakdown_text(b)
+    with pytest.raises(kt.TraceError, match="no graph 9"):
+        kt.breakdown(recs, 9)
     f.write_text("garbage\n")
     with pytest.raises(kt.TraceError, match=":1: not a kairox trace"):
         kt.read_trace(f)

@@ -39,7 +39,8 @@ if [ -n "${KX_PERF:-}" ]; then
     "$B/test-backend-ops" perf -b CUDA0 -o KX_AXPY_ROWS >> "$OUT/test-backend-ops-perf.log" 2>&1
 fi
 [ -z "${KX_SKIP_TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider \
-    tests/test_hybrid.py tests/test_sparse_ops.py tests/test_budget.py tests/test_trace.py tests/test_pack.py 2>&1 | tail -15
+    ${KX_TESTS:-tests/test_hybrid.py tests/test_sparse_ops.py tests/test_budget.py tests/test_trace.py tests/test_pack.py} \
+    2>&1 | tee "$OUT/pytest.log" | tail -15
 echo "tests done ($(( $(date +%s) - t0 )) s)"
 df -h /tmp | tail -1
 for cfg in ${KX_SYNTH_BG:-}; do

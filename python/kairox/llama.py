@@ -56,9 +56,9 @@ class KairoxOptions:
     # a plan, the slots fill what the rest leaves. Implies the hybrid placement.
     vram_budget: int | str | None = None
     plan: str | None = None          # a `kairox plan` file: dense tensors on the GPU, slots per layer
-    # hybrid: host-side weights in page-locked memory (the GPU's host buffer type, as llama.cpp
-    # does for its CPU layers), so prefill batches offloaded to the GPU copy them at PCIe
-    # speed. False: pages mapped from the file (no pinned RAM; slower prefill).
+    # hybrid: host-side weights in page-locked memory (the GPU's host buffer type; the model
+    # is then read, not mapped, unless use_mmap=True is given), so prefill batches offloaded
+    # to the GPU copy them at PCIe speed. False: pages mapped from the file (no pinned RAM).
     pinned: bool = True
 
     def __post_init__(self) -> None:
@@ -207,11 +207,10 @@ def _cpu_overrides(names: Sequence[str] = (), pinned: bool = True) -> tuple[ctyp
     keeps llama.cpp's per-tensor regex matching short. Returns the array and the pattern
     bytes, which must outlive the load.
 
-    pinned: in the GPU's host buffer type (page-locked), where llama.cpp keeps its own CPU
-    layers; batches the scheduler offloads to the GPU (prefill) then copy these weights at
-    full PCIe speed. Plain CPU buffers are pages mapped from the file, and the CUDA backend
-    copies pageable memory through a bounce buffer (KB-7B prefill: 496 tok/s, 0.78x
-    llama.cpp). Without a GPU host buffer type: plain CPU buffers."""
+    pinned: in the GPU's host buffer type (page-locked), which batches the scheduler
+    offloads to the GPU (prefill) copy from at full PCIe speed, and slot reloads will.
+    llama.cpp honours it only for a model loaded without mmap (mapped models keep pageable
+    CPU buffers). Without a GPU host buffer type: plain CPU buffers."""
     import re
     from ._native import ggml_library, gpu_host_buffer_type
     base = ggml_library("ggml-base")
@@ -263,6 +262,11 @@ class Llama(llama_cpp.Llama):
         if opts.wants_slots:
             # hybrid placement: every layer's dense part on the GPU unless the caller says
             kwargs.setdefault("n_gpu_layers", -1)
+            if opts.pinned and (opts.slots_device or "").upper() != "CPU":
+                # llama.cpp keeps mapped weights in pageable CPU buffers whatever the override
+                # asks (llama-model-loader: no host buffer with mmap), so pinned host weights
+                # are read, not mapped; an explicit use_mmap=True keeps them mapped (pageable)
+                kwargs.setdefault("use_mmap", False)
             if opts.vram_budget is not None and opts.slots_device is None:
                 from ._native import gpu_memory
                 mem = gpu_memory()

@@ -60,11 +60,20 @@ class TraceError(ValueError):
 
 def read_trace(path: str | Path) -> tuple[list[TraceRec], int]:
     """Records (complete ones only: both stamps set) and the number the writer dropped."""
-    recs, dropped = [], 0
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise TraceError(f"cannot read the trace {path}: {e.strerror or e}") from None
+    return _parse(lines, str(path))
+
+
+def read_trace_lines(lines: list[str]) -> list[TraceRec]:
+    """The complete records of trace lines already in memory."""
+    return _parse(lines, "<lines>")[0]
+
+
+def _parse(lines: list[str], path: str) -> tuple[list[TraceRec], int]:
+    recs, dropped = [], 0
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -153,6 +162,43 @@ def pick_graph(recs: list[TraceRec]) -> int:
     return span[len(span) // 2][1]
 
 
+def longest_graph(recs: list[TraceRec]) -> int:
+    """The graph of the longest span (a prompt's batch, where one was traced)."""
+    per = by_graph(recs)
+    if not per:
+        raise TraceError("the trace holds no complete records")
+    return max(per, key=lambda g: max(r.t1 for r in per[g]) - min(r.t0 for r in per[g]))
+
+
+def breakdown(recs: list[TraceRec], graph: int, top: int = 5) -> dict[str, Any]:
+    """Where one graph's time went: its span, CPU and GPU busy time, host time in input
+    copies (activations, and the weights of ops offloaded to the GPU from host memory),
+    and its longest splits."""
+    rs = by_graph(recs).get(graph)
+    if not rs:
+        raise TraceError(f"the trace has no graph {graph}")
+    work = [r for r in rs if r.part != "i"]
+    longest = sorted(rs, key=lambda r: -r.us)[:top]
+    return {
+        "graph": graph, "span_ms": (max(r.t1 for r in rs) - min(r.t0 for r in rs)) / 1e3,
+        "splits": len({r.split for r in rs}),
+        "cpu_ms": sum(r.us for r in work if r.cpu) / 1e3,
+        "gpu_ms": sum(r.us for r in work if not r.cpu) / 1e3,
+        "input_copy_ms": sum(r.us for r in rs if r.part == "i") / 1e3,
+        "longest": [{"split": r.split, "part": r.part, "backend": r.backend, "first": r.first, "last": r.last,
+                     "n_nodes": r.n_nodes, "ms": r.us / 1e3} for r in longest],
+    }
+
+
+def breakdown_text(b: dict[str, Any]) -> str:
+    lines = [f"graph {b['graph']}: {b['span_ms']:.2f} ms, {b['splits']} splits; CPU busy {b['cpu_ms']:.2f} ms, "
+             f"GPU busy {b['gpu_ms']:.2f} ms, input copies (host) {b['input_copy_ms']:.2f} ms; longest:"]
+    for x in b["longest"]:
+        lines.append(f"  split {x['split']} {x['part']} {x['backend']}: {x['ms']:.2f} ms, "
+                     f"{x['n_nodes']} nodes {x['first']} .. {x['last']}")
+    return "\n".join(lines)
+
+
 def plot_graph(recs: list[TraceRec], graph: int, path: str | Path, title: str = "") -> None:
     """One graph's timeline: GPU, CPU and hand-off lanes, layer numbers on the CPU bars."""
     try:
@@ -216,6 +262,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
         print(summary_text(s))
         if dropped:
             print(f"kairox trace: {dropped} records were dropped (raise KX_TRACE_MAX)")
+        if args.breakdown:
+            b = breakdown(recs, args.graph if args.graph is not None else longest_graph(recs))
+            print(breakdown_text(b))
+            s = {**s, "breakdown": b}
         if args.json:
             Path(args.json).write_text(json.dumps(s, indent=1) + "\n")
         if args.png:
@@ -235,4 +285,7 @@ def register(sub: Any) -> None:
     p.add_argument("--png", help="draw one step's timeline to this PNG")
     p.add_argument("--graph", type=int, help="which graph to draw (default: a typical overlapped step)")
     p.add_argument("--json", help="write the summary figures to this JSON file")
+    p.add_argument("--breakdown", action="store_true",
+                   help="where one graph's time went (--graph, default: the longest, e.g. a prompt's batch): "
+                   "CPU, GPU, input copies, longest splits")
     p.set_defaults(func=cmd_trace)
