@@ -398,10 +398,10 @@ def test_write_refuses_bad_layout(tmp_path: Path, small_relu: Path) -> None:
     assert not any(tmp_path.iterdir())
 
 
-def test_layers_on_threads_write_the_same_pack(tmp_path: Path, small_relu: Path) -> None:
-    """Layers computed several at a time on threads come out in order: the same bytes as
-    one at a time (the sketch is seeded per layer), and an error in a layer still leaves
-    no file behind."""
+def test_layers_in_processes_write_the_same_pack(tmp_path: Path, small_relu: Path) -> None:
+    """Layers computed several at a time in forked processes come out in order: the same
+    bytes as one at a time (the sketch is seeded per layer), and an error in a layer still
+    leaves no file behind."""
     from kairox.predictor import sketch_for_model
     _, base = inspect_model(small_relu)
     rng = np.random.default_rng(4)
@@ -422,21 +422,16 @@ def test_layers_on_threads_write_the_same_pack(tmp_path: Path, small_relu: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w1.kxpack.gguf", "w3.kxpack.gguf"]
 
 
-def test_map_ahead_keeps_order_and_bounds_the_look_ahead() -> None:
-    import threading
+def test_map_ahead_keeps_order_and_runs_in_other_processes() -> None:
+    import os
     import time
     from kairox.gguffile import map_ahead
-    started: list[int] = []
-    lock = threading.Lock()
 
-    def fn(i: int) -> int:
-        with lock:
-            started.append(i)
+    def fn(i: int) -> tuple[int, int]:
         time.sleep(0.01 * (5 - i % 5))  # later items finish first
-        return i * i
-    gen = map_ahead(fn, range(20), 4)
-    assert next(gen) == 0
-    time.sleep(0.1)
-    assert len(started) <= 5  # the first result taken, at most `workers` more started
-    assert list(gen) == [i * i for i in range(1, 20)]
-    assert list(map_ahead(fn, range(5), 1)) == [0, 1, 4, 9, 16]
+        return i * i, os.getpid()
+    got = list(map_ahead(fn, range(20), 4))
+    assert [v for v, _ in got] == [i * i for i in range(20)]
+    pids = {p for _, p in got}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 4
+    assert list(map_ahead(fn, range(5), 1)) == [(i * i, os.getpid()) for i in range(5)]

@@ -11,8 +11,13 @@ B=$W/build-kx/bin
 export KAIROX_LIB_DIR=$B KX_TRACE_MAX=1000000
 M=$KX_MODEL
 toks=/tmp/kxbench/$(basename "${M%.gguf}").tokens.json
-"$B/llama-bench" -m "$M" -ngl "$KX_NGL" -p 512 -n 0 -r 2 -t "$(nproc)" -o json > "$OUT/pp-ngl-bench.json" 2>/dev/null
-echo "llama.cpp placement, -ngl $KX_NGL, untraced: $(python3 -c "import json; print(round(json.load(open('$OUT/pp-ngl-bench.json'))[0]['avg_ts'], 1))") tok/s"
+# llama.cpp's default (the model mapped: CPU layers in pageable memory) and --no-mmap (-mmp 0:
+# its CPU layers then go to the GPU's page-locked host buffer type)
+for mmp in 1 0; do
+    "$B/llama-bench" -m "$M" -ngl "$KX_NGL" -mmp $mmp -p 512 -n 0 -d 64 -r 2 -t "$(nproc)" -o json \
+        > "$OUT/pp-ngl-mmp$mmp-bench.json" 2>/dev/null
+    echo "llama.cpp placement, -ngl $KX_NGL -mmp $mmp, untraced: $(python3 -c "import json; print(round(json.load(open('$OUT/pp-ngl-mmp$mmp-bench.json'))[0]['avg_ts'], 1))") tok/s"
+done
 KX_TRACE=/tmp/pp-ngl.jsonl "$B/llama-bench" -m "$M" -ngl "$KX_NGL" -p 512 -n 0 -r 1 -t "$(nproc)" > /dev/null 2>&1
 python3 -m kairox trace /tmp/pp-ngl.jsonl --breakdown --json "$OUT/pp-ngl.json"
 for pin in pinned pageable; do

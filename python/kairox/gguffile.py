@@ -49,26 +49,60 @@ def finish_atomically(writer: Any, tmp: Path, out: Path, data: Iterable[np.ndarr
 
 
 def map_ahead(fn: Callable[[int], T], items: Iterable[int], workers: int) -> Iterator[T]:
-    """fn(i) for each item, in order, computed up to `workers` items ahead on threads.
+    """fn(i) for each item, in order, computed by up to `workers` forked processes, at most
+    2 x workers items ahead of the consumer (so results waiting in memory stay bounded).
 
-    A layer's pack data is numpy and BLAS work that releases the GIL (dequantize, sketch,
-    transpose, quantize: ~8 s per KB-70B layer on one core of the GPU machine), so layers
-    overlap on threads without pickling; at most `workers` results wait in memory.
-    workers <= 1: computed one at a time, in this thread."""
-    if workers <= 1:
+    A layer's pack data is numpy and BLAS work. Threads do not speed it up: on the GPU
+    machine 4 threads packed KB-70B no faster than one (BLAS calls contend, and gguf's
+    quantizers hold the GIL between small steps). Forked processes share the parent's
+    state (fn may be a closure) and each gets cores/workers BLAS threads. workers <= 1, or
+    no fork on this platform: computed one at a time, in this process."""
+    import multiprocessing as mp
+    if workers <= 1 or "fork" not in mp.get_all_start_methods():
         yield from map(fn, items)
         return
-    from concurrent.futures import ThreadPoolExecutor
     from collections import deque
-    with ThreadPoolExecutor(workers) as ex:
-        pending: deque = deque()
-        try:
+    global _FORKED
+    _FORKED = fn
+    blas = max(1, (os.cpu_count() or 1) // workers)
+    try:
+        with mp.get_context("fork").Pool(workers, initializer=_limit_blas_threads, initargs=(blas,)) as pool:
+            pending: deque = deque()
             for it in items:
-                pending.append(ex.submit(fn, it))
-                if len(pending) >= workers:
-                    yield pending.popleft().result()
+                pending.append(pool.apply_async(_run_forked, (it,)))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().get()
             while pending:
-                yield pending.popleft().result()
-        finally:  # an error or a closed generator: queued layers are not started
-            for f in pending:
-                f.cancel()
+                yield pending.popleft().get()
+    finally:
+        _FORKED = None
+
+
+_FORKED: Callable[[int], Any] | None = None  # the function forked workers run (inherited)
+
+
+def _run_forked(i: int) -> Any:
+    assert _FORKED is not None
+    return _FORKED(i)
+
+
+def _limit_blas_threads(n: int) -> None:
+    """Cap the BLAS threads of this (forked) process at n: the OpenBLAS that numpy loaded,
+    found in the process's mappings (numpy has no API for it). Any other BLAS is left as is."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {ln.split()[-1] for ln in f if "openblas" in ln.lower() and ".so" in ln}
+    except OSError:
+        return
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                    "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            f = getattr(lib, sym, None)
+            if f is not None:
+                f(ctypes.c_int(n))
+                break

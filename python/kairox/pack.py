@@ -368,7 +368,8 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     every layer also gets kx_pred_* (kx_ahead_*) from its `layer(il)`; `stats` is stored
     as kx.stats. The model is only read. The pack is streamed, one layer at a time, to a
     temporary file and renamed into place when complete. Layers are computed `workers`
-    at a time on threads (None: from the cores and the free memory), written in order.
+    at a time in forked processes (None: from the model's size, the cores and the free
+    memory), written in order.
     """
     import gguf
     from tqdm import tqdm
@@ -491,9 +492,11 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
 
     if workers is None:
         # ~5 float32 copies of one FFN matrix per layer in flight (KB-70B: ~5 GB), so
-        # threads scale with the cores and stop where memory would run short
+        # processes scale with the cores (2 BLAS threads each) and stop where memory would
+        # run short; small models are packed in this process (forking costs more)
         per_layer = 5 * 4 * base.n_ff * base.n_embd
-        workers = max(1, min((os.cpu_count() or 1) // 4, 8, _available_memory() // (2 * per_layer)))
+        workers = (1 if base.n_ff * base.n_embd * base.n_layer < 2**30 else
+                   max(1, min((os.cpu_count() or 1) // 2, 8, _available_memory() // (2 * per_layer))))
 
     def data():
         layers = map_ahead(layer_data, range(base.n_layer), workers)
