@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="GGUF file to describe")
     p.set_defaults(func=cmd_info)
 
-    from . import convert, hw, packcli, plan, prepare, stats, synth, trace
+    from . import balancer, convert, hw, packcli, plan, prepare, stats, synth, trace
     convert.register(sub)
     synth.register(sub)
     packcli.register(sub)
@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.register(sub)
     hw.register(sub)
     trace.register(sub)
+    balancer.register(sub)
     return ap
 
 

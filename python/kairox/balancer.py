@@ -1,0 +1,434 @@
+"""The online neuron balancer's policy, in readable Python: the reference the runtime's
+C++/CUDA version is checked against on recorded traces.
+
+Per layer, the GPU holds `capacity` neuron groups in slots. Each decode step the balancer
+sees which groups the predictor listed ("active") and why the last step stalled, and
+decides which groups to load into the slots and which to give up:
+
+* **Temporal Activation Momentum (TAM).** Each group's score decays by λ per step and
+  gains (1 − λ) when the group is active: s ← λ·s + (1 − λ)·a, a ∈ {0, 1}. A group is a
+  candidate only when s > τ = (1 − λ) + ε, a little above what one isolated activation
+  scores, so a one-hit wonder never displaces a group in sustained use; a group active two
+  steps in a row scores (1 − λ)(1 + λ) and passes as soon as λ(1 − λ) > ε.
+* **Admission and eviction.** The slots go to the top-`capacity` groups by score among the
+  residents and the candidates (a resident wins a tie, so equal scores never churn). What
+  enters is loaded, what leaves is evicted; `max_admit` caps the loads of one step (the
+  reload stream's budget), taking the best candidates first and evicting only as many of
+  the worst residents as it loads.
+* **Adaptive λ (the Adaptive Neuron Balancer).** A step that waited on reloads ("io")
+  raises λ (conservative: history weighs more, fewer loads); one that waited on the CPU
+  ("cpu") lowers it (react faster: recent activity gets to the GPU sooner). λ moves by a
+  step α within [lam_min, lam_max]; the step halves each time the direction flips and
+  grows back (×2, up to alpha) while it holds, so a layer sitting at its balance point
+  dithers by ever smaller steps instead of oscillating.
+
+Numbers are float32, as the GPU computes them; groups are ordered by (score descending,
+resident first, id ascending), so every decision is deterministic.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+STALLS = ("none", "io", "cpu")
+
+
+@dataclass(frozen=True)
+class BalancerConfig:
+    lam: float = 0.5        # λ at start
+    eps: float = 0.01       # τ = (1 − λ) + ε
+    adaptive: bool = True   # adapt λ from the stall type (False: fixed λ)
+    alpha: float = 0.05     # largest step of λ
+    alpha_min: float = 0.005
+    lam_min: float = 0.05
+    lam_max: float = 0.95
+    max_admit: int | None = None  # groups loaded per step and layer (None: as many as qualify)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lam_min <= self.lam <= self.lam_max < 1:
+            raise ValueError(f"need 0 < lam_min <= lam <= lam_max < 1, got {self.lam_min}, {self.lam}, {self.lam_max}")
+        if not 0 <= self.eps < 1:
+            raise ValueError(f"eps must be in [0, 1), got {self.eps}")
+        if not 0 < self.alpha_min <= self.alpha:
+            raise ValueError(f"need 0 < alpha_min <= alpha, got {self.alpha_min}, {self.alpha}")
+        if self.max_admit is not None and self.max_admit < 0:
+            raise ValueError(f"max_admit must be >= 0, got {self.max_admit}")
+
+
+@dataclass
+class Decision:
+    """One layer's step: groups to load into slots, groups to give up, λ after the step."""
+    step: int
+    layer: int
+    admit: list[int]
+    evict: list[int]
+    lam: float
+
+
+@dataclass
+class LayerBalancer:
+    """TAM scores, residency and λ of one layer."""
+    n_groups: int
+    capacity: int
+    config: BalancerConfig = field(default_factory=BalancerConfig)
+    initial: Sequence[int] = ()   # groups resident at start (a static plan's hottest)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.capacity <= self.n_groups:
+            raise ValueError(f"capacity must be in 0..{self.n_groups}, got {self.capacity}")
+        init = np.asarray(list(self.initial), np.int64)
+        if init.size > self.capacity or (init.size and (init.min() < 0 or init.max() >= self.n_groups)) \
+                or np.unique(init).size != init.size:
+            raise ValueError(f"initial residents must be at most {self.capacity} distinct groups in 0..{self.n_groups - 1}")
+        self.score = np.zeros(self.n_groups, np.float32)
+        self.resident = np.zeros(self.n_groups, bool)
+        self.resident[init] = True
+        self.lam = np.float32(self.config.lam)
+        self._alpha = np.float32(self.config.alpha)
+        self._last_dir = 0
+
+    @property
+    def tau(self) -> np.float32:
+        return np.float32(1) - self.lam + np.float32(self.config.eps)
+
+    def step(self, active: np.ndarray, stall: str = "none", step: int = 0, layer: int = 0) -> Decision:
+        """Advance one decode step. active: bool per group (listed by the predictor this
+        step); stall: why the previous step waited ("none", "io", "cpu")."""
+        active = np.asarray(active, bool)
+        if active.shape != (self.n_groups,):
+            raise ValueError(f"active must be {self.n_groups} booleans, got shape {active.shape}")
+        if stall not in STALLS:
+            raise ValueError(f"stall must be one of {', '.join(STALLS)}, got {stall!r}")
+        if self.config.adaptive:
+            self._adapt(stall)
+        lam = self.lam
+        self.score = lam * self.score + (np.float32(1) - lam) * active.astype(np.float32)
+        admit, evict = self._choose()
+        self.resident[admit] = True
+        self.resident[evict] = False
+        return Decision(step, layer, admit.tolist(), evict.tolist(), float(self.lam))
+
+    def _adapt(self, stall: str) -> None:
+        d = {"io": 1, "cpu": -1}.get(stall, 0)
+        if d == 0:
+            return
+        c = self.config
+        if self._last_dir and d != self._last_dir:
+            self._alpha = max(np.float32(c.alpha_min), self._alpha / np.float32(2))
+        elif self._last_dir == d:
+            self._alpha = min(np.float32(c.alpha), self._alpha * np.float32(2))
+        self._last_dir = d
+        self.lam = np.float32(np.clip(self.lam + np.float32(d) * self._alpha, c.lam_min, c.lam_max))
+
+    def _choose(self) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.arange(self.n_groups)
+        eligible = self.resident | (self.score > self.tau)
+        # order: score descending, resident first, id ascending (np.lexsort: last key first)
+        order = np.lexsort((ids, ~self.resident, -self.score))
+        order = order[eligible[order]]
+        target = order[:self.capacity]
+        want = np.zeros(self.n_groups, bool)
+        want[target] = True
+        admit = target[~self.resident[target]]            # best first
+        evict_pool = order[self.capacity:]
+        evict_pool = evict_pool[self.resident[evict_pool]][::-1]  # worst first
+        free = self.capacity - int(self.resident.sum())
+        if self.config.max_admit is not None and admit.size > self.config.max_admit:
+            admit = admit[:self.config.max_admit]
+        # a load needs a free slot or an eviction: give up the worst residents, only as many as needed
+        n_evict = max(0, admit.size - free)
+        return admit.astype(np.int64), np.sort(evict_pool[:n_evict]).astype(np.int64)
+
+    def residents(self) -> list[int]:
+        return np.flatnonzero(self.resident).tolist()
+
+
+def groups_active(neurons: Iterable[int], group_of: np.ndarray, n_groups: int) -> np.ndarray:
+    """Which groups hold at least one of the listed neurons (group_of: neuron → group)."""
+    out = np.zeros(n_groups, bool)
+    idx = np.fromiter(neurons, np.int64)
+    if idx.size:
+        out[group_of[idx]] = True
+    return out
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """One recorded step of one layer: the active groups, the stall type before it, and
+    how many neurons of each active group fired (empty: one each)."""
+    step: int
+    layer: int
+    active: tuple[int, ...]
+    stall: str = "none"
+    counts: tuple[int, ...] = ()
+
+
+def read_activation_trace(path: str | Path) -> list[TraceStep]:
+    """A recorded activation trace: one JSON object per line, {"step", "layer", "active":
+    [group ids], "stall"}."""
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            out.append(TraceStep(int(d["step"]), int(d["layer"]), tuple(int(g) for g in d["active"]),
+                                 str(d.get("stall", "none")), tuple(int(c) for c in d.get("counts", ()))))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{i}: not an activation trace line ({e})") from None
+    return out
+
+
+def write_activation_trace(path: str | Path, steps: Iterable[TraceStep]) -> None:
+    Path(path).write_text("".join(json.dumps(asdict(s) | {"active": list(s.active), "counts": list(s.counts)})
+                                  + "\n" for s in steps))
+
+
+def replay(trace: Iterable[TraceStep], n_groups: int, capacity: int | Sequence[int],
+           config: BalancerConfig | None = None,
+           initial: dict[int, Sequence[int]] | None = None) -> Iterator[Decision]:
+    """The decisions the balancer makes over a recorded trace, step by step, one layer
+    balancer per layer met (capacity: one for all layers, or one per layer)."""
+    config = config or BalancerConfig()
+    layers: dict[int, LayerBalancer] = {}
+    for s in trace:
+        lb = layers.get(s.layer)
+        if lb is None:
+            cap = capacity if isinstance(capacity, int) else capacity[s.layer]
+            lb = layers[s.layer] = LayerBalancer(n_groups, cap, config, (initial or {}).get(s.layer, ()))
+        act = np.zeros(n_groups, bool)
+        act[list(s.active)] = True
+        yield lb.step(act, s.stall, s.step, s.layer)
+
+
+# ----------------------------------------------------------------------------- offline simulation
+
+
+@dataclass(frozen=True)
+class SimCosts:
+    """Seconds the CPU spends on one active neuron it computes (its rows were not resident)
+    and seconds to load one group over PCIe: the cost model that names each step's stall."""
+    cpu_s_per_neuron: float
+    io_s_per_group: float
+
+    @classmethod
+    def from_hw(cls, neuron_bytes: float, group_size: int, cpu_gbs: float, pcie_gbs: float) -> "SimCosts":
+        return cls(neuron_bytes / (cpu_gbs * 1e9), group_size * neuron_bytes / (pcie_gbs * 1e9))
+
+
+@dataclass
+class SimResult:
+    policy: str
+    steps: int = 0           # layer steps
+    active: int = 0          # active neurons met (one per active group without counts)
+    hits: int = 0            # of which in a resident group when needed
+    loads: int = 0           # groups loaded
+    stalls: dict[str, int] = field(default_factory=lambda: {s: 0 for s in STALLS})
+    lam: dict[int, list[float]] = field(default_factory=dict)  # λ per layer over time
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.active if self.active else 0.0
+
+    def loads_per(self, steps_per_token: int) -> float:
+        return self.loads * steps_per_token / self.steps if self.steps else 0.0
+
+
+def simulate(trace: Sequence[TraceStep], n_groups: int, capacity: int, costs: SimCosts,
+             initial: dict[int, Sequence[int]], config: BalancerConfig | None = None,
+             policy: str = "") -> SimResult:
+    """Replay a trace through the balancer (config None: static, the initial residents
+    stay) and count hits, loads and the stall each layer step would end in: "io" when its
+    loads take longer than the CPU's share of its misses, "cpu" when the misses do, "none"
+    without either. A step's loads serve the layer's next step (one token later)."""
+    res = SimResult(policy or ("static" if config is None else "TAM"))
+    layers: dict[int, LayerBalancer] = {}
+    stall: dict[int, str] = {}
+    for s in trace:
+        lb = layers.get(s.layer)
+        if lb is None:
+            lb = layers[s.layer] = LayerBalancer(n_groups, capacity, config or BalancerConfig(adaptive=False),
+                                                 initial.get(s.layer, ()))
+        a = np.zeros(n_groups, bool)
+        a[list(s.active)] = True
+        w = np.zeros(n_groups, np.int64)
+        w[list(s.active)] = s.counts or 1
+        hits = int(w[lb.resident].sum())
+        misses = int(w.sum()) - hits
+        loads = 0
+        if config is not None:
+            d = lb.step(a, stall.get(s.layer, "none"), s.step, s.layer)
+            loads = len(d.admit)
+            res.lam.setdefault(s.layer, []).append(d.lam)
+        cpu, io = misses * costs.cpu_s_per_neuron, loads * costs.io_s_per_group
+        st = "io" if io > cpu else "cpu" if cpu > 0 else "none"
+        stall[s.layer] = st
+        res.stalls[st] += 1
+        res.steps += 1
+        res.active += int(w.sum())
+        res.hits += hits
+        res.loads += loads
+    return res
+
+
+def record_trace(model_path: str | Path, pack_path: str | Path | None, prompts: list[list[int]],
+                 threads: int | None = None, group_size: int | None = None
+                 ) -> tuple[list[TraceStep], int, np.ndarray]:
+    """Active groups of every layer for every token of the prompts (a dense forward pass
+    with the native profiler; a neuron is active when its activation is > 0), with the
+    neurons that fired in each, numbered token by token across the prompts. Groups are the
+    pack's, or with `group_size` groups of that many neurons by descending offline
+    frequency (hot with hot; 1: neuron-granular). Returns the trace, the group count and
+    each layer's group frequency [n_layer, n_groups] (the share of tokens it was active in)."""
+    from .pack import pack_path_for, read_pack
+    from .profile import Profiler, unpack_masks
+    pack = read_pack(pack_path or pack_path_for(model_path), model_path)
+    groups = [neuron_groups(layer.perm, layer.group, layer.freq, group_size) for layer in pack.layers]
+    n_groups = pack.n_groups if group_size is None else -(-pack.base.n_ff // group_size)
+    steps: list[TraceStep] = []
+    freq = np.zeros((len(groups), n_groups), np.float64)
+    t0 = 0
+    with Profiler(model_path, n_ctx=max(len(p) for p in prompts), threads=threads) as prof:
+        prof.set_thresholds(np.zeros(prof.base.n_layer, np.float32))
+        for toks in prompts:
+            rows = prof.run(np.asarray(toks, np.int32))
+            per_layer = []
+            for il, r in enumerate(rows):
+                m = unpack_masks(r.mask, prof.base.n_ff)          # [tokens, n_ff]
+                cnt = np.zeros((m.shape[0], n_groups), np.int32)
+                tok_idx, neuron = np.nonzero(m)
+                np.add.at(cnt, (tok_idx, groups[il][neuron]), 1)
+                freq[il] += (cnt > 0).sum(0)
+                per_layer.append(cnt)
+            for t in range(len(toks)):
+                for il, cnt in enumerate(per_layer):
+                    g = np.flatnonzero(cnt[t])
+                    steps.append(TraceStep(t0 + t, il, tuple(g.tolist()), counts=tuple(cnt[t, g].tolist())))
+            t0 += len(toks)
+    return steps, n_groups, (freq / max(t0, 1)).astype(np.float32)
+
+
+def neuron_groups(perm: np.ndarray, group: np.ndarray, freq: np.ndarray, group_size: int | None = None) -> np.ndarray:
+    """neuron (model order) -> group: the pack's (row i of the pack is neuron perm[i], in
+    group[i]), or, with group_size, groups of that many neurons by descending pack
+    frequency (ties by neuron id)."""
+    perm, group, freq = (np.asarray(a) for a in (perm, group, freq))
+    g = np.empty(perm.size, np.int64)
+    if group_size is None:
+        g[perm] = group
+        return g
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    f = np.empty(perm.size, np.float64)
+    f[perm] = freq
+    order = np.lexsort((np.arange(perm.size), -f))
+    g[order] = np.arange(perm.size) // group_size
+    return g
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def static_residents(pack, n_groups: int, capacity: int, group_size: int | None = None) -> dict[int, list[int]]:
+    """Per layer, the `capacity` groups of highest summed offline frequency (the pack's
+    kx_freq): what a static placement keeps on the GPU."""
+    out = {}
+    for il, layer in enumerate(pack.layers):
+        g = neuron_groups(layer.perm, layer.group, layer.freq, group_size)
+        f = np.empty(g.size, np.float64)
+        f[layer.perm] = layer.freq
+        score = np.zeros(n_groups, np.float64)
+        np.add.at(score, g, f)
+        out[il] = sorted(np.lexsort((np.arange(n_groups), -score))[:capacity].tolist())
+    return out
+
+
+def cmd_balance(args) -> int:
+    import sys
+    from .pack import pack_path_for, read_pack
+    from .plan import HwProfile, slot_costs
+    model = Path(args.model)
+    pack = Path(args.pack or pack_path_for(model))
+    try:
+        pk = read_pack(pack, model)
+        gs = args.group_size or pk.group_size
+        n_groups = -(-pk.base.n_ff // gs) if args.group_size else pk.n_groups
+        capacity = args.capacity if args.capacity >= 1 else int(round(args.capacity * n_groups))
+        if not 0 < capacity <= n_groups:
+            raise ValueError(f"--capacity gives {capacity} groups; the pack has {n_groups} per layer")
+        if args.trace:
+            trace = read_activation_trace(args.trace)
+        else:
+            try:
+                from .synth import topic_prompts
+                prompts = topic_prompts(model, args.prompts, args.tokens, seed=args.seed,
+                                        switch_every=args.switch_every or None)
+            except Exception:  # not a synthetic model: random tokens
+                rng = np.random.default_rng(args.seed)
+                prompts = [rng.integers(100, 1000, args.tokens).tolist() for _ in range(args.prompts)]
+            trace, _, _ = record_trace(model, pack, prompts, threads=args.threads, group_size=args.group_size)
+            if args.record:
+                write_activation_trace(args.record, trace)
+        hw = HwProfile.from_json(json.loads(Path(args.hw).read_text())) if args.hw else HwProfile()
+        costs = SimCosts.from_hw(slot_costs(model, pack).per_neuron, gs, hw.cpu_gbs, hw.pcie_gbs)
+    except (OSError, ValueError) as e:
+        print(f"kairox balance: error: {e}", file=sys.stderr)
+        return 2
+    initial = static_residents(pk, n_groups, capacity, args.group_size)
+    n_layer = len(pk.layers)
+    runs = [simulate(trace, n_groups, capacity, costs, initial, None, "static"),
+            simulate(trace, n_groups, capacity, costs, initial,
+                     BalancerConfig(lam=args.lam, adaptive=False, max_admit=args.max_admit), f"TAM λ={args.lam:g}"),
+            simulate(trace, n_groups, capacity, costs, initial,
+                     BalancerConfig(lam=args.lam, adaptive=True, max_admit=args.max_admit), "TAM, adaptive λ")]
+    print(f"{model.name}: {len(trace) // n_layer} tokens x {n_layer} layers, {n_groups} groups of {gs} "
+          f"{'(by frequency)' if args.group_size else '(the pack’s)'} per layer, {capacity} resident; a neuron costs "
+          f"{costs.cpu_s_per_neuron * 1e6:.2f} µs on the CPU, a group {costs.io_s_per_group * 1e6:.2f} µs to load")
+    print("| policy | hit rate (active neurons resident) | loads / token | stalls io / cpu / none | λ at the end (min-max over layers) |")
+    print("|---|---:|---:|---|---|")
+    for r in runs:
+        lam = [v[-1] for v in r.lam.values()]
+        print(f"| {r.policy} | {r.hit_rate:.3f} | {r.loads_per(n_layer):.1f} | "
+              f"{r.stalls['io']} / {r.stalls['cpu']} / {r.stalls['none']} | "
+              f"{f'{min(lam):.2f}-{max(lam):.2f}' if lam else '-'} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "model": model.name, "tokens": len(trace) // n_layer, "n_layer": n_layer, "n_groups": n_groups,
+            "capacity": capacity, "costs": asdict(costs),
+            "runs": [{"policy": r.policy, "hit_rate": r.hit_rate, "loads_per_token": r.loads_per(n_layer),
+                      "stalls": r.stalls, "lam": {str(k): v for k, v in r.lam.items()}} for r in runs]}, indent=1))
+    return 0
+
+
+def register(sub) -> None:
+    import argparse
+    p = sub.add_parser("balance", help="simulate the online balancer on a model's recorded activations "
+                       "(static placement vs TAM vs adaptive λ)",
+                       description=__doc__ + "\n`kairox balance MODEL` records which groups each token "
+                       "activates (a dense pass on the CPU; synthetic models get topic text that drifts "
+                       "every --switch-every tokens) and replays them through three policies.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model GGUF (ReLU) with a sparse pack")
+    p.add_argument("--pack", help="the pack (default: MODEL.kxpack.gguf)")
+    p.add_argument("--capacity", type=float, default=0.25,
+                   help="groups resident per layer: a count, or a fraction of the groups below 1 (default: %(default)s)")
+    p.add_argument("--group-size", type=int,
+                   help="regroup: this many neurons per group by descending offline frequency, 1 for single "
+                   "neurons (default: the pack's groups)")
+    p.add_argument("--lam", type=float, default=0.5, help="λ (the adaptive run's start) (default: %(default)s)")
+    p.add_argument("--max-admit", type=int, help="groups loaded per layer and step (default: no cap)")
+    p.add_argument("--prompts", type=int, default=2, help="prompts to record (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--switch-every", type=int, default=64,
+                   help="synthetic models: the topic changes every this many tokens, 0 never (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-t", "--threads", type=int)
+    p.add_argument("--hw", help="hardware profile from `kairox profile-hw` (the cost model's bandwidths)")
+    p.add_argument("--trace", help="replay this recorded activation trace instead of recording one")
+    p.add_argument("--record", help="write the recorded activation trace (JSON lines) here")
+    p.add_argument("--json", help="write the figures here")
+    p.set_defaults(func=cmd_balance)
