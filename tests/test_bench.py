@@ -140,3 +140,19 @@ def test_budget_plot_only_for_sweeps(tmp_path: Path):
     assert not (tmp_path / "a.png").exists()
     assert offload.plot_budgets([res(7, 10.0), res(4, 6.0)], tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_stamp_result_wraps_a_raw_file(tmp_path) -> None:
+    import json
+    from kairox.bench import main, stamp_result
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps([{"avg_ts": 1.5}]))
+    d = stamp_result(f, "llama-bench -p 512", "abc123", {"host": "h"})
+    assert json.loads(f.read_text()) == d == {"command": "llama-bench -p 512", "commit": "abc123",
+                                              "machine": {"host": "h"}, "result": [{"avg_ts": 1.5}]}
+    g = tmp_path / "g.json"
+    g.write_text('{"x": 1}')
+    assert main([str(g), "--command", "tool --flag", "--commit", "def456"]) == 0
+    d = json.loads(g.read_text())
+    assert (d["command"], d["commit"], d["result"]) == ("tool --flag", "def456", {"x": 1})
+    assert d["machine"]["cpus"] >= 1

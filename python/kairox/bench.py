@@ -46,6 +46,30 @@ def write_results(out_prefix: str | Path, result: dict, summary_lines: list[str]
     print("\n".join(lines))
 
 
+def stamp_result(path: str | Path, command: str, commit: str | None = None, machine: dict | None = None) -> dict:
+    """Rewrite a tool's raw JSON output (llama-bench -o json, bench/tpot.py, kairox trace
+    --json) as {"command", "commit", "machine", "result"}: a result says how it was measured."""
+    path = Path(path)
+    result = json.loads(path.read_text())
+    stamped = {"command": command, "commit": commit or git_commit(),
+               "machine": machine if machine is not None else machine_facts(), "result": result}
+    path.write_text(json.dumps(stamped, indent=1) + "\n")
+    return stamped
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python3 -m kairox.bench",
+                                 description="Stamp a raw result file with its command, commit and machine.")
+    ap.add_argument("file", help="a JSON result a tool wrote")
+    ap.add_argument("--command", required=True, help="the exact command that wrote it")
+    ap.add_argument("--commit", help="the commit measured (default: $KX_COMMIT, else HEAD)")
+    ap.add_argument("--machine", help="the machine's facts as JSON (default: this machine's)")
+    a = ap.parse_args(argv)
+    stamp_result(a.file, a.command, a.commit, json.loads(a.machine) if a.machine else None)
+    return 0
+
+
 def counters_per_mode(llm, tokens, modes=("exact", "predicted")) -> dict:
     """For each sparse mode, the sparse kernels' counters (kairox._native.SparseCounters)
     over the same tokens, one token per decode from an empty cache: rows computed
@@ -62,3 +86,7 @@ def counters_per_mode(llm, tokens, modes=("exact", "predicted")) -> dict:
             llm.eval([t])
         out[mode] = sparse_counters(reset=True)
     return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
