@@ -249,9 +249,6 @@ def run_config(args: argparse.Namespace) -> int:
             log(f"synth {model.name}: {times['synth']:.0f} s")
     from kairox.pack import pack_path_for
     has_pack = pack_path_for(model).exists()
-    if args.synth_only:
-        log(f"{model} ready" + (" with its pack" if has_pack else ""))
-        return 0
 
     # 2. tokens: text on topics for synthetic models (kairox.synth.topic_prompts), else random
     tokens_file = work / f"{model.stem}.tokens.json"
@@ -653,8 +650,6 @@ def main() -> int:
                     help="skip the unpatched llama.cpp rows (--stock-bin is then only used to probe "
                          "-ngl and may be kairox's own bin/); writes offload-<config>-kairox.json, "
                          "which --summarize sets beside the baseline of the same model and budget")
-    ap.add_argument("--synth-only", action="store_true",
-                    help="only synthesize the configuration's model (and pack) into --work, for a later run")
     ap.add_argument("--no-dense", dest="dense", action="store_false",
                     help="skip kairox's dense rows (llama-bench and per-token timing)")
     ap.add_argument("--no-trace", dest="trace", action="store_false",

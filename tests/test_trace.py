@@ -47,8 +47,10 @@ def test_overlap_of_known_intervals(tmp_path: Path) -> None:
     kt.plot_graph(recs, 0, png)
     assert png.stat().st_size > 1000
     # a second, longer graph (a prompt's batch): the breakdown's default
-    recs += kt.read_trace_lines([rec(1, 0, "w", "CUDA0", 1000, 1400, "attn-0"), rec(1, 1, "i", "CUDA0", 1400, 2400, "w-0"),
-                                 rec(1, 1, "w", "CUDA0", 2400, 2600, "ffn-0"), rec(1, 2, "w", "CPU", 2600, 2700, "out")])
+    f2 = tmp_path / "t2.jsonl"
+    f2.write_text("\n".join([rec(1, 0, "w", "CUDA0", 1000, 1400, "attn-0"), rec(1, 1, "i", "CUDA0", 1400, 2400, "w-0"),
+                             rec(1, 1, "w", "CUDA0", 2400, 2600, "ffn-0"), rec(1, 2, "w", "CPU", 2600, 2700, "out")]))
+    recs += kt.read_trace(f2)[0]
     assert kt.longest_graph(recs) == 1
     b = kt.breakdown(recs, 1, top=2)
     assert b["span_ms"] == pytest.approx(1.7) and b["splits"] == 3

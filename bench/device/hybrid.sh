@@ -5,7 +5,6 @@
 #
 #   bash bench/device/hybrid.sh                 # repo root; carry vendor/llama.cpp and .whl
 #   KX_BENCH="KB-7B" bash bench/device/hybrid.sh  # also the offload rows of those configs
-#   KX_SYNTH="KB-70B" ...        # synthesize models (and packs) first, kept for a later call
 #   KX_BENCH_ARGS="--no-dense --ab-pageable" ...  # more offload.py arguments
 #   KX_SYNTH_BG="KB-70B" ...     # write that model (no pack) during the build, its pack after
 #   KX_SKIP_TESTS=1 ...          # a warm rerun: no test-backend-ops, no pytest
@@ -59,10 +58,6 @@ for cfg in ${KX_SYNTH_BG:-}; do
     else timeout -s INT "$left" python3 -m kairox synth --preset "$pre" -o "$m" --pack-only -q || echo "pack $cfg FAILED"
     fi
     echo "synth $cfg (pack) done at $(( $(date +%s) - t0 )) s"; df -h /tmp | tail -1
-done
-for cfg in ${KX_SYNTH:-}; do
-    python3 bench/offload.py --config "$cfg" --work /tmp/kxbench --synth-only || echo "synth $cfg FAILED"
-    echo "synth $cfg done at $(( $(date +%s) - t0 )) s"; df -h /tmp | tail -1
 done
 for cfg in ${KX_BENCH:-}; do
     python3 bench/offload.py --config "$cfg" --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" \

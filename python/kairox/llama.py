@@ -259,10 +259,11 @@ class Llama(llama_cpp.Llama):
                 raise ValueError(f"the plan {opts.plan} was made for {self._kx_plan.model}, not {Path(model_path).name}")
         self._kx_free0: int | None = None
         self.vram: VramReport | None = None
+        pinned = opts.wants_slots and opts.pinned and (opts.slots_device or "").upper() != "CPU"
         if opts.wants_slots:
             # hybrid placement: every layer's dense part on the GPU unless the caller says
             kwargs.setdefault("n_gpu_layers", -1)
-            if opts.pinned and (opts.slots_device or "").upper() != "CPU":
+            if pinned:
                 # llama.cpp keeps mapped weights in pageable CPU buffers whatever the override
                 # asks (llama-model-loader: no host buffer with mmap), so pinned host weights
                 # are read, not mapped; an explicit use_mmap=True keeps them mapped (pageable)
@@ -277,8 +278,7 @@ class Llama(llama_cpp.Llama):
                 overrides = None
                 if opts.wants_slots:
                     overrides, self._kx_patterns = _cpu_overrides(
-                        self._kx_plan.dense_cpu if self._kx_plan else (),
-                        pinned=opts.pinned and (opts.slots_device or "").upper() != "CPU")
+                        self._kx_plan.dense_cpu if self._kx_plan else (), pinned=pinned)
                 self._kx_overrides = overrides  # the struct must outlive the load
 
                 def no_repack():

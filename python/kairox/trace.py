@@ -64,15 +64,6 @@ def read_trace(path: str | Path) -> tuple[list[TraceRec], int]:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise TraceError(f"cannot read the trace {path}: {e.strerror or e}") from None
-    return _parse(lines, str(path))
-
-
-def read_trace_lines(lines: list[str]) -> list[TraceRec]:
-    """The complete records of trace lines already in memory."""
-    return _parse(lines, "<lines>")[0]
-
-
-def _parse(lines: list[str], path: str) -> tuple[list[TraceRec], int]:
     recs, dropped = [], 0
     for i, line in enumerate(lines, 1):
         if not line.strip():
