@@ -6,7 +6,8 @@
 #   bash bench/device/hybrid.sh                 # repo root; carry vendor/llama.cpp and .whl
 #   KX_BENCH="KB-7B" bash bench/device/hybrid.sh  # also the offload rows of those configs
 #   KX_BENCH_ARGS="--no-dense --ab-pageable" ...  # more offload.py arguments
-#   KX_SYNTH_BG="KB-70B" ...     # write that model (no pack) during the build, its pack after
+#   KX_SYNTH_BG="KB-70B" ...     # write that model during the build, then its pack (in its own
+#                                session: a pack that outlasts the call is waited for by the next)
 #   KX_SKIP_TESTS=1 ...          # a warm rerun: no test-backend-ops, no pytest
 #   KX_SKIP_OPS=1 ...            # no test-backend-ops (CUDA sources unchanged since a checked run)
 set -uo pipefail
@@ -44,20 +45,26 @@ echo "tests done ($(( $(date +%s) - t0 )) s)"
 df -h /tmp | tail -1
 for cfg in ${KX_SYNTH_BG:-}; do
     read -r pre m < <(bg_model "$cfg")
-    while pgrep -f "kairox synth --preset" > /dev/null; do
-        [ $(( $(date +%s) - t0 )) -gt $(( ${KX_DEADLINE:-575} - 15 )) ] && { echo "synth $cfg still running"; break; }
-        sleep 2
-    done
+    wait_for() {  # PATTERN: until no such process runs or the call's deadline is near
+        while pgrep -f "$1" > /dev/null; do
+            [ $(( $(date +%s) - t0 )) -gt $(( ${KX_DEADLINE:-575} - 15 )) ] && return 1
+            sleep 2
+        done
+    }
+    wait_for "kairox synth --preset $pre -o" || echo "synth $cfg still running"
     echo "synth $cfg (model) done at $(( $(date +%s) - t0 )) s: $(cat "$OUT/synth-$cfg.log" 2>/dev/null | tail -1)"
-    rm -f /tmp/kxbench/.*.tmp  # a pack an earlier call's limit cut short
-    # the pack only when it can finish inside this call (KX_DEADLINE: the call's seconds;
-    # KX_PACK_NEEDS: what the pack takes); else the next call writes it
-    left=$(( ${KX_DEADLINE:-575} - ($(date +%s) - t0) ))
+    # The pack runs in its own session (setsid), so a call's end does not stop it: when it
+    # outlasts this call, the next call (same KX_SYNTH_BG, machine still warm) waits for it.
     if [ -f "${m%.gguf}.kxpack.gguf" ]; then echo "pack $cfg exists"
-    elif [ "$left" -lt "${KX_PACK_NEEDS:-300}" ]; then echo "pack $cfg left for the next call ($left s left)"
-    else timeout -s INT "$left" python3 -m kairox synth --preset "$pre" -o "$m" --pack-only -q || echo "pack $cfg FAILED"
+    elif pgrep -f "synth --preset $pre -o $m --pack-only" > /dev/null; then echo "pack $cfg running (an earlier call's)"
+    else
+        rm -f /tmp/kxbench/.*.tmp  # a pack cut short by a machine that went back
+        setsid nohup python3 -m kairox synth --preset "$pre" -o "$m" --pack-only -q > "$W/pack-$cfg.log" 2>&1 < /dev/null &
+        sleep 1
     fi
-    echo "synth $cfg (pack) done at $(( $(date +%s) - t0 )) s"; df -h /tmp | tail -1
+    wait_for "synth --preset $pre -o $m --pack-only" || echo "pack $cfg continues after this call (log $W/pack-$cfg.log)"
+    [ -f "${m%.gguf}.kxpack.gguf" ] && echo "synth $cfg (pack) done at $(( $(date +%s) - t0 )) s: $(tail -1 "$W/pack-$cfg.log" 2>/dev/null)"
+    df -h /tmp | tail -1
 done
 for cfg in ${KX_BENCH:-}; do
     python3 bench/offload.py --config "$cfg" --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" \
