@@ -102,3 +102,54 @@ def test_plan_a_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         make_plan(m, 100 * MiB, HW)
     assert main(["plan", str(m), "--budget", "1MiB"]) == 2
     assert "leaves nothing" in capsys.readouterr().err
+
+
+def test_profile_rates_round_trip_and_reject_nonsense() -> None:
+    d = {"cpu_gbs": 90.0, "gpu_gbs": 4000.0, "pcie_gbs": 55.0, "handoff_us": 20.0,
+         "cpu_type_gbs": {"f16": 80.0, "q4_0": 30.0}, "gpu_type_gbs": {"q4_0": 2500.0}, "details": {}}
+    hw = HwProfile.from_json(d)
+    assert hw.cpu_rate("q4_0") == 30e9 and hw.cpu_rate("q8_0") == 90e9  # unmeasured type: streaming read
+    assert hw.gpu_rate("q4_0") == 2500e9 and hw.gpu_rate("f16") == 4000e9
+    plan_hw = json.loads(json.dumps({"hw": __import__("dataclasses").asdict(hw)}))["hw"]
+    assert HwProfile.from_json(plan_hw) == hw  # a plan file keeps the rates
+    with pytest.raises(ValueError, match="cpu_type_gbs"):
+        HwProfile.from_json({**d, "cpu_type_gbs": {"q4_0": 0.0}})
+
+
+def test_measured_type_rates_steer_dense_placement() -> None:
+    # two tensors of equal bytes, room for one on the GPU: the one whose type the CPU reads
+    # slower goes there (no hand-off difference: each sits alone between CPU tensors)
+    items = [DenseItem("a", 64 * MiB, "f16"), DenseItem("pad1", 64 * MiB, "f32"),
+             DenseItem("b", 64 * MiB, "q4_0"), DenseItem("pad2", 64 * MiB, "f32")]
+    slow_q4 = HwProfile(cpu_gbs=50.0, gpu_gbs=2000.0, handoff_us=1.0, cpu_type_gbs={"f16": 50.0, "q4_0": 20.0})
+    slow_f16 = HwProfile(cpu_gbs=50.0, gpu_gbs=2000.0, handoff_us=1.0, cpu_type_gbs={"f16": 20.0, "q4_0": 50.0})
+    on, t = solve_dense(items, 64 * MiB, slow_q4, unit=MiB)
+    assert on == [False, False, True, False]
+    # a, pad1, pad2 read on the CPU at 50 GB/s, b on the GPU, two one-way hand-offs of 0.5 µs
+    assert t == pytest.approx(3 * 64 * MiB / 50e9 + 64 * MiB / 2000e9 + 1e-6, rel=1e-9)
+    on, _ = solve_dense(items, 64 * MiB, slow_f16, unit=MiB)
+    assert on == [True, False, False, False]
+
+
+def test_measured_type_rates_steer_slots() -> None:
+    # identical layers but for their FFN type: the layer whose type the CPU computes slower
+    # gets more of the slots
+    freqs = [np.full(100, 1.0), np.full(100, 1.0)]
+    hw = HwProfile(cpu_gbs=50.0, gpu_gbs=2000.0, cpu_type_gbs={"q4_0": 20.0, "f16": 50.0})
+    slots, _ = solve_slots(freqs, [MiB, MiB], 80 * MiB, hw, types=["f16", "q4_0"])
+    assert len(slots[1]) > len(slots[0]) and len(slots[0]) + len(slots[1]) == 80
+    slots, _ = solve_slots(freqs, [MiB, MiB], 80 * MiB, hw, types=["q4_0", "f16"])
+    assert len(slots[0]) > len(slots[1]) and len(slots[0]) + len(slots[1]) == 80
+
+
+def test_matvec_rates_are_measured_by_ggml(native: Path) -> None:
+    from kairox.hw import matvec_rates, matvec_seconds
+    s, nb = matvec_seconds("q4_0", 8 << 20, threads=1, reps=2)
+    assert nb == (8 << 20) // (4096 // 32 * 18) * (4096 // 32 * 18) and 0 < s < 10  # whole Q4_0 rows
+    for bad in ("q8_1", "nope"):
+        with pytest.raises((RuntimeError, ValueError), match="unsupported|unknown"):
+            matvec_seconds(bad, 1 << 20)
+    r = matvec_rates(1, types=("f16", "q4_0"), cpu_bytes=16 << 20, gpu_bytes=16 << 20)
+    assert set(r["cpu"]) == {"f16", "q4_0"} and all(0.1 < v < 5000 for v in r["cpu"].values())
+    from kairox._native import has_gpu
+    assert bool(r["gpu"]) == has_gpu()

@@ -59,6 +59,15 @@ LLAMA_API const char * kx_model_tensor_buffer_type(const struct llama_model * mo
 // "dense" / "exact" / "predicted" -> mode, -1 for anything else
 LLAMA_API int32_t kx_sparse_mode_from_str(const char * s);
 
+// Matrix-vector throughput of a weight type (enum ggml_type) on the CPU (on_gpu 0) or the
+// first GPU (1): one token times a matrix of n_cols columns and about n_bytes of weights,
+// best of n_reps after a warm-up. n_threads: CPU threads (<= 0: the backend's default).
+// Returns 0 and sets *seconds (and *bytes_read, the matrix bytes), 1 for bad arguments or a
+// type that cannot be written without an importance matrix, 2 without such a device, 3 when
+// the matrix does not fit, 4 when the backend fails. Used by `kairox profile-hw`.
+LLAMA_API int32_t kx_profile_matvec(int32_t type, int64_t n_bytes, int64_t n_cols, int32_t on_gpu,
+                                    int32_t n_threads, int32_t n_reps, double * seconds, int64_t * bytes_read);
+
 // ---------------------------------------------------------------- activation profiler
 // An eval callback that aggregates a dense forward pass in native code (`kairox prepare`).
 // Install it through llama_context_params: cb_eval = kx_collector_eval,

@@ -14,6 +14,11 @@ transfers, best of a few repetitions:
 * pcie_h2d: one copy from pinned host memory to the device.
 
 GPU figures need torch with CUDA (present on the GPU machine); without it they are None.
+
+`matvec_rates()` adds what the placement solver divides by: the rate (weight GB/s) of one
+token times a matrix of each weight type, through ggml's own kernels on the CPU and the GPU
+(`kx_profile_matvec` in libllama). Quantized CPU matvecs spend compute per byte and run
+below the streaming read; the solver uses the measured rate of each tensor's type.
 """
 from __future__ import annotations
 
@@ -108,6 +113,53 @@ def measure_bandwidths(threads: int | None = None) -> dict[str, float | None]:
     return out
 
 
+MATVEC_TYPES = ("f16", "q8_0", "q4_0")
+MATVEC_COLS = 4096  # a multiple of every block size (k-quants: 256)
+
+
+def matvec_seconds(type_name: str, n_bytes: int, gpu: bool = False, threads: int | None = None,
+                   reps: int = 5, cols: int = MATVEC_COLS) -> tuple[float, int]:
+    """(best seconds, weight bytes) of one matvec over ~n_bytes of `type_name` weights."""
+    import ctypes
+
+    import gguf
+
+    from .llama import _C
+    lib = _C._lib
+    f = lib.kx_profile_matvec
+    f.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                  ctypes.c_int32, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int64)]
+    f.restype = ctypes.c_int32
+    try:
+        tid = int(gguf.GGMLQuantizationType[type_name.upper()])
+    except KeyError:
+        raise ValueError(f"unknown weight type {type_name!r}") from None
+    sec, nb = ctypes.c_double(), ctypes.c_int64()
+    rc = f(tid, n_bytes, cols, int(gpu), threads or 0, reps, ctypes.byref(sec), ctypes.byref(nb))
+    if rc:
+        why = {1: "unsupported type or arguments", 2: "no such device", 3: "matrix does not fit",
+               4: "backend failed"}.get(rc, f"error {rc}")
+        raise RuntimeError(f"matvec {type_name} on the {'GPU' if gpu else 'CPU'}: {why}")
+    return sec.value, nb.value
+
+
+def matvec_rates(threads: int | None = None, types: tuple[str, ...] = MATVEC_TYPES,
+                 cpu_bytes: int = 512 << 20, gpu_bytes: int = 1 << 30) -> dict[str, dict[str, float]]:
+    """{"cpu": {type: GB/s}, "gpu": {type: GB/s}} (gpu empty without a GPU). 512 MiB on
+    the CPU and 1 GiB on the GPU: well past the last-level caches (the H200's L2 is 50 MB),
+    and a GPU matvec of that size runs ~0.3 ms, far above its launch cost."""
+    from ._native import has_gpu
+    out: dict[str, dict[str, float]] = {"cpu": {}, "gpu": {}}
+    for t in types:
+        s, nb = matvec_seconds(t, cpu_bytes, threads=threads)
+        out["cpu"][t] = nb / s / 1e9
+    if has_gpu():
+        for t in types:
+            s, nb = matvec_seconds(t, gpu_bytes, gpu=True, reps=20)
+            out["gpu"][t] = nb / s / 1e9
+    return out
+
+
 # one CPU<->GPU hand-off of the hidden state (a stream sync each way), measured on the GPU
 # machine (shared/reference/hardware.md): the solver's default when nothing else is known
 HANDOFF_US = 23.5
@@ -120,6 +172,8 @@ def profile(threads: int | None = None) -> dict[str, Any]:
     hp = HwProfile.from_bandwidths(bw)
     out: dict[str, Any] = {"cpu_gbs": hp.cpu_gbs, "gpu_gbs": hp.gpu_gbs, "pcie_gbs": hp.pcie_gbs,
                            "handoff_us": HANDOFF_US}
+    rates = matvec_rates(threads)
+    out["cpu_type_gbs"], out["gpu_type_gbs"] = rates["cpu"], rates["gpu"]
     curve = pcie_by_size()
     out["details"] = {"measured": dict(bw), "threads": threads or os.cpu_count(),
                       "pcie_h2d_gbs_by_bytes": {str(k): v for k, v in (curve or {}).items()},
@@ -129,7 +183,7 @@ def profile(threads: int | None = None) -> dict[str, Any]:
 
 
 def cmd_profile_hw(args: argparse.Namespace) -> int:
-    print("kairox profile-hw: measuring (CPU read, GPU HBM, PCIe by transfer size; ~30 s)...", file=sys.stderr)
+    print("kairox profile-hw: measuring (CPU read, GPU HBM, PCIe by transfer size, matvec per weight type; ~1 min)...", file=sys.stderr)
     prof = profile(args.threads)
     try:
         Path(args.output).write_text(json.dumps(prof, indent=1) + "\n")
@@ -138,6 +192,10 @@ def cmd_profile_hw(args: argparse.Namespace) -> int:
         return 2
     print(f"CPU read {prof['cpu_gbs']:.1f} GB/s, GPU {prof['gpu_gbs']:.0f} GB/s, PCIe {prof['pcie_gbs']:.1f} GB/s"
           + ("" if prof["details"]["gpu"] else " (no GPU measured: defaults)"))
+    for side in ("cpu", "gpu"):
+        r = prof[f"{side}_type_gbs"]
+        if r:
+            print(f"{side.upper()} matvec GB/s: " + ", ".join(f"{t} {v:.1f}" for t, v in r.items()))
     print(f"kairox profile-hw: wrote {args.output} (use it with `kairox plan --hw {args.output}`)")
     return 0
 

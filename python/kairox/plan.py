@@ -5,7 +5,8 @@ ATSInfer's tensor-level placement). Decode is memory-bound, so every cost is byt
 measured bandwidth (`HwProfile`, from `kairox.hw`):
 
 * A dense tensor (attention projections, output head) read on the CPU costs
-  bytes / cpu_gbs per token, on the GPU bytes / gpu_gbs. Where execution switches device
+  bytes / cpu_gbs per token, on the GPU bytes / gpu_gbs, where a profile measured the
+  matvec rate of the tensor's weight type (`kairox profile-hw`) that rate instead. Where execution switches device
   between two consecutive tensors the hidden state crosses PCIe: `handoff_us` each time
   (measured on the GPU machine: 10.9-23.5 µs per round trip). `solve_dense` is a knapsack
   DP over the tensors in execution order with the previous tensor's device in the state,
@@ -49,14 +50,25 @@ class HwProfile:
     gpu_gbs: float = 3000.0    # GPU HBM read, GB/s
     pcie_gbs: float = 50.0     # host-to-device, GB/s
     handoff_us: float = 23.5   # one CPU<->GPU switch of the hidden state, µs
+    # measured matvec rates per weight type (ggml type name -> weight GB/s per token, from
+    # `kairox profile-hw`): a quantized matvec can run below the streaming read on the CPU
+    # (unpacking costs compute); a type not listed falls back to cpu_gbs / gpu_gbs
+    cpu_type_gbs: dict[str, float] = field(default_factory=dict)
+    gpu_type_gbs: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "HwProfile":
         """A profile from `kairox profile-hw` (extra keys such as "details" are ignored)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        vals = {k: float(v) for k, v in d.items() if k in names}
+        rates = ("cpu_type_gbs", "gpu_type_gbs")
+        names = {f.name for f in dataclasses.fields(cls)} - set(rates)
+        vals: dict[str, Any] = {k: float(v) for k, v in d.items() if k in names}
         if not vals or any(v <= 0 for v in vals.values()):
             raise ValueError("expected positive cpu_gbs, gpu_gbs, pcie_gbs, handoff_us")
+        for k in rates:
+            r = {str(t): float(v) for t, v in (d.get(k) or {}).items()}
+            if any(v <= 0 for v in r.values()):
+                raise ValueError(f"expected positive {k} rates")
+            vals[k] = r
         return cls(**vals)
 
     @classmethod
@@ -65,11 +77,19 @@ class HwProfile:
         return cls(bw.get("cpu_read") or d.cpu_gbs, bw.get("gpu_hbm") or d.gpu_gbs,
                    bw.get("pcie_h2d") or d.pcie_gbs)
 
+    def cpu_rate(self, type_name: str = "") -> float:
+        """bytes/s of a matvec over weights of this type on the CPU"""
+        return self.cpu_type_gbs.get(type_name, self.cpu_gbs) * 1e9
+
+    def gpu_rate(self, type_name: str = "") -> float:
+        return self.gpu_type_gbs.get(type_name, self.gpu_gbs) * 1e9
+
 
 @dataclass(frozen=True)
 class DenseItem:
     name: str
     nbytes: int
+    type: str = ""  # ggml type name ("f16", "q4_0"): picks the measured rate
 
 
 def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = 16 * MiB) -> tuple[list[bool], float]:
@@ -78,8 +98,8 @@ def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = 
     n = len(items)
     cap = max(0, budget // unit)
     w = [-(-it.nbytes // unit) for it in items]
-    cpu = [it.nbytes / (hw.cpu_gbs * 1e9) for it in items]
-    gpu = [it.nbytes / (hw.gpu_gbs * 1e9) for it in items]
+    cpu = [it.nbytes / hw.cpu_rate(it.type) for it in items]
+    gpu = [it.nbytes / hw.gpu_rate(it.type) for it in items]
     hop = hw.handoff_us * 1e-6 / 2  # one direction of a round trip
     INF = math.inf
     # cost[c][d]: best time using c units with the last tensor on device d (0 CPU, 1 GPU)
@@ -115,11 +135,13 @@ def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = 
 
 
 def solve_slots(freqs: list[np.ndarray], group_bytes: list[int], budget: int, hw: HwProfile,
-                rows_per_group: list[int] | None = None) -> tuple[list[np.ndarray], float]:
+                rows_per_group: list[int] | None = None,
+                types: list[str] | None = None) -> tuple[list[np.ndarray], float]:
     """Resident groups per layer (ids, hottest first) and the modelled FFN seconds per token.
 
     freqs[l][g]: expected active neurons of group g of layer l per token (sum of its
-    neurons' frequencies); group_bytes[l]: bytes of one group (gate+up+down rows)."""
+    neurons' frequencies); group_bytes[l]: bytes of one group (gate+up+down rows);
+    types[l]: the layer's FFN weight type (its measured matvec rates)."""
     L = len(freqs)
     if len(group_bytes) != L:
         raise PlanError("one group size per layer is needed")
@@ -131,8 +153,12 @@ def solve_slots(freqs: list[np.ndarray], group_bytes: list[int], budget: int, hw
     gpu_mass = [0.0] * L
     taken = [0] * L
 
+    tys = types or [""] * L
+    cpu_rate = [hw.cpu_rate(ty) for ty in tys]
+    gpu_rate = [hw.gpu_rate(ty) for ty in tys]
+
     def t(l: int, cm: float, gm: float) -> float:
-        return max(cm * per_row[l] / (hw.cpu_gbs * 1e9), gm * per_row[l] / (hw.gpu_gbs * 1e9))
+        return max(cm * per_row[l] / cpu_rate[l], gm * per_row[l] / gpu_rate[l])
 
     def gain(l: int) -> float:
         if taken[l] >= len(order[l]):
@@ -206,7 +232,7 @@ class Plan:
         out = [f"plan for {self.model}: budget {self.budget / GiB:.2f} GiB "
                f"(reserved {self.reserved / MiB:.0f} MiB for KV cache and compute buffers)",
                f"hardware: CPU {self.hw.cpu_gbs:g} GB/s, GPU {self.hw.gpu_gbs:g} GB/s, "
-               f"hand-off {self.hw.handoff_us:g} µs",
+               f"hand-off {self.hw.handoff_us:g} µs" + _rates_text(self.hw),
                f"dense tensors on the GPU: {len(self.dense_gpu)} of {len(self.dense_gpu) + len(self.dense_cpu)} "
                f"({self.bytes.get('dense_gpu', 0) / MiB:.0f} MiB): modelled {s.get('dense', 0) * 1e3:.2f} ms/token",
                f"FFN slots: {sum(map(len, self.slots))} groups of {sum(self.n_groups)} "
@@ -217,6 +243,12 @@ class Plan:
             out.append(f"  layer {l:3d}: {len(sl):5d} / {ng:5d}  {sh:.2f}")
         out.append("dense on the GPU: " + (", ".join(self.dense_gpu) or "none"))
         return "\n".join(out)
+
+
+def _rates_text(hw: HwProfile) -> str:
+    def one(side: str, r: dict[str, float]) -> str:
+        return f"; {side} matvec " + ", ".join(f"{t} {v:.1f}" for t, v in sorted(r.items())) + " GB/s" if r else ""
+    return one("CPU", hw.cpu_type_gbs) + one("GPU", hw.gpu_type_gbs)
 
 
 FFN_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight$")
@@ -236,13 +268,16 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
     arch = hdr.kv["general.architecture"]
     n_layer = int(hdr.kv[f"{arch}.block_count"])
     ffn_bytes = [0] * n_layer
+    ffn_type = [""] * n_layer  # the gate's: most of a neuron's bytes are read at its type
     dense: list[DenseItem] = []
     for t in hdr.tensors:
         m = FFN_RE.match(t.name)
         if m:
             ffn_bytes[int(m.group(1))] += t.nbytes
+            if m.group(2) == "gate":
+                ffn_type[int(m.group(1))] = _type_name(t.type_id)
         elif t.name != "token_embd.weight" and len(t.ne) >= 2:  # the embedding is a row lookup
-            dense.append(DenseItem(t.name, t.nbytes))
+            dense.append(DenseItem(t.name, t.nbytes, _type_name(t.type_id)))
     order = {"output.weight": 10**9}
 
     def key(it: DenseItem) -> tuple[int, str]:
@@ -278,13 +313,21 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
     # the runtime's measured per-layer costs.
     on_gpu, t_dense = solve_dense(dense, int(avail * 0.75), hw)
     used = sum(it.nbytes for it, g in zip(dense, on_gpu) if g)
-    slots, t_ffn = solve_slots(freqs, gbytes, avail - used, hw, rows)
+    slots, t_ffn = solve_slots(freqs, gbytes, avail - used, hw, rows, ffn_type)
     share = [float(np.sum(f[s]) / max(np.sum(f), 1e-30)) for f, s in zip(freqs, slots)]
     return Plan(Path(model_path).name, budget, hw, [it.name for it, g in zip(dense, on_gpu) if g],
                 [it.name for it, g in zip(dense, on_gpu) if not g], [s.tolist() for s in slots], n_groups,
                 reserved, {"dense": t_dense, "ffn": t_ffn},
                 {"dense_gpu": used, "slots": sum(len(s) * b for s, b in zip(slots, gbytes))}, share,
                 [min(n_ff, len(s) * r) for s, r in zip(slots, rows)])
+
+
+def _type_name(type_id: int) -> str:
+    import gguf
+    try:
+        return gguf.GGMLQuantizationType(type_id).name.lower()
+    except ValueError:
+        return ""
 
 
 @dataclass(frozen=True)
