@@ -91,6 +91,71 @@ def test_residents_are_the_most_active_neurons(synth_model: Path) -> None:
         llm.close()
 
 
+@pytest.mark.parametrize("mode", ["exact", "predicted"])
+@pytest.mark.parametrize("gpu", [False, True])
+def test_swapping_residents_between_tokens_keeps_the_output(synth_model: Path, mode: str, gpu: bool) -> None:
+    """The balancer's reloads move neurons between the two sides of the split: after any
+    swap each listed neuron is still computed exactly once, so outputs stay those of the
+    unsplit run while the residents change every token (slots on the CPU device here, in
+    GPU memory on the GPU machine)."""
+    import kairox
+    from kairox._native import has_gpu, sparse_counters
+    if gpu and not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    want_toks, want, c0 = run(synth_model, sparse=mode)
+    rng = np.random.default_rng(3)
+    where = {"n_gpu_layers": -1} if gpu else {"slots_device": "CPU"}
+    llm = kairox.Llama(str(synth_model), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
+                       verbose=False, sparse=mode, gpu_slots=[60, 100], **where)
+    try:
+        sparse_counters(reset=True)
+        llm.eval(PROMPT)
+        toks, moved = [], 0
+        for _ in range(N_GEN):
+            toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            for il, S in enumerate([60, 100]):
+                res = llm.slot_residents(il)
+                out = sorted(set(range(N_FF)) - set(res))
+                k = int(rng.integers(0, 12))
+                ev = rng.choice(res, k, replace=False).tolist()
+                ad = rng.choice(out, k + (1 if len(res) < S else 0), replace=False).tolist()
+                llm.swap_slots(il, evict=ev, admit=ad)
+                now = llm.slot_residents(il)
+                assert sorted(now) == sorted(set(res) - set(ev) | set(ad)) and len(now) <= S
+                moved += len(ad)
+            llm.eval([toks[-1]])
+        got, c = np.array(llm.scores[:llm.n_tokens]), sparse_counters(reset=True)
+    finally:
+        llm.close()
+    assert moved > N_GEN * 5
+    assert toks == want_toks
+    if gpu:  # CUDA kernels vs the CPU's: rounding (as test_gpu_hybrid_matches_the_cpu)
+        assert float(np.abs(got - want).max()) <= 1e-3 * float(np.abs(want).max())
+        assert c.rows > 0 and c.elsewhere > 0
+    else:
+        assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max())
+        assert c.selected == c0.selected and c.rows == c0.rows and c.elsewhere == c.selected
+
+
+def test_bad_swaps_change_nothing(synth_model: Path) -> None:
+    import kairox
+    llm = kairox.Llama(str(synth_model), sparse="exact", gpu_slots=[0, 8], slots_device="CPU", verbose=False)
+    try:
+        res = llm.slot_residents(1)
+        out = [i for i in range(N_FF) if i not in res]
+        for il, ev, ad, match in [(0, [], [1], "no neuron slots"), (1, [out[0]], [], "not resident"),
+                                  (1, [], [res[0]], "is resident"), (1, [res[0]], [out[0], out[1]], "1 slots free"),
+                                  (1, [res[0], res[0]], [], "listed twice"), (1, [], [N_FF], "out of range")]:
+            with pytest.raises(ValueError, match=match):
+                llm.swap_slots(il, evict=ev, admit=ad)
+            assert llm.slot_residents(1) == res
+        llm.swap_slots(1, evict=res[:2], admit=[])  # two empty slots ...
+        llm.swap_slots(1, admit=out[:2])             # ... refilled later
+        assert sorted(llm.slot_residents(1)) == sorted(res[2:] + out[:2])
+    finally:
+        llm.close()
+
+
 def test_slots_without_a_gpu_run_unsplit_with_a_reason(synth_model: Path) -> None:
     import kairox
     from kairox._native import has_gpu

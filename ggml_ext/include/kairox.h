@@ -52,6 +52,13 @@ LLAMA_API int64_t kx_model_slots_bytes(const struct llama_model * model);
 LLAMA_API int64_t kx_model_slots_resident(const struct llama_model * model, int32_t il, int32_t * dst,
                                           int64_t capacity);
 
+// Replaces residents of layer il's slots between decodes (no graph may run meanwhile): the
+// neurons in evict go back to the host side, those in admit take freed or empty slots
+// (rows copied from the host weights). Checked first, all or nothing; 0 or 1 with err set.
+LLAMA_API int32_t kx_model_slots_swap(struct llama_model * model, int32_t il, const int32_t * evict,
+                                      int32_t n_evict, const int32_t * admit, int32_t n_admit,
+                                      char * err, size_t err_size);
+
 // name of the buffer type holding the model tensor `name` ("CPU", "CUDA0", "CUDA_Host", ...),
 // NULL when the model has no such tensor: where a placement put each weight
 LLAMA_API const char * kx_model_tensor_buffer_type(const struct llama_model * model, const char * name);

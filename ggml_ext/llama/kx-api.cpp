@@ -92,11 +92,33 @@ int64_t kx_model_slots_resident(const llama_model * model, int32_t il, int32_t *
     if (!slots) {
         return 0;
     }
-    const std::vector<int32_t> & r = slots->layers[il].resident;
-    if (dst && capacity > 0) {
-        std::memcpy(dst, r.data(), sizeof(int32_t)*(size_t) std::min<int64_t>(capacity, (int64_t) r.size()));
+    int64_t n = 0; // slots given up and not refilled (-1) are not listed
+    for (int32_t i : slots->layers[il].resident) {
+        if (i >= 0) {
+            if (dst && n < capacity) {
+                dst[n] = i;
+            }
+            ++n;
+        }
     }
-    return (int64_t) r.size();
+    return n;
+}
+
+int32_t kx_model_slots_swap(llama_model * model, int32_t il, const int32_t * evict, int32_t n_evict,
+                            const int32_t * admit, int32_t n_admit, char * err, size_t err_size) {
+    kx_slots * slots = model && model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
+    if (!slots) {
+        kx_set_err(err, err_size, "this model has no neuron slots");
+        return 1;
+    }
+    try {
+        kx_slots_swap(*slots, *model, *model->kx_pack_ptr, il, evict, n_evict, admit, n_admit);
+    } catch (const std::exception & e) {
+        kx_set_err(err, err_size, e.what());
+        return 1;
+    }
+    kx_set_err(err, err_size, "");
+    return 0;
 }
 
 const char * kx_model_tensor_buffer_type(const llama_model * model, const char * name) {

@@ -152,3 +152,74 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
     }
     return slots;
 }
+
+void kx_slots_swap(kx_slots & slots, const llama_model & model, const kx_pack & pack, int32_t il,
+                   const int32_t * evict, int32_t n_evict, const int32_t * admit, int32_t n_admit) {
+    if (il < 0 || il >= (int32_t) slots.layers.size() || slots.layers[il].n_slots == 0) {
+        throw std::runtime_error(kx_fmt("layer %d has no neuron slots", (int) il));
+    }
+    if (n_evict < 0 || n_admit < 0 || (n_evict > 0 && !evict) || (n_admit > 0 && !admit)) {
+        throw std::runtime_error("swap: bad neuron lists");
+    }
+    kx_slot_layer & L = slots.layers[il];
+    const int64_t n_ff = pack.n_ff;
+    std::vector<int32_t> slot_of(n_ff, -1);
+    std::vector<int32_t> empty;
+    for (int64_t s = 0; s < L.n_slots; ++s) {
+        if (L.resident[s] >= 0) {
+            slot_of[L.resident[s]] = (int32_t) s;
+        } else {
+            empty.push_back((int32_t) s);
+        }
+    }
+    std::vector<uint8_t> seen(n_ff, 0);
+    for (int32_t k = 0; k < n_evict; ++k) {
+        const int32_t i = evict[k];
+        if (i < 0 || i >= n_ff || slot_of[i] < 0 || seen[i]) {
+            throw std::runtime_error(kx_fmt("swap: layer %d: neuron %d is not resident (or listed twice)", (int) il, (int) i));
+        }
+        seen[i] = 1;
+    }
+    for (int32_t k = 0; k < n_admit; ++k) {
+        const int32_t i = admit[k];
+        if (i < 0 || i >= n_ff || slot_of[i] >= 0 || seen[i]) {
+            throw std::runtime_error(kx_fmt("swap: layer %d: neuron %d is resident, out of range or listed twice", (int) il, (int) i));
+        }
+        seen[i] = 1;
+    }
+    if (n_admit > n_evict + (int32_t) empty.size()) {
+        throw std::runtime_error(kx_fmt("swap: layer %d: %d neurons to load, %d slots free after the evictions",
+                                        (int) il, (int) n_admit, (int) (n_evict + empty.size())));
+    }
+    const llama_layer & ml = model.layers[il];
+    const kx_pack_layer & pl = pack.layers[il];
+    const int32_t * down_row = pl.rowmap ? (const int32_t *) pl.rowmap->data : nullptr;
+    int32_t * coldmap = (int32_t *) L.coldmap->data;
+    int32_t * colddown = (int32_t *) L.colddown->data;
+    const int32_t none = -1;
+    for (int32_t k = 0; k < n_evict; ++k) {
+        const int32_t i = evict[k], s = slot_of[i];
+        L.resident[s] = -1;
+        empty.push_back(s);
+        // back to the host side: one active list is split by these maps
+        coldmap[i]  = i;
+        colddown[i] = down_row ? down_row[i] : i;
+        ggml_backend_tensor_set(L.slotmap, &none, (size_t) i * sizeof(int32_t), sizeof(int32_t));
+    }
+    // freed slots are refilled last-freed first; any order is valid, this one is deterministic
+    for (int32_t k = 0; k < n_admit; ++k) {
+        const int32_t i = admit[k];
+        const int32_t s = empty.back();
+        empty.pop_back();
+        const int32_t drow = down_row ? down_row[i] : i;
+        ggml_backend_tensor_set(L.gate, (const char *) ml.ffn_gate->data + (size_t) i * ml.ffn_gate->nb[1],
+                                (size_t) s * L.gate->nb[1], L.gate->nb[1]);
+        ggml_backend_tensor_set(L.up, (const char *) ml.ffn_up->data + (size_t) i * ml.ffn_up->nb[1],
+                                (size_t) s * L.up->nb[1], L.up->nb[1]);
+        ggml_backend_tensor_set(L.down, (const char *) pl.down_t->data + (size_t) drow * pl.down_t->nb[1],
+                                (size_t) s * L.down->nb[1], L.down->nb[1]);
+        ggml_backend_tensor_set(L.slotmap, &s, (size_t) i * sizeof(int32_t), sizeof(int32_t));
+        coldmap[i] = colddown[i] = -1;
+        L.resident[s] = i;
+    }
+}

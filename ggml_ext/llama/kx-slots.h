@@ -32,7 +32,7 @@ struct kx_slot_layer {
     ggml_tensor * pred_a   = nullptr; // the pack's predictor, on the slots' device
     ggml_tensor * pred_b   = nullptr;
     ggml_tensor * pred_c   = nullptr;
-    std::vector<int32_t> resident;    // neuron ids, slot order
+    std::vector<int32_t> resident;    // neuron ids, slot order; -1 for a slot given up and not refilled
 };
 
 struct kx_slots {
@@ -50,3 +50,12 @@ struct kx_slots {
 // (nullptr: the first GPU). Throws std::runtime_error with one sentence on failure.
 std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
                                          const std::vector<int64_t> & n_slots, const char * device);
+
+// Replaces residents of layer il while no graph runs: the neurons in `evict` leave their
+// slots (back to the host side of the split), the neurons in `admit` take the freed or empty
+// slots, rows copied from the host weights. Every argument is checked before anything
+// changes; throws std::runtime_error with one sentence on a bad request. This is the
+// synchronous form of the balancer's reloads (the maps and rows it must keep consistent);
+// the stream-ordered one builds on it.
+void kx_slots_swap(kx_slots & slots, const llama_model & model, const kx_pack & pack, int32_t il,
+                   const int32_t * evict, int32_t n_evict, const int32_t * admit, int32_t n_admit);

@@ -187,6 +187,9 @@ _lib.kx_model_slots_bytes.restype = ctypes.c_int64
 _lib.kx_model_slots_resident.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
 _lib.kx_model_slots_resident.restype = ctypes.c_int64
 
+_lib.kx_model_slots_swap.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
+                                     ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+_lib.kx_model_slots_swap.restype = ctypes.c_int32
 _lib.kx_model_tensor_buffer_type.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _lib.kx_model_tensor_buffer_type.restype = ctypes.c_char_p
 
@@ -416,6 +419,17 @@ class Llama(llama_cpp.Llama):
         buf = (ctypes.c_int32 * max(n, 1))()
         _lib.kx_model_slots_resident(self._model.model, il, buf, n)
         return list(buf[:n])
+
+    def swap_slots(self, il: int, evict: Sequence[int] = (), admit: Sequence[int] = ()) -> None:
+        """Between decodes: neurons `evict` leave layer il's slots, neurons `admit` take the
+        freed (or empty) slots, their rows copied from the host weights. Outputs do not
+        change, only which side computes each neuron. ValueError (nothing changed) for a
+        neuron that is not resident / already resident, or more loads than free slots."""
+        ev = (ctypes.c_int32 * max(len(evict), 1))(*evict)
+        ad = (ctypes.c_int32 * max(len(admit), 1))(*admit)
+        err = ctypes.create_string_buffer(512)
+        if _lib.kx_model_slots_swap(self._model.model, il, ev, len(evict), ad, len(admit), err, len(err)):
+            raise ValueError(err.value.decode())
 
     @property
     def pack_has_predictor(self) -> bool:
