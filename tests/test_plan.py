@@ -1,6 +1,7 @@
 """The placement solver (kairox.plan) against brute force, and `kairox plan`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -110,7 +111,7 @@ def test_profile_rates_round_trip_and_reject_nonsense() -> None:
     hw = HwProfile.from_json(d)
     assert hw.cpu_rate("q4_0") == 30e9 and hw.cpu_rate("q8_0") == 90e9  # unmeasured type: streaming read
     assert hw.gpu_rate("q4_0") == 2500e9 and hw.gpu_rate("f16") == 4000e9
-    plan_hw = json.loads(json.dumps({"hw": __import__("dataclasses").asdict(hw)}))["hw"]
+    plan_hw = json.loads(json.dumps({"hw": dataclasses.asdict(hw)}))["hw"]
     assert HwProfile.from_json(plan_hw) == hw  # a plan file keeps the rates
     with pytest.raises(ValueError, match="cpu_type_gbs"):
         HwProfile.from_json({**d, "cpu_type_gbs": {"q4_0": 0.0}})
@@ -153,3 +154,18 @@ def test_matvec_rates_are_measured_by_ggml(native: Path) -> None:
     assert set(r["cpu"]) == {"f16", "q4_0"} and all(0.1 < v < 5000 for v in r["cpu"].values())
     from kairox._native import has_gpu
     assert bool(r["gpu"]) == has_gpu()
+
+
+def test_profile_hw_says_how_it_was_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture) -> None:
+    import kairox.hw as hwmod
+    monkeypatch.setattr(hwmod, "profile", lambda threads: {
+        "cpu_gbs": 90.0, "gpu_gbs": 4000.0, "pcie_gbs": 55.0, "handoff_us": 23.5,
+        "cpu_type_gbs": {"q4_0": 40.0}, "gpu_type_gbs": {}, "details": {"gpu": True}})
+    out = tmp_path / "hw.json"
+    assert main(["profile-hw", "-t", "3", "-o", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["command"] == f"kairox profile-hw -t 3 -o {out}" and d["commit"] and "cpus" in d["machine"]
+    hw = HwProfile.from_json(d)  # the stamp does not get in the plan's way
+    assert hw.cpu_rate("q4_0") == 40e9 and hw.cpu_gbs == 90.0
+    assert "CPU matvec GB/s: q4_0 40.0" in capsys.readouterr().out

@@ -43,14 +43,14 @@ fi
     2>&1 | tee "$OUT/pytest.log" | tail -15
 echo "tests done ($(( $(date +%s) - t0 )) s)"
 df -h /tmp | tail -1
+wait_for() {  # PATTERN: until no such process runs or the call's deadline is near
+    while pgrep -f "$1" > /dev/null; do
+        [ $(( $(date +%s) - t0 )) -gt $(( ${KX_DEADLINE:-575} - 15 )) ] && return 1
+        sleep 2
+    done
+}
 for cfg in ${KX_SYNTH_BG:-}; do
     read -r pre m < <(bg_model "$cfg")
-    wait_for() {  # PATTERN: until no such process runs or the call's deadline is near
-        while pgrep -f "$1" > /dev/null; do
-            [ $(( $(date +%s) - t0 )) -gt $(( ${KX_DEADLINE:-575} - 15 )) ] && return 1
-            sleep 2
-        done
-    }
     wait_for "kairox synth --preset $pre -o" || echo "synth $cfg still running"
     echo "synth $cfg (model) done at $(( $(date +%s) - t0 )) s: $(cat "$OUT/synth-$cfg.log" 2>/dev/null | tail -1)"
     # The pack runs in its own session (setsid), so a call's end does not stop it: when it

@@ -14,7 +14,6 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <vector>
 
 #define KX_TAM_THREADS 1024
 
@@ -22,7 +21,7 @@ struct kx_tam_shared {
     unsigned int hist[256];
     unsigned long long prefix;
     int k;
-    int n_elig, n_res, n_cand, n_pool;
+    int n_elig, n_res, n_cand;
     float lam, tau;
 };
 
@@ -73,7 +72,7 @@ static __global__ void kx_tam_step_kernel(kx_tam_config cfg, kx_tam_state * st, 
         *st = s;
         sh.lam = s.lam;
         sh.tau = kx_tam_tau(&cfg, s.lam);
-        sh.n_elig = sh.n_res = sh.n_cand = sh.n_pool = 0;
+        sh.n_elig = sh.n_res = sh.n_cand = 0;
     }
     __syncthreads();
     const float lam = sh.lam, tau = sh.tau;

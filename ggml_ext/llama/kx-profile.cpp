@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <vector>
 
 // a row of deterministic pseudo-random values in [-1, 1): weights only need realistic

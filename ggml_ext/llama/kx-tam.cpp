@@ -4,7 +4,6 @@
 #include "kx-tam.h"
 
 #include <algorithm>
-#include <cstring>
 #include <functional>
 #include <vector>
 

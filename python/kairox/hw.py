@@ -187,6 +187,10 @@ def profile(threads: int | None = None) -> dict[str, Any]:
 def cmd_profile_hw(args: argparse.Namespace) -> int:
     print("kairox profile-hw: measuring (CPU read, GPU HBM, PCIe by transfer size, matvec per weight type; ~1 min)...", file=sys.stderr)
     prof = profile(args.threads)
+    # how it was measured (HwProfile.from_json reads only its own keys)
+    from .bench import git_commit, machine_facts
+    prof.update(command=f"kairox profile-hw{'' if args.threads is None else f' -t {args.threads}'} -o {args.output}",
+                commit=git_commit(), machine=machine_facts())
     try:
         Path(args.output).write_text(json.dumps(prof, indent=1) + "\n")
     except OSError as e:
