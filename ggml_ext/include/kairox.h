@@ -3,6 +3,7 @@
 #pragma once
 
 #include "llama.h"
+#include "kx-tam.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -58,6 +59,53 @@ LLAMA_API int64_t kx_model_slots_resident(const struct llama_model * model, int3
 LLAMA_API int32_t kx_model_slots_swap(struct llama_model * model, int32_t il, const int32_t * evict,
                                       int32_t n_evict, const int32_t * admit, int32_t n_admit,
                                       char * err, size_t err_size);
+
+// ---------------------------------------------------------------- live balancer
+// Moves neurons between the two sides of every hybrid layer while decoding: after each decode,
+// kx_context_balance commits the reloads that have landed, applies the last decision and
+// queues its loads on a reload stream (rows from the page-locked host weights), and decides
+// the next step from the decode's active lists (TAM, include/kx-tam.h) on a worker thread
+// while the next decode runs. A neuron enters the slot map only after its rows have landed,
+// so outputs are those of the static split whatever the reloads do.
+struct kx_balance_params {
+    struct kx_tam_config tam;
+    double  cpu_gbs;     // matvec rates of the stall model (a step whose host part outlasts its
+    double  gpu_gbs;     // device part is a CPU stall); <= 0: 100 and 2000 GB/s
+    int32_t method;      // enum kx_reload_method (include/kx-reload.h); 0: the gather kernel
+    int32_t max_blocks;  // the gather kernel's grid cap (its share of the GPU)
+    int32_t sync_decide; // 1: decide on the calling thread (measures the decision's cost)
+    int32_t record;      // 1: keep every step's active lists (kx_model_balance_activity; tests)
+};
+
+// one layer's step: the decode's activity, what ran on the GPU, what the step decided
+struct kx_balance_record {
+    int32_t step;
+    int32_t layer;
+    int32_t n_active;     // neurons listed by the decode
+    int32_t n_hit;        // of those, resident (computed from the slots)
+    int32_t n_load;       // neurons the step decided to load
+    int32_t n_evict;
+    int32_t stall;        // enum kx_tam_stall the step was decided with
+    float   lam;          // λ after the step
+    float   wait_us;      // time the boundary waited for the previous reloads
+    float   decide_us;    // time of the layer's decision
+    int64_t reload_bytes; // bytes the loads move
+};
+
+// Starts (params non-NULL) or stops the balancer on the model's slots. 0, or 1 with err set.
+LLAMA_API int32_t kx_model_balancer_start(struct llama_model * model, const struct kx_balance_params * params,
+                                          char * err, size_t err_size);
+// One boundary: call after each decode of a context using the model (0, or 1 with err set;
+// 0 and nothing done without a balancer). Synchronizes the context first.
+LLAMA_API int32_t kx_context_balance(struct llama_context * ctx, char * err, size_t err_size);
+// Applies and lands everything decided so far (the slots then hold the decided residents).
+LLAMA_API int32_t kx_model_balance_drain(struct llama_model * model, char * err, size_t err_size);
+// Copies up to capacity records (steps in order, layers within a step); returns how many exist.
+LLAMA_API int64_t kx_model_balance_trace(struct llama_model * model, struct kx_balance_record * dst, int64_t capacity);
+// Record mode: the active ids of hybrid layer il at step; returns the count (-1: none kept).
+LLAMA_API int64_t kx_model_balance_activity(struct llama_model * model, int64_t step, int32_t il, int32_t * dst,
+                                            int64_t capacity);
+// The CUDA reload benchmark (libggml-cuda, cuda/kx-reload.cu; by dlsym): kx_cuda_reload_bench.
 
 // name of the buffer type holding the model tensor `name` ("CPU", "CUDA0", "CUDA_Host", ...),
 // NULL when the model has no such tensor: where a placement put each weight

@@ -1,5 +1,6 @@
 // The kairox C API (include/kairox.h) on top of libllama's internals.
 #include "kairox.h"
+#include "kx-balance.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
 
@@ -7,6 +8,7 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 
+#include <algorithm>
 #include <cstring>
 
 static void kx_set_err(char * err, size_t err_size, const std::string & msg) {
@@ -119,6 +121,96 @@ int32_t kx_model_slots_swap(llama_model * model, int32_t il, const int32_t * evi
     }
     kx_set_err(err, err_size, "");
     return 0;
+}
+
+int32_t kx_model_balancer_start(llama_model * model, const kx_balance_params * params, char * err, size_t err_size) {
+    kx_slots * slots = model && model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
+    if (!slots) {
+        kx_set_err(err, err_size, "the balancer needs neuron slots, and this model has none");
+        return 1;
+    }
+    try {
+        slots->balancer.reset();
+        if (params) {
+            slots->balancer = kx_balancer_new(*slots, *model, *model->kx_pack_ptr, *params);
+        }
+    } catch (const std::exception & e) {
+        slots->balancer.reset();
+        kx_set_err(err, err_size, e.what());
+        return 1;
+    }
+    kx_set_err(err, err_size, "");
+    return 0;
+}
+
+static kx_balancer * kx_model_balancer(const llama_model * model) {
+    kx_slots * slots = model && model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
+    return slots ? slots->balancer.get() : nullptr;
+}
+
+int32_t kx_context_balance(llama_context * ctx, char * err, size_t err_size) {
+    if (!ctx) {
+        kx_set_err(err, err_size, "kx_context_balance: no context");
+        return 1;
+    }
+    const llama_model & model = ctx->get_model();
+    kx_balancer * b = kx_model_balancer(&model);
+    if (!b) {
+        return 0;
+    }
+    ctx->synchronize(); // the decode's graph has finished reading the maps and slots
+    try {
+        kx_balance_step(*b, *model.kx_pack_ptr->slots, model, *model.kx_pack_ptr);
+    } catch (const std::exception & e) {
+        kx_set_err(err, err_size, e.what());
+        return 1;
+    }
+    return 0;
+}
+
+int32_t kx_model_balance_drain(llama_model * model, char * err, size_t err_size) {
+    kx_balancer * b = kx_model_balancer(model);
+    if (!b) {
+        kx_set_err(err, err_size, "this model has no balancer");
+        return 1;
+    }
+    try {
+        kx_balance_drain(*b, *model->kx_pack_ptr->slots, *model, *model->kx_pack_ptr);
+    } catch (const std::exception & e) {
+        kx_set_err(err, err_size, e.what());
+        return 1;
+    }
+    return 0;
+}
+
+int64_t kx_model_balance_trace(llama_model * model, kx_balance_record * dst, int64_t capacity) {
+    kx_balancer * b = kx_model_balancer(model);
+    if (!b) {
+        return 0;
+    }
+    kx_balance_drain_decision(*b); // the running decision fills the newest records
+    const int64_t n = (int64_t) b->trace.size();
+    if (dst) {
+        std::copy(b->trace.begin(), b->trace.begin() + std::min(n, capacity), dst);
+    }
+    return n;
+}
+
+int64_t kx_model_balance_activity(llama_model * model, int64_t step, int32_t il, int32_t * dst, int64_t capacity) {
+    kx_balancer * b = kx_model_balancer(model);
+    if (!b || step < 0 || step >= b->step || !b->params.record) {
+        return -1;
+    }
+    for (size_t l = 0; l < b->layers.size(); ++l) {
+        if (b->layers[l].il == il) {
+            const std::vector<int32_t> & a = b->activity[(size_t) step * b->layers.size() + l];
+            if (dst) {
+                std::copy(a.begin(), a.begin() + std::min<int64_t>((int64_t) a.size(), capacity), dst);
+            }
+            return (int64_t) a.size();
+        }
+    }
+    return -1;
 }
 
 const char * kx_model_tensor_buffer_type(const llama_model * model, const char * name) {

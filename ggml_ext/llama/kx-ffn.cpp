@@ -79,6 +79,9 @@ static ggml_tensor * kx_build_ffn_hybrid(
         sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
     g.cb(sel, "kx_sel", il);
+    // the balancer's view of this decode: the list, copied on the CPU beside the host part
+    // (which receives the list anyway); a few KiB per layer
+    ggml_build_forward_expand(g.gf, on_cpu(ggml_cpy(ctx0, sel, H.seen)));
 
     // host part (neurons not resident): coldmap sends the resident ones to -1
     ggml_tensor * gc = g_all ? g_all : on_cpu(ggml_kx_mul_mat_rows(ctx0, gate, cur, sel, H.coldmap));

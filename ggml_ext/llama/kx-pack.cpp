@@ -4,6 +4,7 @@
 // tests/test_sparse.py feeds both the same broken packs. Every refusal is one sentence
 // naming the check that failed, so the caller can print it and keep running dense.
 #include "kx-pack.h"
+#include "kx-slots.h"
 
 #include "llama-arch.h"
 #include "llama-model.h"
@@ -187,6 +188,7 @@ std::string kx_fmt(const char * format, ...) {
 }
 
 kx_pack::~kx_pack() {
+    slots.reset(); // before the buffer: a balancer's reloads read it
     if (buf) { ggml_backend_buffer_free(buf); }
     if (ctx) { ggml_free(ctx); }
 }

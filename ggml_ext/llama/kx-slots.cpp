@@ -1,5 +1,6 @@
 // GPU neuron slots (kx-slots.h): allocation and the one-time fill at load.
 #include "kx-slots.h"
+#include "kx-balance.h"
 #include "kx-pack.h"
 
 #include "llama-model.h"
@@ -11,6 +12,7 @@
 #include <stdexcept>
 
 kx_slots::~kx_slots() {
+    balancer.reset(); // its reloads write into buf_dev and read host memory it registered
     ggml_backend_buffer_free(buf_dev);
     ggml_backend_buffer_free(buf_host);
     ggml_free(ctx_dev);
@@ -56,7 +58,7 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
     slots->layers.resize(n_layer);
 
     // pass 1: checks and tensor shapes
-    ggml_init_params ip = { ggml_tensor_overhead()*(size_t) (9*n_layer + 1), nullptr, true };
+    ggml_init_params ip = { ggml_tensor_overhead()*(size_t) (10*n_layer + 1), nullptr, true };
     slots->ctx_dev  = ggml_init(ip);
     slots->ctx_host = ggml_init(ip);
     for (int64_t il = 0; il < n_layer; ++il) {
@@ -96,6 +98,8 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         L.colddown = ggml_new_tensor_1d(slots->ctx_host, GGML_TYPE_I32, n_ff);
         ggml_format_name(L.coldmap, "blk.%d.kx_coldmap", (int) il);
         ggml_format_name(L.colddown, "blk.%d.kx_colddown", (int) il);
+        L.seen = ggml_new_tensor_1d(slots->ctx_host, GGML_TYPE_I32, n_ff + 1);
+        ggml_format_name(L.seen, "blk.%d.kx_seen", (int) il);
     }
     if (!ggml_get_first_tensor(slots->ctx_dev)) {
         return slots; // no layer has slots: everything stays on the host
@@ -144,6 +148,7 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         ggml_backend_tensor_set(L.slotmap, slotmap.data(), 0, ggml_nbytes(L.slotmap));
         std::memcpy(L.coldmap->data, coldmap.data(), ggml_nbytes(L.coldmap));
         std::memcpy(L.colddown->data, colddown.data(), ggml_nbytes(L.colddown));
+        ((int32_t *) L.seen->data)[0] = -1; // no decode recorded yet
         if (L.pred_a) {
             ggml_backend_tensor_set(L.pred_a, pl.pred_a->data, 0, ggml_nbytes(pl.pred_a));
             ggml_backend_tensor_set(L.pred_b, pl.pred_b->data, 0, ggml_nbytes(pl.pred_b));

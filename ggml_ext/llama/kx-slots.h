@@ -20,6 +20,7 @@
 
 struct llama_model;
 struct kx_pack;
+struct kx_balancer;
 
 struct kx_slot_layer {
     int64_t n_slots = 0;
@@ -32,6 +33,8 @@ struct kx_slot_layer {
     ggml_tensor * pred_a   = nullptr; // the pack's predictor, on the slots' device
     ggml_tensor * pred_b   = nullptr;
     ggml_tensor * pred_c   = nullptr;
+    ggml_tensor * seen     = nullptr; // host, I32 [n_ff + 1]: the last decode's active list (the
+                                      // graph copies it here; the balancer reads and clears it)
     std::vector<int32_t> resident;    // neuron ids, slot order; -1 for a slot given up and not refilled
 };
 
@@ -43,6 +46,7 @@ struct kx_slots {
     ggml_backend_buffer_t buf_dev  = nullptr;
     ggml_backend_buffer_t buf_host = nullptr;
     size_t bytes_dev = 0;             // device memory held (counts against the VRAM budget)
+    std::unique_ptr<kx_balancer> balancer; // the live balancer, when started (kx-balance.h)
     ~kx_slots();
 };
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from ._native import load_llama_cpp
 from .budget import VramBudgetError, VramReport
+from .tam import _Config as _TamConfig
 
 llama_cpp = load_llama_cpp()
 _C = llama_cpp.llama_cpp
@@ -38,6 +39,7 @@ _BASE_KWARGS = frozenset(
 
 
 SPARSE_MODES = ("dense", "exact", "predicted")
+RELOAD_METHODS = ("gather", "memcpy", "batch")  # enum kx_reload_method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +62,26 @@ class KairoxOptions:
     # is then read, not mapped, unless use_mmap=True is given), so prefill batches offloaded
     # to the GPU copy them at PCIe speed. False: pages mapped from the file (no pinned RAM).
     pinned: bool = True
+    # live balancer (hybrid only): after every decode, neurons move between the two sides by
+    # the TAM policy, reloads behind the next decode. A kairox.balancer.BalancerConfig, or
+    # True for its defaults. None / False: the static split.
+    balancer: Any = None
+    reload_method: str = "gather"    # gather (zero-copy kernel) | memcpy | batch: how reloads move rows
+    balancer_record: bool = False    # keep every step's active lists (balance_activity; tests)
 
     def __post_init__(self) -> None:
         self._check_sparse()
+        if self.balancer is not None and self.balancer is not False:
+            from .balancer import BalancerConfig
+            if self.balancer is True:
+                object.__setattr__(self, "balancer", BalancerConfig())
+            elif not isinstance(self.balancer, BalancerConfig):
+                raise TypeError(f"balancer must be a kairox.balancer.BalancerConfig or True, not {self.balancer!r}")
+            if not self.wants_slots:
+                raise ValueError("the balancer moves neurons between GPU slots and the CPU: give gpu_slots, "
+                                 "vram_budget or a plan")
+        if self.reload_method not in RELOAD_METHODS:
+            raise ValueError(f"reload_method must be one of {', '.join(RELOAD_METHODS)}, not {self.reload_method!r}")
         if self.vram_budget is not None:
             from .plan import parse_size
             b = self.vram_budget
@@ -190,6 +209,33 @@ _lib.kx_model_slots_resident.restype = ctypes.c_int64
 _lib.kx_model_slots_swap.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
                                      ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
 _lib.kx_model_slots_swap.restype = ctypes.c_int32
+
+
+class _BalanceParams(ctypes.Structure):  # struct kx_balance_params
+    _fields_ = [("tam", _TamConfig), ("cpu_gbs", ctypes.c_double), ("gpu_gbs", ctypes.c_double),
+                ("method", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("sync_decide", ctypes.c_int32),
+                ("record", ctypes.c_int32)]
+
+
+class BalanceRecord(ctypes.Structure):  # struct kx_balance_record
+    _fields_ = [("step", ctypes.c_int32), ("layer", ctypes.c_int32), ("n_active", ctypes.c_int32),
+                ("n_hit", ctypes.c_int32), ("n_load", ctypes.c_int32), ("n_evict", ctypes.c_int32),
+                ("stall", ctypes.c_int32), ("lam", ctypes.c_float), ("wait_us", ctypes.c_float),
+                ("decide_us", ctypes.c_float), ("reload_bytes", ctypes.c_int64)]
+
+
+_lib.kx_model_balancer_start.argtypes = [ctypes.c_void_p, ctypes.POINTER(_BalanceParams), ctypes.c_char_p,
+                                         ctypes.c_size_t]
+_lib.kx_model_balancer_start.restype = ctypes.c_int32
+_lib.kx_context_balance.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+_lib.kx_context_balance.restype = ctypes.c_int32
+_lib.kx_model_balance_drain.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+_lib.kx_model_balance_drain.restype = ctypes.c_int32
+_lib.kx_model_balance_trace.argtypes = [ctypes.c_void_p, ctypes.POINTER(BalanceRecord), ctypes.c_int64]
+_lib.kx_model_balance_trace.restype = ctypes.c_int64
+_lib.kx_model_balance_activity.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
+                                           ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
+_lib.kx_model_balance_activity.restype = ctypes.c_int64
 _lib.kx_model_tensor_buffer_type.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _lib.kx_model_tensor_buffer_type.restype = ctypes.c_char_p
 
@@ -342,6 +388,8 @@ class Llama(llama_cpp.Llama):
                 counts = [0] * n_layer  # a budget without a GPU to hold anything
             if not self._kx_set_slots(counts, mode):
                 return
+            if opts.balancer:
+                self.start_balancer(opts.balancer)
             if budgeted:
                 used = self._kx_warm_used()
                 if used > b and opts.gpu_slots is None and self._kx_plan is None:
@@ -430,6 +478,67 @@ class Llama(llama_cpp.Llama):
         err = ctypes.create_string_buffer(512)
         if _lib.kx_model_slots_swap(self._model.model, il, ev, len(evict), ad, len(admit), err, len(err)):
             raise ValueError(err.value.decode())
+
+    def start_balancer(self, config: Any = True, *, sync_decide: bool = False, max_blocks: int = 32,
+                       cpu_gbs: float = 0.0, gpu_gbs: float = 0.0) -> None:
+        """Starts the live balancer on this model's slots (a BalancerConfig, True for the
+        defaults, None to stop it): from the next decode on, every eval() ends with a
+        balancing step. ValueError without slots or with a bad configuration.
+        cpu_gbs / gpu_gbs: matvec rates of the stall model (0: 100 / 2000 GB/s);
+        max_blocks: the gather kernel's share of the GPU."""
+        from .balancer import BalancerConfig
+        from .tam import native_config
+        err = ctypes.create_string_buffer(1024)
+        if config is None or config is False:
+            _lib.kx_model_balancer_start(self._model.model, None, err, 1024)
+            self._kx_balancing = False
+            return
+        cfg = BalancerConfig() if config is True else config
+        p = _BalanceParams(native_config(cfg), cpu_gbs, gpu_gbs, RELOAD_METHODS.index(self.kx_options.reload_method),
+                           max_blocks, int(sync_decide), int(self.kx_options.balancer_record))
+        if _lib.kx_model_balancer_start(self._model.model, ctypes.byref(p), err, 1024):
+            raise ValueError(err.value.decode("utf-8", "replace"))
+        self._kx_balancing = True
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        super().eval(tokens)
+        if getattr(self, "_kx_balancing", False):
+            self.balance()
+
+    def balance(self) -> None:
+        """One balancing step (eval() calls it after each decode while a balancer runs)."""
+        err = ctypes.create_string_buffer(1024)
+        if _lib.kx_context_balance(self._ctx.ctx, err, 1024):
+            raise RuntimeError(err.value.decode("utf-8", "replace"))
+
+    def drain_balancer(self) -> None:
+        """Applies every decision made so far and waits for its reloads."""
+        err = ctypes.create_string_buffer(1024)
+        if _lib.kx_model_balance_drain(self._model.model, err, 1024):
+            raise ValueError(err.value.decode("utf-8", "replace"))
+
+    def balance_trace(self) -> list[dict[str, Any]]:
+        """Every balancing step so far, one dict per step and hybrid layer (struct
+        kx_balance_record: active and hit counts, loads, evictions, stall, λ, waits)."""
+        n = _lib.kx_model_balance_trace(self._model.model, None, 0)
+        arr = (BalanceRecord * max(n, 1))()
+        n = min(n, _lib.kx_model_balance_trace(self._model.model, arr, n))
+        from .balancer import STALLS
+        out = []
+        for r in arr[:n]:
+            d = {f: getattr(r, f) for f, _ in BalanceRecord._fields_}
+            d["stall"] = STALLS[d["stall"]]
+            out.append(d)
+        return out
+
+    def balance_activity(self, step: int, il: int) -> list[int]:
+        """Record mode: the active neurons of layer il that step `step` was decided from."""
+        n = _lib.kx_model_balance_activity(self._model.model, step, il, None, 0)
+        if n < 0:
+            raise ValueError(f"no activity kept for step {step}, layer {il} (balancer_record=True keeps it)")
+        arr = (ctypes.c_int32 * max(n, 1))()
+        _lib.kx_model_balance_activity(self._model.model, step, il, arr, n)
+        return list(arr[:n])
 
     @property
     def pack_has_predictor(self) -> bool:

@@ -1,0 +1,478 @@
+// The CUDA reload engine (include/kx-reload.h): neuron rows from page-locked host memory into
+// slot buffers on a stream of its own, by one of three transfer methods, and the synchronous
+// slot-map stores that publish a finished reload. Handed to libllama by the CUDA registry as
+// "kx_reload_iface" (patches/0006).
+//
+// Why a gather kernel: slot rows are scattered in the host weights (one 4-8 KiB row per
+// neuron and matrix), and the copy engine moves small separate copies slowly
+// (../shared/reference/hardware.md: 2.9 GB/s for random 8 KiB rows, 13 GB/s batched), while
+// SM threads reading mapped page-locked memory keep enough PCIe reads in flight for
+// 30-50 GB/s. The kernel's grid is capped (max_blocks) so it never holds more than a
+// slice of the GPU beside the decode's kernels; the copy engines stay free for the
+// decode's own transfers. kx_cuda_reload_bench measures the three methods.
+#include "kx-reload.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#define KX_RELOAD_THREADS 256
+
+#define KX_RELOAD_CHECK(x, ret)                                                              \
+    do {                                                                                     \
+        cudaError_t e_ = (x);                                                                \
+        if (e_ != cudaSuccess) {                                                             \
+            fprintf(stderr, "kx reload: %s: %s\n", #x, cudaGetErrorString(e_));              \
+            return ret;                                                                      \
+        }                                                                                    \
+    } while (0)
+
+namespace {
+
+struct kx_host_range {
+    uintptr_t host;
+    uintptr_t dev;
+    size_t    size;
+    bool      registered; // by us: unregistered at destroy
+};
+
+struct kx_cuda_reload {
+    int device = 0;
+    int method = KX_RELOAD_GATHER;
+    int max_blocks = 64;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t done = nullptr;
+    bool pending = false;
+    std::vector<kx_host_range> ranges;     // sorted by host address
+    kx_row_copy * staging = nullptr;       // page-locked descriptors the gather kernel reads
+    int64_t staging_cap = 0;
+    kx_i32_write * wstage = nullptr;
+    int64_t wstage_cap = 0;
+};
+
+} // namespace
+
+// each block walks copies b, b + grid, ...; 16-byte words where both ends are aligned
+static __global__ void kx_reload_gather_kernel(const kx_row_copy * copies, int64_t n) {
+    for (int64_t c = blockIdx.x; c < n; c += gridDim.x) {
+        const kx_row_copy cp = copies[c];
+        const char * src = (const char *) cp.src;
+        char * dst = (char *) cp.dst;
+        if ((((uintptr_t) src | (uintptr_t) dst) & 15) == 0) {
+            const int64_t nw = (int64_t) (cp.bytes / 16);
+            for (int64_t w = threadIdx.x; w < nw; w += blockDim.x) {
+                ((uint4 *) dst)[w] = ((const uint4 *) src)[w];
+            }
+            for (int64_t b = nw * 16 + threadIdx.x; b < (int64_t) cp.bytes; b += blockDim.x) {
+                dst[b] = src[b];
+            }
+        } else {
+            for (int64_t b = threadIdx.x; b < (int64_t) cp.bytes; b += blockDim.x) {
+                dst[b] = src[b];
+            }
+        }
+    }
+}
+
+static __global__ void kx_reload_write_kernel(const kx_i32_write * w, int64_t n) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        *w[i].dst = w[i].value;
+    }
+}
+
+// the device address of a host byte, through the registered range holding it; 0 if none
+static uintptr_t kx_reload_dev_addr(const kx_cuda_reload & r, const void * host) {
+    const uintptr_t h = (uintptr_t) host;
+    auto it = std::upper_bound(r.ranges.begin(), r.ranges.end(), h,
+                               [](uintptr_t v, const kx_host_range & x) { return v < x.host; });
+    if (it == r.ranges.begin()) {
+        return 0;
+    }
+    --it;
+    return h < it->host + it->size ? it->dev + (h - it->host) : 0;
+}
+
+template <typename T>
+static bool kx_reload_grow(T *& buf, int64_t & cap, int64_t n) {
+    if (n <= cap) {
+        return true;
+    }
+    const int64_t c = std::max<int64_t>(n, 2 * cap + 1024);
+    cudaFreeHost(buf);
+    buf = nullptr;
+    cap = 0;
+    if (cudaMallocHost((void **) &buf, (size_t) c * sizeof(T)) != cudaSuccess) {
+        buf = nullptr;
+        return false;
+    }
+    cap = c;
+    return true;
+}
+
+static double kx_reload_wait(void * p) {
+    auto * r = (kx_cuda_reload *) p;
+    if (!r->pending) {
+        return 0.0;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    KX_RELOAD_CHECK(cudaEventSynchronize(r->done), -1.0);
+    r->pending = false;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+static int32_t kx_reload_query(void * p) {
+    auto * r = (kx_cuda_reload *) p;
+    if (!r->pending) {
+        return 1;
+    }
+    const cudaError_t e = cudaEventQuery(r->done);
+    if (e == cudaSuccess) {
+        r->pending = false;
+        return 1;
+    }
+    if (e == cudaErrorNotReady) {
+        return 0;
+    }
+    fprintf(stderr, "kx reload: cudaEventQuery: %s\n", cudaGetErrorString(e));
+    return -1;
+}
+
+static void kx_reload_destroy(void * p) {
+    auto * r = (kx_cuda_reload *) p;
+    if (!r) {
+        return;
+    }
+    cudaSetDevice(r->device);
+    if (r->stream) {
+        cudaStreamSynchronize(r->stream);
+    }
+    for (const kx_host_range & x : r->ranges) {
+        if (x.registered) {
+            cudaHostUnregister((void *) x.host);
+        }
+    }
+    cudaFreeHost(r->staging);
+    cudaFreeHost(r->wstage);
+    if (r->done) {
+        cudaEventDestroy(r->done);
+    }
+    if (r->stream) {
+        cudaStreamDestroy(r->stream);
+    }
+    delete r;
+}
+
+static void * kx_reload_create(int32_t device, int32_t method, int32_t max_blocks) {
+    if (method < KX_RELOAD_GATHER || method > KX_RELOAD_BATCH || max_blocks <= 0) {
+        fprintf(stderr, "kx reload: bad method %d or block cap %d\n", (int) method, (int) max_blocks);
+        return nullptr;
+    }
+#if CUDART_VERSION < 12080
+    if (method == KX_RELOAD_BATCH) {
+        fprintf(stderr, "kx reload: cudaMemcpyBatchAsync needs CUDA 12.8 or newer\n");
+        return nullptr;
+    }
+#endif
+    auto * r = new kx_cuda_reload;
+    r->device = device;
+    r->method = method;
+    r->max_blocks = max_blocks;
+    if (cudaSetDevice(device) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&r->stream, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&r->done, cudaEventDisableTiming) != cudaSuccess) {
+        fprintf(stderr, "kx reload: cannot create a stream on device %d\n", (int) device);
+        kx_reload_destroy(r);
+        return nullptr;
+    }
+    return r;
+}
+
+static int32_t kx_reload_host_register(void * p, void * ptr, size_t size) {
+    auto * r = (kx_cuda_reload *) p;
+    if (!ptr || size == 0) {
+        return 1;
+    }
+    KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
+    if (kx_reload_dev_addr(*r, ptr) && kx_reload_dev_addr(*r, (const char *) ptr + size - 1)) {
+        return 0; // already covered
+    }
+    kx_host_range x = { (uintptr_t) ptr, 0, size, false };
+    void * dev = nullptr;
+    cudaPointerAttributes at;
+    if (cudaPointerGetAttributes(&at, ptr) == cudaSuccess && at.type == cudaMemoryTypeHost) {
+        // page-locked already (a CUDA host buffer): only its device address is needed
+        KX_RELOAD_CHECK(cudaHostGetDevicePointer(&dev, ptr, 0), 3);
+    } else {
+        cudaGetLastError(); // cudaPointerGetAttributes may leave an error for plain memory
+        KX_RELOAD_CHECK(cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterMapped), 4);
+        x.registered = true;
+        KX_RELOAD_CHECK(cudaHostGetDevicePointer(&dev, ptr, 0), 5);
+    }
+    x.dev = (uintptr_t) dev;
+    r->ranges.insert(std::upper_bound(r->ranges.begin(), r->ranges.end(), x,
+                                      [](const kx_host_range & a, const kx_host_range & b) { return a.host < b.host; }),
+                     x);
+    return 0;
+}
+
+static int32_t kx_reload_copy(void * p, const kx_row_copy * c, int64_t n) {
+    auto * r = (kx_cuda_reload *) p;
+    if (n <= 0) {
+        return 0;
+    }
+    KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
+    if (kx_reload_wait(r) < 0) { // the staging below is still read by the last batch
+        return 3;
+    }
+    switch (r->method) {
+        case KX_RELOAD_GATHER: {
+            if (!kx_reload_grow(r->staging, r->staging_cap, n)) {
+                return 4;
+            }
+            for (int64_t i = 0; i < n; ++i) {
+                const uintptr_t s = kx_reload_dev_addr(*r, c[i].src);
+                if (!s) {
+                    fprintf(stderr, "kx reload: source %p was not registered\n", c[i].src);
+                    return 5;
+                }
+                r->staging[i] = { (const void *) s, c[i].dst, c[i].bytes };
+            }
+            kx_row_copy * d_copies = nullptr;
+            KX_RELOAD_CHECK(cudaHostGetDevicePointer((void **) &d_copies, r->staging, 0), 6);
+            const int grid = (int) std::min<int64_t>(n, r->max_blocks);
+            kx_reload_gather_kernel<<<grid, KX_RELOAD_THREADS, 0, r->stream>>>(d_copies, n);
+            KX_RELOAD_CHECK(cudaGetLastError(), 7);
+            break;
+        }
+        case KX_RELOAD_MEMCPY:
+            for (int64_t i = 0; i < n; ++i) {
+                KX_RELOAD_CHECK(cudaMemcpyAsync(c[i].dst, c[i].src, c[i].bytes, cudaMemcpyHostToDevice, r->stream), 8);
+            }
+            break;
+        case KX_RELOAD_BATCH: {
+#if CUDART_VERSION >= 12080
+            std::vector<void *> dsts(n);
+            std::vector<const void *> srcs(n);
+            std::vector<size_t> sizes(n);
+            for (int64_t i = 0; i < n; ++i) {
+                dsts[i] = c[i].dst;
+                srcs[i] = c[i].src;
+                sizes[i] = c[i].bytes;
+            }
+            cudaMemcpyAttributes attr = {};
+            attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+            attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+            size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+            KX_RELOAD_CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), (size_t) n, &attr,
+                                                 &attr_idx, 1, r->stream), 9);
+#else
+            size_t fail_idx = 0;
+            KX_RELOAD_CHECK(cudaMemcpyBatchAsync(dsts.data(), (void **) srcs.data(), sizes.data(), (size_t) n, &attr,
+                                                 &attr_idx, 1, &fail_idx, r->stream), 9);
+#endif
+#endif
+            break;
+        }
+    }
+    KX_RELOAD_CHECK(cudaEventRecord(r->done, r->stream), 10);
+    r->pending = true;
+    return 0;
+}
+
+static int32_t kx_reload_write_i32(void * p, const kx_i32_write * w, int64_t n) {
+    auto * r = (kx_cuda_reload *) p;
+    if (n <= 0) {
+        return 0;
+    }
+    KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
+    // ordered after the copies queued before (a map entry is published after its rows land)
+    if (!kx_reload_grow(r->wstage, r->wstage_cap, n)) {
+        return 4;
+    }
+    std::copy(w, w + n, r->wstage);
+    kx_i32_write * d_w = nullptr;
+    KX_RELOAD_CHECK(cudaHostGetDevicePointer((void **) &d_w, r->wstage, 0), 6);
+    const int64_t grid = (n + 255) / 256;
+    kx_reload_write_kernel<<<(unsigned) grid, 256, 0, r->stream>>>(d_w, n);
+    KX_RELOAD_CHECK(cudaGetLastError(), 7);
+    KX_RELOAD_CHECK(cudaStreamSynchronize(r->stream), 8);
+    r->pending = false;
+    return 0;
+}
+
+static const kx_reload_iface kx_cuda_reload_iface_v = {
+    kx_reload_create, kx_reload_destroy, kx_reload_host_register, kx_reload_copy,
+    kx_reload_write_i32, kx_reload_query, kx_reload_wait,
+};
+
+const kx_reload_iface * ggml_cuda_kx_reload_iface(void) {
+    return &kx_cuda_reload_iface_v;
+}
+
+// ---------------------------------------------------------------- measurement
+
+// reads a device buffer over and over: stands in for the decode's kernels beside a reload
+static __global__ void kx_reload_busy_kernel(const float4 * x, int64_t n, float * sink) {
+    float4 acc = make_float4(0, 0, 0, 0);
+    for (int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t) gridDim.x * blockDim.x) {
+        const float4 v = x[i];
+        acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+    if (acc.x + acc.y + acc.z + acc.w == 12345.0f) {
+        *sink = acc.x; // never in practice: keeps the loads
+    }
+}
+
+// Moves n_rows rows of row_bytes, in runs of group_rows contiguous rows picked at random from a
+// page-locked pool 4x larger, by `method` (max_blocks caps the gather's grid), best of reps.
+// out[0] reload GB/s alone; out[1] reload GB/s beside a device-memory-bound kernel stream
+// lasting about as long; out[2] that stream's slowdown (time with / without the reload); out[3] the worst wait of a
+// 64 KiB host-to-device copy on a third stream (a decode's activation transfer) while the
+// reload runs, in µs; out[4] the same copy's time with nothing else running, in µs.
+extern "C" __attribute__((visibility("default"))) int32_t kx_cuda_reload_bench(
+        int32_t method, int64_t row_bytes, int32_t group_rows, int64_t n_rows, int32_t max_blocks, int32_t reps,
+        double * out) {
+    if (row_bytes <= 0 || group_rows <= 0 || n_rows < group_rows || reps <= 0 || !out) {
+        return 1;
+    }
+    const int64_t n_groups = n_rows / group_rows;
+    const size_t group_bytes = (size_t) row_bytes * group_rows;
+    const int64_t pool_groups = 4 * n_groups;
+    const size_t crit_bytes = 64 << 10;
+    const int64_t busy_n = (int64_t) (1u << 30) / sizeof(float4); // 1 GiB read per busy kernel
+    char * pool = nullptr, * crit_h = nullptr, * dst = nullptr, * crit_d = nullptr;
+    float4 * busy = nullptr;
+    float * sink = nullptr;
+    cudaStream_t s_busy = nullptr, s_crit = nullptr;
+    void * eng = nullptr;
+    int32_t rc = 0;
+    std::vector<kx_row_copy> copies(n_groups);
+    auto fail = [&](const char * what) { fprintf(stderr, "kx_cuda_reload_bench: %s\n", what); rc = 2; };
+    auto secs = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+    do {
+        if (cudaMallocHost((void **) &pool, (size_t) pool_groups * group_bytes) != cudaSuccess ||
+            cudaMallocHost((void **) &crit_h, crit_bytes) != cudaSuccess ||
+            cudaMalloc((void **) &dst, (size_t) n_groups * group_bytes) != cudaSuccess ||
+            cudaMalloc((void **) &crit_d, crit_bytes) != cudaSuccess ||
+            cudaMalloc((void **) &busy, (size_t) busy_n * sizeof(float4)) != cudaSuccess ||
+            cudaMalloc((void **) &sink, sizeof(float)) != cudaSuccess ||
+            cudaStreamCreateWithFlags(&s_busy, cudaStreamNonBlocking) != cudaSuccess ||
+            cudaStreamCreateWithFlags(&s_crit, cudaStreamNonBlocking) != cudaSuccess) {
+            fail("allocation failed");
+            break;
+        }
+        cudaMemset(busy, 0, (size_t) busy_n * sizeof(float4));
+        for (size_t i = 0; i < (size_t) pool_groups * group_bytes; i += 4096) {
+            pool[i] = (char) i; // touch every page
+        }
+        eng = kx_reload_create(0, method, max_blocks);
+        if (!eng || kx_reload_host_register(eng, pool, (size_t) pool_groups * group_bytes)) {
+            fail("engine");
+            break;
+        }
+        // distinct random groups of the pool (a seeded shuffle), to consecutive slots
+        std::vector<int64_t> pick(pool_groups);
+        for (int64_t i = 0; i < pool_groups; ++i) {
+            pick[i] = i;
+        }
+        uint64_t z = 0x9E3779B97F4A7C15ull;
+        for (int64_t i = pool_groups - 1; i > 0; --i) {
+            z = z * 6364136223846793005ull + 1442695040888963407ull;
+            std::swap(pick[i], pick[(int64_t) ((z >> 33) % (uint64_t) (i + 1))]);
+        }
+        for (int64_t g = 0; g < n_groups; ++g) {
+            copies[g] = { pool + (size_t) pick[g] * group_bytes, dst + (size_t) g * group_bytes, group_bytes };
+        }
+        const double bytes = (double) n_groups * group_bytes;
+        double best = 1e30;
+        for (int32_t k = 0; k <= reps; ++k) { // the first is a warm-up
+            const auto t0 = std::chrono::steady_clock::now();
+            if (kx_reload_copy(eng, copies.data(), n_groups) || kx_reload_wait(eng) < 0) {
+                fail("copy");
+                break;
+            }
+            if (k > 0) {
+                best = std::min(best, secs(t0));
+            }
+        }
+        if (rc) {
+            break;
+        }
+        out[0] = bytes / best / 1e9;
+        // the busy stream alone: one pass over 1 GiB timed, then as many passes as last
+        // about as long as the reload alone, so the two overlap over the whole measurement
+        const int busy_grid = 132 * 8;
+        cudaDeviceSynchronize();
+        auto t0 = std::chrono::steady_clock::now();
+        kx_reload_busy_kernel<<<busy_grid, 256, 0, s_busy>>>(busy, busy_n, sink);
+        cudaStreamSynchronize(s_busy);
+        const int passes = std::max(1, (int) (best / secs(t0) + 0.5));
+        t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < passes; ++i) {
+            kx_reload_busy_kernel<<<busy_grid, 256, 0, s_busy>>>(busy, busy_n, sink);
+        }
+        cudaStreamSynchronize(s_busy);
+        const double busy_alone = secs(t0);
+        // critical copy alone
+        cudaEvent_t c0, c1;
+        cudaEventCreate(&c0);
+        cudaEventCreate(&c1);
+        float crit_alone = 1e30f;
+        for (int i = 0; i < 20; ++i) {
+            cudaEventRecord(c0, s_crit);
+            cudaMemcpyAsync(crit_d, crit_h, crit_bytes, cudaMemcpyHostToDevice, s_crit);
+            cudaEventRecord(c1, s_crit);
+            cudaEventSynchronize(c1);
+            float ms = 0;
+            cudaEventElapsedTime(&ms, c0, c1);
+            crit_alone = std::min(crit_alone, ms);
+        }
+        // together: the reload, the busy stream and critical copies issued one after another
+        // until the reload is done
+        cudaDeviceSynchronize();
+        t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < passes; ++i) {
+            kx_reload_busy_kernel<<<busy_grid, 256, 0, s_busy>>>(busy, busy_n, sink);
+        }
+        const auto tr = std::chrono::steady_clock::now();
+        if (kx_reload_copy(eng, copies.data(), n_groups)) {
+            fail("copy beside compute");
+            break;
+        }
+        float crit_worst = 0.0f;
+        while (kx_reload_query(eng) == 0) {
+            cudaEventRecord(c0, s_crit);
+            cudaMemcpyAsync(crit_d, crit_h, crit_bytes, cudaMemcpyHostToDevice, s_crit);
+            cudaEventRecord(c1, s_crit);
+            cudaEventSynchronize(c1);
+            float ms = 0;
+            cudaEventElapsedTime(&ms, c0, c1);
+            crit_worst = std::max(crit_worst, ms);
+        }
+        const double reload_busy = secs(tr);
+        cudaStreamSynchronize(s_busy);
+        const double busy_with = secs(t0);
+        out[1] = bytes / reload_busy / 1e9;
+        out[2] = busy_with / busy_alone;
+        out[3] = 1000.0 * crit_worst;
+        out[4] = 1000.0 * crit_alone;
+        cudaEventDestroy(c0);
+        cudaEventDestroy(c1);
+    } while (false);
+    kx_reload_destroy(eng);
+    cudaFreeHost(pool);
+    cudaFreeHost(crit_h);
+    cudaFree(dst);
+    cudaFree(crit_d);
+    cudaFree(busy);
+    cudaFree(sink);
+    if (s_busy) cudaStreamDestroy(s_busy);
+    if (s_crit) cudaStreamDestroy(s_crit);
+    return rc;
+}

@@ -1,0 +1,60 @@
+// Slot reloads: copies of neuron rows from page-locked host memory into a device's slot
+// buffers, queued on a stream of their own so they run behind the decode's compute, plus
+// the small synchronous map writes that make a finished reload visible.
+//
+// libllama's balancer (llama/kx-balance.cpp) drives an engine through this table of
+// functions; the CUDA backend's registry hands out its engine as "kx_reload_iface"
+// (cuda/kx-reload.cu, patches/0006), and kx-balance.cpp has a host engine (plain memcpy) for
+// CPU-device slots, so the same balancer runs in tests on machines without a GPU.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// one contiguous run of bytes: host source (registered with host_register) -> device dest
+struct kx_row_copy {
+    const void * src;
+    void *       dst;
+    uint64_t     bytes;
+};
+
+// one 32-bit store into device memory (slot map entries)
+struct kx_i32_write {
+    int32_t * dst;
+    int32_t   value;
+    int32_t   pad;
+};
+
+enum kx_reload_method {
+    KX_RELOAD_GATHER = 0, // one kernel reads the host rows through mapped page-locked memory (zero-copy)
+    KX_RELOAD_MEMCPY = 1, // one cudaMemcpyAsync per run (the copy engine)
+    KX_RELOAD_BATCH  = 2, // one cudaMemcpyBatchAsync for all runs (CUDA >= 12.8)
+};
+
+struct kx_reload_iface {
+    // an engine for device `device` (ggml's device index): its stream, event, staging; NULL on failure
+    void *  (*create)(int32_t device, int32_t method, int32_t max_blocks);
+    void    (*destroy)(void * r);
+    // makes [ptr, ptr+size) readable by gathers (page-locks and maps it unless it already is);
+    // 0 ok, nonzero with a message on stderr
+    int32_t (*host_register)(void * r, void * ptr, size_t size);
+    // queues the copies behind everything queued before; waits first if the previous batch
+    // still runs (its staging is reused). 0 ok
+    int32_t (*copy)(void * r, const struct kx_row_copy * c, int64_t n);
+    // stores, done when it returns (between decodes: the next graph sees them). 0 ok
+    int32_t (*write_i32)(void * r, const struct kx_i32_write * w, int64_t n);
+    // 1 when every queued copy has finished, 0 while some run, < 0 on error
+    int32_t (*query)(void * r);
+    // blocks until every queued copy has finished; returns the seconds waited (< 0 on error)
+    double  (*wait)(void * r);
+};
+
+typedef const struct kx_reload_iface * (*kx_reload_iface_get_t)(void);
+
+#ifdef __cplusplus
+}
+#endif

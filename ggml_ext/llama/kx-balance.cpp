@@ -1,0 +1,345 @@
+// The live neuron balancer (kx-balance.h): the boundary between decodes, the decision worker,
+// and a host reload engine for CPU-device slots (tests on machines without a GPU).
+#include "kx-balance.h"
+#include "kx-pack.h"
+#include "kx-slots.h"
+
+#include "ggml-backend.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+// ---------------------------------------------------------------- host engine
+// CPU-device slots live in host memory: copies are done when queued. It keeps the balancer's
+// ordering (commit at the next boundary), so CPU-device tests walk the same states.
+static void *  kx_host_create(int32_t, int32_t, int32_t) { static int32_t tag; return &tag; }
+static void    kx_host_destroy(void *) {}
+static int32_t kx_host_register(void *, void *, size_t) { return 0; }
+static int32_t kx_host_copy(void *, const kx_row_copy * c, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(c[i].dst, c[i].src, c[i].bytes);
+    }
+    return 0;
+}
+static int32_t kx_host_write_i32(void *, const kx_i32_write * w, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        *w[i].dst = w[i].value;
+    }
+    return 0;
+}
+static int32_t kx_host_query(void *) { return 1; }
+static double  kx_host_wait(void *) { return 0.0; }
+
+static const kx_reload_iface kx_host_reload = {
+    kx_host_create, kx_host_destroy, kx_host_register, kx_host_copy, kx_host_write_i32, kx_host_query, kx_host_wait,
+};
+
+// ---------------------------------------------------------------- decision
+
+static double kx_seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// one TAM step of every layer from the snapshots; fills the layers' admit/evict lists and
+// the step's trace records (rec .. rec + layers)
+static void kx_balance_decide(kx_balancer & b, size_t rec) {
+    for (size_t l = 0; l < b.layers.size(); ++l) {
+        kx_balance_layer & L = b.layers[l];
+        const auto t0 = std::chrono::steady_clock::now();
+        const int32_t n = (int32_t) L.score.size();
+        std::fill(L.active.begin(), L.active.end(), 0);
+        for (int32_t i : L.snap) {
+            L.active[i] = 1;
+        }
+        int32_t na = 0, ne = 0;
+        kx_tam_step(&b.params.tam, &L.st, L.score.data(), L.decided.data(), n, L.cap, L.active.data(), L.stall,
+                    L.admit_mask.data(), L.evict_mask.data(), &na, &ne);
+        L.admit.clear();
+        L.evict.clear();
+        for (int32_t i = 0; i < n; ++i) {
+            if (L.admit_mask[i]) {
+                L.admit.push_back(i);
+            }
+            if (L.evict_mask[i]) {
+                L.evict.push_back(i);
+            }
+        }
+        kx_balance_record & r = b.trace[rec + l];
+        r.n_load = na;
+        r.n_evict = ne;
+        r.lam = L.st.lam;
+        r.reload_bytes = (int64_t) na * L.row_bytes;
+        r.decide_us = (float) (1e6 * kx_seconds_since(t0));
+    }
+}
+
+static void kx_balance_worker(kx_balancer * b) {
+    std::unique_lock<std::mutex> lk(b->mu);
+    for (;;) {
+        b->cv.wait(lk, [b] { return b->job || b->quit; });
+        if (b->quit) {
+            return;
+        }
+        b->job = false;
+        const size_t rec = b->job_rec;
+        lk.unlock();
+        kx_balance_decide(*b, rec);
+        lk.lock();
+        b->busy = false;
+        b->cv.notify_all();
+    }
+}
+
+void kx_balance_drain_decision(kx_balancer & b) {
+    std::unique_lock<std::mutex> lk(b.mu);
+    b.cv.wait(lk, [&b] { return !b.busy; });
+}
+
+kx_balancer::~kx_balancer() {
+    if (worker.joinable()) {
+        {
+            std::lock_guard<std::mutex> lk(mu);
+            quit = true;
+        }
+        cv.notify_all();
+        worker.join();
+    }
+    if (engine) {
+        io->wait(engine); // rows may still land in slot buffers that are about to be freed
+        io->destroy(engine);
+    }
+}
+
+// ---------------------------------------------------------------- boundary
+
+// which engine moves rows into this device's slots, and the device's index for it
+static const kx_reload_iface * kx_balance_engine(const std::string & device, int32_t * index) {
+    if (device == "CPU") {
+        *index = 0;
+        return &kx_host_reload;
+    }
+    ggml_backend_dev_t dev = ggml_backend_dev_by_name(device.c_str());
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    auto get = reg ? (kx_reload_iface_get_t) ggml_backend_reg_get_proc_address(reg, "kx_reload_iface") : nullptr;
+    if (!get) {
+        throw std::runtime_error(kx_fmt("the %s backend cannot reload slots", device.c_str()));
+    }
+    size_t k = device.size();
+    while (k > 0 && device[k - 1] >= '0' && device[k - 1] <= '9') {
+        --k;
+    }
+    *index = k < device.size() ? std::atoi(device.c_str() + k) : 0;
+    return get();
+}
+
+std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model & model, const kx_pack & pack,
+                                             const kx_balance_params & params) {
+    const kx_tam_config & c = params.tam;
+    if (!(0 < c.lam_min && c.lam_min <= c.lam && c.lam <= c.lam_max && c.lam_max < 1) || !(0 <= c.eps && c.eps < 1) ||
+        !(0 < c.alpha_min && c.alpha_min <= c.alpha)) {
+        throw std::runtime_error("balancer: need 0 < lam_min <= lam <= lam_max < 1, 0 <= eps < 1 and "
+                                 "0 < alpha_min <= alpha");
+    }
+    if (params.method < KX_RELOAD_GATHER || params.method > KX_RELOAD_BATCH || params.max_blocks <= 0) {
+        throw std::runtime_error("balancer: unknown reload method or a block cap <= 0");
+    }
+    auto b = std::make_unique<kx_balancer>();
+    b->params = params;
+    if (b->params.cpu_gbs <= 0) {
+        b->params.cpu_gbs = 100.0;
+    }
+    if (b->params.gpu_gbs <= 0) {
+        b->params.gpu_gbs = 2000.0;
+    }
+    int32_t index = 0;
+    b->io = kx_balance_engine(slots.device, &index);
+    b->engine = b->io->create(index, params.method, params.max_blocks);
+    if (!b->engine) {
+        throw std::runtime_error(kx_fmt("balancer: cannot start a reload engine on %s", slots.device.c_str()));
+    }
+    // the reload reads the host weights and the pack's down rows in place
+    std::vector<ggml_backend_buffer_t> sources;
+    for (int64_t il = 0; il < (int64_t) slots.layers.size(); ++il) {
+        const kx_slot_layer & S = slots.layers[il];
+        if (S.n_slots == 0) {
+            continue;
+        }
+        const llama_layer & ml = model.layers[il];
+        for (const ggml_tensor * w : { ml.ffn_gate, ml.ffn_up, pack.layers[il].down_t }) {
+            if (std::find(sources.begin(), sources.end(), w->buffer) == sources.end()) {
+                sources.push_back(w->buffer);
+                if (b->io->host_register(b->engine, ggml_backend_buffer_get_base(w->buffer),
+                                         ggml_backend_buffer_get_size(w->buffer))) {
+                    throw std::runtime_error(kx_fmt(
+                        "balancer: the host memory of %s cannot be read by %s reloads (load the model "
+                        "with page-locked host weights)", w->name, slots.device.c_str()));
+                }
+            }
+        }
+        kx_balance_layer L;
+        L.il = (int32_t) il;
+        L.cap = (int32_t) S.n_slots;
+        const int64_t n_ff = pack.n_ff;
+        L.score.assign(n_ff, 0.0f);
+        L.decided.assign(n_ff, 0);
+        L.active.assign(n_ff, 0);
+        L.admit_mask.assign(n_ff, 0);
+        L.evict_mask.assign(n_ff, 0);
+        L.slot_of.assign(n_ff, -1);
+        for (int64_t s = 0; s < S.n_slots; ++s) {
+            const int32_t i = S.resident[s];
+            if (i >= 0) {
+                L.slot_of[i] = (int32_t) s;
+                L.decided[i] = 1;
+            } else {
+                L.free_slots.push_back((int32_t) s);
+            }
+        }
+        kx_tam_state_init(&c, &L.st);
+        L.row_bytes = (int64_t) (S.gate->nb[1] + S.up->nb[1] + S.down->nb[1]);
+        ((int32_t *) S.seen->data)[0] = -1; // activity recorded before the start is not a step
+        b->layers.push_back(std::move(L));
+    }
+    if (!params.sync_decide) {
+        b->worker = std::thread(kx_balance_worker, b.get());
+    }
+    return b;
+}
+
+// steps 3-5 of a boundary: finish (or wait for) the last reloads, commit them, apply the
+// decision's evictions, queue its loads. Returns the seconds waited for the last reloads.
+static double kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & pack, const llama_model & model) {
+    double waited = 0.0;
+    const int32_t q = b.io->query(b.engine);
+    if (q == 0) {
+        waited = b.io->wait(b.engine);
+    }
+    if (q < 0 || waited < 0) {
+        throw std::runtime_error("balancer: a slot reload failed");
+    }
+    std::vector<kx_i32_write> writes;
+    for (kx_balance_layer & L : b.layers) {
+        kx_slot_layer & S = slots.layers[L.il];
+        int32_t * slotmap = (int32_t *) S.slotmap->data; // device address on a GPU
+        int32_t * coldmap = (int32_t *) S.coldmap->data;
+        int32_t * colddown = (int32_t *) S.colddown->data;
+        const int32_t * down_row = pack.layers[L.il].rowmap ? (const int32_t *) pack.layers[L.il].rowmap->data : nullptr;
+        for (const auto & [i, s] : L.inflight) {
+            writes.push_back({ slotmap + i, s, 0 });
+            coldmap[i] = colddown[i] = -1;
+            L.slot_of[i] = s;
+            S.resident[s] = i;
+        }
+        L.inflight.clear();
+        for (int32_t i : L.evict) {
+            const int32_t s = L.slot_of[i];
+            GGML_ASSERT(s >= 0 && "balancer: evicting a neuron that is not resident");
+            writes.push_back({ slotmap + i, -1, 0 });
+            coldmap[i] = i;
+            colddown[i] = down_row ? down_row[i] : i;
+            L.slot_of[i] = -1;
+            S.resident[s] = -1;
+            L.free_slots.push_back(s);
+        }
+        L.evict.clear();
+    }
+    if (b.io->write_i32(b.engine, writes.data(), (int64_t) writes.size())) {
+        throw std::runtime_error("balancer: slot map update failed");
+    }
+    std::vector<kx_row_copy> copies;
+    for (kx_balance_layer & L : b.layers) {
+        kx_slot_layer & S = slots.layers[L.il];
+        const llama_layer & ml = model.layers[L.il];
+        const kx_pack_layer & pl = pack.layers[L.il];
+        const int32_t * down_row = pl.rowmap ? (const int32_t *) pl.rowmap->data : nullptr;
+        for (int32_t i : L.admit) {
+            GGML_ASSERT(!L.free_slots.empty() && "balancer: no free slot for a load");
+            const int32_t s = L.free_slots.back();
+            L.free_slots.pop_back();
+            const int32_t drow = down_row ? down_row[i] : i;
+            copies.push_back({ (const char *) ml.ffn_gate->data + (size_t) i * ml.ffn_gate->nb[1],
+                               (char *) S.gate->data + (size_t) s * S.gate->nb[1], (uint64_t) S.gate->nb[1] });
+            copies.push_back({ (const char *) ml.ffn_up->data + (size_t) i * ml.ffn_up->nb[1],
+                               (char *) S.up->data + (size_t) s * S.up->nb[1], (uint64_t) S.up->nb[1] });
+            copies.push_back({ (const char *) pl.down_t->data + (size_t) drow * pl.down_t->nb[1],
+                               (char *) S.down->data + (size_t) s * S.down->nb[1], (uint64_t) S.down->nb[1] });
+            L.inflight.push_back({ i, s });
+        }
+        L.admit.clear();
+    }
+    if (b.io->copy(b.engine, copies.data(), (int64_t) copies.size())) {
+        throw std::runtime_error("balancer: queueing slot reloads failed");
+    }
+    return waited;
+}
+
+void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {
+    // 1. decode k's activity (count -1: the last decode recorded none, e.g. a prompt batch)
+    bool fresh = true;
+    for (kx_balance_layer & L : b.layers) {
+        int32_t * seen = (int32_t *) slots.layers[L.il].seen->data;
+        fresh = fresh && seen[0] >= 0;
+    }
+    if (fresh) {
+        for (kx_balance_layer & L : b.layers) {
+            int32_t * seen = (int32_t *) slots.layers[L.il].seen->data;
+            L.snap.assign(seen + 1, seen + 1 + seen[0]);
+        }
+    }
+    for (kx_balance_layer & L : b.layers) {
+        ((int32_t *) slots.layers[L.il].seen->data)[0] = -1;
+    }
+    std::vector<int32_t> hits(b.layers.size(), 0);
+    for (size_t l = 0; fresh && l < b.layers.size(); ++l) {
+        for (int32_t i : b.layers[l].snap) {
+            hits[l] += b.layers[l].slot_of[i] >= 0; // the maps decode k ran with
+        }
+    }
+    // 2-5
+    kx_balance_drain_decision(b);
+    const double waited = kx_balance_apply(b, slots, pack, model);
+    if (!fresh) {
+        return;
+    }
+    // 6. the next decision
+    const size_t rec = b.trace.size();
+    for (size_t l = 0; l < b.layers.size(); ++l) {
+        kx_balance_layer & L = b.layers[l];
+        const int32_t n_active = (int32_t) L.snap.size();
+        const double cpu_s = (double) (n_active - hits[l]) * L.row_bytes / (b.params.cpu_gbs * 1e9);
+        const double gpu_s = (double) hits[l] * L.row_bytes / (b.params.gpu_gbs * 1e9);
+        L.stall = waited > 0.0 ? KX_TAM_STALL_IO : cpu_s > gpu_s ? KX_TAM_STALL_CPU : KX_TAM_STALL_NONE;
+        kx_balance_record r = {};
+        r.step = (int32_t) b.step;
+        r.layer = L.il;
+        r.n_active = n_active;
+        r.n_hit = hits[l];
+        r.stall = L.stall;
+        r.wait_us = (float) (1e6 * waited);
+        b.trace.push_back(r);
+        if (b.params.record) {
+            b.activity.push_back(L.snap);
+        }
+    }
+    ++b.step;
+    if (!b.worker.joinable()) {
+        kx_balance_decide(b, rec);
+        return;
+    }
+    {
+        std::lock_guard<std::mutex> lk(b.mu);
+        b.job_rec = rec;
+        b.job = true;
+        b.busy = true;
+    }
+    b.cv.notify_all();
+}
+
+void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {
+    kx_balance_drain_decision(b);
+    kx_balance_apply(b, slots, pack, model); // the pending decision
+    kx_balance_apply(b, slots, pack, model); // its loads, waited for and committed
+}

@@ -1,0 +1,157 @@
+"""The live balancer (llama/kx-balance.cpp): neurons move between the two sides of every
+hybrid layer after each decode, by the TAM policy, with reloads behind the next decode.
+
+Outputs must stay those of the unsplit run (a neuron enters the slot map only once its rows
+have landed, and the host maps hold the complement), the decisions must be the reference's
+(kairox.balancer.LayerBalancer fed the same active lists and stall types), and the
+residents after a drain must be the reference's residents. Slots on the CPU device here
+(the host reload engine); CUDA slots with the gather kernel on the GPU machine.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_hybrid import N_FF, N_GEN, PROMPT, run, synth_model  # noqa: F401 (fixture)
+
+SLOTS = [60, 100]
+
+
+def topic_tokens(n: int, seed: int = 1) -> list[int]:
+    """Token ids that change 'topic' every 12 tokens (runs from different id ranges), so the
+    active sets drift and the balancer has something to follow."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        base = int(rng.integers(10, 200))
+        out += [int(t) for t in rng.integers(base, base + 20, 12)]
+    return out[:n]
+
+
+def run_live(model: Path, mode: str, config, gpu: bool = False, record: bool = False, tokens=None,
+             **start) -> tuple[list[int], np.ndarray, list[dict], object]:
+    import kairox
+    where = {"n_gpu_layers": -1} if gpu else {"slots_device": "CPU"}
+    llm = kairox.Llama(str(model), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
+                       verbose=False, sparse=mode, gpu_slots=SLOTS, balancer_record=record, **where)
+    llm.start_balancer(config, **start)
+    llm.eval(PROMPT)
+    toks = []
+    for k in range(N_GEN):
+        toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([tokens[k] if tokens else toks[-1]])
+    return toks, np.array(llm.scores[:llm.n_tokens]), llm.balance_trace(), llm
+
+
+def fast_config():
+    from kairox.balancer import BalancerConfig
+    # λ low and adaptive: many loads and evictions per step, so the test exercises reloads
+    return BalancerConfig(lam=0.2, eps=0.01, lam_min=0.05, adaptive=True, max_admit=16)
+
+
+@pytest.mark.parametrize("mode", ["exact", "predicted"])
+@pytest.mark.parametrize("gpu", [False, True])
+def test_live_balancing_keeps_the_output(synth_model: Path, mode: str, gpu: bool) -> None:
+    from kairox._native import has_gpu
+    if gpu and not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    want_toks, want, _ = run(synth_model, sparse=mode)
+    toks, got, trace, llm = run_live(synth_model, mode, fast_config(), gpu=gpu)
+    llm.close()
+    assert toks == want_toks
+    tol = 1e-3 if gpu else 1e-5  # CUDA kernels vs the CPU's: rounding
+    assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max())
+    # one record per decode after the prompt and per hybrid layer; neurons really moved
+    assert len(trace) == (N_GEN + 1) * len(SLOTS)  # the prompt (one token per decode) is a step
+    assert sum(r["n_load"] for r in trace) > N_GEN
+    assert sum(r["n_evict"] for r in trace) > 0
+    # hits are counted from what ran: never more than listed
+    assert all(0 <= r["n_hit"] <= r["n_active"] for r in trace)
+    assert all(r["reload_bytes"] > 0 for r in trace if r["n_load"])
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_live_decisions_equal_the_reference(synth_model: Path, sync: bool) -> None:
+    """Every step's loads, evictions and λ equal LayerBalancer's on the recorded active lists
+    and stall types, and after a drain the slots hold the reference's residents."""
+    from kairox.balancer import LayerBalancer
+    cfg = fast_config()
+    _, _, trace, llm = run_live(synth_model, "predicted", cfg, record=True, tokens=topic_tokens(N_GEN),
+                                sync_decide=sync)
+    try:
+        initial = {}
+        import kairox
+        ref_llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=SLOTS, slots_device="CPU",
+                               verbose=False)
+        initial = {il: ref_llm.slot_residents(il) for il in range(len(SLOTS))}
+        ref_llm.close()
+        llm.drain_balancer()
+        moved = 0
+        for il, cap in enumerate(SLOTS):
+            lb = LayerBalancer(N_FF, cap, cfg, initial=initial[il])
+            recs = [r for r in trace if r["layer"] == il]
+            assert [r["step"] for r in recs] == list(range(N_GEN + 1))
+            for r in recs:
+                act = np.zeros(N_FF, bool)
+                act[llm.balance_activity(r["step"], il)] = True
+                assert int(act.sum()) == r["n_active"]
+                d = lb.step(act, r["stall"])
+                assert (len(d.admit), len(d.evict)) == (r["n_load"], r["n_evict"]), r
+                assert np.float32(d.lam) == np.float32(r["lam"])
+                moved += len(d.admit)
+            assert sorted(llm.slot_residents(il)) == lb.residents()
+        assert moved > N_GEN
+        # without I/O waits (host engine), a step is a CPU stall exactly when the host part's
+        # estimated time exceeds the slots' part: most steps here
+        assert {r["stall"] for r in trace} <= {"cpu", "none"}
+    finally:
+        llm.close()
+
+
+def test_balancer_arguments_are_checked(synth_model: Path) -> None:
+    import kairox
+    from kairox.balancer import BalancerConfig
+    with pytest.raises(ValueError, match="gpu_slots"):
+        kairox.Llama(str(synth_model), sparse="predicted", balancer=True, verbose=False)
+    with pytest.raises(TypeError, match="BalancerConfig"):
+        kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=10, slots_device="CPU", balancer="yes",
+                     verbose=False)
+    with pytest.raises(ValueError, match="reload_method"):
+        kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=10, slots_device="CPU", reload_method="dma",
+                     verbose=False)
+    llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=10, slots_device="CPU", verbose=False)
+    try:
+        with pytest.raises(ValueError, match="no balancer"):
+            llm.drain_balancer()
+        with pytest.raises(ValueError, match="no activity"):
+            llm.balance_activity(0, 0)
+        llm.start_balancer(BalancerConfig(), max_blocks=0)
+    except ValueError as e:
+        assert "block cap" in str(e)
+    else:
+        raise AssertionError("a block cap of 0 was accepted")
+    finally:
+        llm.close()
+    plain = kairox.Llama(str(synth_model), sparse="predicted", verbose=False)
+    try:
+        with pytest.raises(ValueError, match="slots"):
+            plain.start_balancer(True)
+    finally:
+        plain.close()
+
+
+def test_balancer_option_starts_it(synth_model: Path) -> None:
+    """Llama(balancer=...) starts the balancer at load; every eval() then balances."""
+    import kairox
+    llm = kairox.Llama(str(synth_model), n_ctx=64, n_batch=1, n_ubatch=1, sparse="predicted", gpu_slots=SLOTS,
+                       slots_device="CPU", balancer=fast_config(), verbose=False)
+    try:
+        llm.eval(PROMPT)
+        for t in topic_tokens(10):
+            llm.eval([t])
+        tr = llm.balance_trace()
+        assert len(tr) == 11 * len(SLOTS) and {r["layer"] for r in tr} == {0, 1}
+    finally:
+        llm.close()
