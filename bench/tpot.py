@@ -49,6 +49,13 @@ def main() -> int:
                     "runtime picks the slots and checks the budget on the device")
     ap.add_argument("--no-pinned", dest="pinned", action="store_false",
                     help="kairox hybrid: host-side weights mapped from the file, not page-locked")
+    ap.add_argument("--balancer", choices=["static", "fixed", "adaptive"], default="static",
+                    help="kairox hybrid: the live balancer with a fixed or an adaptive λ (static: none)")
+    ap.add_argument("--lam", type=float, default=0.5, help="balancer: λ (at start, when adaptive)")
+    ap.add_argument("--max-admit", type=int, help="balancer: neurons loaded per step and layer")
+    ap.add_argument("--reload-method", default="gather", choices=["gather", "memcpy", "batch"])
+    ap.add_argument("--max-blocks", type=int, default=32, help="balancer: the gather kernel's grid cap")
+    ap.add_argument("--balance-trace", help="balancer: write its per-step records here (JSON lines)")
     args = ap.parse_args()
 
     # The library is loaded before numpy (on the GPU machine, numpy first makes the CUDA
@@ -63,6 +70,8 @@ def main() -> int:
             extra["vram_budget"] = args.vram_budget
         if not args.pinned:
             extra["pinned"] = False
+        if args.balancer != "static":
+            extra["reload_method"] = args.reload_method
     else:
         import llama_cpp
         cls, extra = llama_cpp.Llama, {}
@@ -77,6 +86,10 @@ def main() -> int:
     llm = cls(model_path=args.model, n_gpu_layers=args.ngl, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
               n_threads=args.threads, n_threads_batch=args.threads, verbose=False, **extra)
     counters = None
+    if args.impl == "kairox" and args.balancer != "static":
+        from kairox.balancer import BalancerConfig
+        llm.start_balancer(BalancerConfig(lam=args.lam, adaptive=args.balancer == "adaptive",
+                                          max_admit=args.max_admit), max_blocks=args.max_blocks)
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
         from kairox._native import sparse_counters
@@ -94,6 +107,23 @@ def main() -> int:
         c = sparse_counters(reset=True)
         counters = {"selected": c.selected, "total": c.total, "calls": c.calls, "fallbacks": c.fallbacks,
                     "nonzero": c.nonzero, "rows": c.rows, "elsewhere": c.elsewhere}
+    balance = None
+    if args.impl == "kairox" and args.balancer != "static":
+        trace = llm.balance_trace()
+        if args.balance_trace:
+            Path(args.balance_trace).write_text("".join(json.dumps(r) + "\n" for r in trace))
+        decode = trace  # the prompt is one batch of > 8 tokens: dense, not a step
+        from collections import Counter
+        balance = {"steps": max((r["step"] for r in trace), default=-1) + 1,
+                   "active": sum(r["n_active"] for r in decode), "hits": sum(r["n_hit"] for r in decode),
+                   "loads": sum(r["n_load"] for r in decode), "evictions": sum(r["n_evict"] for r in decode),
+                   "reload_bytes": sum(r["reload_bytes"] for r in decode),
+                   "stalls": dict(Counter(r["stall"] for r in decode)),
+                   "wait_us_max": max((r["wait_us"] for r in decode), default=0.0),
+                   "decide_us_per_step": sum(r["decide_us"] for r in decode) / max(1, len({r["step"] for r in decode})),
+                   "lam_last_mean": float(sum(r["lam"] for r in trace if r["step"] == trace[-1]["step"])
+                                          / max(1, sum(1 for r in trace if r["step"] == trace[-1]["step"])))
+                   if trace else None}
     pp_s = None
     if args.pp:
         batch = (toks * (args.pp // len(toks) + 1))[:args.pp]
@@ -109,7 +139,7 @@ def main() -> int:
     vram = None if vram is None else {**dataclasses.asdict(vram), "used_after_run": llm.vram_used()}
     llm.close()
     print(json.dumps({"prefill_s": prefill, "tpot_s": times, "counters": counters, "mode_used": mode,
-                      "slots_bytes": slots_bytes, "vram": vram,
+                      "slots_bytes": slots_bytes, "vram": vram, "balance": balance,
                       "pp_tok_s": args.pp / pp_s if pp_s else None,
                       "gpu_mem_mib": None if mem0 is None or mem1 is None else mem1 - mem0}))
     return 0

@@ -155,3 +155,25 @@ def test_balancer_option_starts_it(synth_model: Path) -> None:
         assert len(tr) == 11 * len(SLOTS) and {r["layer"] for r in tr} == {0, 1}
     finally:
         llm.close()
+
+
+def test_trace_report_draws_and_summarizes(synth_model: Path, tmp_path: Path, capsys) -> None:
+    from kairox.cli import main
+    from kairox.report import read_trace, summary, write_trace
+    _, _, trace, llm = run_live(synth_model, "predicted", fast_config(), tokens=topic_tokens(N_GEN))
+    llm.close()
+    path = tmp_path / "t.jsonl"
+    write_trace(path, trace)
+    s = summary(read_trace(path))
+    assert s["steps"] == N_GEN + 1 and s["layers"] == len(SLOTS)
+    act = sum(r["n_active"] for r in trace)
+    assert s["hit_rate"] == pytest.approx(sum(r["n_hit"] for r in trace) / act)
+    assert s["loads_per_step"] == pytest.approx(sum(r["n_load"] for r in trace) / (N_GEN + 1))
+    png = tmp_path / "t.png"
+    assert main(["report", str(path), "--png", str(png)]) == 0
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "GPU hit rate" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0}\n')
+    assert main(["report", str(bad)]) == 2
+    assert "not a balancer trace" in capsys.readouterr().err

@@ -10,6 +10,8 @@
 #                                session: a pack that outlasts the call is waited for by the next)
 #   KX_SKIP_TESTS=1 ...          # a warm rerun: no test-backend-ops, no pytest
 #   KX_SKIP_OPS=1 ...            # no test-backend-ops (CUDA sources unchanged since a checked run)
+#   KX_RELOAD=1 ...              # the reload transfer methods (bench/reload.py)
+#   KX_LIVE="KB-7B" ...          # the live balancer ablation (bench/balance_live.py) of those configs
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -71,4 +73,14 @@ for cfg in ${KX_BENCH:-}; do
         --work /tmp/kxbench --out "$OUT" --reps 1 --modes "${KX_MODES:-predicted,hybrid}" --no-baseline ${KX_KEEP:+--keep} \
         ${KX_BENCH_ARGS:-} || echo "config $cfg FAILED"
     echo "config $cfg done at $(( $(date +%s) - t0 )) s"
+done
+# issue 7: slot reload transfer methods, and the live balancer's ablation (KX_LIVE configs)
+[ -n "${KX_RELOAD:-}" ] && { python3 bench/reload.py --out "$OUT" ${KX_RELOAD_ARGS:-} > "$OUT/reload.log" 2>&1 \
+    || echo "reload bench FAILED"; tail -40 "$OUT/reload.log"; echo "reload bench done at $(( $(date +%s) - t0 )) s"; }
+for cfg in ${KX_LIVE:-}; do
+    python3 bench/balance_live.py --config "$cfg" --work /tmp/kxbench --out "$OUT" ${KX_LIVE_ARGS:-} \
+        || echo "live $cfg FAILED"
+    [ -f "$OUT/balance-live-$cfg.jsonl" ] && python3 -m kairox report "$OUT/balance-live-$cfg.jsonl" \
+        --png "$OUT/balance-live-$cfg.png"
+    echo "live $cfg done at $(( $(date +%s) - t0 )) s"
 done

@@ -58,6 +58,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                                         ("plan", args.plan)) if v is not None}
             if hybrid and not args.pinned:
                 hybrid["pinned"] = False
+            if args.balancer:
+                from .balancer import BalancerConfig
+                hybrid["balancer"] = BalancerConfig(adaptive=args.balancer == "adaptive")
+            elif args.kx_trace:
+                raise ValueError("--kx-trace records the live balancer: add --balancer")
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
                 hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
             llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
@@ -87,6 +92,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     # The first generated token comes out of the prompt pass; the decode rate is over the rest.
     print(f"kairox: prompt {n_p} tokens at {pp:.1f} tokens/s, generated {n_e + 1} tokens, decode "
           f"{tg:.1f} tokens/s ({wall:.2f} s wall)", file=sys.stderr)
+    if args.balancer:
+        from .report import summary, write_trace
+        records = llm.balance_trace()
+        if records:
+            s = summary(records)
+            print(f"kairox: balancer: GPU hit rate {s['hit_rate']:.3f}, {s['loads_per_step']:.0f} neurons "
+                  f"reloaded per token, λ {s['lam_first']:.2f} -> {s['lam_last']:.2f}", file=sys.stderr)
+        if args.kx_trace:
+            write_trace(args.kx_trace, records)
+            print(f"kairox: balancer trace ({len(records)} records) in {args.kx_trace}", file=sys.stderr)
     return 0
 
 
@@ -182,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pinned", dest="pinned", action="store_false",
                    help="hybrid: map the host-side weights from the file instead of page-locking them "
                    "(less RAM pinned; prompts offloaded to the GPU then copy them more slowly)")
+    p.add_argument("--balancer", choices=["fixed", "adaptive"], default=None,
+                   help="hybrid: move neurons between the GPU slots and the CPU while decoding (TAM policy, "
+                   "reloads behind the next token); fixed or adaptive λ (default: the static split)")
+    p.add_argument("--kx-trace", default=None, metavar="FILE",
+                   help="with --balancer: write its per-step records here (JSON lines; `kairox report FILE`)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's load log")
     p.set_defaults(func=cmd_run)
 
@@ -191,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="GGUF file to describe")
     p.set_defaults(func=cmd_info)
 
-    from . import balancer, convert, hw, packcli, plan, prepare, stats, synth, trace
+    from . import balancer, convert, hw, packcli, plan, prepare, report, stats, synth, trace
     convert.register(sub)
     synth.register(sub)
     packcli.register(sub)
@@ -201,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     hw.register(sub)
     trace.register(sub)
     balancer.register(sub)
+    report.register(sub)
     return ap
 
 

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""The live balancer's ablation on the GPU machine: one standard configuration at its VRAM
+budget, teacher-forced text whose topic drifts every --switch-every tokens, decoded by the
+static hybrid and by the live balancer with a fixed λ and with the adaptive λ.
+
+Each row is one bench/tpot.py process (the same tokens for all): tok/s, TPOT p50/p99, GPU
+share (listed neurons computed from slots, from the host kernels' counters), reloads per
+token (neurons, MiB), the stall types the balancer saw, its worst wait for a reload, the
+decision's time per step, and λ at the end. The adaptive row's per-step records go to
+<out>/balance-live-<config>.jsonl, drawn by `kairox report`.
+
+  python3 bench/balance_live.py --config KB-7B --work /tmp/kxbench --out bench/results
+Writes <out>/balance-live-<config>.json (raw, with every command) and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from offload import CONFIGS, PROMPT, log, run, tpot_run  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "python"))
+from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
+
+MiB = 1 << 20
+ROWS = ("static", "fixed", "adaptive")
+
+
+def row_of(kind: str, res: dict) -> dict:
+    c = res.get("counters") or {}
+    b = res.get("balance") or {}
+    n_tok = max(1, b.get("steps") or 1)
+    return {"row": kind, "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
+            # the host kernels skip the listed neurons that slots hold: on a GPU run that is the GPU share
+            "gpu_share": c["elsewhere"] / c["selected"] if c.get("selected") else None,
+            "loads_per_token": b.get("loads", 0) / n_tok if b else 0.0,
+            "reload_mib_per_token": b.get("reload_bytes", 0) / n_tok / MiB if b else 0.0,
+            "stalls": b.get("stalls"), "wait_us_max": b.get("wait_us_max"),
+            "decide_us_per_step": b.get("decide_us_per_step"), "lam_last_mean": b.get("lam_last_mean"),
+            "command": res["command"], "balance": b or None, "counters": c}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, choices=[k for k, v in CONFIGS.items() if v[0]])
+    ap.add_argument("--work", default="/tmp/kxbench", help="where the synthetic model and its pack are (or go)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--budget", type=float, help="VRAM budget in GiB (default: the configuration's)")
+    ap.add_argument("--gen", type=int, default=256, help="decoded tokens per row")
+    ap.add_argument("--switch-every", type=int, default=64, help="tokens per topic")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--lam", type=float, default=0.5)
+    ap.add_argument("--max-admit", type=int, help="neurons loaded per step and layer (default: no cap)")
+    ap.add_argument("--reload-method", default="gather", choices=["gather", "memcpy", "batch"])
+    args = ap.parse_args()
+    rows = [r for r in args.rows.split(",") if r]
+    if not rows or any(r not in ROWS for r in rows):
+        ap.error(f"--rows takes a list of {', '.join(ROWS)}")
+
+    from kairox.pack import pack_path_for
+    from kairox.synth import PRESETS, topic_prompts
+    preset, budget = CONFIGS[args.config]
+    budget = args.budget or budget
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / f"{preset}-{PRESETS[preset].ftype}.gguf"
+    if not model.exists() or not pack_path_for(model).exists():
+        run([sys.executable, "-m", "kairox", "synth", "--preset", preset, "-o", str(model), "--pack", "-q"],
+            timeout=3600)
+    toks = topic_prompts(model, 1, PROMPT + args.gen, seed=2, switch_every=args.switch_every)[0]
+    tokens = work / f"{model.stem}.drift{args.switch_every}.tokens.json"
+    tokens.write_text(json.dumps(toks))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"balance-live-{args.config}"
+    env = {"KAIROX_LIB_DIR": os.environ.get("KAIROX_LIB_DIR", "")}
+    results = []
+    for kind in rows:
+        extra = ["--vram-budget", f"{budget:g}GiB", "--balancer", kind, "--lam", str(args.lam),
+                 "--reload-method", args.reload_method]
+        if args.max_admit is not None:
+            extra += ["--max-admit", str(args.max_admit)]
+        if kind == "adaptive":
+            extra += ["--balance-trace", str(out / f"{name}.jsonl")]
+        res = tpot_run("kairox", "predicted", model, tokens, 999, args.threads, env, extra)
+        results.append(row_of(kind, res))
+        log(f"{kind}: {results[-1]['tok_s']:.2f} tok/s, GPU share {results[-1]['gpu_share']}")
+    base = next((r["tok_s"] for r in results if r["row"] == "static"), None)
+    lines = [f"# Live balancer: {args.config} at {budget:g} GiB, text drifting every {args.switch_every} tokens",
+             "",
+             f"{args.gen} decoded tokens (teacher-forced, after a {PROMPT}-token prompt), {args.threads} threads, "
+             f"reloads by {args.reload_method}; commit {git_commit()[:10]}. GPU share: listed neurons computed from "
+             "slots. Reloads and stalls: per decoded token, from the balancer's records.",
+             "",
+             "| row | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
+             "stalls io / cpu / none | worst reload wait µs | decision µs / token | λ at end |",
+             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    for r in results:
+        st = r["stalls"] or {}
+        lines.append(
+            f"| {r['row']} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
+            f"{r['gpu_share']:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
+            f"{st.get('io', 0)} / {st.get('cpu', 0)} / {st.get('none', 0)} | "
+            f"{(r['wait_us_max'] or 0):.0f} | {(r['decide_us_per_step'] or 0):.0f} | "
+            f"{'' if r['lam_last_mean'] is None else format(r['lam_last_mean'], '.3f')} |"
+            if base else f"| {r['row']} | {r['tok_s']:.2f} |")
+    cmd = shlex.join([sys.executable] + sys.argv)
+    write_results(out / name, {"command": cmd, "commit": git_commit(), "machine": machine_facts(),
+                               "config": args.config, "budget_gib": budget, "gen": args.gen,
+                               "switch_every": args.switch_every, "rows": results}, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
