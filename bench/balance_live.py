@@ -36,9 +36,10 @@ def row_of(kind: str, res: dict) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}
     n_tok = max(1, b.get("steps") or 1)
+    hit = b["hits"] / b["active"] if b.get("active") else None
     return {"row": kind, "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
-            # the host kernels skip the listed neurons that slots hold: on a GPU run that is the GPU share
-            "gpu_share": c["elsewhere"] / c["selected"] if c.get("selected") else None,
+            # listed neurons computed from slots (the balancer's records; the static row observes)
+            "gpu_share": hit,
             "loads_per_token": b.get("loads", 0) / n_tok if b else 0.0,
             "reload_mib_per_token": b.get("reload_bytes", 0) / n_tok / MiB if b else 0.0,
             "stalls": b.get("stalls"), "wait_us_max": b.get("wait_us_max"),
@@ -59,6 +60,8 @@ def main() -> int:
     ap.add_argument("--lam", type=float, default=0.5)
     ap.add_argument("--max-admit", type=int, help="neurons loaded per step and layer (default: no cap)")
     ap.add_argument("--reload-method", default="gather", choices=["gather", "memcpy", "batch"])
+    ap.add_argument("--decide", default="auto", choices=["auto", "worker", "inline"],
+                    help="where the TAM step runs (auto: one kernel on the GPU for every layer)")
     args = ap.parse_args()
     rows = [r for r in args.rows.split(",") if r]
     if not rows or any(r not in ROWS for r in rows):
@@ -89,6 +92,7 @@ def main() -> int:
             extra += ["--max-admit", str(args.max_admit)]
         if kind == "adaptive":
             extra += ["--balance-trace", str(out / f"{name}.jsonl")]
+        extra += ["--decide", args.decide]
         res = tpot_run("kairox", "predicted", model, tokens, 999, args.threads, env, extra)
         results.append(row_of(kind, res))
         log(f"{kind}: {results[-1]['tok_s']:.2f} tok/s, GPU share {results[-1]['gpu_share']}")
@@ -106,7 +110,7 @@ def main() -> int:
         st = r["stalls"] or {}
         lines.append(
             f"| {r['row']} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
-            f"{r['gpu_share']:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
+            f"{r['gpu_share'] or 0:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
             f"{st.get('io', 0)} / {st.get('cpu', 0)} / {st.get('none', 0)} | "
             f"{(r['wait_us_max'] or 0):.0f} | {(r['decide_us_per_step'] or 0):.0f} | "
             f"{'' if r['lam_last_mean'] is None else format(r['lam_last_mean'], '.3f')} |"

@@ -55,6 +55,8 @@ def main() -> int:
     ap.add_argument("--max-admit", type=int, help="balancer: neurons loaded per step and layer")
     ap.add_argument("--reload-method", default="gather", choices=["gather", "memcpy", "batch"])
     ap.add_argument("--max-blocks", type=int, default=32, help="balancer: the gather kernel's grid cap")
+    ap.add_argument("--decide", default="auto", choices=["auto", "worker", "inline"],
+                    help="balancer: where the TAM step runs (auto: on the GPU)")
     ap.add_argument("--balance-trace", help="balancer: write its per-step records here (JSON lines)")
     args = ap.parse_args()
 
@@ -86,10 +88,12 @@ def main() -> int:
     llm = cls(model_path=args.model, n_gpu_layers=args.ngl, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
               n_threads=args.threads, n_threads_batch=args.threads, verbose=False, **extra)
     counters = None
-    if args.impl == "kairox" and args.balancer != "static":
+    hybrid = args.impl == "kairox" and (args.gpu_slots is not None or args.vram_budget is not None)
+    if hybrid:  # static: the balancer only records what ran (GPU hits), moving nothing
         from kairox.balancer import BalancerConfig
         llm.start_balancer(BalancerConfig(lam=args.lam, adaptive=args.balancer == "adaptive",
-                                          max_admit=args.max_admit), max_blocks=args.max_blocks)
+                                          max_admit=args.max_admit), max_blocks=args.max_blocks,
+                           observe=args.balancer == "static", decide=args.decide)
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
         from kairox._native import sparse_counters
@@ -108,7 +112,7 @@ def main() -> int:
         counters = {"selected": c.selected, "total": c.total, "calls": c.calls, "fallbacks": c.fallbacks,
                     "nonzero": c.nonzero, "rows": c.rows, "elsewhere": c.elsewhere}
     balance = None
-    if args.impl == "kairox" and args.balancer != "static":
+    if hybrid:
         trace = llm.balance_trace()
         if args.balance_trace:
             Path(args.balance_trace).write_text("".join(json.dumps(r) + "\n" for r in trace))

@@ -24,3 +24,12 @@ void ggml_cuda_kx_trace_mark(ggml_backend_t backend, int64_t * t_us);
 // the reload engine of the live balancer (kx-reload.cu; include/kx-reload.h)
 struct kx_reload_iface;
 const kx_reload_iface * ggml_cuda_kx_reload_iface(void);
+
+// every hybrid layer's TAM step in one launch (kx-tam.cu), driven by the reload engine
+struct kx_tam_config;
+void *  ggml_cuda_kx_tam_batch_new(const kx_tam_config * cfg, int32_t n_layers, const int32_t * n,
+                                   const int32_t * capacity, const uint8_t * initial);
+void    ggml_cuda_kx_tam_batch_free(void * t);
+int32_t ggml_cuda_kx_tam_batch_launch(void * t, cudaStream_t stream, const uint8_t * active, const int32_t * stalls);
+int32_t ggml_cuda_kx_tam_batch_fetch(void * t, uint8_t * admit, uint8_t * evict, float * lam, int32_t * counts,
+                                     float * kernel_us);

@@ -11,8 +11,7 @@
 // slice of the GPU beside the decode's kernels; the copy engines stay free for the
 // decode's own transfers. kx_cuda_reload_bench measures the three methods.
 #include "kx-reload.h"
-
-#include <cuda_runtime.h>
+#include "kx-ops-cuda.cuh"
 
 #include <algorithm>
 #include <chrono>
@@ -306,9 +305,30 @@ static int32_t kx_reload_write_i32(void * p, const kx_i32_write * w, int64_t n) 
     return 0;
 }
 
+static void * kx_reload_tam_new(void * p, const kx_tam_config * cfg, int32_t n_layers, const int32_t * n,
+                                const int32_t * capacity, const uint8_t * initial) {
+    auto * r = (kx_cuda_reload *) p;
+    if (cudaSetDevice(r->device) != cudaSuccess) {
+        return nullptr;
+    }
+    return ggml_cuda_kx_tam_batch_new(cfg, n_layers, n, capacity, initial);
+}
+
+static int32_t kx_reload_tam_launch(void * p, void * t, const uint8_t * active, const int32_t * stalls) {
+    auto * r = (kx_cuda_reload *) p;
+    KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
+    if (ggml_cuda_kx_tam_batch_launch(t, r->stream, active, stalls)) {
+        return 3;
+    }
+    KX_RELOAD_CHECK(cudaEventRecord(r->done, r->stream), 4);
+    r->pending = true;
+    return 0;
+}
+
 static const kx_reload_iface kx_cuda_reload_iface_v = {
     kx_reload_create, kx_reload_destroy, kx_reload_host_register, kx_reload_copy,
     kx_reload_write_i32, kx_reload_query, kx_reload_wait,
+    kx_reload_tam_new, ggml_cuda_kx_tam_batch_free, kx_reload_tam_launch, ggml_cuda_kx_tam_batch_fetch,
 };
 
 const kx_reload_iface * ggml_cuda_kx_reload_iface(void) {

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <vector>
 
 #define KX_TAM_THREADS 1024
 
@@ -62,10 +64,10 @@ static __device__ uint64_t kx_tam_kth(int n, int k, Want want, Key key_of, kx_ta
     return prefix;
 }
 
-static __global__ void kx_tam_step_kernel(kx_tam_config cfg, kx_tam_state * st, float * score, uint8_t * res,
-                                          int n, int capacity, const uint8_t * active, int stall,
-                                          uint8_t * admit, uint8_t * evict, int32_t * counts) {
-    __shared__ kx_tam_shared sh;
+// one layer's step by the whole block
+static __device__ void kx_tam_step_block(const kx_tam_config & cfg, kx_tam_state * st, float * score, uint8_t * res,
+                                         int n, int capacity, const uint8_t * active, int stall,
+                                         uint8_t * admit, uint8_t * evict, int32_t * counts, kx_tam_shared & sh) {
     if (threadIdx.x == 0) {
         kx_tam_state s = *st;
         kx_tam_adapt(&cfg, &s, stall);
@@ -122,6 +124,164 @@ static __global__ void kx_tam_step_kernel(kx_tam_config cfg, kx_tam_state * st, 
         counts[0] = na;
         counts[1] = ne;
     }
+}
+
+static __global__ void kx_tam_step_kernel(kx_tam_config cfg, kx_tam_state * st, float * score, uint8_t * res,
+                                          int n, int capacity, const uint8_t * active, int stall,
+                                          uint8_t * admit, uint8_t * evict, int32_t * counts) {
+    __shared__ kx_tam_shared sh;
+    kx_tam_step_block(cfg, st, score, res, n, capacity, active, stall, admit, evict, counts, sh);
+}
+
+// ---------------------------------------------------------------- every layer in one launch
+// The live balancer decides all hybrid layers of a step at once: one block per layer (layers
+// are independent), so a step costs about one layer's time (tens of µs) whatever the depth,
+// on the reload stream, beside the decode. Inputs (active masks, stalls) and outputs
+// (admit/evict masks, λ, counts) move through page-locked staging.
+
+struct kx_tam_layer_dev {
+    int64_t off;      // the layer's first group in the concatenated arrays
+    int32_t n;
+    int32_t capacity;
+};
+
+struct kx_cuda_tam_batch {
+    kx_tam_config cfg;
+    int32_t n_layers = 0;
+    int64_t n_total = 0;
+    kx_tam_layer_dev * d_layers = nullptr;
+    kx_tam_state * d_st = nullptr;
+    float * d_score = nullptr;
+    uint8_t * d_res = nullptr, * d_act = nullptr, * d_adm = nullptr, * d_ev = nullptr;
+    int32_t * d_counts = nullptr;
+    // page-locked staging: active in; stalls in (read by the kernel in place); results out
+    uint8_t * h_act = nullptr, * h_adm = nullptr, * h_ev = nullptr;
+    int32_t * h_stall = nullptr, * h_counts = nullptr;
+    kx_tam_state * h_st = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    bool launched = false;
+};
+
+static __global__ void kx_tam_layers_kernel(kx_tam_config cfg, const kx_tam_layer_dev * layers, kx_tam_state * st,
+                                            float * score, uint8_t * res, const uint8_t * active,
+                                            const int32_t * stall, uint8_t * admit, uint8_t * evict,
+                                            int32_t * counts) {
+    __shared__ kx_tam_shared sh;
+    const int l = blockIdx.x;
+    const kx_tam_layer_dev L = layers[l];
+    kx_tam_step_block(cfg, st + l, score + L.off, res + L.off, L.n, L.capacity, active + L.off, stall[l],
+                      admit + L.off, evict + L.off, counts + 2 * l, sh);
+}
+
+void ggml_cuda_kx_tam_batch_free(void * p) {
+    auto * t = (kx_cuda_tam_batch *) p;
+    if (!t) {
+        return;
+    }
+    cudaFree(t->d_layers);
+    cudaFree(t->d_st);
+    cudaFree(t->d_score);
+    cudaFree(t->d_res);
+    cudaFree(t->d_act);
+    cudaFree(t->d_adm);
+    cudaFree(t->d_ev);
+    cudaFree(t->d_counts);
+    cudaFreeHost(t->h_act);
+    cudaFreeHost(t->h_adm);
+    cudaFreeHost(t->h_ev);
+    cudaFreeHost(t->h_stall);
+    cudaFreeHost(t->h_counts);
+    cudaFreeHost(t->h_st);
+    if (t->e0) cudaEventDestroy(t->e0);
+    if (t->e1) cudaEventDestroy(t->e1);
+    delete t;
+}
+
+void * ggml_cuda_kx_tam_batch_new(const kx_tam_config * cfg, int32_t n_layers, const int32_t * n,
+                                  const int32_t * capacity, const uint8_t * initial) {
+    auto * t = new kx_cuda_tam_batch;
+    t->cfg = *cfg;
+    t->n_layers = n_layers;
+    std::vector<kx_tam_layer_dev> layers(n_layers);
+    for (int32_t l = 0; l < n_layers; ++l) {
+        layers[l] = { t->n_total, n[l], capacity[l] };
+        t->n_total += n[l];
+    }
+    const size_t N = (size_t) t->n_total, L = (size_t) n_layers;
+    std::vector<kx_tam_state> st(L);
+    for (auto & x : st) {
+        kx_tam_state_init(cfg, &x);
+    }
+    bool ok = cudaMalloc(&t->d_layers, L * sizeof(kx_tam_layer_dev)) == cudaSuccess &&
+              cudaMalloc(&t->d_st, L * sizeof(kx_tam_state)) == cudaSuccess &&
+              cudaMalloc(&t->d_score, N * sizeof(float)) == cudaSuccess &&
+              cudaMalloc(&t->d_res, N) == cudaSuccess && cudaMalloc(&t->d_act, N) == cudaSuccess &&
+              cudaMalloc(&t->d_adm, N) == cudaSuccess && cudaMalloc(&t->d_ev, N) == cudaSuccess &&
+              cudaMalloc(&t->d_counts, 2 * L * sizeof(int32_t)) == cudaSuccess &&
+              cudaMallocHost(&t->h_act, N) == cudaSuccess && cudaMallocHost(&t->h_adm, N) == cudaSuccess &&
+              cudaMallocHost(&t->h_ev, N) == cudaSuccess &&
+              cudaMallocHost(&t->h_stall, L * sizeof(int32_t)) == cudaSuccess &&
+              cudaMallocHost(&t->h_counts, 2 * L * sizeof(int32_t)) == cudaSuccess &&
+              cudaMallocHost(&t->h_st, L * sizeof(kx_tam_state)) == cudaSuccess &&
+              cudaEventCreate(&t->e0) == cudaSuccess && cudaEventCreate(&t->e1) == cudaSuccess &&
+              cudaMemcpy(t->d_layers, layers.data(), L * sizeof(kx_tam_layer_dev), cudaMemcpyHostToDevice) == cudaSuccess &&
+              cudaMemcpy(t->d_st, st.data(), L * sizeof(kx_tam_state), cudaMemcpyHostToDevice) == cudaSuccess &&
+              cudaMemset(t->d_score, 0, N * sizeof(float)) == cudaSuccess &&
+              cudaMemcpy(t->d_res, initial, N, cudaMemcpyHostToDevice) == cudaSuccess;
+    if (!ok) {
+        fprintf(stderr, "kx tam batch: allocation failed (%s)\n", cudaGetErrorString(cudaGetLastError()));
+        ggml_cuda_kx_tam_batch_free(t);
+        return nullptr;
+    }
+    return t;
+}
+
+// queues one step of every layer on `stream`: active [n_total] masks, stalls [n_layers]
+int32_t ggml_cuda_kx_tam_batch_launch(void * p, cudaStream_t stream, const uint8_t * active, const int32_t * stalls) {
+    auto * t = (kx_cuda_tam_batch *) p;
+    const size_t N = (size_t) t->n_total, L = (size_t) t->n_layers;
+    memcpy(t->h_act, active, N);
+    memcpy(t->h_stall, stalls, L * sizeof(int32_t));
+    int32_t * d_stall = nullptr;
+    if (cudaHostGetDevicePointer((void **) &d_stall, t->h_stall, 0) != cudaSuccess ||
+        cudaMemcpyAsync(t->d_act, t->h_act, N, cudaMemcpyHostToDevice, stream) != cudaSuccess ||
+        cudaEventRecord(t->e0, stream) != cudaSuccess) {
+        return 1;
+    }
+    kx_tam_layers_kernel<<<t->n_layers, KX_TAM_THREADS, 0, stream>>>(t->cfg, t->d_layers, t->d_st, t->d_score,
+                                                                       t->d_res, t->d_act, d_stall, t->d_adm,
+                                                                       t->d_ev, t->d_counts);
+    if (cudaGetLastError() != cudaSuccess || cudaEventRecord(t->e1, stream) != cudaSuccess ||
+        cudaMemcpyAsync(t->h_adm, t->d_adm, N, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+        cudaMemcpyAsync(t->h_ev, t->d_ev, N, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+        cudaMemcpyAsync(t->h_counts, t->d_counts, 2 * L * sizeof(int32_t), cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+        cudaMemcpyAsync(t->h_st, t->d_st, L * sizeof(kx_tam_state), cudaMemcpyDeviceToHost, stream) != cudaSuccess) {
+        return 2;
+    }
+    t->launched = true;
+    return 0;
+}
+
+// the last launch's results (the caller has waited for the stream): masks [n_total] into
+// admit / evict, λ [n_layers], counts [2 n_layers] (loads, evictions), the kernel's time
+int32_t ggml_cuda_kx_tam_batch_fetch(void * p, uint8_t * admit, uint8_t * evict, float * lam, int32_t * counts,
+                                     float * kernel_us) {
+    auto * t = (kx_cuda_tam_batch *) p;
+    if (!t->launched) {
+        return 1;
+    }
+    const size_t N = (size_t) t->n_total, L = (size_t) t->n_layers;
+    memcpy(admit, t->h_adm, N);
+    memcpy(evict, t->h_ev, N);
+    memcpy(counts, t->h_counts, 2 * L * sizeof(int32_t));
+    for (size_t l = 0; l < L; ++l) {
+        lam[l] = t->h_st[l].lam;
+    }
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, t->e0, t->e1);
+    *kernel_us = 1000.0f * ms;
+    t->launched = false;
+    return 0;
 }
 
 #define KX_TAM_CHECK(x)                                                                          \

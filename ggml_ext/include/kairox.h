@@ -73,8 +73,15 @@ struct kx_balance_params {
     double  gpu_gbs;     // device part is a CPU stall); <= 0: 100 and 2000 GB/s
     int32_t method;      // enum kx_reload_method (include/kx-reload.h); 0: the gather kernel
     int32_t max_blocks;  // the gather kernel's grid cap (its share of the GPU)
-    int32_t sync_decide; // 1: decide on the calling thread (measures the decision's cost)
+    int32_t decide;      // enum kx_balance_decide: where the TAM step runs
     int32_t record;      // 1: keep every step's active lists (kx_model_balance_activity; tests)
+    int32_t observe;     // 1: only record what ran (hits), decide and move nothing (the static split's figures)
+};
+
+enum kx_balance_decide {
+    KX_DECIDE_AUTO   = 0, // on the slots' device when its engine can (one kernel, every layer), else a host worker
+    KX_DECIDE_WORKER = 1, // a host thread, while the next decode runs
+    KX_DECIDE_INLINE = 2, // the calling thread, at the boundary (measures the decision's cost)
 };
 
 // one layer's step: the decode's activity, what ran on the GPU, what the step decided

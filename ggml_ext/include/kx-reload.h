@@ -15,6 +15,8 @@
 extern "C" {
 #endif
 
+struct kx_tam_config;
+
 // one contiguous run of bytes: host source (registered with host_register) -> device dest
 struct kx_row_copy {
     const void * src;
@@ -51,6 +53,17 @@ struct kx_reload_iface {
     int32_t (*query)(void * r);
     // blocks until every queued copy has finished; returns the seconds waited (< 0 on error)
     double  (*wait)(void * r);
+
+    // The balancer's decision for every hybrid layer on the device (NULL where the engine has
+    // none: the host decides). tam_new: n [n_layers] groups and capacity per layer, initial
+    // [Σn] residency. tam_launch queues one step behind the queued copies (active [Σn] masks,
+    // stalls [n_layers]); tam_fetch, after wait(), gives its admit / evict masks [Σn],
+    // λ [n_layers], counts [2 n_layers] (loads, evictions) and the kernel's time in µs.
+    void *  (*tam_new)(void * r, const struct kx_tam_config * cfg, int32_t n_layers, const int32_t * n,
+                       const int32_t * capacity, const uint8_t * initial);
+    void    (*tam_free)(void * t);
+    int32_t (*tam_launch)(void * r, void * t, const uint8_t * active, const int32_t * stalls);
+    int32_t (*tam_fetch)(void * t, uint8_t * admit, uint8_t * evict, float * lam, int32_t * counts, float * kernel_us);
 };
 
 typedef const struct kx_reload_iface * (*kx_reload_iface_get_t)(void);

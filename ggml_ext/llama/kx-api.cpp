@@ -189,6 +189,9 @@ int64_t kx_model_balance_trace(llama_model * model, kx_balance_record * dst, int
         return 0;
     }
     kx_balance_drain_decision(*b); // the running decision fills the newest records
+    if (b->tam_pending && b->io->wait(b->engine) >= 0) {
+        kx_balance_fetch(*b);     // so does the device's
+    }
     const int64_t n = (int64_t) b->trace.size();
     if (dst) {
         std::copy(b->trace.begin(), b->trace.begin() + std::min(n, capacity), dst);

@@ -35,6 +35,7 @@ static double  kx_host_wait(void *) { return 0.0; }
 
 static const kx_reload_iface kx_host_reload = {
     kx_host_create, kx_host_destroy, kx_host_register, kx_host_copy, kx_host_write_i32, kx_host_query, kx_host_wait,
+    nullptr, nullptr, nullptr, nullptr, // no device decision: the host decides
 };
 
 // ---------------------------------------------------------------- decision
@@ -109,6 +110,9 @@ kx_balancer::~kx_balancer() {
     }
     if (engine) {
         io->wait(engine); // rows may still land in slot buffers that are about to be freed
+        if (tam) {
+            io->tam_free(tam);
+        }
         io->destroy(engine);
     }
 }
@@ -145,6 +149,9 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
     }
     if (params.method < KX_RELOAD_GATHER || params.method > KX_RELOAD_BATCH || params.max_blocks <= 0) {
         throw std::runtime_error("balancer: unknown reload method or a block cap <= 0");
+    }
+    if (params.decide < KX_DECIDE_AUTO || params.decide > KX_DECIDE_INLINE) {
+        throw std::runtime_error("balancer: unknown decision place (0 auto, 1 worker, 2 inline)");
     }
     auto b = std::make_unique<kx_balancer>();
     b->params = params;
@@ -203,7 +210,27 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         ((int32_t *) S.seen->data)[0] = -1; // activity recorded before the start is not a step
         b->layers.push_back(std::move(L));
     }
-    if (!params.sync_decide) {
+    if (params.observe) {
+        return b;
+    }
+    if (params.decide == KX_DECIDE_AUTO && b->io->tam_new) {
+        std::vector<int32_t> n, cap;
+        for (const kx_balance_layer & L : b->layers) {
+            b->tam_off.push_back((int64_t) b->tam_act.size());
+            n.push_back((int32_t) L.decided.size());
+            cap.push_back(L.cap);
+            b->tam_act.insert(b->tam_act.end(), L.decided.begin(), L.decided.end());
+        }
+        b->tam = b->io->tam_new(b->engine, &c, (int32_t) b->layers.size(), n.data(), cap.data(), b->tam_act.data());
+        if (!b->tam) {
+            throw std::runtime_error(kx_fmt("balancer: cannot set up the decision on %s", slots.device.c_str()));
+        }
+        b->tam_adm.resize(b->tam_act.size());
+        b->tam_ev.resize(b->tam_act.size());
+        b->tam_stall.resize(b->layers.size());
+        b->tam_counts.resize(2 * b->layers.size());
+        b->tam_lam.resize(b->layers.size());
+    } else if (params.decide != KX_DECIDE_INLINE) {
         b->worker = std::thread(kx_balance_worker, b.get());
     }
     return b;
@@ -276,6 +303,37 @@ static double kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack 
     return waited;
 }
 
+void kx_balance_fetch(kx_balancer & b) {
+    if (!b.tam_pending) {
+        return;
+    }
+    float kernel_us = 0.0f;
+    if (b.io->tam_fetch(b.tam, b.tam_adm.data(), b.tam_ev.data(), b.tam_lam.data(), b.tam_counts.data(), &kernel_us)) {
+        throw std::runtime_error("balancer: reading the device decision failed");
+    }
+    b.tam_pending = false;
+    for (size_t l = 0; l < b.layers.size(); ++l) {
+        kx_balance_layer & L = b.layers[l];
+        const int64_t off = b.tam_off[l], n = (int64_t) L.decided.size();
+        L.admit.clear();
+        L.evict.clear();
+        for (int64_t i = 0; i < n; ++i) {
+            if (b.tam_adm[off + i]) {
+                L.admit.push_back((int32_t) i);
+            }
+            if (b.tam_ev[off + i]) {
+                L.evict.push_back((int32_t) i);
+            }
+        }
+        kx_balance_record & r = b.trace[b.tam_rec + l];
+        r.n_load = b.tam_counts[2 * l];
+        r.n_evict = b.tam_counts[2 * l + 1];
+        r.lam = b.tam_lam[l];
+        r.reload_bytes = (int64_t) r.n_load * L.row_bytes;
+        r.decide_us = kernel_us / (float) b.layers.size(); // one launch for every layer: its share
+    }
+}
+
 void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {
     // 1. decode k's activity (count -1: the last decode recorded none, e.g. a prompt batch)
     bool fresh = true;
@@ -298,9 +356,30 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
             hits[l] += b.layers[l].slot_of[i] >= 0; // the maps decode k ran with
         }
     }
+    if (b.params.observe) {
+        for (size_t l = 0; fresh && l < b.layers.size(); ++l) {
+            kx_balance_record r = {};
+            r.step = (int32_t) b.step;
+            r.layer = b.layers[l].il;
+            r.n_active = (int32_t) b.layers[l].snap.size();
+            r.n_hit = hits[l];
+            r.lam = b.params.tam.lam;
+            b.trace.push_back(r);
+        }
+        b.step += fresh;
+        return;
+    }
     // 2-5
     kx_balance_drain_decision(b);
-    const double waited = kx_balance_apply(b, slots, pack, model);
+    double waited = 0.0;
+    if (b.io->query(b.engine) == 0) {
+        waited = b.io->wait(b.engine); // the last copies (and the device decision) still run
+    }
+    if (waited < 0) {
+        throw std::runtime_error("balancer: a slot reload failed");
+    }
+    kx_balance_fetch(b);
+    kx_balance_apply(b, slots, pack, model);
     if (!fresh) {
         return;
     }
@@ -325,6 +404,22 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
         }
     }
     ++b.step;
+    if (b.tam) {
+        for (size_t l = 0; l < b.layers.size(); ++l) {
+            uint8_t * act = b.tam_act.data() + b.tam_off[l];
+            std::fill(act, act + b.layers[l].decided.size(), 0);
+            for (int32_t i : b.layers[l].snap) {
+                act[i] = 1;
+            }
+            b.tam_stall[l] = b.layers[l].stall;
+        }
+        if (b.io->tam_launch(b.engine, b.tam, b.tam_act.data(), b.tam_stall.data())) {
+            throw std::runtime_error("balancer: launching the device decision failed");
+        }
+        b.tam_pending = true;
+        b.tam_rec = rec;
+        return;
+    }
     if (!b.worker.joinable()) {
         kx_balance_decide(b, rec);
         return;
@@ -339,7 +434,14 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
 }
 
 void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {
+    if (b.params.observe) {
+        return;
+    }
     kx_balance_drain_decision(b);
+    if (b.io->wait(b.engine) < 0) {
+        throw std::runtime_error("balancer: a slot reload failed");
+    }
+    kx_balance_fetch(b);
     kx_balance_apply(b, slots, pack, model); // the pending decision
     kx_balance_apply(b, slots, pack, model); // its loads, waited for and committed
 }

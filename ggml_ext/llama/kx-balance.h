@@ -58,6 +58,15 @@ struct kx_balancer {
     std::vector<kx_balance_record> trace;
     std::vector<std::vector<int32_t>> activity; // record mode: [step * layers + l] active ids
 
+    // the device's decision (engine->tam_new): every layer in one launch on the reload stream
+    void * tam = nullptr;
+    bool tam_pending = false;
+    size_t tam_rec = 0;                     // first trace record of the pending device decision
+    std::vector<int64_t> tam_off;           // each layer's first group in the concatenated masks
+    std::vector<uint8_t> tam_act, tam_adm, tam_ev;
+    std::vector<int32_t> tam_stall, tam_counts;
+    std::vector<float> tam_lam;
+
     // the worker thread deciding while the next decode runs
     std::thread worker;
     std::mutex mu;
@@ -78,3 +87,5 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
 void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack);
 // Waits for the decision the worker is making (its trace records are then complete).
 void kx_balance_drain_decision(kx_balancer & b);
+// Reads the device decision's results once its stream has finished (nothing if none is pending).
+void kx_balance_fetch(kx_balancer & b);

@@ -40,6 +40,7 @@ _BASE_KWARGS = frozenset(
 
 SPARSE_MODES = ("dense", "exact", "predicted")
 RELOAD_METHODS = ("gather", "memcpy", "batch")  # enum kx_reload_method
+DECIDE = ("auto", "worker", "inline")             # enum kx_balance_decide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +214,8 @@ _lib.kx_model_slots_swap.restype = ctypes.c_int32
 
 class _BalanceParams(ctypes.Structure):  # struct kx_balance_params
     _fields_ = [("tam", _TamConfig), ("cpu_gbs", ctypes.c_double), ("gpu_gbs", ctypes.c_double),
-                ("method", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("sync_decide", ctypes.c_int32),
-                ("record", ctypes.c_int32)]
+                ("method", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("decide", ctypes.c_int32),
+                ("record", ctypes.c_int32), ("observe", ctypes.c_int32)]
 
 
 class BalanceRecord(ctypes.Structure):  # struct kx_balance_record
@@ -479,13 +480,18 @@ class Llama(llama_cpp.Llama):
         if _lib.kx_model_slots_swap(self._model.model, il, ev, len(evict), ad, len(admit), err, len(err)):
             raise ValueError(err.value.decode())
 
-    def start_balancer(self, config: Any = True, *, sync_decide: bool = False, max_blocks: int = 32,
-                       cpu_gbs: float = 0.0, gpu_gbs: float = 0.0) -> None:
+    def start_balancer(self, config: Any = True, *, decide: str = "auto", observe: bool = False,
+                       max_blocks: int = 32, cpu_gbs: float = 0.0, gpu_gbs: float = 0.0) -> None:
         """Starts the live balancer on this model's slots (a BalancerConfig, True for the
         defaults, None to stop it): from the next decode on, every eval() ends with a
         balancing step. ValueError without slots or with a bad configuration.
-        cpu_gbs / gpu_gbs: matvec rates of the stall model (0: 100 / 2000 GB/s);
-        max_blocks: the gather kernel's share of the GPU."""
+        decide: where the TAM step runs: auto (one kernel for every layer on the slots' GPU,
+        else a host worker thread), worker, inline (the calling thread); observe: record what
+        ran (hits) and move nothing, the static split's figures; cpu_gbs / gpu_gbs: matvec
+        rates of the stall model (0: 100 / 2000 GB/s); max_blocks: the gather kernel's
+        share of the GPU."""
+        if decide not in DECIDE:
+            raise ValueError(f"decide must be one of {', '.join(DECIDE)}, not {decide!r}")
         from .balancer import BalancerConfig
         from .tam import native_config
         err = ctypes.create_string_buffer(1024)
@@ -495,7 +501,7 @@ class Llama(llama_cpp.Llama):
             return
         cfg = BalancerConfig() if config is True else config
         p = _BalanceParams(native_config(cfg), cpu_gbs, gpu_gbs, RELOAD_METHODS.index(self.kx_options.reload_method),
-                           max_blocks, int(sync_decide), int(self.kx_options.balancer_record))
+                           max_blocks, DECIDE.index(decide), int(self.kx_options.balancer_record), int(observe))
         if _lib.kx_model_balancer_start(self._model.model, ctypes.byref(p), err, 1024):
             raise ValueError(err.value.decode("utf-8", "replace"))
         self._kx_balancing = True
