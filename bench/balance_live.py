@@ -32,19 +32,30 @@ MiB = 1 << 20
 ROWS = ("static", "fixed", "adaptive")
 
 
-def row_of(kind: str, res: dict) -> dict:
+def parse_row(spec: str, lam: float, max_admit: int | None) -> tuple[str, float, int | None]:
+    """KIND[:LAM[:MAX_ADMIT]] -> (kind, λ, max_admit); missing parts from --lam / --max-admit."""
+    parts = spec.split(":")
+    if parts[0] not in ROWS or len(parts) > 3:
+        raise ValueError(spec)
+    return (parts[0], float(parts[1]) if len(parts) > 1 and parts[1] else lam,
+            int(parts[2]) if len(parts) > 2 else max_admit)
+
+
+def row_of(kind: str, lam: float, max_admit: int | None, res: dict) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}
     n_tok = max(1, b.get("steps") or 1)
     hit = b["hits"] / b["active"] if b.get("active") else None
-    return {"row": kind, "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
+    label = kind if kind == "static" else f"{kind} λ{'0' if kind == 'adaptive' else ''}={lam:g}" + (
+        f", ≤{max_admit} loads" if max_admit is not None else "")
+    return {"row": label, "kind": kind, "lam": lam, "max_admit": max_admit, "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
             # listed neurons computed from slots (the balancer's records; the static row observes)
             "gpu_share": hit,
             "loads_per_token": b.get("loads", 0) / n_tok if b else 0.0,
             "reload_mib_per_token": b.get("reload_bytes", 0) / n_tok / MiB if b else 0.0,
             "stalls": b.get("stalls"), "wait_us_max": b.get("wait_us_max"),
             "decide_us_per_step": b.get("decide_us_per_step"), "lam_last_mean": b.get("lam_last_mean"),
-            "command": res["command"], "balance": b or None, "counters": c}
+            "command": res["command"], "balance": b or None, "counters": c, "tpot_s": res.get("tpot_s")}
 
 
 def main() -> int:
@@ -56,16 +67,20 @@ def main() -> int:
     ap.add_argument("--budget", type=float, help="VRAM budget in GiB (default: the configuration's)")
     ap.add_argument("--gen", type=int, default=256, help="decoded tokens per row")
     ap.add_argument("--switch-every", type=int, default=64, help="tokens per topic")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=",".join(ROWS),
+                    help=f"comma-separated KIND[:LAM[:MAX_ADMIT]], KIND one of {', '.join(ROWS)}")
     ap.add_argument("--lam", type=float, default=0.5)
     ap.add_argument("--max-admit", type=int, help="neurons loaded per step and layer (default: no cap)")
     ap.add_argument("--reload-method", default="gather", choices=["gather", "memcpy", "batch"])
     ap.add_argument("--decide", default="auto", choices=["auto", "worker", "inline"],
                     help="where the TAM step runs (auto: one kernel on the GPU for every layer)")
     args = ap.parse_args()
-    rows = [r for r in args.rows.split(",") if r]
-    if not rows or any(r not in ROWS for r in rows):
-        ap.error(f"--rows takes a list of {', '.join(ROWS)}")
+    try:
+        rows = [parse_row(r, args.lam, args.max_admit) for r in args.rows.split(",") if r]
+    except ValueError as e:
+        ap.error(f"--rows: bad entry {e} (KIND[:LAM[:MAX_ADMIT]], KIND one of {', '.join(ROWS)})")
+    if not rows:
+        ap.error("--rows is empty")
 
     from kairox.pack import pack_path_for
     from kairox.synth import PRESETS, topic_prompts
@@ -85,16 +100,18 @@ def main() -> int:
     name = f"balance-live-{args.config}"
     env = {"KAIROX_LIB_DIR": os.environ.get("KAIROX_LIB_DIR", "")}
     results = []
-    for kind in rows:
-        extra = ["--vram-budget", f"{budget:g}GiB", "--balancer", kind, "--lam", str(args.lam),
+    traced = False
+    for kind, lam, max_admit in rows:
+        extra = ["--vram-budget", f"{budget:g}GiB", "--balancer", kind, "--lam", str(lam),
                  "--reload-method", args.reload_method]
-        if args.max_admit is not None:
-            extra += ["--max-admit", str(args.max_admit)]
-        if kind == "adaptive":
+        if max_admit is not None:
+            extra += ["--max-admit", str(max_admit)]
+        if kind == "adaptive" and not traced:  # the first adaptive row's records
             extra += ["--balance-trace", str(out / f"{name}.jsonl")]
+            traced = True
         extra += ["--decide", args.decide]
         res = tpot_run("kairox", "predicted", model, tokens, 999, args.threads, env, extra)
-        results.append(row_of(kind, res))
+        results.append(row_of(kind, lam, max_admit, res))
         log(f"{kind}: {results[-1]['tok_s']:.2f} tok/s, GPU share {results[-1]['gpu_share']}")
     base = next((r["tok_s"] for r in results if r["row"] == "static"), None)
     lines = [f"# Live balancer: {args.config} at {budget:g} GiB, text drifting every {args.switch_every} tokens",
