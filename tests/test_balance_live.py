@@ -176,6 +176,10 @@ def test_trace_report_draws_and_summarizes(synth_model: Path, tmp_path: Path, ca
     assert main(["report", str(path), "--png", str(png)]) == 0
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "GPU hit rate" in capsys.readouterr().out
+    import gzip
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert read_trace(gz) == read_trace(path)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 0}\n')
     assert main(["report", str(bad)]) == 2
@@ -202,3 +206,9 @@ def test_observing_records_the_static_split(synth_model: Path) -> None:
             llm.start_balancer(True, decide="gpu")
     finally:
         llm.close()
+
+
+def test_run_cli_trace_needs_the_balancer(synth_model: Path, capsys) -> None:
+    from kairox.cli import main
+    assert main(["run", "-m", str(synth_model), "-n", "2", "--kx-trace", "t.jsonl"]) == 2
+    assert "--balancer" in capsys.readouterr().err

@@ -29,8 +29,15 @@ def write_trace(path: str | Path, records: list[dict[str, Any]]) -> None:
 
 
 def read_trace(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a trace file (JSON lines; gzip-compressed when the name ends in .gz)."""
+    import gzip
+    p = Path(path)
+    try:
+        text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise TraceError(f"{path}: cannot read ({e})") from None
     out = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
