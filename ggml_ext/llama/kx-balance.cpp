@@ -237,14 +237,9 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
 }
 
 // steps 3-5 of a boundary: finish (or wait for) the last reloads, commit them, apply the
-// decision's evictions, queue its loads. Returns the seconds waited for the last reloads.
-static double kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & pack, const llama_model & model) {
-    double waited = 0.0;
-    const int32_t q = b.io->query(b.engine);
-    if (q == 0) {
-        waited = b.io->wait(b.engine);
-    }
-    if (q < 0 || waited < 0) {
+// decision's evictions, queue its loads
+static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & pack, const llama_model & model) {
+    if (b.io->wait(b.engine) < 0) {
         throw std::runtime_error("balancer: a slot reload failed");
     }
     std::vector<kx_i32_write> writes;
@@ -300,7 +295,6 @@ static double kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack 
     if (b.io->copy(b.engine, copies.data(), (int64_t) copies.size())) {
         throw std::runtime_error("balancer: queueing slot reloads failed");
     }
-    return waited;
 }
 
 void kx_balance_fetch(kx_balancer & b) {

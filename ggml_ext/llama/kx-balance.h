@@ -5,14 +5,16 @@
 // One boundary (kx_balance_step, after decode k):
 //   1. snapshot decode k's active lists (the graph copies each layer's list into a host
 //      tensor, kx_slot_layer::seen) and count the GPU hits of decode k
-//   2. wait for the decision made from decode k-1 (a worker thread ran it during decode k)
-//   3. the reloads issued at the last boundary: finished -> commit; still running -> wait,
-//      and decode k's step is an I/O stall (raise λ)
+//   2. the reload stream's last work (copies, and the device decision made from decode k-1)
+//      finished -> go on; still running -> wait, and decode k's step is an I/O stall (raise
+//      λ). Host decisions: wait for the worker thread that ran it during decode k.
+//   3. commit the reloads issued at the last boundary
 //   4. commit: loaded neurons enter the slot map and leave the host maps; the decision's
 //      evictions leave the slot map and return to the host maps (one batch of map stores)
 //   5. queue the decision's loads (rows from the page-locked host weights into the freed
 //      slots) on the reload stream; they become visible at the next boundary's commit
-//   6. start the decision for decode k's activity (TAM step per layer) on the worker
+//   6. start the decision for decode k's activity (TAM step per layer): one kernel for every
+//      layer on the reload stream (CUDA), or on the worker thread (host)
 // A neuron is in the slot map only once its rows have landed, and the host maps always
 // hold the complement, so every listed neuron is computed exactly once whatever the
 // reloads do: outputs never wait on, or depend on, a reload.
