@@ -28,7 +28,6 @@ from offload import CONFIGS, PROMPT, log, run, tpot_run  # noqa: E402
 sys.path.insert(0, str(ROOT / "python"))
 from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
-MiB = 1 << 20
 ROWS = ("static", "fixed", "adaptive")
 
 
@@ -43,18 +42,15 @@ def parse_row(spec: str, lam: float, max_admit: int | None) -> tuple[str, float,
 
 def row_of(kind: str, lam: float, max_admit: int | None, res: dict) -> dict:
     c = res.get("counters") or {}
-    b = res.get("balance") or {}
-    n_tok = max(1, b.get("steps") or 1)
-    hit = b["hits"] / b["active"] if b.get("active") else None
+    b = res.get("balance") or {}  # kairox.report.summary of the row's records
     label = kind if kind == "static" else f"{kind} λ{'0' if kind == 'adaptive' else ''}={lam:g}" + (
         f", ≤{max_admit} loads" if max_admit is not None else "")
     return {"row": label, "kind": kind, "lam": lam, "max_admit": max_admit, "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
             # listed neurons computed from slots (the balancer's records; the static row observes)
-            "gpu_share": hit,
-            "loads_per_token": b.get("loads", 0) / n_tok if b else 0.0,
-            "reload_mib_per_token": b.get("reload_bytes", 0) / n_tok / MiB if b else 0.0,
+            "gpu_share": b.get("hit_rate"),
+            "loads_per_token": b.get("loads_per_step", 0.0), "reload_mib_per_token": b.get("reload_mib_per_step", 0.0),
             "stalls": b.get("stalls"), "wait_us_max": b.get("wait_us_max"),
-            "decide_us_per_step": b.get("decide_us_per_step"), "lam_last_mean": b.get("lam_last_mean"),
+            "decide_us_per_step": b.get("decide_us_per_step"), "lam_last_mean": b.get("lam_last"),
             "command": res["command"], "balance": b or None, "counters": c, "tpot_s": res.get("tpot_s")}
 
 

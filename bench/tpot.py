@@ -112,22 +112,12 @@ def main() -> int:
         counters = {"selected": c.selected, "total": c.total, "calls": c.calls, "fallbacks": c.fallbacks,
                     "nonzero": c.nonzero, "rows": c.rows, "elsewhere": c.elsewhere}
     balance = None
-    if hybrid:
+    if hybrid:  # the prompt is one batch of > 8 tokens (dense, not a step): every record is a decode's
+        from kairox.report import summary, write_trace
         trace = llm.balance_trace()
         if args.balance_trace:
-            Path(args.balance_trace).write_text("".join(json.dumps(r) + "\n" for r in trace))
-        decode = trace  # the prompt is one batch of > 8 tokens: dense, not a step
-        from collections import Counter
-        balance = {"steps": max((r["step"] for r in trace), default=-1) + 1,
-                   "active": sum(r["n_active"] for r in decode), "hits": sum(r["n_hit"] for r in decode),
-                   "loads": sum(r["n_load"] for r in decode), "evictions": sum(r["n_evict"] for r in decode),
-                   "reload_bytes": sum(r["reload_bytes"] for r in decode),
-                   "stalls": dict(Counter(r["stall"] for r in decode)),
-                   "wait_us_max": max((r["wait_us"] for r in decode), default=0.0),
-                   "decide_us_per_step": sum(r["decide_us"] for r in decode) / max(1, len({r["step"] for r in decode})),
-                   "lam_last_mean": float(sum(r["lam"] for r in trace if r["step"] == trace[-1]["step"])
-                                          / max(1, sum(1 for r in trace if r["step"] == trace[-1]["step"])))
-                   if trace else None}
+            write_trace(args.balance_trace, trace)
+        balance = summary(trace) if trace else None
     pp_s = None
     if args.pp:
         batch = (toks * (args.pp // len(toks) + 1))[:args.pp]

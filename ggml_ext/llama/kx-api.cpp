@@ -123,24 +123,31 @@ int32_t kx_model_slots_swap(llama_model * model, int32_t il, const int32_t * evi
     return 0;
 }
 
+// runs f, turning an exception into err and a nonzero return (the C API's boundary)
+template <typename F>
+static int32_t kx_guard(char * err, size_t err_size, F && f) {
+    try {
+        f();
+    } catch (const std::exception & e) {
+        kx_set_err(err, err_size, e.what());
+        return 1;
+    }
+    kx_set_err(err, err_size, "");
+    return 0;
+}
+
 int32_t kx_model_balancer_start(llama_model * model, const kx_balance_params * params, char * err, size_t err_size) {
     kx_slots * slots = model && model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
     if (!slots) {
         kx_set_err(err, err_size, "the balancer needs neuron slots, and this model has none");
         return 1;
     }
-    try {
-        slots->balancer.reset();
+    slots->balancer.reset();
+    return kx_guard(err, err_size, [&] {
         if (params) {
             slots->balancer = kx_balancer_new(*slots, *model, *model->kx_pack_ptr, *params);
         }
-    } catch (const std::exception & e) {
-        slots->balancer.reset();
-        kx_set_err(err, err_size, e.what());
-        return 1;
-    }
-    kx_set_err(err, err_size, "");
-    return 0;
+    });
 }
 
 static kx_balancer * kx_model_balancer(const llama_model * model) {
@@ -159,13 +166,7 @@ int32_t kx_context_balance(llama_context * ctx, char * err, size_t err_size) {
         return 0;
     }
     ctx->synchronize(); // the decode's graph has finished reading the maps and slots
-    try {
-        kx_balance_step(*b, *model.kx_pack_ptr->slots, model, *model.kx_pack_ptr);
-    } catch (const std::exception & e) {
-        kx_set_err(err, err_size, e.what());
-        return 1;
-    }
-    return 0;
+    return kx_guard(err, err_size, [&] { kx_balance_step(*b, *model.kx_pack_ptr->slots, model, *model.kx_pack_ptr); });
 }
 
 int32_t kx_model_balance_drain(llama_model * model, char * err, size_t err_size) {
@@ -174,13 +175,7 @@ int32_t kx_model_balance_drain(llama_model * model, char * err, size_t err_size)
         kx_set_err(err, err_size, "this model has no balancer");
         return 1;
     }
-    try {
-        kx_balance_drain(*b, *model->kx_pack_ptr->slots, *model, *model->kx_pack_ptr);
-    } catch (const std::exception & e) {
-        kx_set_err(err, err_size, e.what());
-        return 1;
-    }
-    return 0;
+    return kx_guard(err, err_size, [&] { kx_balance_drain(*b, *model->kx_pack_ptr->slots, *model, *model->kx_pack_ptr); });
 }
 
 int64_t kx_model_balance_trace(llama_model * model, kx_balance_record * dst, int64_t capacity) {

@@ -248,7 +248,6 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
         int32_t * slotmap = (int32_t *) S.slotmap->data; // device address on a GPU
         int32_t * coldmap = (int32_t *) S.coldmap->data;
         int32_t * colddown = (int32_t *) S.colddown->data;
-        const int32_t * down_row = pack.layers[L.il].rowmap ? (const int32_t *) pack.layers[L.il].rowmap->data : nullptr;
         for (const auto & [i, s] : L.inflight) {
             writes.push_back({ slotmap + i, s, 0 });
             coldmap[i] = colddown[i] = -1;
@@ -260,8 +259,7 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
             const int32_t s = L.slot_of[i];
             GGML_ASSERT(s >= 0 && "balancer: evicting a neuron that is not resident");
             writes.push_back({ slotmap + i, -1, 0 });
-            coldmap[i] = i;
-            colddown[i] = down_row ? down_row[i] : i;
+            kx_slot_to_host(S, pack.layers[L.il], i);
             L.slot_of[i] = -1;
             S.resident[s] = -1;
             L.free_slots.push_back(s);
@@ -276,18 +274,12 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
         kx_slot_layer & S = slots.layers[L.il];
         const llama_layer & ml = model.layers[L.il];
         const kx_pack_layer & pl = pack.layers[L.il];
-        const int32_t * down_row = pl.rowmap ? (const int32_t *) pl.rowmap->data : nullptr;
         for (int32_t i : L.admit) {
             GGML_ASSERT(!L.free_slots.empty() && "balancer: no free slot for a load");
             const int32_t s = L.free_slots.back();
             L.free_slots.pop_back();
-            const int32_t drow = down_row ? down_row[i] : i;
-            copies.push_back({ (const char *) ml.ffn_gate->data + (size_t) i * ml.ffn_gate->nb[1],
-                               (char *) S.gate->data + (size_t) s * S.gate->nb[1], (uint64_t) S.gate->nb[1] });
-            copies.push_back({ (const char *) ml.ffn_up->data + (size_t) i * ml.ffn_up->nb[1],
-                               (char *) S.up->data + (size_t) s * S.up->nb[1], (uint64_t) S.up->nb[1] });
-            copies.push_back({ (const char *) pl.down_t->data + (size_t) drow * pl.down_t->nb[1],
-                               (char *) S.down->data + (size_t) s * S.down->nb[1], (uint64_t) S.down->nb[1] });
+            copies.resize(copies.size() + 3);
+            kx_slot_row_copies(S, ml, pl, i, s, copies.data() + copies.size() - 3);
             L.inflight.push_back({ i, s });
         }
         L.admit.clear();

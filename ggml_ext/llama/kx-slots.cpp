@@ -158,6 +158,26 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
     return slots;
 }
 
+static int32_t kx_down_row(const kx_pack_layer & pl, int32_t i) {
+    return pl.rowmap ? ((const int32_t *) pl.rowmap->data)[i] : i;
+}
+
+void kx_slot_to_host(kx_slot_layer & L, const kx_pack_layer & pl, int32_t i) {
+    ((int32_t *) L.coldmap->data)[i]  = i;
+    ((int32_t *) L.colddown->data)[i] = kx_down_row(pl, i);
+}
+
+void kx_slot_row_copies(const kx_slot_layer & L, const llama_layer & ml, const kx_pack_layer & pl, int32_t i,
+                        int32_t s, kx_row_copy out[3]) {
+    const ggml_tensor * src[3] = { ml.ffn_gate, ml.ffn_up, pl.down_t };
+    const ggml_tensor * dst[3] = { L.gate, L.up, L.down };
+    const int32_t row[3] = { i, i, kx_down_row(pl, i) };
+    for (int k = 0; k < 3; ++k) {
+        out[k] = { (const char *) src[k]->data + (size_t) row[k] * src[k]->nb[1],
+                   (char *) dst[k]->data + (size_t) s * dst[k]->nb[1], (uint64_t) dst[k]->nb[1] };
+    }
+}
+
 void kx_slots_swap(kx_slots & slots, const llama_model & model, const kx_pack & pack, int32_t il,
                    const int32_t * evict, int32_t n_evict, const int32_t * admit, int32_t n_admit) {
     if (il < 0 || il >= (int32_t) slots.layers.size() || slots.layers[il].n_slots == 0) {
@@ -198,7 +218,6 @@ void kx_slots_swap(kx_slots & slots, const llama_model & model, const kx_pack & 
     }
     const llama_layer & ml = model.layers[il];
     const kx_pack_layer & pl = pack.layers[il];
-    const int32_t * down_row = pl.rowmap ? (const int32_t *) pl.rowmap->data : nullptr;
     int32_t * coldmap = (int32_t *) L.coldmap->data;
     int32_t * colddown = (int32_t *) L.colddown->data;
     const int32_t none = -1;
@@ -206,9 +225,7 @@ void kx_slots_swap(kx_slots & slots, const llama_model & model, const kx_pack & 
         const int32_t i = evict[k], s = slot_of[i];
         L.resident[s] = -1;
         empty.push_back(s);
-        // back to the host side: one active list is split by these maps
-        coldmap[i]  = i;
-        colddown[i] = down_row ? down_row[i] : i;
+        kx_slot_to_host(L, pl, i); // one active list is split by these maps
         ggml_backend_tensor_set(L.slotmap, &none, (size_t) i * sizeof(int32_t), sizeof(int32_t));
     }
     // freed slots are refilled last-freed first; any order is valid, this one is deterministic
@@ -216,13 +233,13 @@ void kx_slots_swap(kx_slots & slots, const llama_model & model, const kx_pack & 
         const int32_t i = admit[k];
         const int32_t s = empty.back();
         empty.pop_back();
-        const int32_t drow = down_row ? down_row[i] : i;
-        ggml_backend_tensor_set(L.gate, (const char *) ml.ffn_gate->data + (size_t) i * ml.ffn_gate->nb[1],
-                                (size_t) s * L.gate->nb[1], L.gate->nb[1]);
-        ggml_backend_tensor_set(L.up, (const char *) ml.ffn_up->data + (size_t) i * ml.ffn_up->nb[1],
-                                (size_t) s * L.up->nb[1], L.up->nb[1]);
-        ggml_backend_tensor_set(L.down, (const char *) pl.down_t->data + (size_t) drow * pl.down_t->nb[1],
-                                (size_t) s * L.down->nb[1], L.down->nb[1]);
+        kx_row_copy rows[3];
+        kx_slot_row_copies(L, ml, pl, i, s, rows);
+        ggml_tensor * dst[3] = { L.gate, L.up, L.down };
+        for (int r = 0; r < 3; ++r) {
+            ggml_backend_tensor_set(dst[r], rows[r].src, (size_t) ((const char *) rows[r].dst - (const char *) dst[r]->data),
+                                    rows[r].bytes);
+        }
         ggml_backend_tensor_set(L.slotmap, &s, (size_t) i * sizeof(int32_t), sizeof(int32_t));
         coldmap[i] = colddown[i] = -1;
         L.resident[s] = i;

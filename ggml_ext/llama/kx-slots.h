@@ -12,6 +12,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "kx-reload.h"
 
 #include <cstdint>
 #include <memory>
@@ -19,7 +20,9 @@
 #include <vector>
 
 struct llama_model;
+struct llama_layer;
 struct kx_pack;
+struct kx_pack_layer;
 struct kx_balancer;
 
 struct kx_slot_layer {
@@ -54,6 +57,14 @@ struct kx_slots {
 // (nullptr: the first GPU). Throws std::runtime_error with one sentence on failure.
 std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
                                          const std::vector<int64_t> & n_slots, const char * device);
+
+// Neuron i back on the host side of layer L: the host maps point at its rows again (the
+// caller clears its slot map entry).
+void kx_slot_to_host(kx_slot_layer & L, const kx_pack_layer & pl, int32_t i);
+// The three row copies that fill slot s with neuron i: gate and up rows from the model's
+// host weights, the down row from the pack (through its row map).
+void kx_slot_row_copies(const kx_slot_layer & L, const llama_layer & ml, const kx_pack_layer & pl, int32_t i,
+                        int32_t s, kx_row_copy out[3]);
 
 // Replaces residents of layer il while no graph runs: the neurons in `evict` leave their
 // slots (back to the host side of the split), the neurons in `admit` take the freed or empty

@@ -513,7 +513,7 @@ class Llama(llama_cpp.Llama):
 
     def balance(self) -> None:
         """One balancing step (eval() calls it after each decode while a balancer runs)."""
-        err = ctypes.create_string_buffer(1024)
+        err = self._kx_err = getattr(self, "_kx_err", None) or ctypes.create_string_buffer(1024)  # per token: reused
         if _lib.kx_context_balance(self._ctx.ctx, err, 1024):
             raise RuntimeError(err.value.decode("utf-8", "replace"))
 

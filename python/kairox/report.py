@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from .balancer import STALLS
+
 FIELDS = ("step", "layer", "n_active", "n_hit", "n_load", "n_evict", "stall", "lam", "wait_us", "decide_us",
           "reload_bytes")
-STALLS = ("none", "io", "cpu")
 
 
 class TraceError(ValueError):
@@ -76,6 +77,8 @@ def per_step(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Figures of a whole trace: hit rate, loads and MiB per step, stalls, worst wait,
+    decision time per step, λ at the first and last step (mean over layers)."""
     s = per_step(records)
     n = len(s["step"])
     act = sum(r["n_active"] for r in records)
