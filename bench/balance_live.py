@@ -28,7 +28,7 @@ from offload import CONFIGS, PROMPT, log, run, tpot_run  # noqa: E402
 sys.path.insert(0, str(ROOT / "python"))
 from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
-ROWS = ("static", "fixed", "adaptive")
+ROWS = ("static", "fixed", "adaptive", "pipe-fixed", "pipe")  # pipe*: one layer ahead within each token
 
 
 def parse_row(spec: str, lam: float, max_admit: int | None) -> tuple[str, float, int | None]:
@@ -43,13 +43,13 @@ def parse_row(spec: str, lam: float, max_admit: int | None) -> tuple[str, float,
 def row_of(kind: str, lam: float, max_admit: int | None, res: dict) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
-    label = kind if kind == "static" else f"{kind} λ{'0' if kind == 'adaptive' else ''}={lam:g}" + (
+    label = kind if kind == "static" else f"{kind} λ{'0' if kind in ('adaptive', 'pipe') else ''}={lam:g}" + (
         f", ≤{max_admit} loads" if max_admit is not None else "")
     return {"row": label, "kind": kind, "lam": lam, "max_admit": max_admit, "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
             # listed neurons computed from slots (the balancer's records; the static row observes)
             "gpu_share": b.get("hit_rate"),
             "loads_per_token": b.get("loads_per_step", 0.0), "reload_mib_per_token": b.get("reload_mib_per_step", 0.0),
-            "stalls": b.get("stalls"), "wait_us_max": b.get("wait_us_max"),
+            "stalls": b.get("stalls"), "wait_us_max": b.get("wait_us_max"), "late_loads": b.get("late_loads"),
             "decide_us_per_step": b.get("decide_us_per_step"), "lam_last_mean": b.get("lam_last"),
             "command": res["command"], "balance": b or None, "counters": c, "tpot_s": res.get("tpot_s")}
 
@@ -96,16 +96,20 @@ def main() -> int:
     name = f"balance-live-{args.config}"
     env = {"KAIROX_LIB_DIR": os.environ.get("KAIROX_LIB_DIR", "")}
     results = []
-    traced = False
+    traced = traced_pipe = False
     for kind, lam, max_admit in rows:
-        extra = ["--vram-budget", f"{budget:g}GiB", "--balancer", kind, "--lam", str(lam),
-                 "--reload-method", args.reload_method]
+        policy = {"pipe": "adaptive", "pipe-fixed": "fixed"}.get(kind, kind)
+        extra = ["--vram-budget", f"{budget:g}GiB", "--balancer", policy, "--lam", str(lam),
+                 "--reload-method", args.reload_method] + (["--pipeline"] if policy != kind else [])
         if max_admit is not None:
             extra += ["--max-admit", str(max_admit)]
         if kind == "adaptive" and not traced:  # the first adaptive row's records
             extra += ["--balance-trace", str(out / f"{name}.jsonl")]
             traced = True
-        extra += ["--decide", args.decide]
+        if kind == "pipe" and not traced_pipe:
+            extra += ["--balance-trace", str(out / f"{name}-pipe.jsonl")]
+            traced_pipe = True
+        extra += ["--decide", args.decide if policy == kind else "auto"]
         res = tpot_run("kairox", "predicted", model, tokens, 999, args.threads, env, extra)
         results.append(row_of(kind, lam, max_admit, res))
         log(f"{kind}: {results[-1]['tok_s']:.2f} tok/s, GPU share {results[-1]['gpu_share']}")
@@ -114,18 +118,19 @@ def main() -> int:
              "",
              f"{args.gen} decoded tokens (teacher-forced, after a {PROMPT}-token prompt), {args.threads} threads, "
              f"reloads by {args.reload_method}; commit {git_commit()[:10]}. GPU share: listed neurons computed from "
-             "slots. Reloads and stalls: per decoded token, from the balancer's records.",
+             "slots. Reloads and stalls: per decoded token, from the balancer's records; late loads: layer steps "
+             "(pipe rows) whose reloads had not landed when their layer began.",
              "",
              "| row | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
-             "stalls io / cpu / none | worst reload wait µs | decision µs / token | λ at end |",
-             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+             "stalls io / cpu / none | worst reload wait µs | late loads | decision µs / token | λ at end |",
+             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in results:
         st = r["stalls"] or {}
         lines.append(
             f"| {r['row']} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
             f"{r['gpu_share'] or 0:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
             f"{st.get('io', 0)} / {st.get('cpu', 0)} / {st.get('none', 0)} | "
-            f"{(r['wait_us_max'] or 0):.0f} | {(r['decide_us_per_step'] or 0):.0f} | "
+            f"{(r['wait_us_max'] or 0):.0f} | {r.get('late_loads') or 0} | {(r['decide_us_per_step'] or 0):.0f} | "
             f"{'' if r['lam_last_mean'] is None else format(r['lam_last_mean'], '.3f')} |"
             if base else f"| {r['row']} | {r['tok_s']:.2f} |")
     cmd = shlex.join([sys.executable] + sys.argv)

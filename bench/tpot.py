@@ -57,6 +57,8 @@ def main() -> int:
     ap.add_argument("--max-blocks", type=int, default=32, help="balancer: the gather kernel's grid cap")
     ap.add_argument("--decide", default="auto", choices=["auto", "worker", "inline"],
                     help="balancer: where the TAM step runs (auto: on the GPU)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="balancer: decide one layer ahead within each token instead of between tokens")
     ap.add_argument("--balance-trace", help="balancer: write its per-step records here (JSON lines)")
     args = ap.parse_args()
 
@@ -93,7 +95,8 @@ def main() -> int:
         from kairox.balancer import BalancerConfig
         llm.start_balancer(BalancerConfig(lam=args.lam, adaptive=args.balancer == "adaptive",
                                           max_admit=args.max_admit), max_blocks=args.max_blocks,
-                           observe=args.balancer == "static", decide=args.decide)
+                           observe=args.balancer == "static", decide=args.decide,
+                           pipeline=args.pipeline and args.balancer != "static")
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
         from kairox._native import sparse_counters

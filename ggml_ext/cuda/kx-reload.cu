@@ -39,18 +39,29 @@ struct kx_host_range {
     bool      registered; // by us: unregistered at destroy
 };
 
+// page-locked descriptors a gather kernel reads, and the event after the batch using them
+struct kx_reload_batch {
+    kx_row_copy * staging = nullptr;
+    int64_t staging_cap = 0;
+    cudaEvent_t done = nullptr;
+    bool pending = false;
+};
+
 struct kx_cuda_reload {
     int device = 0;
     int method = KX_RELOAD_GATHER;
     int max_blocks = 64;
     cudaStream_t stream = nullptr;
-    cudaEvent_t done = nullptr;
+    cudaEvent_t done = nullptr;            // after everything queued on the stream
     bool pending = false;
     std::vector<kx_host_range> ranges;     // sorted by host address
-    kx_row_copy * staging = nullptr;       // page-locked descriptors the gather kernel reads
-    int64_t staging_cap = 0;
+    kx_reload_batch whole;                 // copy(): one batch at a time
+    std::vector<kx_reload_batch> tags;     // tag_copy(): one batch per tag
     kx_i32_write * wstage = nullptr;
     int64_t wstage_cap = 0;
+    cudaStream_t side = nullptr;           // side_write()'s stream (created on first use)
+    kx_i32_write * sstage = nullptr;
+    int64_t sstage_cap = 0;
 };
 
 } // namespace
@@ -155,8 +166,19 @@ static void kx_reload_destroy(void * p) {
             cudaHostUnregister((void *) x.host);
         }
     }
-    cudaFreeHost(r->staging);
+    if (r->side) {
+        cudaStreamSynchronize(r->side);
+        cudaStreamDestroy(r->side);
+    }
+    r->tags.push_back(r->whole);
+    for (const kx_reload_batch & b : r->tags) {
+        cudaFreeHost(b.staging);
+        if (b.done && b.done != r->done) {
+            cudaEventDestroy(b.done);
+        }
+    }
     cudaFreeHost(r->wstage);
+    cudaFreeHost(r->sstage);
     if (r->done) {
         cudaEventDestroy(r->done);
     }
@@ -219,18 +241,12 @@ static int32_t kx_reload_host_register(void * p, void * ptr, size_t size) {
     return 0;
 }
 
-static int32_t kx_reload_copy(void * p, const kx_row_copy * c, int64_t n) {
-    auto * r = (kx_cuda_reload *) p;
-    if (n <= 0) {
-        return 0;
-    }
-    KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
-    if (kx_reload_wait(r) < 0) { // the staging below is still read by the last batch
-        return 3;
-    }
+// queues the copies on the reload stream with batch b's staging (whose last use must have
+// finished), then records b's event and the stream's
+static int32_t kx_reload_launch(kx_cuda_reload * r, kx_reload_batch & b, const kx_row_copy * c, int64_t n) {
     switch (r->method) {
         case KX_RELOAD_GATHER: {
-            if (!kx_reload_grow(r->staging, r->staging_cap, n)) {
+            if (!kx_reload_grow(b.staging, b.staging_cap, n)) {
                 return 4;
             }
             for (int64_t i = 0; i < n; ++i) {
@@ -239,10 +255,10 @@ static int32_t kx_reload_copy(void * p, const kx_row_copy * c, int64_t n) {
                     fprintf(stderr, "kx reload: source %p was not registered\n", c[i].src);
                     return 5;
                 }
-                r->staging[i] = { (const void *) s, c[i].dst, c[i].bytes };
+                b.staging[i] = { (const void *) s, c[i].dst, c[i].bytes };
             }
             kx_row_copy * d_copies = nullptr;
-            KX_RELOAD_CHECK(cudaHostGetDevicePointer((void **) &d_copies, r->staging, 0), 6);
+            KX_RELOAD_CHECK(cudaHostGetDevicePointer((void **) &d_copies, b.staging, 0), 6);
             const int grid = (int) std::min<int64_t>(n, r->max_blocks);
             kx_reload_gather_kernel<<<grid, KX_RELOAD_THREADS, 0, r->stream>>>(d_copies, n);
             KX_RELOAD_CHECK(cudaGetLastError(), 7);
@@ -279,8 +295,82 @@ static int32_t kx_reload_copy(void * p, const kx_row_copy * c, int64_t n) {
             break;
         }
     }
+    if (b.done != r->done) {
+        KX_RELOAD_CHECK(cudaEventRecord(b.done, r->stream), 10);
+        b.pending = true;
+    }
     KX_RELOAD_CHECK(cudaEventRecord(r->done, r->stream), 10);
     r->pending = true;
+    return 0;
+}
+
+static int32_t kx_reload_copy(void * p, const kx_row_copy * c, int64_t n) {
+    auto * r = (kx_cuda_reload *) p;
+    if (n <= 0) {
+        return 0;
+    }
+    KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
+    if (kx_reload_wait(r) < 0) { // the staging below is still read by the last batch
+        return 3;
+    }
+    r->whole.done = r->done;
+    return kx_reload_launch(r, r->whole, c, n);
+}
+
+// 1 when tag's batch has finished (or none was queued), 0 while it runs, < 0 on error
+static int32_t kx_reload_tag_query(void * p, int32_t tag) {
+    auto * r = (kx_cuda_reload *) p;
+    if (tag < 0 || tag >= (int32_t) r->tags.size() || !r->tags[tag].pending) {
+        return 1;
+    }
+    const cudaError_t e = cudaEventQuery(r->tags[tag].done);
+    if (e == cudaSuccess) {
+        r->tags[tag].pending = false;
+        return 1;
+    }
+    if (e == cudaErrorNotReady) {
+        return 0;
+    }
+    fprintf(stderr, "kx reload: cudaEventQuery: %s\n", cudaGetErrorString(e));
+    return -1;
+}
+
+static int32_t kx_reload_tag_copy(void * p, int32_t tag, const kx_row_copy * c, int64_t n) {
+    auto * r = (kx_cuda_reload *) p;
+    if (tag < 0) {
+        return 1;
+    }
+    if (n <= 0) {
+        return 0;
+    }
+    KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
+    if (tag >= (int32_t) r->tags.size()) {
+        r->tags.resize(tag + 1);
+    }
+    kx_reload_batch & b = r->tags[tag];
+    if (!b.done) {
+        KX_RELOAD_CHECK(cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming), 3);
+    }
+    if (b.pending) { // the tag's staging is still read by its last batch
+        KX_RELOAD_CHECK(cudaEventSynchronize(b.done), 3);
+        b.pending = false;
+    }
+    return kx_reload_launch(r, b, c, n);
+}
+
+// stores w through staging on `stream`, done when it returns
+static int32_t kx_reload_store(kx_cuda_reload * r, cudaStream_t stream, kx_i32_write *& stage, int64_t & cap,
+                               const kx_i32_write * w, int64_t n) {
+    if (!kx_reload_grow(stage, cap, n)) {
+        return 4;
+    }
+    std::copy(w, w + n, stage);
+    kx_i32_write * d_w = nullptr;
+    KX_RELOAD_CHECK(cudaHostGetDevicePointer((void **) &d_w, stage, 0), 6);
+    const int64_t grid = (n + 255) / 256;
+    kx_reload_write_kernel<<<(unsigned) grid, 256, 0, stream>>>(d_w, n);
+    KX_RELOAD_CHECK(cudaGetLastError(), 7);
+    KX_RELOAD_CHECK(cudaStreamSynchronize(stream), 8);
     return 0;
 }
 
@@ -291,18 +381,26 @@ static int32_t kx_reload_write_i32(void * p, const kx_i32_write * w, int64_t n) 
     }
     KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
     // ordered after the copies queued before (a map entry is published after its rows land)
-    if (!kx_reload_grow(r->wstage, r->wstage_cap, n)) {
-        return 4;
+    const int32_t rc = kx_reload_store(r, r->stream, r->wstage, r->wstage_cap, w, n);
+    if (rc == 0) {
+        r->pending = false;
+        for (kx_reload_batch & b : r->tags) {
+            b.pending = false;
+        }
     }
-    std::copy(w, w + n, r->wstage);
-    kx_i32_write * d_w = nullptr;
-    KX_RELOAD_CHECK(cudaHostGetDevicePointer((void **) &d_w, r->wstage, 0), 6);
-    const int64_t grid = (n + 255) / 256;
-    kx_reload_write_kernel<<<(unsigned) grid, 256, 0, r->stream>>>(d_w, n);
-    KX_RELOAD_CHECK(cudaGetLastError(), 7);
-    KX_RELOAD_CHECK(cudaStreamSynchronize(r->stream), 8);
-    r->pending = false;
-    return 0;
+    return rc;
+}
+
+static int32_t kx_reload_side_write(void * p, const kx_i32_write * w, int64_t n) {
+    auto * r = (kx_cuda_reload *) p;
+    if (n <= 0) {
+        return 0;
+    }
+    KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
+    if (!r->side) {
+        KX_RELOAD_CHECK(cudaStreamCreateWithFlags(&r->side, cudaStreamNonBlocking), 3);
+    }
+    return kx_reload_store(r, r->side, r->sstage, r->sstage_cap, w, n);
 }
 
 static void * kx_reload_tam_new(void * p, const kx_tam_config * cfg, int32_t n_layers, const int32_t * n,
@@ -329,6 +427,7 @@ static const kx_reload_iface kx_cuda_reload_iface_v = {
     kx_reload_create, kx_reload_destroy, kx_reload_host_register, kx_reload_copy,
     kx_reload_write_i32, kx_reload_query, kx_reload_wait,
     kx_reload_tam_new, ggml_cuda_kx_tam_batch_free, kx_reload_tam_launch, ggml_cuda_kx_tam_batch_fetch,
+    kx_reload_tag_copy, kx_reload_tag_query, kx_reload_side_write,
 };
 
 const kx_reload_iface * ggml_cuda_kx_reload_iface(void) {

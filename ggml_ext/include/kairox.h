@@ -76,7 +76,16 @@ struct kx_balance_params {
     int32_t decide;      // enum kx_balance_decide: where the TAM step runs
     int32_t record;      // 1: keep every step's active lists (kx_model_balance_activity; tests)
     int32_t observe;     // 1: only record what ran (hits), decide and move nothing (the static split's figures)
+    int32_t pipeline;    // 1: one layer ahead within each decode (below) instead of between decodes
+    int32_t late_every;  // tests: every n-th reload batch of a layer counts as landed two checks late (0: never)
 };
+// The one-layer-ahead pipeline (pipeline = 1, the predicted mode's predictor): while hybrid
+// layer i computes, layer i+1's active set is predicted from layer i's FFN input, and its
+// best missing neurons (TAM candidates) are copied into the slots of its worst residents not
+// predicted; before layer i+1's slot part is queued, reloads that landed enter its slot map
+// and the others stay on the CPU side until a later check. The first hybrid layer is
+// decided between decodes from its last active list. kairox.balancer.PrefetchLayer is the
+// reference of one layer's steps.
 
 enum kx_balance_decide {
     KX_DECIDE_AUTO   = 0, // on the slots' device when its engine can (one kernel, every layer), else a host worker
@@ -97,6 +106,9 @@ struct kx_balance_record {
     float   wait_us;      // time the boundary waited for the previous reloads
     float   decide_us;    // time of the layer's decision
     int64_t reload_bytes; // bytes the loads move
+    int32_t late;         // pipeline: 1 earlier loads still in flight at this step (no decision),
+                          // 2 this step's loads had not landed when its layer began
+    int32_t decided;      // 1: the step made a decision (0: only what ran was recorded)
 };
 
 // Starts (params non-NULL) or stops the balancer on the model's slots. 0, or 1 with err set.

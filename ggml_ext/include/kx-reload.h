@@ -64,6 +64,16 @@ struct kx_reload_iface {
     void    (*tam_free)(void * t);
     int32_t (*tam_launch)(void * r, void * t, const uint8_t * active, const int32_t * stalls);
     int32_t (*tam_fetch)(void * t, uint8_t * admit, uint8_t * evict, float * lam, int32_t * counts, float * kernel_us);
+
+    // The one-layer-ahead pipeline (llama/kx-balance.cpp): a layer's reloads are queued while
+    // the previous layer computes and must not wait on other layers' batches. tag_copy
+    // queues copies with the staging and completion event of `tag` (a hybrid layer), waiting
+    // only for that tag's previous batch; tag_query: 1 when the tag's copies have landed, 0
+    // while they run, < 0 on error; side_write: stores on a stream of their own, done when it
+    // returns, not ordered after any copy (the caller publishes only landed rows).
+    int32_t (*tag_copy)(void * r, int32_t tag, const struct kx_row_copy * c, int64_t n);
+    int32_t (*tag_query)(void * r, int32_t tag);
+    int32_t (*side_write)(void * r, const struct kx_i32_write * w, int64_t n);
 };
 
 typedef const struct kx_reload_iface * (*kx_reload_iface_get_t)(void);

@@ -143,6 +143,10 @@ int32_t kx_model_balancer_start(llama_model * model, const kx_balance_params * p
         return 1;
     }
     slots->balancer.reset();
+    if (slots->pipeline) {
+        slots->pipeline = false; // graphs drop the pipeline's nodes (contexts rebuild at their next balance)
+        ++slots->graph_gen;
+    }
     return kx_guard(err, err_size, [&] {
         if (params) {
             slots->balancer = kx_balancer_new(*slots, *model, *model->kx_pack_ptr, *params);
@@ -166,6 +170,9 @@ int32_t kx_context_balance(llama_context * ctx, char * err, size_t err_size) {
         return 0;
     }
     ctx->synchronize(); // the decode's graph has finished reading the maps and slots
+    if (ctx->kx_get_sparse() != KX_SPARSE_DENSE) {
+        ctx->kx_set_sparse(ctx->kx_get_sparse(), model.kx_pack_ptr.get()); // the slots' graph_gen
+    }
     return kx_guard(err, err_size, [&] { kx_balance_step(*b, *model.kx_pack_ptr->slots, model, *model.kx_pack_ptr); });
 }
 
@@ -196,19 +203,32 @@ int64_t kx_model_balance_trace(llama_model * model, kx_balance_record * dst, int
 
 int64_t kx_model_balance_activity(llama_model * model, int64_t step, int32_t il, int32_t * dst, int64_t capacity) {
     kx_balancer * b = kx_model_balancer(model);
-    if (!b || step < 0 || step >= b->step || !b->params.record) {
+    if (!b || step < 0 || !b->params.record) {
         return -1;
     }
-    for (size_t l = 0; l < b->layers.size(); ++l) {
-        if (b->layers[l].il == il) {
-            const std::vector<int32_t> & a = b->activity[(size_t) step * b->layers.size() + l];
-            if (dst) {
-                std::copy(a.begin(), a.begin() + std::min<int64_t>((int64_t) a.size(), capacity), dst);
+    const std::vector<int32_t> * found = nullptr;
+    if (b->params.pipeline) {
+        // one list per record that decided: the newest of (step, il)
+        for (size_t k = 0; k < b->activity.size(); ++k) {
+            const kx_balance_record & r = b->trace[k];
+            if (r.step == step && r.layer == il && r.decided) {
+                found = &b->activity[k];
             }
-            return (int64_t) a.size();
+        }
+    } else if (step < b->step) {
+        for (size_t l = 0; l < b->layers.size(); ++l) {
+            if (b->layers[l].il == il) {
+                found = &b->activity[(size_t) step * b->layers.size() + l];
+            }
         }
     }
-    return -1;
+    if (!found) {
+        return -1;
+    }
+    if (dst) {
+        std::copy(found->begin(), found->begin() + std::min<int64_t>((int64_t) found->size(), capacity), dst);
+    }
+    return (int64_t) found->size();
 }
 
 const char * kx_model_tensor_buffer_type(const llama_model * model, const char * name) {
@@ -259,6 +279,7 @@ void llama_context::kx_set_sparse(int32_t mode, const kx_pack * pack) {
     // decode rebuilds its graph for the new mode
     cparams.kx_sparse_mode = mode;
     cparams.kx_sparse_pack = pack;
+    cparams.kx_graph_gen = pack && pack->slots ? pack->slots->graph_gen : 0;
 }
 
 int32_t llama_context::kx_get_sparse() const {

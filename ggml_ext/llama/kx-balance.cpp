@@ -32,10 +32,13 @@ static int32_t kx_host_write_i32(void *, const kx_i32_write * w, int64_t n) {
 }
 static int32_t kx_host_query(void *) { return 1; }
 static double  kx_host_wait(void *) { return 0.0; }
+static int32_t kx_host_tag_copy(void * r, int32_t, const kx_row_copy * c, int64_t n) { return kx_host_copy(r, c, n); }
+static int32_t kx_host_tag_query(void *, int32_t) { return 1; }
 
 static const kx_reload_iface kx_host_reload = {
     kx_host_create, kx_host_destroy, kx_host_register, kx_host_copy, kx_host_write_i32, kx_host_query, kx_host_wait,
     nullptr, nullptr, nullptr, nullptr, // no device decision: the host decides
+    kx_host_tag_copy, kx_host_tag_query, kx_host_write_i32,
 };
 
 // ---------------------------------------------------------------- decision
@@ -153,8 +156,23 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
     if (params.decide < KX_DECIDE_AUTO || params.decide > KX_DECIDE_INLINE) {
         throw std::runtime_error("balancer: unknown decision place (0 auto, 1 worker, 2 inline)");
     }
+    if (params.pipeline && (params.observe || params.decide != KX_DECIDE_AUTO)) {
+        throw std::runtime_error("balancer: the pipeline decides on the host within each decode "
+                                 "(observe and decide do not apply)");
+    }
+    if (params.pipeline && !pack.has_predictor) {
+        throw std::runtime_error("balancer: the pipeline predicts the next layer with the pack's predictor, "
+                                 "and " + pack.path + " has none");
+    }
+    if (params.late_every < 0) {
+        throw std::runtime_error("balancer: late_every must be >= 0");
+    }
     auto b = std::make_unique<kx_balancer>();
     b->params = params;
+    b->slots = &slots;
+    b->model = &model;
+    b->pack = &pack;
+    b->index_of.assign(slots.layers.size(), -1);
     if (b->params.cpu_gbs <= 0) {
         b->params.cpu_gbs = 100.0;
     }
@@ -207,10 +225,22 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         }
         kx_tam_state_init(&c, &L.st);
         L.row_bytes = (int64_t) (S.gate->nb[1] + S.up->nb[1] + S.down->nb[1]);
+        L.tag = (int32_t) b->layers.size();
+        L.ahead = il > 0 && slots.layers[il - 1].n_slots > 0; // as kx-ffn.cpp builds the nodes
+        L.mark.assign(params.pipeline ? n_ff : 0, 0);
+        b->index_of[il] = L.tag;
+        if (L.ahead && b->first_ahead < 0) {
+            b->first_ahead = L.il;
+        }
         ((int32_t *) S.seen->data)[0] = -1; // activity recorded before the start is not a step
         b->layers.push_back(std::move(L));
     }
     if (params.observe) {
+        return b;
+    }
+    if (params.pipeline) {
+        slots.pipeline = true;
+        ++slots.graph_gen; // the next decode builds graphs with the pipeline's nodes
         return b;
     }
     if (params.decide == KX_DECIDE_AUTO && b->io->tam_new) {
@@ -320,7 +350,14 @@ void kx_balance_fetch(kx_balancer & b) {
     }
 }
 
+static void kx_pipe_boundary(kx_balancer & b);
+static void kx_pipe_drain(kx_balancer & b);
+
 void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {
+    if (b.params.pipeline) {
+        kx_pipe_boundary(b);
+        return;
+    }
     // 1. decode k's activity (count -1: the last decode recorded none, e.g. a prompt batch)
     bool fresh = true;
     for (kx_balance_layer & L : b.layers) {
@@ -384,6 +421,7 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
         r.n_hit = hits[l];
         r.stall = L.stall;
         r.wait_us = (float) (1e6 * waited);
+        r.decided = 1;
         b.trace.push_back(r);
         if (b.params.record) {
             b.activity.push_back(L.snap);
@@ -423,6 +461,10 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
     if (b.params.observe) {
         return;
     }
+    if (b.params.pipeline) {
+        kx_pipe_drain(b);
+        return;
+    }
     kx_balance_drain_decision(b);
     if (b.io->wait(b.engine) < 0) {
         throw std::runtime_error("balancer: a slot reload failed");
@@ -430,4 +472,297 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
     kx_balance_fetch(b);
     kx_balance_apply(b, slots, pack, model); // the pending decision
     kx_balance_apply(b, slots, pack, model); // its loads, waited for and committed
+}
+
+// ---------------------------------------------------------------- pipeline
+
+// s ← λ·s + (1 − λ)·predicted over the layer, rounded as kx_tam_score (and the reference):
+// after the product and after the sum; contraction into a fused multiply-add is off so the
+// loop may still vectorize
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static void kx_pipe_scores(float * score, const uint8_t * mark, int64_t n, float lam) {
+    const float a = 1.0f - lam;
+    for (int64_t i = 0; i < n; ++i) {
+        const float p = lam * score[i];
+        score[i] = p + (mark[i] ? a : 0.0f);
+    }
+}
+
+// the layer's record for step `step` (a new one when its newest is older, or when a decision
+// already filled it and another is made)
+static kx_balance_record & kx_pipe_record(kx_balancer & b, kx_balance_layer & L, int64_t step, bool decision) {
+    if (L.rec < 0 || b.trace[L.rec].step != step || (decision && b.trace[L.rec].decided)) {
+        kx_balance_record r = {};
+        r.step = (int32_t) step;
+        r.layer = L.il;
+        r.lam = L.st.lam;
+        r.stall = KX_TAM_STALL_NONE;
+        L.rec = (int64_t) b.trace.size();
+        b.trace.push_back(r);
+        if (b.params.record) {
+            b.activity.resize(b.trace.size());
+        }
+    }
+    kx_balance_record & r = b.trace[L.rec];
+    r.decided |= decision ? 1 : 0;
+    return r;
+}
+
+// what layer L ran with in this graph: its list (the graph's copy) against the slot map it used
+static void kx_pipe_observe(kx_balancer & b, kx_balance_layer & L, int64_t step) {
+    int32_t * seen = (int32_t *) b.slots->layers[L.il].seen->data;
+    if (seen[0] < 0) {
+        return;
+    }
+    L.snap.assign(seen + 1, seen + 1 + seen[0]);
+    L.snap_fresh = true;
+    seen[0] = -1;
+    kx_balance_record & r = kx_pipe_record(b, L, step, false);
+    r.n_active = (int32_t) L.snap.size();
+    r.n_hit = 0;
+    for (int32_t i : L.snap) {
+        r.n_hit += L.slot_of[i] >= 0;
+    }
+}
+
+static bool kx_pipe_landed(kx_balancer & b, kx_balance_layer & L) {
+    if (L.fake_late > 0) {
+        --L.fake_late;
+        return false;
+    }
+    const int32_t q = b.io->tag_query(b.engine, L.tag);
+    if (q < 0) {
+        throw std::runtime_error("balancer: a slot reload failed");
+    }
+    return q == 1;
+}
+
+// the pending loads enter the slot map (their device stores wait for publish)
+static void kx_pipe_commit(kx_balancer & b, kx_balance_layer & L) {
+    kx_slot_layer & S = b.slots->layers[L.il];
+    int32_t * slotmap = (int32_t *) S.slotmap->data; // device address on a GPU
+    for (const auto & [i, s] : L.pend) {
+        L.writes.push_back({ slotmap + i, s, 0 });
+        ((int32_t *) S.coldmap->data)[i] = ((int32_t *) S.colddown->data)[i] = -1;
+        L.slot_of[i] = s;
+        S.resident[s] = i;
+    }
+    L.pend.clear();
+}
+
+// one step of layer L from its predicted list (kairox.balancer.PrefetchLayer.step)
+static void kx_pipe_prefetch(kx_balancer & b, kx_balance_layer & L, const int32_t * list, int32_t n, int64_t step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    kx_slot_layer & S = b.slots->layers[L.il];
+    const kx_pack_layer & pl = b.pack->layers[L.il];
+    kx_balance_record & r = kx_pipe_record(b, L, step, true);
+    if (b.params.record) {
+        b.activity[L.rec].assign(list, list + n);
+    }
+    int32_t hits = 0;
+    for (int32_t k = 0; k < n; ++k) {
+        hits += L.slot_of[list[k]] >= 0;
+    }
+    bool skip = false;
+    if (!L.pend.empty()) {
+        if (kx_pipe_landed(b, L)) {
+            kx_pipe_commit(b, L);
+        } else {
+            r.late |= 1; // still in flight: no decision (its slots are taken)
+            skip = true;
+        }
+    }
+    const double cpu_s = (double) (n - hits) * L.row_bytes / (b.params.cpu_gbs * 1e9);
+    const double gpu_s = (double) hits * L.row_bytes / (b.params.gpu_gbs * 1e9);
+    r.stall = skip || L.late_prev ? KX_TAM_STALL_IO : cpu_s > gpu_s ? KX_TAM_STALL_CPU : KX_TAM_STALL_NONE;
+    L.late_prev = skip;
+    if (skip) {
+        r.lam = L.st.lam;
+        r.decide_us = (float) (1e6 * kx_seconds_since(t0));
+        return;
+    }
+    const kx_tam_config & c = b.params.tam;
+    kx_tam_adapt(&c, &L.st, r.stall);
+    const float lam = L.st.lam;
+    const float tau = kx_tam_tau(&c, lam);
+    for (int32_t k = 0; k < n; ++k) {
+        L.mark[list[k]] = 1;
+    }
+    kx_pipe_scores(L.score.data(), L.mark.data(), (int64_t) L.score.size(), lam);
+    // candidates: predicted, not resident, sustained (score > τ); best first
+    std::vector<uint64_t> cand;
+    for (int32_t k = 0; k < n; ++k) {
+        const int32_t i = list[k];
+        if (L.slot_of[i] < 0 && L.score[i] > tau) {
+            cand.push_back(kx_tam_key(L.score[i], 0, i));
+        }
+    }
+    std::sort(cand.begin(), cand.end(), std::greater<uint64_t>());
+    if (c.max_admit >= 0 && cand.size() > (size_t) c.max_admit) {
+        cand.resize(c.max_admit);
+    }
+    // victims, worst first: residents not predicted (only when the free slots do not suffice)
+    std::vector<uint64_t> vict;
+    if (cand.size() > L.free_slots.size()) {
+        for (int64_t s = 0; s < S.n_slots; ++s) {
+            const int32_t i = S.resident[s];
+            if (i >= 0 && !L.mark[i]) {
+                vict.push_back(kx_tam_key(L.score[i], 1, i));
+            }
+        }
+        const size_t need = std::min(vict.size(), cand.size() - L.free_slots.size());
+        std::partial_sort(vict.begin(), vict.begin() + need, vict.end());
+        vict.resize(need);
+    }
+    for (int32_t k = 0; k < n; ++k) {
+        L.mark[list[k]] = 0;
+    }
+    int32_t * slotmap = (int32_t *) S.slotmap->data;
+    const llama_layer & ml = b.model->layers[L.il];
+    std::vector<kx_row_copy> copies;
+    size_t nv = 0;
+    int32_t ne = 0;
+    for (uint64_t key : cand) {
+        const int32_t i = 0x7FFFFFFF - (int32_t) (key & 0x7FFFFFFF);
+        int32_t s;
+        if (!L.free_slots.empty()) {
+            s = L.free_slots.front(); // ascending: the reference takes the lowest free slot
+            L.free_slots.erase(L.free_slots.begin());
+        } else {
+            // a candidate displaces a resident only with a higher score (a tie keeps the resident)
+            if (nv >= vict.size() || key <= vict[nv]) {
+                break;
+            }
+            const int32_t v = 0x7FFFFFFF - (int32_t) (vict[nv++] & 0x7FFFFFFF);
+            s = L.slot_of[v];
+            L.writes.push_back({ slotmap + v, -1, 0 });
+            kx_slot_to_host(S, pl, v);
+            L.slot_of[v] = -1;
+            S.resident[s] = -1;
+            ++ne;
+        }
+        copies.resize(copies.size() + 3);
+        kx_slot_row_copies(S, ml, pl, i, s, copies.data() + copies.size() - 3);
+        L.pend.push_back({ i, s });
+    }
+    if (!copies.empty()) {
+        if (b.io->tag_copy(b.engine, L.tag, copies.data(), (int64_t) copies.size())) {
+            throw std::runtime_error("balancer: queueing slot reloads failed");
+        }
+        ++L.batches;
+        if (b.params.late_every > 0 && L.batches % b.params.late_every == 0) {
+            L.fake_late = 2; // reported late at publish and at the next prefetch
+        }
+    }
+    r.n_load = (int32_t) L.pend.size();
+    r.n_evict = ne;
+    r.lam = lam;
+    r.reload_bytes = (int64_t) r.n_load * L.row_bytes;
+    r.decide_us = (float) (1e6 * kx_seconds_since(t0));
+}
+
+// the end of layer L's step: landed loads enter the slot map, the map stores are made
+static void kx_pipe_publish(kx_balancer & b, kx_balance_layer & L, int64_t step) {
+    if (!L.pend.empty()) {
+        if (kx_pipe_landed(b, L)) {
+            kx_pipe_commit(b, L);
+        } else {
+            kx_pipe_record(b, L, step, false).late |= 2;
+            L.late_prev = true;
+        }
+    }
+    if (!L.writes.empty()) {
+        if (b.io->side_write(b.engine, L.writes.data(), (int64_t) L.writes.size())) {
+            throw std::runtime_error("balancer: slot map update failed");
+        }
+        L.writes.clear();
+    }
+}
+
+static kx_balancer * kx_pipe_balancer(kx_slots & slots, int32_t il, kx_balance_layer ** L) {
+    kx_balancer * b = slots.balancer.get();
+    if (!b || !b->params.pipeline || !b->error.empty() || il < 0 || il >= (int32_t) b->index_of.size() ||
+        b->index_of[il] < 0) {
+        return nullptr;
+    }
+    *L = &b->layers[b->index_of[il]];
+    return (*L)->ahead ? b : nullptr;
+}
+
+void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, const int32_t * list) noexcept {
+    kx_balance_layer * L = nullptr;
+    kx_balancer * b = kx_pipe_balancer(slots, il, &L);
+    if (!b) {
+        return;
+    }
+    try {
+        kx_balance_layer & prev = b->layers[b->index_of[il - 1]];
+        if (il == b->first_ahead) {
+            ++b->pstep; // the first prefetch of a graph
+        }
+        kx_pipe_observe(*b, prev, b->pstep); // its CPU split copied its list just before
+        kx_pipe_prefetch(*b, *L, list + 1, std::max(list[0], 0), b->pstep);
+    } catch (const std::exception & e) {
+        b->error = e.what();
+    }
+}
+
+void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept {
+    kx_balance_layer * L = nullptr;
+    kx_balancer * b = kx_pipe_balancer(slots, il, &L);
+    if (!b) {
+        return;
+    }
+    try {
+        kx_pipe_publish(*b, *L, b->pstep);
+    } catch (const std::exception & e) {
+        b->error = e.what();
+    }
+}
+
+// between decodes: the layers no graph node observes or prefetches
+static void kx_pipe_boundary(kx_balancer & b) {
+    if (!b.error.empty()) {
+        const std::string e = b.error;
+        b.error.clear();
+        throw std::runtime_error(e);
+    }
+    bool any_ahead = false;
+    for (size_t l = 0; l < b.layers.size(); ++l) {
+        any_ahead = any_ahead || b.layers[l].ahead;
+        const bool next_ahead = l + 1 < b.layers.size() && b.layers[l + 1].ahead;
+        if (!next_ahead) {
+            kx_pipe_observe(b, b.layers[l], b.pstep);
+        }
+    }
+    if (!any_ahead) {
+        ++b.pstep; // no graph node counts the steps
+    }
+    const int64_t next = any_ahead ? b.pstep + 1 : b.pstep; // the step of the next graph
+    for (kx_balance_layer & L : b.layers) {
+        if (!L.ahead && L.snap_fresh) {
+            // decided from its own last list; loads land during the next decode and are
+            // published at the next boundary
+            L.snap_fresh = false;
+            kx_pipe_prefetch(b, L, L.snap.data(), (int32_t) L.snap.size(), next);
+            kx_pipe_publish(b, L, next);
+        }
+        L.snap_fresh = false;
+    }
+}
+
+static void kx_pipe_drain(kx_balancer & b) {
+    if (b.io->wait(b.engine) < 0) {
+        throw std::runtime_error("balancer: a slot reload failed");
+    }
+    for (kx_balance_layer & L : b.layers) {
+        kx_pipe_commit(b, L);
+        L.fake_late = 0;
+        if (!L.writes.empty() && b.io->side_write(b.engine, L.writes.data(), (int64_t) L.writes.size())) {
+            throw std::runtime_error("balancer: slot map update failed");
+        }
+        L.writes.clear();
+    }
 }

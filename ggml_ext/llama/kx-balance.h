@@ -18,6 +18,19 @@
 // A neuron is in the slot map only once its rows have landed, and the host maps always
 // hold the complement, so every listed neuron is computed exactly once whatever the
 // reloads do: outputs never wait on, or depend on, a reload.
+//
+// The pipeline (kx_balance_params::pipeline; the graph's nodes in kx-ffn.cpp) decides within a
+// decode instead, one layer ahead, per hybrid layer L whose predecessor is hybrid:
+//   prefetch (first host node of layer L-1's CPU part, L's list predicted from L-1's x):
+//      loads of an earlier step that landed enter the slot map (else this step is skipped);
+//      TAM scores move with the predicted set; the best candidates (score > τ, not resident)
+//      take free slots or those of the worst residents not predicted whose score is lower;
+//      the victims go back to the host maps, their slots receive the candidates' rows
+//   publish (last host node of that CPU part): candidates whose rows landed enter the slot
+//      map; the device map stores of the step are made (synchronously, a side stream)
+// Between prefetch and publish no queued work reads layer L's slots or maps: layer L-1's
+// slot part runs, and the scheduler queues layer L's only after the CPU split returns.
+// Layers without a hybrid predecessor are decided between decodes from their last list.
 #pragma once
 
 #include "kairox.h"
@@ -28,6 +41,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -49,6 +63,17 @@ struct kx_balance_layer {
     std::vector<int32_t> admit, evict;           // the decision waiting to be applied
     std::vector<std::pair<int32_t, int32_t>> inflight; // (neuron, slot) being copied
     int64_t row_bytes = 0;           // gate + up + down bytes of one neuron
+    // pipeline
+    int32_t tag = 0;                 // the reload engine's batch tag (index among hybrid layers)
+    bool    ahead = false;           // prefetched within the decode (layer il-1 is hybrid)
+    bool    late_prev = false;       // the last step's loads were late (an I/O stall)
+    int32_t fake_late = 0;           // late_every: checks still to report "not landed"
+    int64_t batches = 0;
+    int64_t rec = -1;                // this layer's newest trace record
+    bool    snap_fresh = false;
+    std::vector<std::pair<int32_t, int32_t>> pend; // (neuron, slot): rows queued, not yet in the slot map
+    std::vector<kx_i32_write> writes;              // device map stores of the step, made at publish
+    std::vector<uint8_t> mark;                     // scratch: predicted
 };
 
 struct kx_balancer {
@@ -59,6 +84,15 @@ struct kx_balancer {
     int64_t step = 0;                       // decision steps started
     std::vector<kx_balance_record> trace;
     std::vector<std::vector<int32_t>> activity; // record mode: [step * layers + l] active ids
+                                                // (pipeline: one per trace record, its predicted ids)
+    // pipeline
+    kx_slots * slots = nullptr;
+    const llama_model * model = nullptr;
+    const kx_pack * pack = nullptr;
+    int64_t pstep = 0;                      // graphs run with the pipeline's nodes
+    int32_t first_ahead = -1;               // the lowest layer prefetched within a graph (counts pstep)
+    std::vector<int32_t> index_of;          // model layer -> index in layers, -1
+    std::string error;                      // the first failure inside a graph (reported at the boundary)
 
     // the device's decision (engine->tam_new): every layer in one launch on the reload stream
     void * tam = nullptr;
@@ -91,3 +125,9 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
 void kx_balance_drain_decision(kx_balancer & b);
 // Reads the device decision's results once its stream has finished (nothing if none is pending).
 void kx_balance_fetch(kx_balancer & b);
+
+// The pipeline's graph nodes (kx-ffn.cpp): prefetch for hybrid layer il from its predicted
+// list (I32 [count, ids...]), publish what landed. Failures are kept and reported by the next
+// boundary (kx_balance_step throws them); nothing is done without a pipeline balancer.
+void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, const int32_t * list) noexcept;
+void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept;

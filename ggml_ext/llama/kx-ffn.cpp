@@ -18,7 +18,14 @@
 // The predictor and select run where x is (the slots' device holds the predictor). Node
 // order puts the CPU part first, so the GPU part heads the next split and the scheduler
 // (patch 0008) runs it while the CPU part computes.
+//
+// One layer ahead (the balancer's pipeline, kx-balance.h): when layer il+1 is hybrid too,
+// layer il also predicts il+1's active set from its own x, and two host nodes bracket the CPU
+// part: the first starts the reloads of il+1's missing neurons (they run while both parts of
+// il compute), the last publishes those that landed into il+1's slot map. The scheduler
+// queues il+1's slot part only after this CPU split returns, so it sees a settled map.
 #include "kx-ffn.h"
+#include "kx-balance.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
 
@@ -52,10 +59,32 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
     }
 }
 
+static void kx_pipe_prefetch_op(ggml_tensor *, const ggml_tensor * list, int ith, int, void * hook) {
+    if (ith == 0) {
+        const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
+        kx_pipe_hook_prefetch(*h->slots, h->il, (const int32_t *) list->data);
+    }
+}
+
+static void kx_pipe_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
+    if (ith == 0) {
+        const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
+        kx_pipe_hook_publish(*h->slots, h->il);
+    }
+}
+
+// s = B·(A·x) + c with the predictor copy on the slots' device where there is one
+static ggml_tensor * kx_predict(ggml_context * ctx0, ggml_tensor * cur, const kx_pack_layer & L,
+                                const kx_slot_layer * H) {
+    ggml_tensor * s = ggml_mul_mat(ctx0, H && H->pred_a ? H->pred_a : L.pred_a, cur);
+    s = ggml_mul_mat(ctx0, H && H->pred_b ? H->pred_b : L.pred_b, s);
+    return ggml_add(ctx0, s, H && H->pred_c ? H->pred_c : L.pred_c);
+}
+
 static ggml_tensor * kx_build_ffn_hybrid(
         const llm_graph_context & g, ggml_tensor * cur, ggml_tensor * up, ggml_tensor * gate,
         llm_ffn_op_type type_op, int32_t mode, enum kx_select_act act,
-        const kx_pack_layer & L, const kx_slot_layer & H, int il) {
+        const kx_pack & pack, const kx_pack_layer & L, const kx_slot_layer & H, int il) {
     ggml_context * ctx0 = g.ctx0;
     auto on_cpu = [&](ggml_tensor * t) {
         // the host part must stay on the CPU even where the scheduler would spread the
@@ -72,16 +101,31 @@ static ggml_tensor * kx_build_ffn_hybrid(
         g.cb(g_all, "ffn_gate", il);
         sel = on_cpu(ggml_kx_select(ctx0, g_all, L.threshold, kx_max_density, act));
     } else {
-        ggml_tensor * s = ggml_mul_mat(ctx0, H.pred_a ? H.pred_a : L.pred_a, cur);
-        s = ggml_mul_mat(ctx0, H.pred_b ? H.pred_b : L.pred_b, s);
-        s = ggml_add(ctx0, s, H.pred_c ? H.pred_c : L.pred_c);
+        ggml_tensor * s = kx_predict(ctx0, cur, L, &H);
         g.cb(s, "kx_pred", il);
         sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
     g.cb(sel, "kx_sel", il);
+    // layer il+1's active set predicted from this x, next to this layer's (same split)
+    const kx_slots & slots = *pack.slots;
+    const bool ahead = slots.pipeline && il + 1 < pack.n_layer && slots.layers[il + 1].n_slots > 0 &&
+                       pack.layers[il + 1].pred_a;
+    ggml_tensor * sel_next = nullptr;
+    if (ahead) {
+        ggml_tensor * s = kx_predict(ctx0, cur, pack.layers[il + 1], &slots.layers[il + 1]);
+        g.cb(s, "kx_pred_next", il);
+        sel_next = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
+        g.cb(sel_next, "kx_sel_next", il);
+        ggml_build_forward_expand(g.gf, sel_next);
+    }
     // the balancer's view of this decode: the list, copied on the CPU beside the host part
     // (which receives the list anyway); a few KiB per layer
     ggml_build_forward_expand(g.gf, on_cpu(ggml_cpy(ctx0, sel, H.seen)));
+    void * hook = ahead ? (void *) &slots.hooks[il + 1] : nullptr;
+    if (ahead) {
+        // first on the CPU: the reloads then run beside both parts of this layer
+        ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, sel_next, kx_pipe_prefetch_op, 1, hook)));
+    }
 
     // host part (neurons not resident): coldmap sends the resident ones to -1
     ggml_tensor * gc = g_all ? g_all : on_cpu(ggml_kx_mul_mat_rows(ctx0, gate, cur, sel, H.coldmap));
@@ -91,6 +135,10 @@ static ggml_tensor * kx_build_ffn_hybrid(
     g.cb(hc, "ffn_act_cpu", il);
     ggml_tensor * yc = on_cpu(ggml_kx_axpy_rows(ctx0, L.down_t, hc, sel, H.colddown));
     g.cb(yc, "ffn_out_cpu", il);
+    if (ahead) {
+        // last on the CPU, before the scheduler queues anything of layer il+1
+        ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, yc, kx_pipe_publish_op, 1, hook)));
+    }
 
     // device part (resident neurons)
     ggml_tensor * gg = ggml_kx_mul_mat_rows(ctx0, H.gate, cur, sel, H.slotmap);
@@ -158,7 +206,7 @@ ggml_tensor * kx_build_ffn_sparse(
     }
     const kx_slot_layer * H = pack->slots && pack->slots->layers[il].n_slots > 0 ? &pack->slots->layers[il] : nullptr;
     if (H) {
-        return kx_build_ffn_hybrid(g, cur, up, gate, type_op, mode, act, L, *H, il);
+        return kx_build_ffn_hybrid(g, cur, up, gate, type_op, mode, act, *pack, L, *H, il);
     }
 
     ggml_tensor * sel;

@@ -54,6 +54,9 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
     }
     ggml_backend_dev_t dev = kx_slots_device(device);
     auto slots = std::make_shared<kx_slots>();
+    for (int64_t il = 0; il < n_layer; ++il) {
+        slots->hooks.push_back({ slots.get(), (int32_t) il });
+    }
     slots->device = ggml_backend_dev_name(dev);
     slots->layers.resize(n_layer);
 

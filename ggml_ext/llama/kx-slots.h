@@ -24,6 +24,7 @@ struct llama_layer;
 struct kx_pack;
 struct kx_pack_layer;
 struct kx_balancer;
+struct kx_slots;
 
 struct kx_slot_layer {
     int64_t n_slots = 0;
@@ -41,9 +42,18 @@ struct kx_slot_layer {
     std::vector<int32_t> resident;    // neuron ids, slot order; -1 for a slot given up and not refilled
 };
 
+// what the pipeline's graph nodes (kx-ffn.cpp) hand the balancer: layer il of these slots
+struct kx_pipe_hook {
+    kx_slots * slots = nullptr;
+    int32_t    il    = 0;
+};
+
 struct kx_slots {
     std::string device;               // ggml device name (CUDA0, or CPU for tests)
     std::vector<kx_slot_layer> layers;
+    std::vector<kx_pipe_hook> hooks;  // one per layer
+    bool     pipeline   = false;      // graphs carry the one-layer-ahead nodes (kx-balance.h)
+    uint32_t graph_gen  = 0;          // changes when they start or stop carrying them (graph reuse compares it)
     ggml_context *        ctx_dev  = nullptr;
     ggml_context *        ctx_host = nullptr;
     ggml_backend_buffer_t buf_dev  = nullptr;

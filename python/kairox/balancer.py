@@ -113,16 +113,7 @@ class LayerBalancer:
         return Decision(step, layer, admit.tolist(), evict.tolist(), float(self.lam))
 
     def _adapt(self, stall: str) -> None:
-        d = {"io": 1, "cpu": -1}.get(stall, 0)
-        if d == 0:
-            return
-        c = self.config
-        if self._last_dir and d != self._last_dir:
-            self._alpha = max(np.float32(c.alpha_min), self._alpha / np.float32(2))
-        elif self._last_dir == d:
-            self._alpha = min(np.float32(c.alpha), self._alpha * np.float32(2))
-        self._last_dir = d
-        self.lam = np.float32(np.clip(self.lam + np.float32(d) * self._alpha, c.lam_min, c.lam_max))
+        _adapt_lam(self, stall)
 
     def _choose(self) -> tuple[np.ndarray, np.ndarray]:
         ids = np.arange(self.n_groups)
@@ -145,6 +136,124 @@ class LayerBalancer:
 
     def residents(self) -> list[int]:
         return np.flatnonzero(self.resident).tolist()
+
+
+def _adapt_lam(b, stall: str) -> None:
+    """λ after a step that stalled this way (b: lam, _alpha, _last_dir, config)."""
+    d = {"io": 1, "cpu": -1}.get(stall, 0)
+    if d == 0:
+        return
+    c = b.config
+    if b._last_dir and d != b._last_dir:
+        b._alpha = max(np.float32(c.alpha_min), b._alpha / np.float32(2))
+    elif b._last_dir == d:
+        b._alpha = min(np.float32(c.alpha), b._alpha * np.float32(2))
+    b._last_dir = d
+    b.lam = np.float32(np.clip(b.lam + np.float32(d) * b._alpha, c.lam_min, c.lam_max))
+
+
+def tam_key(score: float, resident: bool, gid: int) -> int:
+    """The total order of groups as one integer, larger is better: score (float32 bits,
+    scores are >= 0), then resident before not, then the lower id (include/kx-tam.h)."""
+    bits = int(np.float32(score).view(np.uint32))
+    return (bits << 32) | (int(bool(resident)) << 31) | (0x7FFFFFFF - int(gid))
+
+
+@dataclass
+class PrefetchLayer:
+    """One hybrid layer of the one-layer-ahead pipeline (the runtime's pipeline mode): each
+    step sees the layer's active set *predicted* from the previous layer's input, within the
+    same decode, and loads what is missing before the layer runs.
+
+    A step: loads still in flight from an earlier step either landed (they become resident)
+    or the step is skipped (their slots are taken; an I/O stall). Otherwise λ adapts, the TAM
+    scores move with the predicted set, and the candidates (predicted, not resident, score
+    > τ; best first, at most max_admit) take free slots (lowest first), then the slots of the
+    worst residents that are not predicted, each only while the candidate scores higher than
+    the resident (a tie keeps the resident). The evicted leave at once; the loaded become
+    resident when their rows have landed. `late` says what the runtime saw: bit 1, loads still
+    in flight at the step's start; bit 2, this step's loads not landed at its end."""
+    n_groups: int
+    slots: Sequence[int]           # the group in each slot at start, -1 for an empty slot
+    config: BalancerConfig = field(default_factory=BalancerConfig)
+
+    def __post_init__(self) -> None:
+        sl = np.asarray(list(self.slots), np.int64)
+        held = sl[sl >= 0]
+        if held.size and (held.max() >= self.n_groups or np.unique(held).size != held.size):
+            raise ValueError(f"slots must hold distinct groups in 0..{self.n_groups - 1} (or -1)")
+        self.capacity = int(sl.size)
+        self.slot_group = sl.copy()
+        self.slot_of = np.full(self.n_groups, -1, np.int64)
+        self.slot_of[held] = np.flatnonzero(sl >= 0)
+        self.free = np.flatnonzero(sl < 0).tolist()
+        self.score = np.zeros(self.n_groups, np.float32)
+        self.lam = np.float32(self.config.lam)
+        self._alpha = np.float32(self.config.alpha)
+        self._last_dir = 0
+        self.pending: list[tuple[int, int]] = []   # (group, slot): rows in flight
+
+    @property
+    def tau(self) -> np.float32:
+        return np.float32(1) - self.lam + np.float32(self.config.eps)
+
+    def _commit(self) -> None:
+        for g, s in self.pending:
+            self.slot_of[g] = s
+            self.slot_group[s] = g
+        self.pending = []
+
+    def step(self, predicted: Sequence[int], stall: str = "none", late: int = 0, step: int = 0,
+             layer: int = 0) -> Decision:
+        if stall not in STALLS:
+            raise ValueError(f"stall must be one of {', '.join(STALLS)}, got {stall!r}")
+        pred = np.asarray(list(predicted), np.int64)
+        if pred.size and (pred.min() < 0 or pred.max() >= self.n_groups):
+            raise ValueError(f"predicted groups must be in 0..{self.n_groups - 1}")
+        if self.pending and late & 1:
+            if not late & 2:
+                self._commit()
+            return Decision(step, layer, [], [], float(self.lam))
+        self._commit()
+        if self.config.adaptive:
+            _adapt_lam(self, stall)
+        lam = self.lam
+        act = np.zeros(self.n_groups, np.float32)
+        act[pred] = 1
+        self.score = lam * self.score + (np.float32(1) - lam) * act
+        tau = self.tau
+        cand = sorted((g for g in np.unique(pred).tolist() if self.slot_of[g] < 0 and self.score[g] > tau),
+                      key=lambda g: -tam_key(self.score[g], False, g))
+        if self.config.max_admit is not None:
+            cand = cand[:self.config.max_admit]
+        is_pred = act > 0
+        victims = sorted((int(g) for g in self.slot_group if g >= 0 and not is_pred[g]),
+                         key=lambda g: tam_key(self.score[g], True, g))
+        loads, evicts = [], []
+        for g in cand:
+            if self.free:
+                s = self.free.pop(0)
+            else:
+                if len(evicts) >= len(victims) or tam_key(self.score[g], False, g) <= \
+                        tam_key(self.score[victims[len(evicts)]], True, victims[len(evicts)]):
+                    break
+                v = victims[len(evicts)]
+                s = int(self.slot_of[v])
+                self.slot_of[v] = -1
+                self.slot_group[s] = -1
+                evicts.append(v)
+            loads.append((g, s))
+        self.pending = loads
+        if not late & 2:
+            self._commit()
+        return Decision(step, layer, [g for g, _ in loads], sorted(evicts), float(lam))
+
+    def drain(self) -> None:
+        """Every load in flight lands."""
+        self._commit()
+
+    def residents(self) -> list[int]:
+        return sorted(int(g) for g in self.slot_group if g >= 0)
 
 
 def groups_active(neurons: Iterable[int], group_of: np.ndarray, n_groups: int) -> np.ndarray:

@@ -61,8 +61,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.balancer:
                 from .balancer import BalancerConfig
                 hybrid["balancer"] = BalancerConfig(adaptive=args.balancer == "adaptive")
-            elif args.kx_trace:
-                raise ValueError("--kx-trace records the live balancer: add --balancer")
+                hybrid["balancer_pipeline"] = args.pipeline
+            elif args.kx_trace or args.pipeline:
+                raise ValueError(f"{'--kx-trace' if args.kx_trace else '--pipeline'} needs the live balancer: "
+                                 "add --balancer")
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
                 hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
             llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
@@ -200,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balancer", choices=["fixed", "adaptive"], default=None,
                    help="hybrid: move neurons between the GPU slots and the CPU while decoding (TAM policy, "
                    "reloads behind the next token); fixed or adaptive λ (default: the static split)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="with --balancer: decide one layer ahead within each token (layer i+1's active set "
+                   "predicted from layer i's input, its missing neurons loaded while layer i computes) "
+                   "instead of between tokens; needs a pack with a predictor")
     p.add_argument("--kx-trace", default=None, metavar="FILE",
                    help="with --balancer: write its per-step records here (JSON lines; `kairox report FILE`)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's load log")

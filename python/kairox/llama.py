@@ -69,6 +69,9 @@ class KairoxOptions:
     balancer: Any = None
     reload_method: str = "gather"    # gather (zero-copy kernel) | memcpy | batch: how reloads move rows
     balancer_record: bool = False    # keep every step's active lists (balance_activity; tests)
+    # the balancer decides one layer ahead within each decode (loads land before their layer)
+    # instead of between decodes; needs the pack's predictor
+    balancer_pipeline: bool = False
 
     def __post_init__(self) -> None:
         self._check_sparse()
@@ -215,14 +218,16 @@ _lib.kx_model_slots_swap.restype = ctypes.c_int32
 class _BalanceParams(ctypes.Structure):  # struct kx_balance_params
     _fields_ = [("tam", _TamConfig), ("cpu_gbs", ctypes.c_double), ("gpu_gbs", ctypes.c_double),
                 ("method", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("decide", ctypes.c_int32),
-                ("record", ctypes.c_int32), ("observe", ctypes.c_int32)]
+                ("record", ctypes.c_int32), ("observe", ctypes.c_int32), ("pipeline", ctypes.c_int32),
+                ("late_every", ctypes.c_int32)]
 
 
 class BalanceRecord(ctypes.Structure):  # struct kx_balance_record
     _fields_ = [("step", ctypes.c_int32), ("layer", ctypes.c_int32), ("n_active", ctypes.c_int32),
                 ("n_hit", ctypes.c_int32), ("n_load", ctypes.c_int32), ("n_evict", ctypes.c_int32),
                 ("stall", ctypes.c_int32), ("lam", ctypes.c_float), ("wait_us", ctypes.c_float),
-                ("decide_us", ctypes.c_float), ("reload_bytes", ctypes.c_int64)]
+                ("decide_us", ctypes.c_float), ("reload_bytes", ctypes.c_int64), ("late", ctypes.c_int32),
+                ("decided", ctypes.c_int32)]
 
 
 _lib.kx_model_balancer_start.argtypes = [ctypes.c_void_p, ctypes.POINTER(_BalanceParams), ctypes.c_char_p,
@@ -390,7 +395,7 @@ class Llama(llama_cpp.Llama):
             if not self._kx_set_slots(counts, mode):
                 return
             if opts.balancer:
-                self.start_balancer(opts.balancer)
+                self.start_balancer(opts.balancer, pipeline=opts.balancer_pipeline)
             if budgeted:
                 used = self._kx_warm_used()
                 if used > b and opts.gpu_slots is None and self._kx_plan is None:
@@ -481,7 +486,8 @@ class Llama(llama_cpp.Llama):
             raise ValueError(err.value.decode())
 
     def start_balancer(self, config: Any = True, *, decide: str = "auto", observe: bool = False,
-                       max_blocks: int = 32, cpu_gbs: float = 0.0, gpu_gbs: float = 0.0) -> None:
+                       max_blocks: int = 32, cpu_gbs: float = 0.0, gpu_gbs: float = 0.0,
+                       pipeline: bool = False, late_every: int = 0) -> None:
         """Starts the live balancer on this model's slots (a BalancerConfig, True for the
         defaults, None to stop it): from the next decode on, every eval() ends with a
         balancing step. ValueError without slots or with a bad configuration.
@@ -489,7 +495,9 @@ class Llama(llama_cpp.Llama):
         else a host worker thread), worker, inline (the calling thread); observe: record what
         ran (hits) and move nothing, the static split's figures; cpu_gbs / gpu_gbs: matvec
         rates of the stall model (0: 100 / 2000 GB/s); max_blocks: the gather kernel's
-        share of the GPU."""
+        share of the GPU; pipeline: decide one layer ahead within each decode (the pack's
+        predictor forecasts layer i+1 from layer i's input; its loads land before it runs);
+        late_every (tests): every n-th reload batch of a layer is treated as landing late."""
         if decide not in DECIDE:
             raise ValueError(f"decide must be one of {', '.join(DECIDE)}, not {decide!r}")
         from .balancer import BalancerConfig
@@ -498,13 +506,21 @@ class Llama(llama_cpp.Llama):
         if config is None or config is False:
             _lib.kx_model_balancer_start(self._model.model, None, err, 1024)
             self._kx_balancing = False
+            self._kx_refresh_graph()
             return
         cfg = BalancerConfig() if config is True else config
         p = _BalanceParams(native_config(cfg), cpu_gbs, gpu_gbs, RELOAD_METHODS.index(self.kx_options.reload_method),
-                           max_blocks, DECIDE.index(decide), int(self.kx_options.balancer_record), int(observe))
+                           max_blocks, DECIDE.index(decide), int(self.kx_options.balancer_record), int(observe),
+                           int(pipeline), late_every)
         if _lib.kx_model_balancer_start(self._model.model, ctypes.byref(p), err, 1024):
             raise ValueError(err.value.decode("utf-8", "replace"))
         self._kx_balancing = True
+        self._kx_refresh_graph()
+
+    def _kx_refresh_graph(self) -> None:
+        # the pipeline's graph nodes come and go with it: the next decode builds its graph anew
+        err = ctypes.create_string_buffer(256)
+        _lib.kx_context_set_sparse(self._ctx.ctx, _lib.kx_context_get_sparse(self._ctx.ctx), err, 256)
 
     def eval(self, tokens: Sequence[int]) -> None:
         super().eval(tokens)

@@ -2,7 +2,7 @@
 
 A trace is what `kairox run --kx-trace FILE` (or `bench/tpot.py --balance-trace`) writes:
 one JSON object per step and hybrid layer (struct kx_balance_record: step, layer, n_active,
-n_hit, n_load, n_evict, stall, lam, wait_us, decide_us, reload_bytes). The report draws, per
+n_hit, n_load, n_evict, stall, lam, wait_us, decide_us, reload_bytes; late, decided). The report draws, per
 step, the GPU hit rate (listed neurons computed from slots), the reloads, the stall types and
 λ (mean over layers, with the spread), and prints a summary.
 """
@@ -87,6 +87,10 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
             "loads_per_step": float(s["loads"].mean()), "reload_mib_per_step": float(s["reload_mib"].mean()),
             "stalls": {k: int(sum(s[f"stall_{k}"])) for k in STALLS},
             "wait_us_max": max(r["wait_us"] for r in records),
+            # pipeline: layer steps whose loads had not landed when their layer began, and steps
+            # skipped because earlier loads were still in flight
+            "late_loads": sum(1 for r in records if r.get("late", 0) & 2),
+            "skipped": sum(1 for r in records if r.get("late", 0) & 1),
             "decide_us_per_step": sum(r["decide_us"] for r in records) / n,
             "lam_first": float(s["lam_mean"][0]), "lam_last": float(s["lam_mean"][-1])}
 
