@@ -80,7 +80,8 @@ done
 for cfg in ${KX_LIVE:-}; do
     python3 bench/balance_live.py --config "$cfg" --work /tmp/kxbench --out "$OUT" ${KX_LIVE_ARGS:-} \
         || echo "live $cfg FAILED"
-    [ -f "$OUT/balance-live-$cfg.jsonl" ] && python3 -m kairox report "$OUT/balance-live-$cfg.jsonl" \
-        --png "$OUT/balance-live-$cfg.png"
+    for t in "$OUT/balance-live-$cfg" "$OUT/balance-live-$cfg-pipe"; do
+        [ -f "$t.jsonl" ] && python3 -m kairox report "$t.jsonl" --png "$t.png" && gzip -f "$t.jsonl"
+    done
     echo "live $cfg done at $(( $(date +%s) - t0 )) s"
 done
