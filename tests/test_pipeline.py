@@ -60,8 +60,10 @@ def gen(model: Path, mode: str, gpu: bool = False, slots=None, tokens=None, **ba
     import kairox
     where = {"n_gpu_layers": -1} if gpu else {"slots_device": "CPU"}
     kw = {"gpu_slots": slots, **where} if slots else {}
+    # two compute threads: the prefetch's scan phase runs split over them
     llm = kairox.Llama(str(model), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
-                       verbose=False, sparse=mode, balancer_record=bool(balancer.pop("record", False)), **kw)
+                       n_threads=2, verbose=False, sparse=mode, balancer_record=bool(balancer.pop("record", False)),
+                       **kw)
     initial = {il: llm.slot_residents(il) for il in range(N_LAYER)} if slots else {}
     if balancer:
         llm.start_balancer(balancer.pop("config"), pipeline=True, **balancer)

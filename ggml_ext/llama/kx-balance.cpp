@@ -228,6 +228,8 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         L.tag = (int32_t) b->layers.size();
         L.ahead = il > 0 && slots.layers[il - 1].n_slots > 0; // as kx-ffn.cpp builds the nodes
         L.mark.assign(params.pipeline ? n_ff : 0, 0);
+        L.tcand.resize(params.pipeline ? GGML_MAX_N_THREADS : 1);
+        L.tvict.resize(L.tcand.size());
         b->index_of[il] = L.tag;
         if (L.ahead && b->first_ahead < 0) {
             b->first_ahead = L.il;
@@ -477,16 +479,13 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
 // ---------------------------------------------------------------- pipeline
 
 // s ← λ·s + (1 − λ)·predicted over the layer, rounded as kx_tam_score (and the reference):
-// after the product and after the sum; contraction into a fused multiply-add is off so the
-// loop may still vectorize
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
+// after the product and after the sum (this file is compiled with -ffp-contract=off, so the
+// loop vectorizes without fusing them)
 static void kx_pipe_scores(float * score, const uint8_t * mark, int64_t n, float lam) {
     const float a = 1.0f - lam;
     for (int64_t i = 0; i < n; ++i) {
         const float p = lam * score[i];
-        score[i] = p + (mark[i] ? a : 0.0f);
+        score[i] = p + a * (float) mark[i]; // a·1 and a·0 are exact: the same sum, no branch
     }
 }
 
@@ -552,11 +551,15 @@ static void kx_pipe_commit(kx_balancer & b, kx_balance_layer & L) {
     L.pend.clear();
 }
 
-// one step of layer L from its predicted list (kairox.balancer.PrefetchLayer.step)
-static void kx_pipe_prefetch(kx_balancer & b, kx_balance_layer & L, const int32_t * list, int32_t n, int64_t step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    kx_slot_layer & S = b.slots->layers[L.il];
-    const kx_pack_layer & pl = b.pack->layers[L.il];
+// One step of layer L from its predicted list (kairox.balancer.PrefetchLayer.step), in three
+// phases so the O(n_ff + slots) part runs on every compute thread of the CPU split (measured on
+// the H200 machine: ~97 µs per KB-7B layer on one thread, which the 15 others spent waiting):
+//   begin (one thread): landed loads enter, the step's stall, λ, the predicted marks
+//   scan  (thread ith of nth): scores of a slice of the neurons, candidate keys from a slice
+//         of the list, the worst victim keys of a slice of the slots
+//   end   (one thread): the best candidates against the worst victims, evictions, copies
+static void kx_pipe_begin(kx_balancer & b, kx_balance_layer & L, const int32_t * list, int32_t n, int64_t step) {
+    L.t0 = std::chrono::steady_clock::now();
     kx_balance_record & r = kx_pipe_record(b, L, step, true);
     if (b.params.record) {
         b.activity[L.rec].assign(list, list + n);
@@ -565,63 +568,121 @@ static void kx_pipe_prefetch(kx_balancer & b, kx_balance_layer & L, const int32_
     for (int32_t k = 0; k < n; ++k) {
         hits += L.slot_of[list[k]] >= 0;
     }
-    bool skip = false;
+    L.skip = false;
     if (!L.pend.empty()) {
         if (kx_pipe_landed(b, L)) {
             kx_pipe_commit(b, L);
         } else {
             r.late |= 1; // still in flight: no decision (its slots are taken)
-            skip = true;
+            L.skip = true;
         }
     }
     const double cpu_s = (double) (n - hits) * L.row_bytes / (b.params.cpu_gbs * 1e9);
     const double gpu_s = (double) hits * L.row_bytes / (b.params.gpu_gbs * 1e9);
-    r.stall = skip || L.late_prev ? KX_TAM_STALL_IO : cpu_s > gpu_s ? KX_TAM_STALL_CPU : KX_TAM_STALL_NONE;
-    L.late_prev = skip;
-    if (skip) {
-        r.lam = L.st.lam;
-        r.decide_us = (float) (1e6 * kx_seconds_since(t0));
+    r.stall = L.skip || L.late_prev ? KX_TAM_STALL_IO : cpu_s > gpu_s ? KX_TAM_STALL_CPU : KX_TAM_STALL_NONE;
+    L.late_prev = L.skip;
+    r.lam = L.st.lam;
+    if (L.skip) {
+        r.decide_us = (float) (1e6 * kx_seconds_since(L.t0));
         return;
     }
-    const kx_tam_config & c = b.params.tam;
-    kx_tam_adapt(&c, &L.st, r.stall);
-    const float lam = L.st.lam;
-    const float tau = kx_tam_tau(&c, lam);
+    kx_tam_adapt(&b.params.tam, &L.st, r.stall);
     for (int32_t k = 0; k < n; ++k) {
         L.mark[list[k]] = 1;
     }
-    kx_pipe_scores(L.score.data(), L.mark.data(), (int64_t) L.score.size(), lam);
-    // candidates: predicted, not resident, sustained (score > τ); best first
-    std::vector<uint64_t> cand;
-    for (int32_t k = 0; k < n; ++k) {
-        const int32_t i = list[k];
-        if (L.slot_of[i] < 0 && L.score[i] > tau) {
-            cand.push_back(kx_tam_key(L.score[i], 0, i));
+    L.list = list;
+    L.n_list = n;
+}
+
+static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth) {
+    if (L.skip || nth > (int) L.tcand.size()) {
+        GGML_ASSERT(nth <= (int) L.tcand.size() && "balancer: more compute threads than GGML_MAX_N_THREADS");
+        return;
+    }
+    if (ith == 0) {
+        L.n_scan = nth;
+    }
+    const kx_slot_layer & S = b.slots->layers[L.il];
+    const float lam = L.st.lam;
+    const float tau = kx_tam_tau(&b.params.tam, lam);
+    const int64_t n_ff = (int64_t) L.score.size();
+    const int64_t f0 = n_ff * ith / nth, f1 = n_ff * (ith + 1) / nth;
+    kx_pipe_scores(L.score.data() + f0, L.mark.data() + f0, f1 - f0, lam);
+    // the list slice's neurons were scored by whichever thread owns them: wait for the
+    // scores only through the candidates' own slice (each thread scores, then reads, the
+    // same neurons: a list entry belongs to the thread whose score slice holds it)
+    std::vector<uint64_t> & cand = L.tcand[ith];
+    cand.clear();
+    const int32_t * lo = std::lower_bound(L.list, L.list + L.n_list, (int32_t) f0);
+    const int32_t * hi = std::lower_bound(L.list, L.list + L.n_list, (int32_t) f1);
+    for (const int32_t * p = lo; p < hi; ++p) {
+        if (L.slot_of[*p] < 0 && L.score[*p] > tau) {
+            cand.push_back(kx_tam_key(L.score[*p], 0, *p));
         }
     }
-    std::sort(cand.begin(), cand.end(), std::greater<uint64_t>());
+    // victims: residents not predicted whose neuron is in this thread's score slice
+    std::vector<uint64_t> & vict = L.tvict[ith];
+    vict.clear();
+    for (int64_t s = 0; s < S.n_slots; ++s) {
+        const int32_t i = S.resident[s];
+        if (i >= f0 && i < f1 && !L.mark[i]) {
+            vict.push_back(kx_tam_key(L.score[i], 1, i));
+        }
+    }
+    const int32_t m = b.params.tam.max_admit;
+    if (m >= 0) {
+        // no step uses more than max_admit victims: keep this slice's worst m, and its best m candidates
+        if (vict.size() > (size_t) m) {
+            std::nth_element(vict.begin(), vict.begin() + m, vict.end());
+            vict.resize(m);
+        }
+        if (cand.size() > (size_t) m) {
+            std::nth_element(cand.begin(), cand.begin() + m, cand.end(), std::greater<uint64_t>());
+            cand.resize(m);
+        }
+    }
+}
+
+static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
+    if (L.skip) {
+        return;
+    }
+    kx_slot_layer & S = b.slots->layers[L.il];
+    const kx_pack_layer & pl = b.pack->layers[L.il];
+    const kx_tam_config & c = b.params.tam;
+    kx_balance_record & r = b.trace[L.rec];
+    std::vector<uint64_t> & cand = L.cand;
+    std::vector<uint64_t> & vict = L.vict;
+    cand.clear();
+    vict.clear();
+    for (int t = 0; t < L.n_scan; ++t) {
+        cand.insert(cand.end(), L.tcand[t].begin(), L.tcand[t].end());
+    }
     if (c.max_admit >= 0 && cand.size() > (size_t) c.max_admit) {
+        // the best max_admit (keys are unique), then in order
+        std::nth_element(cand.begin(), cand.begin() + c.max_admit, cand.end(), std::greater<uint64_t>());
         cand.resize(c.max_admit);
     }
-    // victims, worst first: residents not predicted (only when the free slots do not suffice)
-    std::vector<uint64_t> vict;
+    std::sort(cand.begin(), cand.end(), std::greater<uint64_t>());
+    // victims, worst first (only when the free slots do not suffice)
     if (cand.size() > L.free_slots.size()) {
-        for (int64_t s = 0; s < S.n_slots; ++s) {
-            const int32_t i = S.resident[s];
-            if (i >= 0 && !L.mark[i]) {
-                vict.push_back(kx_tam_key(L.score[i], 1, i));
-            }
+        for (int t = 0; t < L.n_scan; ++t) {
+            vict.insert(vict.end(), L.tvict[t].begin(), L.tvict[t].end());
         }
         const size_t need = std::min(vict.size(), cand.size() - L.free_slots.size());
-        std::partial_sort(vict.begin(), vict.begin() + need, vict.end());
-        vict.resize(need);
+        if (need < vict.size()) {
+            std::nth_element(vict.begin(), vict.begin() + need, vict.end());
+            vict.resize(need);
+        }
+        std::sort(vict.begin(), vict.end());
     }
-    for (int32_t k = 0; k < n; ++k) {
-        L.mark[list[k]] = 0;
+    for (int32_t k = 0; k < L.n_list; ++k) {
+        L.mark[L.list[k]] = 0;
     }
     int32_t * slotmap = (int32_t *) S.slotmap->data;
     const llama_layer & ml = b.model->layers[L.il];
-    std::vector<kx_row_copy> copies;
+    std::vector<kx_row_copy> & copies = L.copies;
+    copies.clear();
     size_t nv = 0;
     int32_t ne = 0;
     for (uint64_t key : cand) {
@@ -658,21 +719,32 @@ static void kx_pipe_prefetch(kx_balancer & b, kx_balance_layer & L, const int32_
     }
     r.n_load = (int32_t) L.pend.size();
     r.n_evict = ne;
-    r.lam = lam;
+    r.lam = L.st.lam;
     r.reload_bytes = (int64_t) r.n_load * L.row_bytes;
-    r.decide_us = (float) (1e6 * kx_seconds_since(t0));
+    r.decide_us = (float) (1e6 * kx_seconds_since(L.t0));
 }
 
-// the end of layer L's step: landed loads enter the slot map, the map stores are made
-static void kx_pipe_publish(kx_balancer & b, kx_balance_layer & L, int64_t step) {
+// the three phases on the calling thread (between decodes)
+static void kx_pipe_prefetch(kx_balancer & b, kx_balance_layer & L, const int32_t * list, int32_t n, int64_t step) {
+    kx_pipe_begin(b, L, list, n, step);
+    kx_pipe_scan(b, L, 0, 1);
+    kx_pipe_end(b, L);
+}
+
+// the end of layer L's step `step`: landed loads enter the slot map (the others stay pending)
+static void kx_pipe_settle(kx_balancer & b, kx_balance_layer & L, int64_t step) {
     if (!L.pend.empty()) {
         if (kx_pipe_landed(b, L)) {
             kx_pipe_commit(b, L);
         } else {
             kx_pipe_record(b, L, step, false).late |= 2;
-            L.late_prev = true;
+            L.late_prev = L.ahead; // between decodes a layer's loads land during the next one: no stall
         }
     }
+}
+
+// the step's device map stores, done when it returns
+static void kx_pipe_flush(kx_balancer & b, kx_balance_layer & L) {
     if (!L.writes.empty()) {
         if (b.io->side_write(b.engine, L.writes.data(), (int64_t) L.writes.size())) {
             throw std::runtime_error("balancer: slot map update failed");
@@ -691,21 +763,28 @@ static kx_balancer * kx_pipe_balancer(kx_slots & slots, int32_t il, kx_balance_l
     return (*L)->ahead ? b : nullptr;
 }
 
-void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, const int32_t * list) noexcept {
+void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, int32_t phase, const int32_t * list, int ith,
+                           int nth) noexcept {
     kx_balance_layer * L = nullptr;
     kx_balancer * b = kx_pipe_balancer(slots, il, &L);
     if (!b) {
         return;
     }
     try {
-        kx_balance_layer & prev = b->layers[b->index_of[il - 1]];
-        if (il == b->first_ahead) {
-            ++b->pstep; // the first prefetch of a graph
+        if (phase == 0) {
+            kx_balance_layer & prev = b->layers[b->index_of[il - 1]];
+            if (il == b->first_ahead) {
+                ++b->pstep; // the first prefetch of a graph
+            }
+            kx_pipe_observe(*b, prev, b->pstep); // its CPU split copied its list just before
+            kx_pipe_begin(*b, *L, list + 1, std::max(list[0], 0), b->pstep);
+        } else if (phase == 1) {
+            kx_pipe_scan(*b, *L, ith, nth);
+        } else {
+            kx_pipe_end(*b, *L);
         }
-        kx_pipe_observe(*b, prev, b->pstep); // its CPU split copied its list just before
-        kx_pipe_prefetch(*b, *L, list + 1, std::max(list[0], 0), b->pstep);
     } catch (const std::exception & e) {
-        b->error = e.what();
+        b->error = e.what(); // (only phases 0 and 2 can throw: one thread each)
     }
 }
 
@@ -716,7 +795,8 @@ void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept {
         return;
     }
     try {
-        kx_pipe_publish(*b, *L, b->pstep);
+        kx_pipe_settle(*b, *L, b->pstep);
+        kx_pipe_flush(*b, *L);
     } catch (const std::exception & e) {
         b->error = e.what();
     }
@@ -742,13 +822,20 @@ static void kx_pipe_boundary(kx_balancer & b) {
     }
     const int64_t next = any_ahead ? b.pstep + 1 : b.pstep; // the step of the next graph
     for (kx_balance_layer & L : b.layers) {
-        if (!L.ahead && L.snap_fresh) {
-            // decided from its own last list; loads land during the next decode and are
-            // published at the next boundary
+        if (L.ahead) {
             L.snap_fresh = false;
-            kx_pipe_prefetch(b, L, L.snap.data(), (int32_t) L.snap.size(), next);
-            kx_pipe_publish(b, L, next);
+            continue;
         }
+        // decided here from its own last list: the last boundary's loads landed during the
+        // decode (that step's end), this step's land during the next one; the evictions'
+        // map stores are made before the next graph runs
+        if (L.rec >= 0 && b.trace[L.rec].decided) {
+            kx_pipe_settle(b, L, b.trace[L.rec].step);
+        }
+        if (L.snap_fresh) {
+            kx_pipe_prefetch(b, L, L.snap.data(), (int32_t) L.snap.size(), next);
+        }
+        kx_pipe_flush(b, L);
         L.snap_fresh = false;
     }
 }

@@ -37,6 +37,7 @@
 #include "kx-reload.h"
 #include "kx-tam.h"
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -74,6 +75,15 @@ struct kx_balance_layer {
     std::vector<std::pair<int32_t, int32_t>> pend; // (neuron, slot): rows queued, not yet in the slot map
     std::vector<kx_i32_write> writes;              // device map stores of the step, made at publish
     std::vector<uint8_t> mark;                     // scratch: predicted
+    std::vector<uint64_t> cand, vict;              // scratch: candidates' and victims' keys
+    std::vector<kx_row_copy> copies;
+    // the step between its phases (kx-balance.cpp: begin, scan on every thread, end)
+    std::chrono::steady_clock::time_point t0;
+    bool skip = false;
+    const int32_t * list = nullptr;
+    int32_t n_list = 0;
+    int32_t n_scan = 1;
+    std::vector<std::vector<uint64_t>> tcand, tvict; // per scanning thread
 };
 
 struct kx_balancer {
@@ -127,7 +137,9 @@ void kx_balance_drain_decision(kx_balancer & b);
 void kx_balance_fetch(kx_balancer & b);
 
 // The pipeline's graph nodes (kx-ffn.cpp): prefetch for hybrid layer il from its predicted
-// list (I32 [count, ids...]), publish what landed. Failures are kept and reported by the next
+// list (I32 [count, ids...]) in three phases (0 and 2 on one thread, 1 on thread ith of nth),
+// publish what landed. Failures are kept and reported by the next
 // boundary (kx_balance_step throws them); nothing is done without a pipeline balancer.
-void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, const int32_t * list) noexcept;
+void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, int32_t phase, const int32_t * list, int ith,
+                           int nth) noexcept;
 void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept;

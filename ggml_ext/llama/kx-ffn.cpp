@@ -22,7 +22,8 @@
 // One layer ahead (the balancer's pipeline, kx-balance.h): when layer il+1 is hybrid too,
 // layer il also predicts il+1's active set from its own x, and two host nodes bracket the CPU
 // part: the first starts the reloads of il+1's missing neurons (they run while both parts of
-// il compute), the last publishes those that landed into il+1's slot map. The scheduler
+// il compute; three nodes, kx-balance.cpp), the last publishes those that landed into il+1's
+// slot map. The scheduler
 // queues il+1's slot part only after this CPU split returns, so it sees a settled map.
 #include "kx-ffn.h"
 #include "kx-balance.h"
@@ -59,10 +60,24 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
     }
 }
 
-static void kx_pipe_prefetch_op(ggml_tensor *, const ggml_tensor * list, int ith, int, void * hook) {
+// the prefetch's three phases (kx-balance.cpp): begin and end on one thread, the scan on all.
+// Every compute thread calls every node (n_tasks only sizes the work buffer).
+static void kx_pipe_begin_op(ggml_tensor *, const ggml_tensor * list, int ith, int nth, void * hook) {
     if (ith == 0) {
         const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-        kx_pipe_hook_prefetch(*h->slots, h->il, (const int32_t *) list->data);
+        kx_pipe_hook_prefetch(*h->slots, h->il, 0, (const int32_t *) list->data, ith, nth);
+    }
+}
+
+static void kx_pipe_scan_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
+    const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
+    kx_pipe_hook_prefetch(*h->slots, h->il, 1, nullptr, ith, nth);
+}
+
+static void kx_pipe_end_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
+    if (ith == 0) {
+        const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
+        kx_pipe_hook_prefetch(*h->slots, h->il, 2, nullptr, ith, nth);
     }
 }
 
@@ -124,7 +139,9 @@ static ggml_tensor * kx_build_ffn_hybrid(
     void * hook = ahead ? (void *) &slots.hooks[il + 1] : nullptr;
     if (ahead) {
         // first on the CPU: the reloads then run beside both parts of this layer
-        ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, sel_next, kx_pipe_prefetch_op, 1, hook)));
+        ggml_tensor * p = on_cpu(ggml_map_custom1(ctx0, sel_next, kx_pipe_begin_op, 1, hook));
+        p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_scan_op, GGML_N_TASKS_MAX, hook));
+        ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_end_op, 1, hook)));
     }
 
     // host part (neurons not resident): coldmap sends the resident ones to -1
