@@ -138,6 +138,9 @@ def test_pipeline_decisions_equal_the_reference(model4: Path, late: int, gpu: bo
 
 def test_pipeline_arguments_are_checked(model4: Path) -> None:
     import kairox
+    with pytest.raises(ValueError, match="balancer="):
+        kairox.Llama(str(model4), sparse="predicted", gpu_slots=SLOTS, slots_device="CPU", verbose=False,
+                     balancer_pipeline=True)
     llm = kairox.Llama(str(model4), sparse="predicted", gpu_slots=SLOTS, slots_device="CPU", verbose=False)
     try:
         with pytest.raises(ValueError, match="pipeline"):

@@ -21,7 +21,8 @@
 //
 // The pipeline (kx_balance_params::pipeline; the graph's nodes in kx-ffn.cpp) decides within a
 // decode instead, one layer ahead, per hybrid layer L whose predecessor is hybrid:
-//   prefetch (first host node of layer L-1's CPU part, L's list predicted from L-1's x):
+//   prefetch (the first host nodes of layer L-1's CPU part: begin, a scan on every compute
+//      thread, end; L's list predicted from L-1's x):
 //      loads of an earlier step that landed enter the slot map (else this step is skipped);
 //      TAM scores move with the predicted set; the best candidates (score > τ, not resident)
 //      take free slots or those of the worst residents not predicted whose score is lower;

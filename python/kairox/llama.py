@@ -84,6 +84,8 @@ class KairoxOptions:
             if not self.wants_slots:
                 raise ValueError("the balancer moves neurons between GPU slots and the CPU: give gpu_slots, "
                                  "vram_budget or a plan")
+        if self.balancer_pipeline and not self.balancer:
+            raise ValueError("balancer_pipeline is a mode of the live balancer: give balancer= too")
         if self.reload_method not in RELOAD_METHODS:
             raise ValueError(f"reload_method must be one of {', '.join(RELOAD_METHODS)}, not {self.reload_method!r}")
         if self.vram_budget is not None:
