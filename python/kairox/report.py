@@ -70,7 +70,8 @@ def per_step(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         mib[k] += r["reload_bytes"] / 2**20
         stalls[r["stall"]][k] += 1
         lams[k].append(r["lam"])
-    return {"step": np.array(steps), "hit_rate": np.divide(hit, act, out=np.zeros(n), where=act > 0),
+    # a step whose activity was not recorded (the pipeline's last one) has no hit rate: a gap
+    return {"step": np.array(steps), "hit_rate": np.divide(hit, act, out=np.full(n, np.nan), where=act > 0),
             "loads": loads, "reload_mib": mib, **{f"stall_{s}": v for s, v in stalls.items()},
             "lam_mean": np.array([np.mean(x) for x in lams]), "lam_min": np.array([min(x) for x in lams]),
             "lam_max": np.array([max(x) for x in lams])}
