@@ -24,15 +24,22 @@ N_LAYER, N_FF = 2, 256  # KB-tiny
 def synth_model(tmp_path_factory: pytest.TempPathFactory, native: Path) -> Path:
     """KB-tiny with a sketch predictor and a permuted layout (down rows in a random order,
     random frequencies): the host part then reads down rows through the pack's row map."""
+    from kairox.synth import PRESETS
+    return permuted_tiny(tmp_path_factory.mktemp("hybrid") / "kb-tiny.gguf", PRESETS["KB-tiny"], seed=5)
+
+
+def permuted_tiny(path: Path, shape, seed: int) -> Path:
+    """A synthetic model of `shape` and its pack: sketch predictor, down rows in a random
+    order, random frequencies, groups of 32."""
     from kairox.pack import PackLayout
     from kairox.predictor import sketch_for_model
-    from kairox.synth import PRESETS, synth
-    model = synth(tmp_path_factory.mktemp("hybrid") / "kb-tiny.gguf", PRESETS["KB-tiny"], seed=5, quiet=True)
-    rng = np.random.default_rng(5)
-    perms = [rng.permutation(N_FF).astype(np.int32) for _ in range(N_LAYER)]
-    freqs = [rng.random(N_FF).astype(np.float32) for _ in range(N_LAYER)]
-    layout = PackLayout(layer=lambda il: (perms[il], np.arange(N_FF, dtype=np.int32) // 32, freqs[il]),
-                        threshold=np.zeros(N_LAYER, np.float32))
+    from kairox.synth import synth
+    model = synth(path, shape, seed=seed, quiet=True)
+    rng = np.random.default_rng(seed)
+    perms = [rng.permutation(shape.n_ff).astype(np.int32) for _ in range(shape.n_layer)]
+    freqs = [rng.random(shape.n_ff).astype(np.float32) for _ in range(shape.n_layer)]
+    layout = PackLayout(layer=lambda il: (perms[il], np.arange(shape.n_ff, dtype=np.int32) // 32, freqs[il]),
+                        threshold=np.zeros(shape.n_layer, np.float32))
     write_pack(model, predictor=sketch_for_model(model), layout=layout, quiet=True)
     return model
 

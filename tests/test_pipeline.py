@@ -27,18 +27,10 @@ SLOTS = [60, 100, 80, 120]
 @pytest.fixture(scope="module")
 def model4(tmp_path_factory: pytest.TempPathFactory, native: Path) -> Path:
     """KB-tiny with four layers, a sketch predictor and a permuted layout."""
-    from kairox.pack import PackLayout, write_pack
-    from kairox.predictor import sketch_for_model
-    from kairox.synth import PRESETS, synth
+    from kairox.synth import PRESETS
+    from test_hybrid import permuted_tiny
     shape = dataclasses.replace(PRESETS["KB-tiny"], n_layer=N_LAYER)
-    model = synth(tmp_path_factory.mktemp("pipeline") / "kb-tiny4.gguf", shape, seed=7, quiet=True)
-    rng = np.random.default_rng(7)
-    perms = [rng.permutation(N_FF).astype(np.int32) for _ in range(N_LAYER)]
-    freqs = [rng.random(N_FF).astype(np.float32) for _ in range(N_LAYER)]
-    layout = PackLayout(layer=lambda il: (perms[il], np.arange(N_FF, dtype=np.int32) // 32, freqs[il]),
-                        threshold=np.zeros(N_LAYER, np.float32))
-    write_pack(model, predictor=sketch_for_model(model), layout=layout, quiet=True)
-    return model
+    return permuted_tiny(tmp_path_factory.mktemp("pipeline") / "kb-tiny4.gguf", shape, seed=7)
 
 
 def drifting(n: int, seed: int = 3) -> list[int]:

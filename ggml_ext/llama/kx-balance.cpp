@@ -847,9 +847,6 @@ static void kx_pipe_drain(kx_balancer & b) {
     for (kx_balance_layer & L : b.layers) {
         kx_pipe_commit(b, L);
         L.fake_late = 0;
-        if (!L.writes.empty() && b.io->side_write(b.engine, L.writes.data(), (int64_t) L.writes.size())) {
-            throw std::runtime_error("balancer: slot map update failed");
-        }
-        L.writes.clear();
+        kx_pipe_flush(b, L);
     }
 }

@@ -233,9 +233,7 @@ ggml_tensor * kx_build_ffn_sparse(
         g.cb(gv, "ffn_gate", il);
         sel = ggml_kx_select(ctx0, gv, L.threshold, kx_max_density, act);
     } else {
-        ggml_tensor * s = ggml_mul_mat(ctx0, L.pred_a, cur);
-        s = ggml_mul_mat(ctx0, L.pred_b, s);
-        s = ggml_add(ctx0, s, L.pred_c);
+        ggml_tensor * s = kx_predict(ctx0, cur, L, nullptr);
         g.cb(s, "kx_pred", il);
         sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
