@@ -28,24 +28,44 @@ from offload import CONFIGS, PROMPT, log, run, tpot_run  # noqa: E402
 sys.path.insert(0, str(ROOT / "python"))
 from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
-ROWS = ("static", "fixed", "adaptive", "pipe-fixed", "pipe")  # pipe*: one layer ahead within each token
+# pipe*: one layer ahead within each token; pipe-thread: its prefetch made by the balancer's
+# own thread beside the CPU part (give it a core: a row thread count below the cores)
+ROWS = ("static", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
+POLICY = {"pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive"}
 
 
-def parse_row(spec: str, lam: float, max_admit: int | None) -> tuple[str, float, int | None]:
-    """KIND[:LAM[:MAX_ADMIT]] -> (kind, λ, max_admit); missing parts from --lam / --max-admit."""
+def parse_row(spec: str, lam: float, max_admit: int | None,
+              threads: int) -> tuple[str, float, int | None, int]:
+    """KIND[:LAM[:MAX_ADMIT[:THREADS]]] -> (kind, λ, max_admit, threads); missing parts from
+    --lam / --max-admit / --threads (an empty part too)."""
     parts = spec.split(":")
-    if parts[0] not in ROWS or len(parts) > 3:
+    if parts[0] not in ROWS or len(parts) > 4:
         raise ValueError(spec)
-    return (parts[0], float(parts[1]) if len(parts) > 1 and parts[1] else lam,
-            int(parts[2]) if len(parts) > 2 else max_admit)
+    part = lambda k: parts[k] if len(parts) > k and parts[k] else None  # noqa: E731
+    return (parts[0], float(part(1) or lam), int(part(2)) if part(2) else max_admit,
+            int(part(3)) if part(3) else threads)
 
 
-def row_of(kind: str, lam: float, max_admit: int | None, res: dict) -> dict:
+def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipeline: bool, bw: dict) -> dict:
+    """The row's physical floor per token (offload.py's bound of the static hybrid's placement
+    at the row's own GPU share), with its reloads on PCIe and, one layer ahead, every
+    predictor read twice."""
+    from offload import bound, hybrid_bytes_per_token
+    b = hybrid_bytes_per_token(lay, counters, n_tok, costs.per_neuron, costs.pred * (2 if pipeline else 1),
+                               costs.n_ff)
+    b["pcie"] += reload_bytes
+    return {"bytes": b, **bound(b, bw)}
+
+
+def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict, bd: dict | None) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
-    label = kind if kind == "static" else f"{kind} λ{'0' if kind in ('adaptive', 'pipe') else ''}={lam:g}" + (
+    label = kind if kind == "static" else f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (
         f", ≤{max_admit} loads" if max_admit is not None else "")
-    return {"row": label, "kind": kind, "lam": lam, "max_admit": max_admit, "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
+    return {"row": label, "kind": kind, "lam": lam, "max_admit": max_admit, "threads": threads,
+            "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
+            "bound": bd, "efficiency": bd["seconds"] * res["tok_s"] if bd else None,
+            "hold_us_per_step": b.get("hold_us_per_step"),
             # listed neurons computed from slots (the balancer's records; the static row observes)
             "gpu_share": b.get("hit_rate"),
             "loads_per_token": b.get("loads_per_step", 0.0), "reload_mib_per_token": b.get("reload_mib_per_step", 0.0),
@@ -64,17 +84,19 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=256, help="decoded tokens per row")
     ap.add_argument("--switch-every", type=int, default=64, help="tokens per topic")
     ap.add_argument("--rows", default=",".join(ROWS),
-                    help=f"comma-separated KIND[:LAM[:MAX_ADMIT]], KIND one of {', '.join(ROWS)}")
+                    help=f"comma-separated KIND[:LAM[:MAX_ADMIT[:THREADS]]], KIND one of {', '.join(ROWS)}")
     ap.add_argument("--lam", type=float, default=0.5)
     ap.add_argument("--max-admit", type=int, help="neurons loaded per step and layer (default: no cap)")
     ap.add_argument("--reload-method", default="gather", choices=["gather", "memcpy", "batch"])
     ap.add_argument("--decide", default="auto", choices=["auto", "worker", "inline"],
                     help="where the TAM step runs (auto: one kernel on the GPU for every layer)")
+    ap.add_argument("--cpu-gbs", type=float, default=117.0,
+                    help="CPU read roof for the bound (GB/s; the run's own probe where it measures more)")
     args = ap.parse_args()
     try:
-        rows = [parse_row(r, args.lam, args.max_admit) for r in args.rows.split(",") if r]
+        rows = [parse_row(r, args.lam, args.max_admit, args.threads) for r in args.rows.split(",") if r]
     except ValueError as e:
-        ap.error(f"--rows: bad entry {e} (KIND[:LAM[:MAX_ADMIT]], KIND one of {', '.join(ROWS)})")
+        ap.error(f"--rows: bad entry {e} (KIND[:LAM[:MAX_ADMIT[:THREADS]]], KIND one of {', '.join(ROWS)})")
     if not rows:
         ap.error("--rows is empty")
 
@@ -95,10 +117,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = f"balance-live-{args.config}"
     env = {"KAIROX_LIB_DIR": os.environ.get("KAIROX_LIB_DIR", "")}
+    from offload import Layout
+    from kairox.hw import measure_bandwidths
+    from kairox.plan import slot_costs
+    bw = measure_bandwidths(args.threads)
+    bw["cpu_read"] = max(bw.get("cpu_read") or 0.0, args.cpu_gbs)
+    log(f"bandwidths GB/s (CPU read: the larger of the probe and --cpu-gbs): {bw}")
+    lay, costs = Layout(model), slot_costs(model)
     results = []
     traced = traced_pipe = False
-    for kind, lam, max_admit in rows:
-        policy = {"pipe": "adaptive", "pipe-fixed": "fixed"}.get(kind, kind)
+    for kind, lam, max_admit, threads in rows:
+        policy = POLICY.get(kind, kind)
         extra = ["--vram-budget", f"{budget:g}GiB", "--balancer", policy, "--lam", str(lam),
                  "--reload-method", args.reload_method] + (["--pipeline"] if policy != kind else [])
         if max_admit is not None:
@@ -109,9 +138,13 @@ def main() -> int:
         if kind == "pipe" and not traced_pipe:
             extra += ["--balance-trace", str(out / f"{name}-pipe.jsonl")]
             traced_pipe = True
-        extra += ["--decide", args.decide if policy == kind else "auto"]
-        res = tpot_run("kairox", "predicted", model, tokens, 999, args.threads, env, extra)
-        results.append(row_of(kind, lam, max_admit, res))
+        extra += ["--decide", args.decide if policy == kind else "worker" if kind == "pipe-thread" else "auto"]
+        res = tpot_run("kairox", "predicted", model, tokens, 999, threads, env, extra)
+        bd = None
+        if res.get("counters") and gpu_hbm_known(bw):
+            reload = (res.get("balance") or {}).get("reload_mib_per_step", 0.0) * 2**20
+            bd = row_bound(lay, costs, res["counters"], args.gen, reload, policy != kind, bw)
+        results.append(row_of(kind, lam, max_admit, threads, res, bd))
         log(f"{kind}: {results[-1]['tok_s']:.2f} tok/s, GPU share {results[-1]['gpu_share']}")
     base = next((r["tok_s"] for r in results if r["row"] == "static"), None)
     lines = [f"# Live balancer: {args.config} at {budget:g} GiB, text drifting every {args.switch_every} tokens",
@@ -121,23 +154,36 @@ def main() -> int:
              "slots. Reloads and stalls: per decoded token, from the balancer's records; late loads: layer steps "
              "(pipe rows) whose reloads had not landed when their layer began.",
              "",
-             "| row | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
-             "stalls io / cpu / none | worst reload wait µs | late loads | decision µs / token | λ at end |",
-             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "Bound: the physical floor per token of the row's placement at its own GPU share "
+             f"(docs/benchmarking.md; CPU read {bw['cpu_read']:.0f} GB/s, reloads on PCIe); efficiency = bound / "
+             "measured. Hold: the CPU part's wait for the balancer thread's decision (pipe-thread rows).",
+             "",
+             "| row | threads | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
+             "stalls io / cpu / none | worst reload wait µs | late loads | decision µs / token | hold µs / token | "
+             "λ at end | bound ms/tok (limit) | efficiency |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in results:
         st = r["stalls"] or {}
+        bd = r["bound"]
         lines.append(
-            f"| {r['row']} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
+            f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | "
+            f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
             f"{r['gpu_share'] or 0:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
             f"{st.get('io', 0)} / {st.get('cpu', 0)} / {st.get('none', 0)} | "
             f"{(r['wait_us_max'] or 0):.0f} | {r.get('late_loads') or 0} | {(r['decide_us_per_step'] or 0):.0f} | "
-            f"{'' if r['lam_last_mean'] is None else format(r['lam_last_mean'], '.3f')} |"
-            if base else f"| {r['row']} | {r['tok_s']:.2f} |")
+            f"{(r['hold_us_per_step'] or 0):.0f} | "
+            f"{'' if r['lam_last_mean'] is None else format(r['lam_last_mean'], '.3f')} | "
+            + (f"{bd['seconds'] * 1e3:.2f} ({bd['limit']}) | {r['efficiency']:.2f} |" if bd else "- | - |")
+            if base else f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} |")
     cmd = shlex.join([sys.executable] + sys.argv)
-    write_results(out / name, {"command": cmd, "commit": git_commit(), "machine": machine_facts(),
+    write_results(out / name, {"command": cmd, "commit": git_commit(), "machine": machine_facts(), "bandwidths": bw,
                                "config": args.config, "budget_gib": budget, "gen": args.gen,
                                "switch_every": args.switch_every, "rows": results}, lines)
     return 0
+
+
+def gpu_hbm_known(bw: dict) -> bool:
+    return bw.get("gpu_hbm") is not None
 
 
 if __name__ == "__main__":

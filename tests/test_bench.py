@@ -75,6 +75,33 @@ def test_bound_is_the_slowest_resource() -> None:
     assert b["seconds"] == pytest.approx(0.1)
 
 
+def test_balance_live_rows_and_their_bound() -> None:
+    import sys
+    from types import SimpleNamespace
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("balance_live", ROOT / "bench" / "balance_live.py")
+    bl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bl)
+    assert bl.parse_row("static", 0.5, None, 16) == ("static", 0.5, None, 16)
+    assert bl.parse_row("pipe-thread:0.9:32:15", 0.5, None, 16) == ("pipe-thread", 0.9, 32, 15)
+    assert bl.parse_row("pipe::8", 0.5, None, 16) == ("pipe", 0.5, 8, 16)
+    for bad in ("pipes", "pipe:0.9:32:15:1"):
+        with pytest.raises(ValueError):
+            bl.parse_row(bad, 0.5, None, 16)
+    # 2 layers of 10 neurons (1000 B each): 30 listed rows per token, 20 on the GPU
+    lay = SimpleNamespace(n_layer=2, n_embd=4, layer_other=[100, 100], output=50)
+    costs = SimpleNamespace(per_neuron=1000.0, pred=300.0, n_ff=10)
+    bw = {"cpu_read": 1.0, "gpu_hbm": 10.0, "pcie_h2d": 1.0}
+    c = {"rows": 10 * 4, "elsewhere": 20 * 4}
+    b = bl.row_bound(lay, costs, c, 4, 0.0, False, bw)
+    assert b["bytes"]["cpu"] == 10_000 and b["bytes"]["gpu"] == 200 + 50 + 300 + 20_000
+    assert b["limit"] == "cpu" and b["seconds"] == pytest.approx(1e-5)
+    # one layer ahead: predictors read twice; reloads cross PCIe
+    b2 = bl.row_bound(lay, costs, c, 4, 1e5, True, bw)
+    assert b2["bytes"]["gpu"] == b["bytes"]["gpu"] + 300
+    assert b2["bytes"]["pcie"] == b["bytes"]["pcie"] + 1e5 and b2["limit"] == "pcie"
+
+
 def test_tpot_percentiles() -> None:
     s = offload.summarize_tpot({"tpot_s": [0.01] * 98 + [0.05, 0.1], "prefill_s": 0.2})
     # nearest rank: index round(0.99 * 99) = 98 of the sorted times

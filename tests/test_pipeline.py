@@ -73,13 +73,16 @@ def _gpu_or_skip(gpu: bool) -> None:
         pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
 
 
-@pytest.mark.parametrize("mode,late", [("exact", 0), ("predicted", 0), ("predicted", 3)])
+@pytest.mark.parametrize("mode,late,decide", [("exact", 0, "auto"), ("predicted", 0, "auto"), ("predicted", 3, "auto"),
+                                              ("exact", 0, "worker"), ("predicted", 3, "worker")])
 @pytest.mark.parametrize("gpu", [False, True])
-def test_pipeline_keeps_the_output(model4: Path, mode: str, late: int, gpu: bool) -> None:
+def test_pipeline_keeps_the_output(model4: Path, mode: str, late: int, decide: str, gpu: bool) -> None:
+    """decide: the compute threads make each prefetch (auto) or the balancer's thread does
+    while the CPU part of the layer before computes (worker)."""
     _gpu_or_skip(gpu)
     want_toks, want, ref, _ = gen(model4, mode)
     ref.close()
-    toks, got, llm, _ = gen(model4, mode, gpu=gpu, slots=SLOTS, config=fast(), late_every=late)
+    toks, got, llm, _ = gen(model4, mode, gpu=gpu, slots=SLOTS, config=fast(), late_every=late, decide=decide)
     trace = llm.balance_trace()
     llm.close()
     assert toks == want_toks
@@ -97,16 +100,20 @@ def test_pipeline_keeps_the_output(model4: Path, mode: str, late: int, gpu: bool
     if late and not gpu:
         assert any(r["late"] & 1 for r in trace) and any(r["late"] & 2 for r in trace)
         assert any(r["stall"] == "io" for r in decided)
+    # the CPU part's wait for the balancer's thread is recorded where that thread decides
+    held = [r["hold_us"] for r in decided if r["layer"] > 0]
+    assert all(h >= 0 for h in held) and (any(h > 0 for h in held) if decide == "worker" else not any(held))
 
 
-@pytest.mark.parametrize("late,gpu", [(0, False), (3, False), (0, True)])
-def test_pipeline_decisions_equal_the_reference(model4: Path, late: int, gpu: bool) -> None:
+@pytest.mark.parametrize("late,gpu,decide", [(0, False, "auto"), (3, False, "auto"), (0, True, "auto"),
+                                             (3, False, "worker"), (0, True, "worker")])
+def test_pipeline_decisions_equal_the_reference(model4: Path, late: int, gpu: bool, decide: str) -> None:
     """Each decided record's loads, evictions and λ equal PrefetchLayer's fed the recorded
     predicted list, stall and landing bits; after a drain the slots hold its residents."""
     _gpu_or_skip(gpu)
     cfg = fast()
     _, _, llm, initial = gen(model4, "predicted", gpu=gpu, slots=SLOTS, tokens=drifting(N_GEN), config=cfg,
-                             late_every=late, record=True)
+                             late_every=late, record=True, decide=decide)
     try:
         trace = llm.balance_trace()
         llm.drain_balancer()
@@ -133,12 +140,15 @@ def test_pipeline_arguments_are_checked(model4: Path) -> None:
     with pytest.raises(ValueError, match="balancer="):
         kairox.Llama(str(model4), sparse="predicted", gpu_slots=SLOTS, slots_device="CPU", verbose=False,
                      balancer_pipeline=True)
+    with pytest.raises(ValueError, match="balancer_decide"):
+        kairox.Llama(str(model4), sparse="predicted", gpu_slots=SLOTS, slots_device="CPU", verbose=False,
+                     balancer=True, balancer_pipeline=True, balancer_decide="gpu")
     llm = kairox.Llama(str(model4), sparse="predicted", gpu_slots=SLOTS, slots_device="CPU", verbose=False)
     try:
         with pytest.raises(ValueError, match="pipeline"):
             llm.start_balancer(True, pipeline=True, observe=True)
-        with pytest.raises(ValueError, match="pipeline"):
-            llm.start_balancer(True, pipeline=True, decide="inline")
+        with pytest.raises(ValueError, match="decide"):
+            llm.start_balancer(True, pipeline=True, decide="elsewhere")
         with pytest.raises(ValueError, match="late_every"):
             llm.start_balancer(True, pipeline=True, late_every=-1)
     finally:
@@ -175,6 +185,8 @@ def test_run_cli_pipeline_needs_the_balancer(model4: Path, capsys) -> None:
     from kairox.cli import main
     assert main(["run", "-m", str(model4), "-n", "2", "--pipeline"]) == 2
     assert "--balancer" in capsys.readouterr().err
+    assert main(["run", "-m", str(model4), "-n", "2", "--balancer", "fixed", "--balancer-thread"]) == 2
+    assert "--pipeline" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- the reference alone

@@ -76,7 +76,9 @@ struct kx_balance_params {
     int32_t decide;      // enum kx_balance_decide: where the TAM step runs
     int32_t record;      // 1: keep every step's active lists (kx_model_balance_activity; tests)
     int32_t observe;     // 1: only record what ran (hits), decide and move nothing (the static split's figures)
-    int32_t pipeline;    // 1: one layer ahead within each decode (below) instead of between decodes
+    int32_t pipeline;    // 1: one layer ahead within each decode (below) instead of between decodes;
+                         //    decide then picks who makes each prefetch: auto / inline the compute
+                         //    threads (graph nodes), worker the balancer's own thread
     int32_t late_every;  // tests: every n-th reload batch of a layer counts as landed two checks late (0: never)
 };
 // The one-layer-ahead pipeline (pipeline = 1, the predicted mode's predictor): while hybrid
@@ -109,6 +111,9 @@ struct kx_balance_record {
     int32_t late;         // pipeline: 1 earlier loads still in flight at this step (no decision),
                           // 2 this step's loads had not landed when its layer began
     int32_t decided;      // 1: the step made a decision (0: only what ran was recorded)
+    float   hold_us;      // pipeline, decide = worker: time the layer's CPU part waited, at its
+                          // end, for the balancer thread's decision (0: it was done)
+    int32_t pad;
 };
 
 // Starts (params non-NULL) or stops the balancer on the model's slots. 0, or 1 with err set.

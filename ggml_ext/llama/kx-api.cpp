@@ -145,6 +145,7 @@ int32_t kx_model_balancer_start(llama_model * model, const kx_balance_params * p
     slots->balancer.reset();
     if (slots->pipeline) {
         slots->pipeline = false; // graphs drop the pipeline's nodes (contexts rebuild at their next balance)
+        slots->pipe_worker = false;
         ++slots->graph_gen;
     }
     return kx_guard(err, err_size, [&] {

@@ -120,6 +120,8 @@ kx_balancer::~kx_balancer() {
     }
 }
 
+static void kx_pipe_worker(kx_balancer * b);
+
 // ---------------------------------------------------------------- boundary
 
 // which engine moves rows into this device's slots, and the device's index for it
@@ -156,9 +158,8 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
     if (params.decide < KX_DECIDE_AUTO || params.decide > KX_DECIDE_INLINE) {
         throw std::runtime_error("balancer: unknown decision place (0 auto, 1 worker, 2 inline)");
     }
-    if (params.pipeline && (params.observe || params.decide != KX_DECIDE_AUTO)) {
-        throw std::runtime_error("balancer: the pipeline decides on the host within each decode "
-                                 "(observe and decide do not apply)");
+    if (params.pipeline && params.observe) {
+        throw std::runtime_error("balancer: the pipeline decides within each decode (observe does not apply)");
     }
     if (params.pipeline && !pack.has_predictor) {
         throw std::runtime_error("balancer: the pipeline predicts the next layer with the pack's predictor, "
@@ -242,7 +243,11 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
     }
     if (params.pipeline) {
         slots.pipeline = true;
+        slots.pipe_worker = params.decide == KX_DECIDE_WORKER;
         ++slots.graph_gen; // the next decode builds graphs with the pipeline's nodes
+        if (slots.pipe_worker) {
+            b->worker = std::thread(kx_pipe_worker, b.get());
+        }
         return b;
     }
     if (params.decide == KX_DECIDE_AUTO && b->io->tam_new) {
@@ -753,6 +758,39 @@ static void kx_pipe_flush(kx_balancer & b, kx_balance_layer & L) {
     }
 }
 
+// decide = worker: the balancer's thread makes one layer's prefetch per job, posted by the
+// first host node of the layer before and waited for by its publish, so the compute threads
+// never touch the balancer's state while it runs
+static void kx_pipe_worker(kx_balancer * b) {
+    std::unique_lock<std::mutex> lk(b->mu);
+    for (;;) {
+        b->cv.wait(lk, [b] { return b->job || b->quit; });
+        if (b->quit) {
+            return;
+        }
+        b->job = false;
+        kx_balance_layer & L = *b->pipe_job;
+        lk.unlock();
+        try {
+            kx_pipe_observe(*b, b->layers[L.tag - 1], b->pstep); // (ahead: the layer before is hybrid)
+            kx_pipe_prefetch(*b, L, L.posted.data(), (int32_t) L.posted.size(), b->pstep);
+        } catch (const std::exception & e) {
+            b->error = e.what();
+        }
+        lk.lock();
+        b->busy = false;
+        b->cv.notify_all();
+    }
+}
+
+// until the balancer's thread is idle; the seconds waited
+static double kx_pipe_wait(kx_balancer & b) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::unique_lock<std::mutex> lk(b.mu);
+    b.cv.wait(lk, [&b] { return !b.busy; });
+    return kx_seconds_since(t0);
+}
+
 static kx_balancer * kx_pipe_balancer(kx_slots & slots, int32_t il, kx_balance_layer ** L) {
     kx_balancer * b = slots.balancer.get();
     if (!b || !b->params.pipeline || !b->error.empty() || il < 0 || il >= (int32_t) b->index_of.size() ||
@@ -771,11 +809,21 @@ void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, int32_t phase, const in
         return;
     }
     try {
-        if (phase == 0) {
-            kx_balance_layer & prev = b->layers[b->index_of[il - 1]];
-            if (il == b->first_ahead) {
-                ++b->pstep; // the first prefetch of a graph
+        if (phase == 0 && il == b->first_ahead) {
+            ++b->pstep; // the first prefetch of a graph
+        }
+        if (phase == 0 && b->params.decide == KX_DECIDE_WORKER) {
+            // the list's graph copy may be reused once this node returns: the thread gets its own
+            L->posted.assign(list + 1, list + 1 + std::max(list[0], 0));
+            {
+                std::lock_guard<std::mutex> lk(b->mu);
+                b->pipe_job = L;
+                b->job = true;
+                b->busy = true;
             }
+            b->cv.notify_all();
+        } else if (phase == 0) {
+            kx_balance_layer & prev = b->layers[b->index_of[il - 1]];
             kx_pipe_observe(*b, prev, b->pstep); // its CPU split copied its list just before
             kx_pipe_begin(*b, *L, list + 1, std::max(list[0], 0), b->pstep);
         } else if (phase == 1) {
@@ -789,12 +837,17 @@ void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, int32_t phase, const in
 }
 
 void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept {
+    kx_balancer * w = slots.pipe_worker ? slots.balancer.get() : nullptr;
+    const double hold = w ? kx_pipe_wait(*w) : 0.0; // (before anything reads what the thread writes)
     kx_balance_layer * L = nullptr;
     kx_balancer * b = kx_pipe_balancer(slots, il, &L);
     if (!b) {
         return;
     }
     try {
+        if (w && L->rec >= 0) {
+            b->trace[L->rec].hold_us = (float) (1e6 * hold);
+        }
         kx_pipe_settle(*b, *L, b->pstep);
         kx_pipe_flush(*b, *L);
     } catch (const std::exception & e) {
@@ -804,6 +857,7 @@ void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept {
 
 // between decodes: the layers no graph node observes or prefetches
 static void kx_pipe_boundary(kx_balancer & b) {
+    kx_pipe_wait(b); // (a graph that failed between a post and its publish)
     if (!b.error.empty()) {
         const std::string e = b.error;
         b.error.clear();
@@ -841,6 +895,7 @@ static void kx_pipe_boundary(kx_balancer & b) {
 }
 
 static void kx_pipe_drain(kx_balancer & b) {
+    kx_pipe_wait(b);
     if (b.io->wait(b.engine) < 0) {
         throw std::runtime_error("balancer: a slot reload failed");
     }

@@ -29,6 +29,10 @@
 //      the victims go back to the host maps, their slots receive the candidates' rows
 //   publish (last host node of that CPU part): candidates whose rows landed enter the slot
 //      map; the device map stores of the step are made (synchronously, a side stream)
+//   With decide = worker the prefetch runs on the balancer's own thread instead: the first
+//   host node posts the predicted list and returns, the compute threads run the CPU part, and
+//   publish waits for the decision (kx_balance_record::hold_us) before it settles. The
+//   decision leaves the CPU part's critical path when a core is free for that thread.
 // Between prefetch and publish no queued work reads layer L's slots or maps: layer L-1's
 // slot part runs, and the scheduler queues layer L's only after the CPU split returns.
 // Layers without a hybrid predecessor are decided between decodes from their last list.
@@ -85,6 +89,8 @@ struct kx_balance_layer {
     int32_t n_list = 0;
     int32_t n_scan = 1;
     std::vector<std::vector<uint64_t>> tcand, tvict; // per scanning thread
+    std::vector<int32_t> posted;     // balancer thread: the predicted list it decides from (the
+                                     // graph's copy may be reused once the posting node returns)
 };
 
 struct kx_balancer {
@@ -114,12 +120,14 @@ struct kx_balancer {
     std::vector<int32_t> tam_stall, tam_counts;
     std::vector<float> tam_lam;
 
-    // the worker thread deciding while the next decode runs
+    // the worker thread deciding while the next decode runs; with the pipeline (decide =
+    // worker) it makes one layer's prefetch while the CPU part of the layer before computes
     std::thread worker;
     std::mutex mu;
     std::condition_variable cv;
     bool job = false, busy = false, quit = false;
     size_t job_rec = 0;                     // first trace record of the running decision
+    kx_balance_layer * pipe_job = nullptr;  // the pipeline's layer being decided
 
     ~kx_balancer();
 };
@@ -138,8 +146,8 @@ void kx_balance_drain_decision(kx_balancer & b);
 void kx_balance_fetch(kx_balancer & b);
 
 // The pipeline's graph nodes (kx-ffn.cpp): prefetch for hybrid layer il from its predicted
-// list (I32 [count, ids...]) in three phases (0 and 2 on one thread, 1 on thread ith of nth),
-// publish what landed. Failures are kept and reported by the next
+// list (I32 [count, ids...]) in three phases (0 and 2 on one thread, 1 on thread ith of nth;
+// with the balancer's thread, phase 0 posts the whole prefetch to it), publish what landed. Failures are kept and reported by the next
 // boundary (kx_balance_step throws them); nothing is done without a pipeline balancer.
 void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, int32_t phase, const int32_t * list, int ith,
                            int nth) noexcept;

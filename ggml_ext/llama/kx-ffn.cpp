@@ -139,9 +139,13 @@ static ggml_tensor * kx_build_ffn_hybrid(
     void * hook = ahead ? (void *) &slots.hooks[il + 1] : nullptr;
     if (ahead) {
         // first on the CPU: the reloads then run beside both parts of this layer
+        // (with the balancer's thread the first node only posts the list: the thread decides)
         ggml_tensor * p = on_cpu(ggml_map_custom1(ctx0, sel_next, kx_pipe_begin_op, 1, hook));
-        p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_scan_op, GGML_N_TASKS_MAX, hook));
-        ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_end_op, 1, hook)));
+        if (!slots.pipe_worker) {
+            p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_scan_op, GGML_N_TASKS_MAX, hook));
+            p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_end_op, 1, hook));
+        }
+        ggml_build_forward_expand(g.gf, p);
     }
 
     // host part (neurons not resident): coldmap sends the resident ones to -1

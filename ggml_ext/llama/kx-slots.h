@@ -53,6 +53,7 @@ struct kx_slots {
     std::vector<kx_slot_layer> layers;
     std::vector<kx_pipe_hook> hooks;  // one per layer
     bool     pipeline   = false;      // graphs carry the one-layer-ahead nodes (kx-balance.h)
+    bool     pipe_worker = false;     // ... and the balancer's thread decides (one node, not three)
     uint32_t graph_gen  = 0;          // changes when they start or stop carrying them (graph reuse compares it)
     ggml_context *        ctx_dev  = nullptr;
     ggml_context *        ctx_host = nullptr;

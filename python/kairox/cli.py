@@ -62,8 +62,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                 from .balancer import BalancerConfig
                 hybrid["balancer"] = BalancerConfig(adaptive=args.balancer == "adaptive")
                 hybrid["balancer_pipeline"] = args.pipeline
-            elif args.kx_trace or args.pipeline:
-                raise ValueError(f"{'--kx-trace' if args.kx_trace else '--pipeline'} needs the live balancer: "
+                if args.balancer_thread:
+                    if not args.pipeline:
+                        raise ValueError("--balancer-thread is a mode of --pipeline")
+                    hybrid["balancer_decide"] = "worker"
+            elif args.kx_trace or args.pipeline or args.balancer_thread:
+                flag = "--kx-trace" if args.kx_trace else "--pipeline" if args.pipeline else "--balancer-thread"
+                raise ValueError(f"{flag} needs the live balancer: "
                                  "add --balancer")
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
                 hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
@@ -206,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --balancer: decide one layer ahead within each token (layer i+1's active set "
                    "predicted from layer i's input, its missing neurons loaded while layer i computes) "
                    "instead of between tokens; needs a pack with a predictor")
+    p.add_argument("--balancer-thread", action="store_true",
+                   help="with --pipeline: a thread of its own makes each layer's prefetch while the CPU part "
+                   "of the layer before computes (instead of the compute threads before it); give it a core: "
+                   "--threads one less than the cores")
     p.add_argument("--kx-trace", default=None, metavar="FILE",
                    help="with --balancer: write its per-step records here (JSON lines; `kairox report FILE`)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's load log")

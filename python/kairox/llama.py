@@ -72,6 +72,10 @@ class KairoxOptions:
     # the balancer decides one layer ahead within each decode (loads land before their layer)
     # instead of between decodes; needs the pack's predictor
     balancer_pipeline: bool = False
+    # who decides: auto; worker (a host thread; with the pipeline it makes each layer's
+    # prefetch while the CPU part of the layer before computes, and wants a core of its own);
+    # inline (the calling thread, or with the pipeline the compute threads)
+    balancer_decide: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_sparse()
@@ -86,6 +90,8 @@ class KairoxOptions:
                                  "vram_budget or a plan")
         if self.balancer_pipeline and not self.balancer:
             raise ValueError("balancer_pipeline is a mode of the live balancer: give balancer= too")
+        if self.balancer_decide not in DECIDE:
+            raise ValueError(f"balancer_decide must be one of {', '.join(DECIDE)}, not {self.balancer_decide!r}")
         if self.reload_method not in RELOAD_METHODS:
             raise ValueError(f"reload_method must be one of {', '.join(RELOAD_METHODS)}, not {self.reload_method!r}")
         if self.vram_budget is not None:
@@ -229,7 +235,7 @@ class BalanceRecord(ctypes.Structure):  # struct kx_balance_record
                 ("n_hit", ctypes.c_int32), ("n_load", ctypes.c_int32), ("n_evict", ctypes.c_int32),
                 ("stall", ctypes.c_int32), ("lam", ctypes.c_float), ("wait_us", ctypes.c_float),
                 ("decide_us", ctypes.c_float), ("reload_bytes", ctypes.c_int64), ("late", ctypes.c_int32),
-                ("decided", ctypes.c_int32)]
+                ("decided", ctypes.c_int32), ("hold_us", ctypes.c_float), ("pad", ctypes.c_int32)]
 
 
 _lib.kx_model_balancer_start.argtypes = [ctypes.c_void_p, ctypes.POINTER(_BalanceParams), ctypes.c_char_p,
@@ -397,7 +403,7 @@ class Llama(llama_cpp.Llama):
             if not self._kx_set_slots(counts, mode):
                 return
             if opts.balancer:
-                self.start_balancer(opts.balancer, pipeline=opts.balancer_pipeline)
+                self.start_balancer(opts.balancer, pipeline=opts.balancer_pipeline, decide=opts.balancer_decide)
             if budgeted:
                 used = self._kx_warm_used()
                 if used > b and opts.gpu_slots is None and self._kx_plan is None:
@@ -498,7 +504,8 @@ class Llama(llama_cpp.Llama):
         ran (hits) and move nothing, the static split's figures; cpu_gbs / gpu_gbs: matvec
         rates of the stall model (0: 100 / 2000 GB/s); max_blocks: the gather kernel's
         share of the GPU; pipeline: decide one layer ahead within each decode (the pack's
-        predictor forecasts layer i+1 from layer i's input; its loads land before it runs);
+        predictor forecasts layer i+1 from layer i's input; its loads land before it runs;
+        decide then: auto / inline on the compute threads, worker on the balancer's thread);
         late_every (tests): every n-th reload batch of a layer is treated as landing late."""
         if decide not in DECIDE:
             raise ValueError(f"decide must be one of {', '.join(DECIDE)}, not {decide!r}")
@@ -550,7 +557,7 @@ class Llama(llama_cpp.Llama):
         from .balancer import STALLS
         out = []
         for r in arr[:n]:
-            d = {f: getattr(r, f) for f, _ in BalanceRecord._fields_}
+            d = {f: getattr(r, f) for f, _ in BalanceRecord._fields_ if f != "pad"}
             d["stall"] = STALLS[d["stall"]]
             out.append(d)
         return out

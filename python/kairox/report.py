@@ -93,6 +93,8 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
             "late_loads": sum(1 for r in records if r.get("late", 0) & 2),
             "skipped": sum(1 for r in records if r.get("late", 0) & 1),
             "decide_us_per_step": sum(r["decide_us"] for r in records) / n,
+            # pipeline with the balancer's thread: the CPU parts' waits for its decisions
+            "hold_us_per_step": sum(r.get("hold_us", 0.0) for r in records) / n,
             "lam_first": float(s["lam_mean"][0]), "lam_last": float(s["lam_mean"][-1])}
 
 
