@@ -102,6 +102,32 @@ def test_balance_live_rows_and_their_bound() -> None:
     assert b2["bytes"]["pcie"] == b["bytes"]["pcie"] + 1e5 and b2["limit"] == "pcie"
 
 
+def test_ablation_compares_each_row_with_its_own_calls_static(tmp_path: Path) -> None:
+    import json
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("ablation", ROOT / "bench" / "ablation.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+
+    def row(kind: str, tok_s: float, threads: int = 16) -> dict:
+        return {"kind": kind, "row": kind, "threads": threads, "tok_s": tok_s, "tpot_p50_ms": 1e3 / tok_s,
+                "tpot_p99_ms": 2e3 / tok_s, "gpu_share": 0.7, "reload_mib_per_token": 1.0, "late_loads": 0,
+                "bound": {"seconds": 0.005, "limit": "cpu"}}
+    # two calls on a machine whose speed differs between them: the ratio is taken within each
+    files = []
+    for k, scale in enumerate((1.0, 2.0)):
+        f = tmp_path / f"b{k}.json"
+        f.write_text(json.dumps({"config": "KB-7B", "budget_gib": 7.0, "commit": "abcdef0",
+                                 "rows": [row("static", 50 * scale), row("pipe", 45 * scale)]}))
+        files.append(f)
+    lines = ab.fold(files, None)
+    pipe = next(ln for ln in lines if ln.startswith("| one layer ahead, TAM adaptive λ (compute"))
+    cells = [c.strip() for c in pipe.split("|")]
+    assert cells[4] == "2" and cells[5] == "67.50 (45.00-90.00)" and cells[6] == "0.90x"
+    assert cells[-2] == f"{0.005 * 67.5:.2f}"  # efficiency of the median row
+
+
 def test_tpot_percentiles() -> None:
     s = offload.summarize_tpot({"tpot_s": [0.01] * 98 + [0.05, 0.1], "prefill_s": 0.2})
     # nearest rank: index round(0.99 * 99) = 98 of the sorted times

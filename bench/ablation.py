@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""The live balancer's ablation table across configurations, folded from the raw results of
+bench/balance_live.py (each row one process; several files and repeats per configuration).
+
+Rows with the same label and thread count are one line: tok/s as median (min-max over the
+repeats), TPOT p50 / p99 medians, GPU share, reloads per token, the physical bound of the
+row's placement and the efficiency (bound / measured), against the static split's median in
+the same call and against llama.cpp's best decode at the same budget (bench/offload.py's
+results: -ngl or --fit, llama-bench).
+
+  python3 bench/ablation.py bench/results/balance-live/**/balance-live-KB-*.json \\
+      --offload bench/results -o bench/results/balance-live/ablation.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from offload import result_name  # noqa: E402
+
+# the ablation's steps, in order (kind -> what the row adds)
+STEPS = {"static": "static split (profiled hot neurons in the slots)",
+         "fixed": "between decodes, TAM fixed λ",
+         "adaptive": "between decodes, TAM adaptive λ",
+         "pipe-fixed": "one layer ahead, TAM fixed λ (compute threads decide)",
+         "pipe": "one layer ahead, TAM adaptive λ (compute threads decide)",
+         "pipe-thread": "one layer ahead, TAM adaptive λ (balancer thread decides)"}
+
+
+def llama_cpp_best(offload_dir: Path, config: str, budget: float) -> float | None:
+    """llama.cpp's best decode tok/s at that budget (llama-bench rows, -ngl and --fit)."""
+    f = offload_dir / f"{result_name(config, budget)}.json"
+    if not f.exists():
+        return None
+    rows = json.loads(f.read_text())["rows"]
+    best = [r["tg_tok_s"] for r in rows if r["impl"] == "llama.cpp" and r.get("tg_tok_s")]
+    return max(best) if best else None
+
+
+def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
+    by_cfg: dict[str, dict] = {}
+    for f in files:
+        d = json.loads(f.read_text())
+        c = by_cfg.setdefault(d["config"], {"budget": d["budget_gib"], "rows": defaultdict(list), "src": []})
+        c["src"].append(f"{f.name} ({d['commit'][:7]})")
+        # each row against the static rows of its own call (the machine's spread between calls
+        # is larger than most differences between rows)
+        own = [r["tok_s"] for r in d["rows"] if r["kind"] == "static" and (r.get("threads") or 16) == 16]
+        for r in d["rows"]:
+            r = {**r, "static_here": statistics.median(own) if own else None}
+            c["rows"][(r["kind"], r["row"], r.get("threads") or 16)].append(r)
+    out = ["# Live balancer ablation (folded by bench/ablation.py)", "",
+           "tok/s: median (min-max) over the repeats of each row; vs static: median of each run against the "
+           "static rows (16 threads) of its own call; "
+           "vs llama.cpp: its best decode at the same budget (bench/results/offload-*.json). "
+           "Bound: the row's placement at its own GPU share (docs/benchmarking.md); efficiency = bound / measured "
+           "(median row). Every row: teacher-forced text drifting topic every 64 tokens, 16 compute threads unless "
+           "given, reloads by the gather kernel.", ""]
+    for cfg, c in sorted(by_cfg.items(), key=lambda kv: kv[1]["budget"]):
+        ref = llama_cpp_best(offload_dir, cfg, c["budget"]) if offload_dir else None
+        out += [f"## {cfg} @ {c['budget']:g} GiB", "", "Sources: " + ", ".join(c["src"]) +
+                (f"; llama.cpp best decode {ref:.2f} tok/s." if ref else "."), "",
+                "| step | row | threads | runs | tok/s | vs static | vs llama.cpp | TPOT p50 / p99 ms | GPU share | "
+                "reload MiB / token | late loads | bound ms/tok | efficiency |",
+                "|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+        order = list(STEPS)
+        for (kind, label, threads), rs in sorted(c["rows"].items(), key=lambda kv: (order.index(kv[0][0]),
+                                                                                    kv[0][2], kv[0][1])):
+            tok = sorted(r["tok_s"] for r in rs)
+            med = statistics.median(tok)
+            mid = min(rs, key=lambda r: abs(r["tok_s"] - med))
+            bd = mid.get("bound")
+            p50 = statistics.median(r["tpot_p50_ms"] for r in rs)
+            p99 = statistics.median(r["tpot_p99_ms"] for r in rs)
+            share = statistics.mean(r["gpu_share"] or 0.0 for r in rs)
+            mib = statistics.mean(r["reload_mib_per_token"] or 0.0 for r in rs)
+            late = statistics.mean(r.get("late_loads") or 0 for r in rs)
+            rng = f"{med:.2f}" + (f" ({tok[0]:.2f}-{tok[-1]:.2f})" if len(tok) > 1 else "")
+            vs = [r["tok_s"] / r["static_here"] for r in rs if r["static_here"]]
+            out.append(f"| {STEPS[kind]} | {label} | {threads} | {len(rs)} | {rng} | "
+                       + (f"{statistics.median(vs):.2f}x | " if vs else "- | ")
+                       + (f"{med / ref:.2f}x | " if ref else "- | ")
+                       + f"{p50:.1f} / {p99:.1f} | {share:.3f} | {mib:.1f} | {late:.0f} | "
+                       + (f"{bd['seconds'] * 1e3:.2f} ({bd['limit']}) | {bd['seconds'] * med:.2f} |" if bd else "- | - |"))
+        out.append("")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", type=Path, help="balance-live-<config>*.json files")
+    ap.add_argument("--offload", type=Path, default=None, help="folder of bench/offload.py results (llama.cpp)")
+    ap.add_argument("-o", "--out", type=Path, default=None, help="write the table here (default: stdout)")
+    args = ap.parse_args()
+    missing = [str(f) for f in args.files if not f.is_file()]
+    if missing:
+        ap.error(f"no such file: {', '.join(missing)}")
+    cmd = shlex.join(["python3", "bench/ablation.py"] + sys.argv[1:])
+    text = "\n".join(fold(args.files, args.offload) + ["Command:", "", "```", cmd, "```"]) + "\n"
+    if args.out:
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
