@@ -365,6 +365,9 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
         kx_pipe_boundary(b);
         return;
     }
+    // the worker's running decision reads the snapshots that step 1 overwrites (found with a
+    // loaded machine: a slow worker decided from half of the next decode's list)
+    kx_balance_drain_decision(b);
     // 1. decode k's activity (count -1: the last decode recorded none, e.g. a prompt batch)
     bool fresh = true;
     for (kx_balance_layer & L : b.layers) {
@@ -399,8 +402,7 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
         b.step += fresh;
         return;
     }
-    // 2-5
-    kx_balance_drain_decision(b);
+    // 2-5 (the host decision was waited for above)
     double waited = 0.0;
     if (b.io->query(b.engine) == 0) {
         waited = b.io->wait(b.engine); // the last copies (and the device decision) still run
@@ -772,7 +774,7 @@ static void kx_pipe_worker(kx_balancer * b) {
         kx_balance_layer & L = *b->pipe_job;
         lk.unlock();
         try {
-            kx_pipe_observe(*b, b->layers[L.tag - 1], b->pstep); // (ahead: the layer before is hybrid)
+            kx_pipe_observe(*b, b->layers[b->index_of[L.il - 1]], b->pstep); // (ahead: il-1 is hybrid)
             kx_pipe_prefetch(*b, L, L.posted.data(), (int32_t) L.posted.size(), b->pstep);
         } catch (const std::exception & e) {
             b->error = e.what();

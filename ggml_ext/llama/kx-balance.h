@@ -147,8 +147,9 @@ void kx_balance_fetch(kx_balancer & b);
 
 // The pipeline's graph nodes (kx-ffn.cpp): prefetch for hybrid layer il from its predicted
 // list (I32 [count, ids...]) in three phases (0 and 2 on one thread, 1 on thread ith of nth;
-// with the balancer's thread, phase 0 posts the whole prefetch to it), publish what landed. Failures are kept and reported by the next
-// boundary (kx_balance_step throws them); nothing is done without a pipeline balancer.
+// with the balancer's thread, phase 0 posts the whole prefetch to it), publish what landed.
+// Failures are kept and reported by the next boundary (kx_balance_step throws them); nothing
+// is done without a pipeline balancer.
 void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, int32_t phase, const int32_t * list, int ith,
                            int nth) noexcept;
 void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept;
