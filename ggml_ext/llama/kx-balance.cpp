@@ -80,6 +80,11 @@ static void kx_balance_decide(kx_balancer & b, size_t rec) {
     }
 }
 
+static void kx_pipe_job(kx_balancer & b);
+
+// the balancer's thread: between decodes, every layer's TAM step from a boundary's snapshots;
+// with the pipeline, one layer's prefetch per job (posted by a graph node, waited for by its
+// publish). Nothing else touches what a job reads or writes until it is done (busy).
 static void kx_balance_worker(kx_balancer * b) {
     std::unique_lock<std::mutex> lk(b->mu);
     for (;;) {
@@ -90,16 +95,22 @@ static void kx_balance_worker(kx_balancer * b) {
         b->job = false;
         const size_t rec = b->job_rec;
         lk.unlock();
-        kx_balance_decide(*b, rec);
+        if (b->params.pipeline) {
+            kx_pipe_job(*b);
+        } else {
+            kx_balance_decide(*b, rec);
+        }
         lk.lock();
         b->busy = false;
         b->cv.notify_all();
     }
 }
 
-void kx_balance_drain_decision(kx_balancer & b) {
+double kx_balance_drain_decision(kx_balancer & b) {
+    const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lk(b.mu);
     b.cv.wait(lk, [&b] { return !b.busy; });
+    return kx_seconds_since(t0);
 }
 
 kx_balancer::~kx_balancer() {
@@ -119,8 +130,6 @@ kx_balancer::~kx_balancer() {
         io->destroy(engine);
     }
 }
-
-static void kx_pipe_worker(kx_balancer * b);
 
 // ---------------------------------------------------------------- boundary
 
@@ -246,7 +255,7 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         slots.pipe_worker = params.decide == KX_DECIDE_WORKER;
         ++slots.graph_gen; // the next decode builds graphs with the pipeline's nodes
         if (slots.pipe_worker) {
-            b->worker = std::thread(kx_pipe_worker, b.get());
+            b->worker = std::thread(kx_balance_worker, b.get());
         }
         return b;
     }
@@ -760,37 +769,16 @@ static void kx_pipe_flush(kx_balancer & b, kx_balance_layer & L) {
     }
 }
 
-// decide = worker: the balancer's thread makes one layer's prefetch per job, posted by the
-// first host node of the layer before and waited for by its publish, so the compute threads
-// never touch the balancer's state while it runs
-static void kx_pipe_worker(kx_balancer * b) {
-    std::unique_lock<std::mutex> lk(b->mu);
-    for (;;) {
-        b->cv.wait(lk, [b] { return b->job || b->quit; });
-        if (b->quit) {
-            return;
-        }
-        b->job = false;
-        kx_balance_layer & L = *b->pipe_job;
-        lk.unlock();
-        try {
-            kx_pipe_observe(*b, b->layers[b->index_of[L.il - 1]], b->pstep); // (ahead: il-1 is hybrid)
-            kx_pipe_prefetch(*b, L, L.posted.data(), (int32_t) L.posted.size(), b->pstep);
-        } catch (const std::exception & e) {
-            b->error = e.what();
-        }
-        lk.lock();
-        b->busy = false;
-        b->cv.notify_all();
+// decide = worker: one layer's prefetch on the balancer's thread (kx_balance_worker), posted
+// by the first host node of the layer before
+static void kx_pipe_job(kx_balancer & b) {
+    kx_balance_layer & L = *b.pipe_job;
+    try {
+        kx_pipe_observe(b, b.layers[b.index_of[L.il - 1]], b.pstep); // (ahead: il-1 is hybrid)
+        kx_pipe_prefetch(b, L, L.posted.data(), (int32_t) L.posted.size(), b.pstep);
+    } catch (const std::exception & e) {
+        b.error = e.what();
     }
-}
-
-// until the balancer's thread is idle; the seconds waited
-static double kx_pipe_wait(kx_balancer & b) {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::unique_lock<std::mutex> lk(b.mu);
-    b.cv.wait(lk, [&b] { return !b.busy; });
-    return kx_seconds_since(t0);
 }
 
 static kx_balancer * kx_pipe_balancer(kx_slots & slots, int32_t il, kx_balance_layer ** L) {
@@ -840,7 +828,7 @@ void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, int32_t phase, const in
 
 void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept {
     kx_balancer * w = slots.pipe_worker ? slots.balancer.get() : nullptr;
-    const double hold = w ? kx_pipe_wait(*w) : 0.0; // (before anything reads what the thread writes)
+    const double hold = w ? kx_balance_drain_decision(*w) : 0.0; // (before anything reads what the thread writes)
     kx_balance_layer * L = nullptr;
     kx_balancer * b = kx_pipe_balancer(slots, il, &L);
     if (!b) {
@@ -859,7 +847,7 @@ void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept {
 
 // between decodes: the layers no graph node observes or prefetches
 static void kx_pipe_boundary(kx_balancer & b) {
-    kx_pipe_wait(b); // (a graph that failed between a post and its publish)
+    kx_balance_drain_decision(b); // (a graph that failed between a post and its publish)
     if (!b.error.empty()) {
         const std::string e = b.error;
         b.error.clear();
@@ -897,7 +885,7 @@ static void kx_pipe_boundary(kx_balancer & b) {
 }
 
 static void kx_pipe_drain(kx_balancer & b) {
-    kx_pipe_wait(b);
+    kx_balance_drain_decision(b);
     if (b.io->wait(b.engine) < 0) {
         throw std::runtime_error("balancer: a slot reload failed");
     }

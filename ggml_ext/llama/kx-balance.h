@@ -140,8 +140,9 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
 // Applies everything decided so far and waits for its copies: the slots then hold exactly
 // the decided residents (tests compare them with the reference).
 void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack);
-// Waits for the decision the worker is making (its trace records are then complete).
-void kx_balance_drain_decision(kx_balancer & b);
+// Waits for the decision the worker is making (its trace records are then complete); the
+// seconds waited.
+double kx_balance_drain_decision(kx_balancer & b);
 // Reads the device decision's results once its stream has finished (nothing if none is pending).
 void kx_balance_fetch(kx_balancer & b);
 
