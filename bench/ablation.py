@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from offload import result_name  # noqa: E402
 
 # the ablation's steps, in order (kind -> what the row adds)
-STEPS = {"static": "static split (profiled hot neurons in the slots)",
+STEPS = {"static-split": "static split, CPU part as four nodes (gate rows, up rows, GLU, axpy)",
+         "static": "static split (profiled hot neurons in the slots)",
          "fixed": "between decodes, TAM fixed λ",
          "adaptive": "between decodes, TAM adaptive λ",
          "pipe-fixed": "one layer ahead, TAM fixed λ (compute threads decide)",

@@ -29,9 +29,13 @@ sys.path.insert(0, str(ROOT / "python"))
 from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
 # pipe*: one layer ahead within each token; pipe-thread: its prefetch made by the balancer's
-# own thread beside the CPU part (give it a core: a row thread count below the cores)
-ROWS = ("static", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
-POLICY = {"pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive"}
+# own thread beside the CPU part (give it a core: a row thread count below the cores);
+# static-split: the static split with the CPU part as four graph nodes (KX_FFN_SPLIT=1), the
+# form before the fused kx_ffn_rows op
+ROWS = ("static-split", "static", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
+POLICY = {"pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive", "static-split": "static"}
+PIPELINED = ("pipe", "pipe-fixed", "pipe-thread")
+ROW_ENV = {"static-split": {"KX_FFN_SPLIT": "1"}}
 
 
 def parse_row(spec: str, lam: float, max_admit: int | None,
@@ -60,7 +64,7 @@ def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipel
 def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict, bd: dict | None) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
-    label = kind if kind == "static" else f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (
+    label = kind if kind in ("static", "static-split") else f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (
         f", ≤{max_admit} loads" if max_admit is not None else "")
     return {"row": label, "kind": kind, "lam": lam, "max_admit": max_admit, "threads": threads,
             "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
@@ -126,10 +130,47 @@ def main() -> int:
     lay, costs = Layout(model), slot_costs(model)
     results = []
     traced = traced_pipe = False
+
+    def write() -> None:
+        base = next((r["tok_s"] for r in results if r["row"] == "static"), None) or \
+            next((r["tok_s"] for r in results if r["row"] == "static-split"), None)
+        lines = [f"# Live balancer: {args.config} at {budget:g} GiB, text drifting every {args.switch_every} tokens",
+                 "",
+                 f"{args.gen} decoded tokens (teacher-forced, after a {PROMPT}-token prompt), {args.threads} threads, "
+                 f"reloads by {args.reload_method}; commit {git_commit()[:10]}. GPU share: listed neurons computed from "
+                 "slots. Reloads and stalls: per decoded token, from the balancer's records; late loads: layer steps "
+                 "(pipe rows) whose reloads had not landed when their layer began.",
+                 "",
+                 "Bound: the physical floor per token of the row's placement at its own GPU share "
+                 f"(docs/benchmarking.md; CPU read {bw['cpu_read']:.0f} GB/s, reloads on PCIe); efficiency = bound / "
+                 "measured. Hold: the CPU part's wait for the balancer thread's decision (pipe-thread rows).",
+                 "",
+                 "| row | threads | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
+                 "stalls io / cpu / none | worst reload wait µs | late loads | decision µs / token | hold µs / token | "
+                 "λ at end | bound ms/tok (limit) | efficiency |",
+                 "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+        for r in results:
+            st = r["stalls"] or {}
+            bd = r["bound"]
+            lines.append(
+                f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | "
+                f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
+                f"{r['gpu_share'] or 0:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
+                f"{st.get('io', 0)} / {st.get('cpu', 0)} / {st.get('none', 0)} | "
+                f"{(r['wait_us_max'] or 0):.0f} | {r.get('late_loads') or 0} | {(r['decide_us_per_step'] or 0):.0f} | "
+                f"{(r['hold_us_per_step'] or 0):.0f} | "
+                f"{'' if r['lam_last_mean'] is None else format(r['lam_last_mean'], '.3f')} | "
+                + (f"{bd['seconds'] * 1e3:.2f} ({bd['limit']}) | {r['efficiency']:.2f} |" if bd else "- | - |")
+                if base else f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} |")
+        cmd = shlex.join([sys.executable] + sys.argv)
+        write_results(out / name, {"command": cmd, "commit": git_commit(), "machine": machine_facts(), "bandwidths": bw,
+                                   "config": args.config, "budget_gib": budget, "gen": args.gen,
+                                   "switch_every": args.switch_every, "rows": results}, lines)
+
     for kind, lam, max_admit, threads in rows:
         policy = POLICY.get(kind, kind)
         extra = ["--vram-budget", f"{budget:g}GiB", "--balancer", policy, "--lam", str(lam),
-                 "--reload-method", args.reload_method] + (["--pipeline"] if policy != kind else [])
+                 "--reload-method", args.reload_method] + (["--pipeline"] if kind in PIPELINED else [])
         if max_admit is not None:
             extra += ["--max-admit", str(max_admit)]
         if kind == "adaptive" and not traced:  # the first adaptive row's records
@@ -138,47 +179,18 @@ def main() -> int:
         if kind == "pipe" and not traced_pipe:
             extra += ["--balance-trace", str(out / f"{name}-pipe.jsonl")]
             traced_pipe = True
-        extra += ["--decide", args.decide if policy == kind else "worker" if kind == "pipe-thread" else "auto"]
-        res = tpot_run("kairox", "predicted", model, tokens, 999, threads, env, extra)
+        extra += ["--decide", "worker" if kind == "pipe-thread" else "auto" if kind in PIPELINED else args.decide]
+        row_env = ROW_ENV.get(kind, {})
+        res = tpot_run("kairox", "predicted", model, tokens, 999, threads, {**env, **row_env}, extra)
+        if row_env:
+            res["command"] = " ".join(f"{k}={v}" for k, v in row_env.items()) + " " + res["command"]
         bd = None
         if res.get("counters") and gpu_hbm_known(bw):
             reload = (res.get("balance") or {}).get("reload_mib_per_step", 0.0) * 2**20
-            bd = row_bound(lay, costs, res["counters"], args.gen, reload, policy != kind, bw)
+            bd = row_bound(lay, costs, res["counters"], args.gen, reload, kind in PIPELINED, bw)
         results.append(row_of(kind, lam, max_admit, threads, res, bd))
         log(f"{kind}: {results[-1]['tok_s']:.2f} tok/s, GPU share {results[-1]['gpu_share']}")
-    base = next((r["tok_s"] for r in results if r["row"] == "static"), None)
-    lines = [f"# Live balancer: {args.config} at {budget:g} GiB, text drifting every {args.switch_every} tokens",
-             "",
-             f"{args.gen} decoded tokens (teacher-forced, after a {PROMPT}-token prompt), {args.threads} threads, "
-             f"reloads by {args.reload_method}; commit {git_commit()[:10]}. GPU share: listed neurons computed from "
-             "slots. Reloads and stalls: per decoded token, from the balancer's records; late loads: layer steps "
-             "(pipe rows) whose reloads had not landed when their layer began.",
-             "",
-             "Bound: the physical floor per token of the row's placement at its own GPU share "
-             f"(docs/benchmarking.md; CPU read {bw['cpu_read']:.0f} GB/s, reloads on PCIe); efficiency = bound / "
-             "measured. Hold: the CPU part's wait for the balancer thread's decision (pipe-thread rows).",
-             "",
-             "| row | threads | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
-             "stalls io / cpu / none | worst reload wait µs | late loads | decision µs / token | hold µs / token | "
-             "λ at end | bound ms/tok (limit) | efficiency |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
-    for r in results:
-        st = r["stalls"] or {}
-        bd = r["bound"]
-        lines.append(
-            f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | "
-            f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
-            f"{r['gpu_share'] or 0:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
-            f"{st.get('io', 0)} / {st.get('cpu', 0)} / {st.get('none', 0)} | "
-            f"{(r['wait_us_max'] or 0):.0f} | {r.get('late_loads') or 0} | {(r['decide_us_per_step'] or 0):.0f} | "
-            f"{(r['hold_us_per_step'] or 0):.0f} | "
-            f"{'' if r['lam_last_mean'] is None else format(r['lam_last_mean'], '.3f')} | "
-            + (f"{bd['seconds'] * 1e3:.2f} ({bd['limit']}) | {r['efficiency']:.2f} |" if bd else "- | - |")
-            if base else f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} |")
-    cmd = shlex.join([sys.executable] + sys.argv)
-    write_results(out / name, {"command": cmd, "commit": git_commit(), "machine": machine_facts(), "bandwidths": bw,
-                               "config": args.config, "budget_gib": budget, "gen": args.gen,
-                               "switch_every": args.switch_every, "rows": results}, lines)
+        write()  # after every row: a call cut short keeps the rows it measured
     return 0
 
 

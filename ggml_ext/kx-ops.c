@@ -88,3 +88,46 @@ struct ggml_tensor * ggml_kx_axpy_rows(
     result->src[3] = rowmap;
     return result;
 }
+
+struct ggml_tensor * ggml_kx_ffn_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * gate,
+        struct ggml_tensor  * up,
+        struct ggml_tensor  * down_t,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * sel,
+        struct ggml_tensor  * rowmap,
+        struct ggml_tensor  * downmap,
+        struct ggml_tensor  * gate_pre,
+        enum kx_select_act    act) {
+    GGML_ASSERT(act == KX_SELECT_RELU || act == KX_SELECT_SILU || act == KX_SELECT_GELU);
+    GGML_ASSERT(gate->type == up->type && ggml_are_same_shape(gate, up));
+    GGML_ASSERT(gate->ne[2] == 1 && gate->ne[3] == 1 && gate->nb[0] == ggml_type_size(gate->type));
+    GGML_ASSERT(up->nb[0] == ggml_type_size(up->type));
+    GGML_ASSERT(down_t->type == GGML_TYPE_F32 || down_t->type == GGML_TYPE_F16 || down_t->type == GGML_TYPE_Q8_0);
+    GGML_ASSERT(down_t->ne[2] == 1 && down_t->ne[3] == 1 && down_t->nb[0] == ggml_type_size(down_t->type));
+    GGML_ASSERT(down_t->type != GGML_TYPE_Q8_0 || down_t->ne[0] % 32 == 0);
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) && x->ne[2] == 1 && x->ne[3] == 1);
+    GGML_ASSERT(gate->ne[0] == x->ne[0]);
+    const int64_t n = rowmap ? ggml_nelements(rowmap) : gate->ne[1];
+    kx_check_sel(sel, n);
+    kx_check_rowmap(rowmap, n, gate->ne[1]);
+    kx_check_rowmap(downmap, n, down_t->ne[1]);
+    if (gate_pre) {
+        GGML_ASSERT(gate_pre->type == GGML_TYPE_F32 && gate_pre->nb[0] == sizeof(float));
+        GGML_ASSERT(gate_pre->ne[0] == n && gate_pre->ne[1] == x->ne[1]);
+    }
+
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, down_t->ne[0], x->ne[1]);
+    ggml_set_op_params_i32(result, 0, (int32_t) act);
+    result->op     = GGML_OP_KX_FFN_ROWS;
+    result->src[0] = gate;
+    result->src[1] = up;
+    result->src[2] = down_t;
+    result->src[3] = x;
+    result->src[4] = sel;
+    result->src[5] = rowmap;
+    result->src[6] = downmap;
+    result->src[7] = gate_pre;
+    return result;
+}

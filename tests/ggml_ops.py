@@ -48,6 +48,9 @@ class GGML:
         b.ggml_kx_select.restype = P
         b.ggml_kx_mul_mat_rows.argtypes, b.ggml_kx_mul_mat_rows.restype = [P, P, P, P, P], P
         b.ggml_kx_axpy_rows.argtypes, b.ggml_kx_axpy_rows.restype = [P, P, P, P, P], P
+        b.ggml_kx_ffn_rows.argtypes, b.ggml_kx_ffn_rows.restype = [P, P, P, P, P, P, P, P, P, C.c_int], P
+        for glu in ("ggml_reglu_split", "ggml_swiglu_split", "ggml_geglu_split"):
+            getattr(b, glu).argtypes, getattr(b, glu).restype = [P, P, P], P
         c.ggml_graph_plan.argtypes, c.ggml_graph_plan.restype = [P, C.c_int, P], _CPlan
         c.ggml_graph_compute.argtypes, c.ggml_graph_compute.restype = [P, C.POINTER(_CPlan)], C.c_int
 
@@ -135,6 +138,38 @@ class GGML:
             ht = self._tensor(ctx, "f32", (n, T), h.astype(np.float32))
             rm = None if rowmap is None else self._tensor(ctx, "i32", (n,), rowmap.astype(np.int32))
             out = self.base.ggml_kx_axpy_rows(ctx, w, ht, self._sel(ctx, sel, n), rm)
+            return self._run(ctx, out, n_threads, use_ref, (T, m), np.float32).copy()
+        finally:
+            self.base.ggml_free(ctx)
+
+    def ffn_rows(self, gate_raw: bytes, up_raw: bytes, w_type: str, n_rows: int, k: int,
+                 down_raw: bytes, down_type: str, n_down: int, m: int, x: np.ndarray, sel: np.ndarray, n: int,
+                 act: str, rowmap: np.ndarray | None = None, downmap: np.ndarray | None = None,
+                 gate_pre: np.ndarray | None = None, split: bool = False, n_threads: int = 1,
+                 use_ref: bool = False) -> np.ndarray:
+        """A sparse FFN over sel: gate/up [n_rows, k], down_t [n_down, m] (ggml bytes), x [T, k]
+        -> [T, m]. split=True runs the four-node form instead of ggml_kx_ffn_rows (gate rows,
+        up rows, the stock GLU, axpy rows): the composition the fused op replaces."""
+        T = x.shape[0]
+        ctx = self._ctx(len(gate_raw) + len(up_raw) + len(down_raw) + x.nbytes + 16 * n * T)
+        try:
+            gw = self._tensor(ctx, w_type, (k, n_rows), gate_raw)
+            uw = self._tensor(ctx, w_type, (k, n_rows), up_raw)
+            dw = self._tensor(ctx, down_type, (m, n_down), down_raw)
+            xt = self._tensor(ctx, "f32", (k, T), x.astype(np.float32))
+            st = self._sel(ctx, sel, n)
+            rm = None if rowmap is None else self._tensor(ctx, "i32", (n,), rowmap.astype(np.int32))
+            dm = None if downmap is None else self._tensor(ctx, "i32", (n,), downmap.astype(np.int32))
+            gp = None if gate_pre is None else self._tensor(ctx, "f32", (n, T), gate_pre.astype(np.float32))
+            if split:
+                b = self.base
+                gv = gp if gp is not None else b.ggml_kx_mul_mat_rows(ctx, gw, xt, st, rm)
+                uv = b.ggml_kx_mul_mat_rows(ctx, uw, xt, st, rm)
+                h = getattr(b, {"relu": "ggml_reglu_split", "silu": "ggml_swiglu_split",
+                                "gelu": "ggml_geglu_split"}[act])(ctx, gv, uv)
+                out = b.ggml_kx_axpy_rows(ctx, dw, h, st, dm)
+            else:
+                out = self.base.ggml_kx_ffn_rows(ctx, gw, uw, dw, xt, st, rm, dm, gp, KX_SELECT_ACT[act])
             return self._run(ctx, out, n_threads, use_ref, (T, m), np.float32).copy()
         finally:
             self.base.ggml_free(ctx)

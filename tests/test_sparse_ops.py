@@ -198,3 +198,90 @@ def test_axpy_rows_slot_map(g: GGML):
     cold = np.where(rowmap < 0, np.arange(n), -1).astype(np.int32)
     rest = g.axpy_rows(raw_full, "f16", n, m, h, sel, cold, n_threads=2)
     np.testing.assert_allclose(hot + rest, h.astype(np.float64) @ whole, rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------------- kx_ffn_rows
+
+def ref_act(g: np.ndarray, act: str) -> np.ndarray:
+    return {"relu": np.maximum(g, 0),
+            "silu": g / (1 + np.exp(-g)),
+            "gelu": 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))}[act]
+
+
+@pytest.mark.parametrize("wtype,dtype,k,m", [("f16", "f16", 256, 160), ("q4_0", "q8_0", 256, 96),
+                                             ("f32", "f32", 96, 100), ("q8_0", "f16", 128, 64)])
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_ffn_rows_equals_the_four_ops(g: GGML, wtype: str, dtype: str, k: int, m: int, act: str, T: int):
+    """The fused op against the composition it replaces (gate rows, up rows, ggml's GLU, axpy
+    rows) on the same weights: the same dot kernels and activation, only the order of the
+    final sums differs, so they agree to float32 rounding of the output; and against numpy in
+    float64 within the weight type's rounding. Host-side maps of a hybrid layer (resident
+    neurons at -1, down rows permuted), every thread count up to more threads than neurons."""
+    rng = np.random.default_rng(11)
+    n = 90
+    gate = rng.standard_normal((n, k)).astype(np.float32) / math.sqrt(k)
+    up = rng.standard_normal((n, k)).astype(np.float32) / math.sqrt(k)
+    down = rng.standard_normal((n, m)).astype(np.float32)
+    graw, uraw, draw = g.quantize(gate, wtype), g.quantize(up, wtype), g.quantize(down, dtype)
+    gq, uq, dq = dequant(graw, wtype, n, k), dequant(uraw, wtype, n, k), dequant(draw, dtype, n, m)
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    perm = rng.permutation(n).astype(np.int32)
+    down_perm = g.quantize(down[np.argsort(perm)], dtype)   # neuron i's down row at row perm[i]
+    resident = rng.random(n) < 0.4
+    coldmap = np.where(resident, -1, np.arange(n)).astype(np.int32)
+    colddown = np.where(resident, -1, perm).astype(np.int32)
+    for name, sel in selections(n, rng).items():
+        present = sel[~resident[sel]] if len(sel) else sel
+        gv = x.astype(np.float64) @ gq.T
+        h = ref_act(gv, act) * (x.astype(np.float64) @ uq.T)
+        want = h[:, present] @ dq[present]
+        scale = (np.abs(h[:, present]) @ np.abs(dq[present])
+                 + (np.abs(x) @ (np.abs(gq) + np.abs(uq)).T)[:, present] @ np.abs(dq[present]))
+        for nt in (1, 2, 3, 7, 64):
+            for use_ref in (False, True):
+                kw = dict(act=act, n_threads=nt, use_ref=use_ref)
+                split = g.ffn_rows(graw, uraw, wtype, n, k, down_perm, dtype, n, m, x, sel, n,
+                                   rowmap=coldmap, downmap=colddown, split=True, **kw)
+                fused = g.ffn_rows(graw, uraw, wtype, n, k, down_perm, dtype, n, m, x, sel, n,
+                                   rowmap=coldmap, downmap=colddown, **kw)
+                again = g.ffn_rows(graw, uraw, wtype, n, k, down_perm, dtype, n, m, x, sel, n,
+                                   rowmap=coldmap, downmap=colddown, **kw)
+                np.testing.assert_array_equal(fused, again)   # deterministic for a thread count
+                ymax = max(float(np.abs(split).max()), 1e-30)
+                assert float(np.abs(fused - split).max()) <= 2e-5 * ymax + 1e-6, (name, nt, use_ref)
+                if act == "gelu":
+                    tol = 4e-2       # ggml's GELU reads an F16 table
+                elif wtype == "f32" and dtype == "f32" and use_ref:
+                    tol = 1e-5
+                else:
+                    tol = 2e-2       # x rounded to the weight's vec_dot type
+                err = np.abs(fused - want) / np.maximum(scale, 1e-30)
+                assert err.size == 0 or err.max() <= tol, (name, nt, use_ref, float(err.max()))
+
+
+def test_ffn_rows_exact_gate_and_counters(g: GGML):
+    """With the gate given (the exact path computed every gate), only up and down rows are
+    read: a gate weight of garbage changes nothing. The axpy counters count the fused op's
+    rows, the listed neurons it skipped (resident elsewhere) and its nonzero activations."""
+    rng = np.random.default_rng(12)
+    n, k, m, T = 70, 64, 32, 2
+    up = rng.standard_normal((n, k)).astype(np.float32)
+    down = rng.standard_normal((n, m)).astype(np.float32)
+    gate_pre = rng.standard_normal((T, n)).astype(np.float32)
+    uraw, draw = g.quantize(up, "f32"), g.quantize(down, "f32")
+    junk = g.quantize(np.full((n, k), np.nan, np.float32), "f32")
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    sel = np.sort(rng.choice(n, 40, replace=False)).astype(np.int32)
+    coldmap = np.where(np.arange(n) % 4 == 0, -1, np.arange(n)).astype(np.int32)
+    present = sel[coldmap[sel] >= 0]
+    h = np.maximum(gate_pre.astype(np.float64), 0) * (x.astype(np.float64) @ up.T.astype(np.float64))
+    want = h[:, present] @ down[present].astype(np.float64)
+    g.select_stats(reset=True)
+    out = g.ffn_rows(junk, uraw, "f32", n, k, draw, "f32", n, m, x, sel, n, act="relu",
+                     rowmap=coldmap, downmap=coldmap, gate_pre=gate_pre, n_threads=3)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    from kairox._native import sparse_counters
+    c = sparse_counters(reset=True)
+    assert c.rows == len(present) and c.elsewhere == len(sel) - len(present)
+    assert c.nonzero == int((h[:, present] != 0).sum())

@@ -9,17 +9,10 @@
 #include "kx-ops-cpu.h"
 #include "kx-ops.h"
 
-#define GGML_COMMON_DECL_C
-#include "ggml-common.h"
-#include "ggml-impl.h"
-#include "simd-mappings.h"
+#include "kx-axpy.h"
 
 #include <stdatomic.h>
 #include <string.h>
-
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #define KX_COL_BLOCK 32
 
@@ -44,75 +37,10 @@ void kx_cpu_axpy_stats(int64_t * nonzero, int64_t * rows, int64_t * elsewhere, b
     }
 }
 
-static void kx_axpy_f32(int64_t n, float * GGML_RESTRICT y, const float * GGML_RESTRICT x, float v, bool ref) {
-    int64_t i = 0;
-    if (!ref) {
-#if defined(__AVX512F__)
-        const __m512 vv = _mm512_set1_ps(v);
-        for (; i + 16 <= n; i += 16) {
-            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(_mm512_loadu_ps(x + i), vv, _mm512_loadu_ps(y + i)));
-        }
-#elif defined(__AVX2__) && defined(__FMA__)
-        const __m256 vv = _mm256_set1_ps(v);
-        for (; i + 8 <= n; i += 8) {
-            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), vv, _mm256_loadu_ps(y + i)));
-        }
-#endif
-    }
-    for (; i < n; ++i) {
-        y[i] += x[i]*v;
-    }
-}
-
-static void kx_axpy_f16(int64_t n, float * GGML_RESTRICT y, const ggml_fp16_t * GGML_RESTRICT x, float v, bool ref) {
-    int64_t i = 0;
-    if (!ref) {
-#if defined(__AVX512F__)
-        const __m512 vv = _mm512_set1_ps(v);
-        for (; i + 16 <= n; i += 16) {
-            const __m512 xf = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (x + i)));
-            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(xf, vv, _mm512_loadu_ps(y + i)));
-        }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-        const __m256 vv = _mm256_set1_ps(v);
-        for (; i + 8 <= n; i += 8) {
-            const __m256 xf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + i)));
-            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(xf, vv, _mm256_loadu_ps(y + i)));
-        }
-#endif
-    }
-    for (; i < n; ++i) {
-        y[i] += GGML_CPU_FP16_TO_FP32(x[i])*v;
-    }
-}
-
-// nb whole Q8_0 blocks: y[32b + j] += v * d_b * q_bj
-static void kx_axpy_q8_0(int64_t nb, float * GGML_RESTRICT y, const block_q8_0 * GGML_RESTRICT x, float v, bool ref) {
-    for (int64_t b = 0; b < nb; ++b) {
-        const float s = v*GGML_CPU_FP16_TO_FP32(x[b].d);
-        float * yb = y + b*QK8_0;
-        const int8_t * q = x[b].qs;
-        if (!ref) {
-#if defined(__AVX512F__)
-            const __m512 vs = _mm512_set1_ps(s);
-            for (int j = 0; j < QK8_0; j += 16) {
-                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (q + j))));
-                _mm512_storeu_ps(yb + j, _mm512_fmadd_ps(qf, vs, _mm512_loadu_ps(yb + j)));
-            }
-            continue;
-#elif defined(__AVX2__) && defined(__FMA__)
-            const __m256 vs = _mm256_set1_ps(s);
-            for (int j = 0; j < QK8_0; j += 8) {
-                const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (q + j))));
-                _mm256_storeu_ps(yb + j, _mm256_fmadd_ps(qf, vs, _mm256_loadu_ps(yb + j)));
-            }
-            continue;
-#endif
-        }
-        for (int j = 0; j < QK8_0; ++j) {
-            yb[j] += s*(float) q[j];
-        }
-    }
+void kx_cpu_axpy_stats_add(int64_t nonzero, int64_t rows, int64_t elsewhere) {
+    atomic_fetch_add(&kx_stat_nonzero, nonzero);
+    atomic_fetch_add(&kx_stat_rows, rows);
+    atomic_fetch_add(&kx_stat_elsewhere, elsewhere);
 }
 
 void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
@@ -166,25 +94,10 @@ void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params
             }
             ++nonzero;
             float * y = (float *) ((char *) dst->data + t*dst->nb[1]);
-            switch (wt->type) {
-                case GGML_TYPE_F32:
-                    kx_axpy_f32(c1 - c0, y + c0, (const float *) row + c0, v, ref);
-                    break;
-                case GGML_TYPE_F16:
-                    kx_axpy_f16(c1 - c0, y + c0, (const ggml_fp16_t *) row + c0, v, ref);
-                    break;
-                case GGML_TYPE_Q8_0:
-                    // the constructor's callers guarantee m % 32 == 0 for Q8_0 (whole blocks)
-                    kx_axpy_q8_0((c1 - c0)/QK8_0, y + c0, (const block_q8_0 *) row + c0/QK8_0, v, ref);
-                    break;
-                default:
-                    GGML_ABORT("kx_axpy_rows: unsupported type %s", ggml_type_name(wt->type));
-            }
+            kx_axpy_row(wt->type, c0, c1, y, row, v, ref);
         }
     }
     if (c0 == 0) {
-        atomic_fetch_add(&kx_stat_nonzero, nonzero);
-        atomic_fetch_add(&kx_stat_rows, count - elsewhere);
-        atomic_fetch_add(&kx_stat_elsewhere, elsewhere);
+        kx_cpu_axpy_stats_add(nonzero, count - elsewhere, elsewhere);
     }
 }

@@ -91,13 +91,31 @@ GGML_API struct ggml_tensor * ggml_kx_axpy_rows(
         struct ggml_tensor  * sel,
         struct ggml_tensor  * rowmap);
 
+// The three steps above fused for the CPU (no CUDA kernel: the GPU keeps the separate ops):
+// y = sum over i in sel with rowmap[i] >= 0 of act(g_i) * (up[rowmap[i]] . x) * down_t[downmap[i]],
+// g_i = gate[rowmap[i]] . x, or gate_pre[i] when given (F32 [n, n_tokens]: the exact path
+// computed every gate). gate, up: [k, n_rows] of one type with a CPU vec_dot; down_t: as
+// ggml_kx_axpy_rows's wt; rowmap/downmap: NULL (neuron i is row i) or I32 [n]; act:
+// KX_SELECT_RELU, _SILU or _GELU (the GLU of the dense path). Result: F32 [m, n_tokens].
+GGML_API struct ggml_tensor * ggml_kx_ffn_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * gate,
+        struct ggml_tensor  * up,
+        struct ggml_tensor  * down_t,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * sel,
+        struct ggml_tensor  * rowmap,
+        struct ggml_tensor  * downmap,
+        struct ggml_tensor  * gate_pre,
+        enum kx_select_act    act);
+
 // Rows the CPU kernels were asked to compute, summed over ggml_kx_select calls since the
 // last reset: `selected` ids listed (after the density fallback), `total` ids possible,
 // `calls` selections, `fallbacks` selections that went dense. Any pointer may be NULL.
 GGML_BACKEND_API void kx_cpu_select_stats(int64_t * selected, int64_t * total, int64_t * calls,
                                           int64_t * fallbacks, bool reset);
 
-// Nonzero activations the CPU kernel of ggml_kx_axpy_rows met among the listed rows,
+// Nonzero activations the CPU kernels of ggml_kx_axpy_rows and ggml_kx_ffn_rows met among the listed rows,
 // summed over (row, token) pairs since the last reset. For ReLU models this counts the
 // truly active neurons that were computed: exact mode gives the true active count,
 // predicted mode the correctly predicted ones (recall = predicted / exact, same tokens).

@@ -10,6 +10,9 @@
 //              y   = kx_axpy_rows(W_down^T, h, sel) (pack rows, via the row map if permuted)
 //
 // Rows outside sel are 0 in g (predicted) and u, so h is 0 there and glu needs no mask.
+// On the CPU the last three (and the predicted path's gate rows) run as one node,
+// kx_ffn_rows (cpu/kx-ffn-rows.c: one barrier instead of three, each thread streaming its
+// own neurons' rows); KX_FFN_SPLIT=1 keeps the separate nodes, for measurement.
 //
 // Hybrid layers (neuron slots, kx-slots.h) split every step above over one active list:
 //   GPU: g, u, h, y_gpu over the slot buffers through slotmap (resident neurons only)
@@ -35,12 +38,25 @@
 #include "llama-cparams.h"
 #include "llama-impl.h"
 
+#include <cstdlib>
+#include <cstring>
+
 // Prefill stays dense: above this many tokens per ubatch the union of active sets
 // approaches the whole layer and dense GEMM kernels beat row gathers.
 static constexpr int64_t kx_sparse_max_tokens = 8;
 // A selection denser than this runs every row (still through the sparse kernels, which
 // then cost what the dense matvec costs); it bounds the worst case of a bad prediction.
 static constexpr float   kx_max_density = 0.6f;
+
+// KX_FFN_SPLIT=1: the CPU part as four nodes (gate rows, up rows, GLU, axpy), the form
+// before kx_ffn_rows; read once per process
+static bool kx_ffn_split() {
+    static const bool split = [] {
+        const char * e = getenv("KX_FFN_SPLIT");
+        return e && *e && strcmp(e, "0") != 0;
+    }();
+    return split;
+}
 
 static bool kx_host_plain(const ggml_tensor * w) {
     // repacked CPU weights (extra buffer types) are not host buffers: their rows are
@@ -57,6 +73,15 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
         case LLM_FFN_RELU: *nm = "ffn_reglu";  return ggml_reglu_split(ctx0, gv, uv);
         case LLM_FFN_SILU: *nm = "ffn_swiglu"; return ggml_swiglu_split(ctx0, gv, uv);
         default:           *nm = "ffn_geglu";  return ggml_geglu_split(ctx0, gv, uv);
+    }
+}
+
+// the GLU's activation as the fused CPU op names it
+static enum kx_select_act kx_glu_act(llm_ffn_op_type type_op) {
+    switch (type_op) {
+        case LLM_FFN_RELU: return KX_SELECT_RELU;
+        case LLM_FFN_SILU: return KX_SELECT_SILU;
+        default:           return KX_SELECT_GELU;
     }
 }
 
@@ -136,7 +161,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
     // the balancer's view of this decode: the list, copied on the CPU beside the host part
     // (which receives the list anyway); a few KiB per layer
     ggml_build_forward_expand(g.gf, on_cpu(ggml_cpy(ctx0, sel, H.seen)));
-    void * hook = ahead ? (void *) &slots.hooks[il + 1] : nullptr;
+    void * hook = ahead ? static_cast<void *>(const_cast<kx_pipe_hook *>(&slots.hooks[il + 1])) : nullptr;
     if (ahead) {
         // first on the CPU: the reloads then run beside both parts of this layer
         // (with the balancer's thread the first node only posts the list: the thread decides)
@@ -149,12 +174,18 @@ static ggml_tensor * kx_build_ffn_hybrid(
     }
 
     // host part (neurons not resident): coldmap sends the resident ones to -1
-    ggml_tensor * gc = g_all ? g_all : on_cpu(ggml_kx_mul_mat_rows(ctx0, gate, cur, sel, H.coldmap));
-    ggml_tensor * uc = on_cpu(ggml_kx_mul_mat_rows(ctx0, up, cur, sel, H.coldmap));
-    g.cb(uc, "ffn_up_cpu", il);
-    ggml_tensor * hc = on_cpu(kx_glu(ctx0, gc, uc, type_op));
-    g.cb(hc, "ffn_act_cpu", il);
-    ggml_tensor * yc = on_cpu(ggml_kx_axpy_rows(ctx0, L.down_t, hc, sel, H.colddown));
+    ggml_tensor * yc;
+    if (kx_ffn_split()) {
+        ggml_tensor * gc = g_all ? g_all : on_cpu(ggml_kx_mul_mat_rows(ctx0, gate, cur, sel, H.coldmap));
+        ggml_tensor * uc = on_cpu(ggml_kx_mul_mat_rows(ctx0, up, cur, sel, H.coldmap));
+        g.cb(uc, "ffn_up_cpu", il);
+        ggml_tensor * hc = on_cpu(kx_glu(ctx0, gc, uc, type_op));
+        g.cb(hc, "ffn_act_cpu", il);
+        yc = on_cpu(ggml_kx_axpy_rows(ctx0, L.down_t, hc, sel, H.colddown));
+    } else {
+        yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all,
+                                     kx_glu_act(type_op)));
+    }
     g.cb(yc, "ffn_out_cpu", il);
     if (ahead) {
         // last on the CPU, before the scheduler queues anything of layer il+1
@@ -231,7 +262,7 @@ ggml_tensor * kx_build_ffn_sparse(
     }
 
     ggml_tensor * sel;
-    ggml_tensor * gv;
+    ggml_tensor * gv = nullptr;
     if (mode == 1) {
         gv = ggml_mul_mat(ctx0, gate, cur);
         g.cb(gv, "ffn_gate", il);
@@ -242,6 +273,12 @@ ggml_tensor * kx_build_ffn_sparse(
         sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
     g.cb(sel, "kx_sel", il);
+    if (!kx_ffn_split()) {
+        ggml_tensor * y = ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, nullptr, L.rowmap,
+                                           mode == 1 ? gv : nullptr, act);
+        g.cb(y, "ffn_out", il);
+        return y;
+    }
     if (mode != 1) {
         gv = ggml_kx_mul_mat_rows(ctx0, gate, cur, sel, nullptr);
         g.cb(gv, "ffn_gate", il);

@@ -1,0 +1,102 @@
+// y += v * row over output columns [c0, c1) of one transposed-down row (F32, F16 or Q8_0):
+// the inner loop of GGML_OP_KX_AXPY_ROWS and GGML_OP_KX_FFN_ROWS. ref: scalar loops only
+// (the reference path of test-backend-ops).
+#pragma once
+
+#define GGML_COMMON_DECL_C
+#include "ggml-common.h"
+#include "ggml-impl.h"
+#include "simd-mappings.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline void kx_axpy_f32(int64_t n, float * GGML_RESTRICT y, const float * GGML_RESTRICT x, float v, bool ref) {
+    int64_t i = 0;
+    if (!ref) {
+#if defined(__AVX512F__)
+        const __m512 vv = _mm512_set1_ps(v);
+        for (; i + 16 <= n; i += 16) {
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(_mm512_loadu_ps(x + i), vv, _mm512_loadu_ps(y + i)));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 vv = _mm256_set1_ps(v);
+        for (; i + 8 <= n; i += 8) {
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), vv, _mm256_loadu_ps(y + i)));
+        }
+#endif
+    }
+    for (; i < n; ++i) {
+        y[i] += x[i]*v;
+    }
+}
+
+static inline void kx_axpy_f16(int64_t n, float * GGML_RESTRICT y, const ggml_fp16_t * GGML_RESTRICT x, float v, bool ref) {
+    int64_t i = 0;
+    if (!ref) {
+#if defined(__AVX512F__)
+        const __m512 vv = _mm512_set1_ps(v);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 xf = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (x + i)));
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(xf, vv, _mm512_loadu_ps(y + i)));
+        }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        const __m256 vv = _mm256_set1_ps(v);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 xf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + i)));
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(xf, vv, _mm256_loadu_ps(y + i)));
+        }
+#endif
+    }
+    for (; i < n; ++i) {
+        y[i] += GGML_CPU_FP16_TO_FP32(x[i])*v;
+    }
+}
+
+// nb whole Q8_0 blocks: y[32b + j] += v * d_b * q_bj
+static inline void kx_axpy_q8_0(int64_t nb, float * GGML_RESTRICT y, const block_q8_0 * GGML_RESTRICT x, float v, bool ref) {
+    for (int64_t b = 0; b < nb; ++b) {
+        const float s = v*GGML_CPU_FP16_TO_FP32(x[b].d);
+        float * yb = y + b*QK8_0;
+        const int8_t * q = x[b].qs;
+        if (!ref) {
+#if defined(__AVX512F__)
+            const __m512 vs = _mm512_set1_ps(s);
+            for (int j = 0; j < QK8_0; j += 16) {
+                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (q + j))));
+                _mm512_storeu_ps(yb + j, _mm512_fmadd_ps(qf, vs, _mm512_loadu_ps(yb + j)));
+            }
+            continue;
+#elif defined(__AVX2__) && defined(__FMA__)
+            const __m256 vs = _mm256_set1_ps(s);
+            for (int j = 0; j < QK8_0; j += 8) {
+                const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (q + j))));
+                _mm256_storeu_ps(yb + j, _mm256_fmadd_ps(qf, vs, _mm256_loadu_ps(yb + j)));
+            }
+            continue;
+#endif
+        }
+        for (int j = 0; j < QK8_0; ++j) {
+            yb[j] += s*(float) q[j];
+        }
+    }
+}
+
+// c0 and c1 are multiples of 32 for Q8_0 (whole blocks; the constructors check m % 32 == 0)
+static inline void kx_axpy_row(enum ggml_type type, int64_t c0, int64_t c1, float * GGML_RESTRICT y,
+                               const void * GGML_RESTRICT row, float v, bool ref) {
+    switch (type) {
+        case GGML_TYPE_F32:
+            kx_axpy_f32(c1 - c0, y + c0, (const float *) row + c0, v, ref);
+            break;
+        case GGML_TYPE_F16:
+            kx_axpy_f16(c1 - c0, y + c0, (const ggml_fp16_t *) row + c0, v, ref);
+            break;
+        case GGML_TYPE_Q8_0:
+            kx_axpy_q8_0((c1 - c0)/QK8_0, y + c0, (const block_q8_0 *) row + c0/QK8_0, v, ref);
+            break;
+        default:
+            GGML_ABORT("kx axpy: unsupported type %s", ggml_type_name(type));
+    }
+}

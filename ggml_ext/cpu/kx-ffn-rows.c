@@ -1,0 +1,250 @@
+// GGML_OP_KX_FFN_ROWS on the CPU: a whole sparse FFN over the listed neurons in one node,
+//
+//   y[:, t] = sum over i in sel with map[i] >= 0 of  act(g_it) * u_it * down_t[dmap[i]]
+//   g_it = gate[map[i]] . x_t  (or gpre[i, t] when the exact path computed every gate)
+//   u_it = up[map[i]] . x_t
+//
+// Why one node: the four-node form (rows of gate, rows of up, GLU, axpy) costs three
+// barriers per layer and its axpy splits the OUTPUT columns, so every thread walks every
+// listed row for a 512-byte slice of it (a latency-bound walk of 16 threads over the same
+// rows). Here each thread owns a contiguous share of the listed neurons and streams their
+// gate, up and down rows itself (24 KiB per neuron of an F16 4096-wide model), summing into
+// a private accumulator; one barrier later the threads add the accumulators column-wise.
+//
+// Determinism: the share of each thread depends only on the list, the map and the thread
+// count (an even split of the neurons present in this weight, counted per static slice of
+// the list before the first barrier), and the column sums add the accumulators in thread
+// order, so a graph gives the same bits every time it runs with the same threads.
+//
+// The activation is ggml's own vector GLU on blocks of KX_FFN_BLK neurons: element-wise,
+// so each neuron gets what the dense path's GLU op computes for it.
+#include "kx-ops-cpu.h"
+#include "kx-ops.h"
+
+#include "kx-axpy.h"
+#include "vec.h"
+
+#include <string.h>
+
+#define KX_CACHE_LINE 64
+// neurons per activation block: a whole number of AVX-512 lanes
+#define KX_FFN_BLK    16
+
+static size_t kx_ffn_align(size_t n) {
+    return (n + KX_CACHE_LINE - 1) / KX_CACHE_LINE * KX_CACHE_LINE;
+}
+
+// wdata: [x in vec_dot_type] [per thread: present count, one cache line]
+//        [per thread: accumulator m x nt floats]
+//        [per thread: g, u, h blocks of KX_FFN_BLK x nt, then k floats for the reference path]
+struct kx_ffn_work {
+    char    * xq;
+    int64_t * cnt;    // cnt[ith * KX_CACHE_LINE / 8]
+    float   * acc;    // thread j: acc + j * acc_stride
+    float   * blk;    // thread j: blk + j * blk_stride
+    size_t    acc_stride;
+    size_t    blk_stride;
+};
+
+static struct kx_ffn_work kx_ffn_layout(char * base, const struct ggml_tensor * node, int nth) {
+    const struct ggml_tensor * gate = node->src[0];
+    const struct ggml_tensor * x    = node->src[3];
+    const enum ggml_type vdt = ggml_get_type_traits_cpu(gate->type)->vec_dot_type;
+    const int64_t k  = gate->ne[0];
+    const int64_t m  = node->ne[0];
+    const int64_t nt = x->ne[1];
+
+    struct kx_ffn_work w;
+    size_t off = 0;
+    w.xq = base;
+    if (x->type != vdt) {
+        off += kx_ffn_align(ggml_row_size(vdt, k) * (size_t) nt);
+    }
+    w.cnt = (int64_t *) (base + off);
+    off += (size_t) nth * KX_CACHE_LINE;
+    w.acc_stride = kx_ffn_align(sizeof(float) * (size_t) (m * nt)) / sizeof(float);
+    w.acc = (float *) (base + off);
+    off += (size_t) nth * w.acc_stride * sizeof(float);
+    w.blk_stride = kx_ffn_align(sizeof(float) * (3 * KX_FFN_BLK * (size_t) nt + (size_t) k)) / sizeof(float);
+    w.blk = (float *) (base + off);
+    return w;
+}
+
+size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
+    const struct kx_ffn_work w = kx_ffn_layout(NULL, node, n_tasks);
+    return (size_t) ((char *) w.blk - (char *) NULL) + (size_t) n_tasks * w.blk_stride * sizeof(float);
+}
+
+static inline int64_t kx_ffn_row(const int32_t * map, int64_t i) {
+    return map ? map[i] : i;
+}
+
+// act(g) * u over one block, with the dense path's GLU (the reference path too: the stock
+// GLU op it stands for has no other)
+static void kx_ffn_glu(int32_t act, int n, float * h, const float * g, const float * u) {
+    switch (act) {
+        case KX_SELECT_RELU: ggml_vec_reglu_f32(n, h, g, u); break;
+        case KX_SELECT_SILU: ggml_vec_swiglu_f32(n, h, g, u); break;
+        default:             ggml_vec_geglu_f32(n, h, g, u); break;
+    }
+}
+
+// one row's dot with x_t: ggml's matvec kernel, or double precision over dequantized values
+static float kx_ffn_dot(const struct ggml_tensor * w, const char * row, const char * xq, const float * xf,
+                        float * scratch, bool ref) {
+    const int64_t k = w->ne[0];
+    if (!ref) {
+        float d;
+        ggml_get_type_traits_cpu(w->type)->vec_dot((int) k, &d, 0, row, 0, xq, 0, 1);
+        return d;
+    }
+    const float * wf = (const float *) row;
+    if (w->type != GGML_TYPE_F32) {
+        ggml_get_type_traits(w->type)->to_float(row, scratch, k);
+        wf = scratch;
+    }
+    double acc = 0.0;
+    for (int64_t c = 0; c < k; ++c) {
+        acc += (double) wf[c] * (double) xf[c];
+    }
+    return (float) acc;
+}
+
+void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * gate = dst->src[0];
+    const struct ggml_tensor * up   = dst->src[1];
+    const struct ggml_tensor * down = dst->src[2];
+    const struct ggml_tensor * x    = dst->src[3];
+    const struct ggml_tensor * sel  = dst->src[4];
+    const int32_t * map  = dst->src[5] ? (const int32_t *) dst->src[5]->data : NULL;
+    const int32_t * dmap = dst->src[6] ? (const int32_t *) dst->src[6]->data : NULL;
+    const struct ggml_tensor * gpre = dst->src[7];
+    const int32_t act = ggml_get_op_params_i32(dst, 0);
+
+    const int  ith = params->ith;
+    const int  nth = params->nth;
+    const bool ref = params->use_ref;
+
+    const int64_t k  = gate->ne[0];
+    const int64_t m  = dst->ne[0];
+    const int64_t nt = x->ne[1];
+
+    const enum ggml_type vdt  = ggml_get_type_traits_cpu(gate->type)->vec_dot_type;
+    const bool           conv = x->type != vdt;
+    const size_t         xrow = conv ? ggml_row_size(vdt, k) : x->nb[1];
+    const struct kx_ffn_work w = kx_ffn_layout((char *) params->wdata, dst, nth);
+    const char * xq = conv ? w.xq : (const char *) x->data;
+    float * acc = w.acc + (size_t) ith * w.acc_stride;
+    float * gb  = w.blk + (size_t) ith * w.blk_stride;   // [nt][KX_FFN_BLK] each
+    float * ub  = gb + KX_FFN_BLK * nt;
+    float * hb  = ub + KX_FFN_BLK * nt;
+    float * scr = hb + KX_FFN_BLK * nt;                  // k floats: a dequantized row (reference path)
+
+    const int32_t * list  = (const int32_t *) sel->data;
+    const int64_t   count = list[0];
+    const int32_t * ids   = list + 1;
+
+    // phase 1: convert x (tokens split across threads); count the neurons present in this
+    // weight in a static slice of the list; zero the private accumulator
+    if (conv && !ref) {
+        ggml_from_float_t from_float = ggml_get_type_traits_cpu(vdt)->from_float;
+        for (int64_t t = ith; t < nt; t += nth) {
+            from_float((const float *) ((const char *) x->data + t*x->nb[1]), (char *) w.xq + t*xrow, k);
+        }
+    }
+    {
+        const int64_t j0 = count*ith/nth;
+        const int64_t j1 = count*(ith + 1)/nth;
+        int64_t n = 0;
+        for (int64_t j = j0; j < j1; ++j) {
+            n += kx_ffn_row(map, ids[j]) >= 0;
+        }
+        w.cnt[ith * (KX_CACHE_LINE / sizeof(int64_t))] = n;
+    }
+    memset(acc, 0, sizeof(float) * (size_t) (m * nt));
+    ggml_barrier(params->threadpool);
+
+    // phase 2: this thread's share of the present neurons, ranks [r0, r1) in list order
+    int64_t total = 0;
+    for (int s = 0; s < nth; ++s) {
+        total += w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t))];
+    }
+    const int64_t r0 = total*ith/nth;
+    const int64_t r1 = total*(ith + 1)/nth;
+    int64_t j = 0;
+    int64_t rank = 0;
+    for (int s = 0; s < nth; ++s) {
+        const int64_t c = w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t))];
+        if (rank + c > r0) {
+            j = count*s/nth;
+            break;
+        }
+        rank += c;
+    }
+    int64_t nonzero = 0;
+    int32_t blk_ids[KX_FFN_BLK];
+    while (rank < r1) {
+        // gather the next block of present neurons, computing their g and u
+        int nb = 0;
+        for (; j < count && rank < r1 && nb < KX_FFN_BLK; ++j) {
+            const int64_t i = ids[j];
+            const int64_t r = kx_ffn_row(map, i);
+            if (r < 0) {
+                continue;
+            }
+            if (rank++ < r0) {
+                continue;
+            }
+            const char * grow = (const char *) gate->data + r*gate->nb[1];
+            const char * urow = (const char *) up->data + r*up->nb[1];
+            for (int64_t t = 0; t < nt; ++t) {
+                const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
+                gb[t*KX_FFN_BLK + nb] = gpre ? *(const float *) ((const char *) gpre->data + i*sizeof(float) + t*gpre->nb[1])
+                                             : kx_ffn_dot(gate, grow, xq + t*xrow, xf, scr, ref);
+                ub[t*KX_FFN_BLK + nb] = kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref);
+            }
+            blk_ids[nb++] = (int32_t) i;
+        }
+        if (nb == 0) {
+            continue;
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+            for (int b = nb; b < KX_FFN_BLK; ++b) {
+                gb[t*KX_FFN_BLK + b] = 0.0f;
+                ub[t*KX_FFN_BLK + b] = 0.0f;
+            }
+            kx_ffn_glu(act, KX_FFN_BLK, hb + t*KX_FFN_BLK, gb + t*KX_FFN_BLK, ub + t*KX_FFN_BLK);
+        }
+        for (int b = 0; b < nb; ++b) {
+            const int64_t dr = kx_ffn_row(dmap, blk_ids[b]);
+            const char * drow = (const char *) down->data + dr*down->nb[1];
+            for (int64_t t = 0; t < nt; ++t) {
+                const float v = hb[t*KX_FFN_BLK + b];
+                if (v == 0.0f) {
+                    continue;
+                }
+                ++nonzero;
+                kx_axpy_row(down->type, 0, m, acc + t*m, drow, v, ref);
+            }
+        }
+    }
+    if (r1 > r0 || ith == 0) {
+        kx_cpu_axpy_stats_add(nonzero, r1 - r0, ith == 0 ? count - total : 0);
+    }
+    ggml_barrier(params->threadpool);
+
+    // phase 3: columns split across threads, accumulators added in thread order (threads
+    // that owned no neuron hold zeros and are skipped)
+    const int64_t c0 = m*ith/nth;
+    const int64_t c1 = m*(ith + 1)/nth;
+    for (int64_t t = 0; t < nt; ++t) {
+        float * y = (float *) ((char *) dst->data + t*dst->nb[1]);
+        memset(y + c0, 0, sizeof(float) * (size_t) (c1 - c0));
+        for (int s = 0; s < nth; ++s) {
+            if (total*s/nth == total*(s + 1)/nth) {
+                continue;
+            }
+            ggml_vec_acc_f32((int) (c1 - c0), y + c0, w.acc + (size_t) s * w.acc_stride + t*m + c0);
+        }
+    }
+}
