@@ -27,6 +27,7 @@ from offload import result_name  # noqa: E402
 
 # the ablation's steps, in order (kind -> what the row adds)
 STEPS = {"static-split": "static split, CPU part as four nodes (gate rows, up rows, GLU, axpy)",
+         "static-sync": "static split, the scheduler's stock synchronous hand-off copies",
          "static": "static split (profiled hot neurons in the slots)",
          "fixed": "between decodes, TAM fixed λ",
          "adaptive": "between decodes, TAM adaptive λ",

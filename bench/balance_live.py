@@ -30,12 +30,14 @@ from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
 # pipe*: one layer ahead within each token; pipe-thread: its prefetch made by the balancer's
 # own thread beside the CPU part (give it a core: a row thread count below the cores);
-# static-split: the static split with the CPU part as four graph nodes (KX_FFN_SPLIT=1), the
-# form before the fused kx_ffn_rows op
-ROWS = ("static-split", "static", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
-POLICY = {"pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive", "static-split": "static"}
+# static-split / static-sync: the static split with the CPU part as four graph nodes
+# (KX_FFN_SPLIT=1, the form before the fused kx_ffn_rows op) / with the scheduler's stock
+# synchronous hand-off copies (KX_SYNC_COPIES=1, patch 0008)
+ROWS = ("static-split", "static-sync", "static", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
+POLICY = {"pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive", "static-split": "static",
+          "static-sync": "static"}
 PIPELINED = ("pipe", "pipe-fixed", "pipe-thread")
-ROW_ENV = {"static-split": {"KX_FFN_SPLIT": "1"}}
+ROW_ENV = {"static-split": {"KX_FFN_SPLIT": "1"}, "static-sync": {"KX_SYNC_COPIES": "1"}}
 
 
 def parse_row(spec: str, lam: float, max_admit: int | None,
@@ -64,7 +66,7 @@ def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipel
 def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict, bd: dict | None) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
-    label = kind if kind in ("static", "static-split") else f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (
+    label = kind if POLICY.get(kind, kind) == "static" else f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (
         f", ≤{max_admit} loads" if max_admit is not None else "")
     return {"row": label, "kind": kind, "lam": lam, "max_admit": max_admit, "threads": threads,
             "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
@@ -94,6 +96,9 @@ def main() -> int:
     ap.add_argument("--reload-method", default="gather", choices=["gather", "memcpy", "batch"])
     ap.add_argument("--decide", default="auto", choices=["auto", "worker", "inline"],
                     help="where the TAM step runs (auto: one kernel on the GPU for every layer)")
+    ap.add_argument("--trace", action="store_true",
+                    help="after the rows, one static run with the scheduler trace (KX_TRACE): per-layer CPU, "
+                         "GPU and hand-off times, trace-<config>-live.png / .jsonl")
     ap.add_argument("--cpu-gbs", type=float, default=117.0,
                     help="CPU read roof for the bound (GB/s; the run's own probe where it measures more)")
     args = ap.parse_args()
@@ -129,6 +134,7 @@ def main() -> int:
     log(f"bandwidths GB/s (CPU read: the larger of the probe and --cpu-gbs): {bw}")
     lay, costs = Layout(model), slot_costs(model)
     results = []
+    trace: dict = {}  # --trace: the traced static run's summary (offload.hybrid_trace)
     traced = traced_pipe = False
 
     def write() -> None:
@@ -162,10 +168,15 @@ def main() -> int:
                 f"{'' if r['lam_last_mean'] is None else format(r['lam_last_mean'], '.3f')} | "
                 + (f"{bd['seconds'] * 1e3:.2f} ({bd['limit']}) | {r['efficiency']:.2f} |" if bd else "- | - |")
                 if base else f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} |")
+        if trace:
+            from kairox.trace import summary_text
+            lines += ["", f"Scheduler trace of one more static run ({trace['png']}, records {trace['records']}; "
+                      "stamps cost a few µs each, so it is not a timing run):", ""]
+            lines += ["    " + ln for ln in summary_text(trace).splitlines()]
         cmd = shlex.join([sys.executable] + sys.argv)
         write_results(out / name, {"command": cmd, "commit": git_commit(), "machine": machine_facts(), "bandwidths": bw,
                                    "config": args.config, "budget_gib": budget, "gen": args.gen,
-                                   "switch_every": args.switch_every, "rows": results}, lines)
+                                   "switch_every": args.switch_every, "rows": results, "trace": trace or None}, lines)
 
     for kind, lam, max_admit, threads in rows:
         policy = POLICY.get(kind, kind)
@@ -191,6 +202,11 @@ def main() -> int:
         results.append(row_of(kind, lam, max_admit, threads, res, bd))
         log(f"{kind}: {results[-1]['tok_s']:.2f} tok/s, GPU share {results[-1]['gpu_share']}")
         write()  # after every row: a call cut short keeps the rows it measured
+    if args.trace:
+        from offload import hybrid_trace
+        trace.update(hybrid_trace(out, f"{args.config}-live", model, tokens, args.threads, env,
+                                  ["--vram-budget", f"{budget:g}GiB", "--balancer", "static"]))
+        write()
     return 0
 
 
