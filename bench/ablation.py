@@ -54,7 +54,7 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
         c["src"].append(f"{f.name} ({d['commit'][:7]})")
         # each row against the static rows of its own call (the machine's spread between calls
         # is larger than most differences between rows)
-        own = [r["tok_s"] for r in d["rows"] if r["kind"] == "static" and (r.get("threads") or 16) == 16]
+        own = [r["tok_s"] for r in d["rows"] if r["kind"] == "static" and not r.get("env") and (r.get("threads") or 16) == 16]
         for r in d["rows"]:
             r = {**r, "static_here": statistics.median(own) if own else None}
             c["rows"][(r["kind"], r["row"], r.get("threads") or 16)].append(r)

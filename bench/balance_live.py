@@ -52,6 +52,19 @@ def parse_row(spec: str, lam: float, max_admit: int | None,
             int(part(3)) if part(3) else threads)
 
 
+def split_env(spec: str) -> tuple[str, dict[str, str]]:
+    """ROW[@VAR=VAL...] -> (ROW, {VAR: VAL}): a row run with extra environment (an A/B switch
+    such as KX_FFN_PREFETCH=0)."""
+    head, *pairs = spec.split("@")
+    env = {}
+    for kv in pairs:
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise ValueError(spec)
+        env[k] = v
+    return head, env
+
+
 def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipeline: bool, bw: dict) -> dict:
     """The row's physical floor per token (offload.py's bound of the static hybrid's placement
     at the row's own GPU share), with its reloads on PCIe and, one layer ahead, every
@@ -90,7 +103,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=256, help="decoded tokens per row")
     ap.add_argument("--switch-every", type=int, default=64, help="tokens per topic")
     ap.add_argument("--rows", default=",".join(ROWS),
-                    help=f"comma-separated KIND[:LAM[:MAX_ADMIT[:THREADS]]], KIND one of {', '.join(ROWS)}")
+                    help=f"comma-separated KIND[:LAM[:MAX_ADMIT[:THREADS]]][@VAR=VAL...], KIND one of "
+                         f"{', '.join(ROWS)}; @VAR=VAL runs that row with extra environment")
     ap.add_argument("--lam", type=float, default=0.5)
     ap.add_argument("--max-admit", type=int, help="neurons loaded per step and layer (default: no cap)")
     ap.add_argument("--reload-method", default="gather", choices=["gather", "memcpy", "batch"])
@@ -103,7 +117,10 @@ def main() -> int:
                     help="CPU read roof for the bound (GB/s; the run's own probe where it measures more)")
     args = ap.parse_args()
     try:
-        rows = [parse_row(r, args.lam, args.max_admit, args.threads) for r in args.rows.split(",") if r]
+        rows = []
+        for r in (r for r in args.rows.split(",") if r):
+            head, renv = split_env(r)
+            rows.append((*parse_row(head, args.lam, args.max_admit, args.threads), renv))
     except ValueError as e:
         ap.error(f"--rows: bad entry {e} (KIND[:LAM[:MAX_ADMIT[:THREADS]]], KIND one of {', '.join(ROWS)})")
     if not rows:
@@ -178,7 +195,7 @@ def main() -> int:
                                    "config": args.config, "budget_gib": budget, "gen": args.gen,
                                    "switch_every": args.switch_every, "rows": results, "trace": trace or None}, lines)
 
-    for kind, lam, max_admit, threads in rows:
+    for kind, lam, max_admit, threads, renv in rows:
         policy = POLICY.get(kind, kind)
         extra = ["--vram-budget", f"{budget:g}GiB", "--balancer", policy, "--lam", str(lam),
                  "--reload-method", args.reload_method] + (["--pipeline"] if kind in PIPELINED else [])
@@ -191,7 +208,7 @@ def main() -> int:
             extra += ["--balance-trace", str(out / f"{name}-pipe.jsonl")]
             traced_pipe = True
         extra += ["--decide", "worker" if kind == "pipe-thread" else "auto" if kind in PIPELINED else args.decide]
-        row_env = ROW_ENV.get(kind, {})
+        row_env = {**ROW_ENV.get(kind, {}), **renv}
         res = tpot_run("kairox", "predicted", model, tokens, 999, threads, {**env, **row_env}, extra)
         if row_env:
             res["command"] = " ".join(f"{k}={v}" for k, v in row_env.items()) + " " + res["command"]
@@ -200,6 +217,9 @@ def main() -> int:
             reload = (res.get("balance") or {}).get("reload_mib_per_step", 0.0) * 2**20
             bd = row_bound(lay, costs, res["counters"], args.gen, reload, kind in PIPELINED, bw)
         results.append(row_of(kind, lam, max_admit, threads, res, bd))
+        if renv:
+            results[-1]["row"] += " [" + " ".join(f"{k}={v}" for k, v in renv.items()) + "]"
+            results[-1]["env"] = renv
         log(f"{kind}: {results[-1]['tok_s']:.2f} tok/s, GPU share {results[-1]['gpu_share']}")
         write()  # after every row: a call cut short keeps the rows it measured
     if args.trace:

@@ -85,6 +85,11 @@ def test_balance_live_rows_and_their_bound() -> None:
     assert bl.parse_row("static", 0.5, None, 16) == ("static", 0.5, None, 16)
     assert bl.parse_row("pipe-thread:0.9:32:15", 0.5, None, 16) == ("pipe-thread", 0.9, 32, 15)
     assert bl.parse_row("pipe::8", 0.5, None, 16) == ("pipe", 0.5, 8, 16)
+    assert bl.split_env("static@KX_FFN_PREFETCH=0@A=b") == ("static", {"KX_FFN_PREFETCH": "0", "A": "b"})
+    assert bl.split_env("pipe:0.9") == ("pipe:0.9", {})
+    for bad in ("static@X", "static@=1"):
+        with pytest.raises(ValueError):
+            bl.split_env(bad)
     for bad in ("pipes", "pipe:0.9:32:15:1"):
         with pytest.raises(ValueError):
             bl.parse_row(bad, 0.5, None, 16)
