@@ -18,13 +18,17 @@
 //
 // The activation is ggml's own vector GLU on blocks of KX_FFN_BLK neurons: element-wise,
 // so each neuron gets what the dense path's GLU op computes for it.
+//
+// No software prefetch: requesting the next neuron's gate/up rows and the block's down rows
+// whole into L2 ran 6% slower on the H200 host (KB-7B, 16 threads, interleaved A/B rows,
+// bench/results/balance-live/prefetch/): the hardware streamers already keep the row reads
+// in flight, and the extra requests only compete with them.
 #include "kx-ops-cpu.h"
 #include "kx-ops.h"
 
 #include "kx-axpy.h"
 #include "vec.h"
 
-#include <stdlib.h>
 #include <string.h>
 
 #define KX_CACHE_LINE 64
@@ -78,26 +82,6 @@ size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
 
 static inline int64_t kx_ffn_row(const int32_t * map, int64_t i) {
     return map ? map[i] : i;
-}
-
-// Rows are scattered: the hardware prefetcher restarts at every row (and every 4 KiB page of
-// it) and a thread streaming one row at a time waits on each restart. While one neuron's dots
-// run, the next neuron's gate and up rows and this neuron's down row (read at the end of the
-// block) are requested whole into L2, so several rows are in flight per thread.
-// KX_FFN_PREFETCH=0 turns it off (for measurement); read once.
-static bool kx_ffn_prefetch_on(void) {
-    static int on = -1;   // every thread computes the same value: a benign race
-    if (on < 0) {
-        const char * e = getenv("KX_FFN_PREFETCH");
-        on = !(e && strcmp(e, "0") == 0);
-    }
-    return on != 0;
-}
-
-static inline void kx_ffn_prefetch(const char * p, size_t n) {
-    for (size_t o = 0; o < n; o += KX_CACHE_LINE) {
-        __builtin_prefetch(p + o, 0, 2);
-    }
 }
 
 // act(g) * u over one block, with the dense path's GLU (the reference path too: the stock
@@ -203,7 +187,6 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         rank += c;
     }
     int64_t nonzero = 0;
-    const bool pf = !ref && kx_ffn_prefetch_on();
     int32_t blk_ids[KX_FFN_BLK];
     while (rank < r1) {
         // gather the next block of present neurons, computing their g and u
@@ -219,20 +202,6 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
             }
             const char * grow = (const char *) gate->data + r*gate->nb[1];
             const char * urow = (const char *) up->data + r*up->nb[1];
-            if (pf) {
-                int64_t jn = j + 1;
-                while (jn < count && kx_ffn_row(map, ids[jn]) < 0) {
-                    ++jn;
-                }
-                if (jn < count && rank < r1) {
-                    const int64_t rn = kx_ffn_row(map, ids[jn]);
-                    if (!gpre) {
-                        kx_ffn_prefetch((const char *) gate->data + rn*gate->nb[1], gate->nb[1]);
-                    }
-                    kx_ffn_prefetch((const char *) up->data + rn*up->nb[1], up->nb[1]);
-                }
-                kx_ffn_prefetch((const char *) down->data + kx_ffn_row(dmap, i)*down->nb[1], down->nb[1]);
-            }
             for (int64_t t = 0; t < nt; ++t) {
                 const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
                 gb[t*KX_FFN_BLK + nb] = gpre ? *(const float *) ((const char *) gpre->data + i*sizeof(float) + t*gpre->nb[1])
