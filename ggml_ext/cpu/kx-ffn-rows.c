@@ -94,25 +94,15 @@ static void kx_ffn_glu(int32_t act, int n, float * h, const float * g, const flo
     }
 }
 
-// one row's dot with x_t: ggml's matvec kernel, or double precision over dequantized values
-static float kx_ffn_dot(const struct ggml_tensor * w, const char * row, const char * xq, const float * xf,
-                        float * scratch, bool ref) {
-    const int64_t k = w->ne[0];
-    if (!ref) {
-        float d;
-        ggml_get_type_traits_cpu(w->type)->vec_dot((int) k, &d, 0, row, 0, xq, 0, 1);
-        return d;
+// one row's dot with x_t: ggml's matvec kernel, or the reference path's double precision
+static inline float kx_ffn_dot(const struct ggml_tensor * w, const char * row, const char * xq, const float * xf,
+                               float * scratch, bool ref) {
+    if (ref) {
+        return kx_row_dot_ref(w, row, xf, scratch);
     }
-    const float * wf = (const float *) row;
-    if (w->type != GGML_TYPE_F32) {
-        ggml_get_type_traits(w->type)->to_float(row, scratch, k);
-        wf = scratch;
-    }
-    double acc = 0.0;
-    for (int64_t c = 0; c < k; ++c) {
-        acc += (double) wf[c] * (double) xf[c];
-    }
-    return (float) acc;
+    float d;
+    ggml_get_type_traits_cpu(w->type)->vec_dot((int) w->ne[0], &d, 0, row, 0, xq, 0, 1);
+    return d;
 }
 
 void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst) {

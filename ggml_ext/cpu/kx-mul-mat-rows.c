@@ -37,6 +37,20 @@ size_t kx_mul_mat_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
     return size;
 }
 
+float kx_row_dot_ref(const struct ggml_tensor * w, const char * row, const float * x, float * scratch) {
+    const int64_t k = w->ne[0];
+    const float * wf = (const float *) row;
+    if (w->type != GGML_TYPE_F32) {
+        ggml_get_type_traits(w->type)->to_float(row, scratch, k);
+        wf = scratch;
+    }
+    double acc = 0.0;
+    for (int64_t c = 0; c < k; ++c) {
+        acc += (double) wf[c] * (double) x[c];
+    }
+    return (float) acc;
+}
+
 void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * w   = dst->src[0];
     const struct ggml_tensor * x   = dst->src[1];
@@ -84,26 +98,16 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
     const int64_t   j1 = count*(ith + 1)/nth;
 
     if (params->use_ref) {
-        ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
         for (int64_t j = j0; j < j1; ++j) {
             const int64_t i   = ids[j];
             const int64_t r   = map ? map[i] : i;
             if (r < 0) {
                 continue;
             }
-            const char *  row = (const char *) w->data + r*w->nb[1];
-            const float * wf  = (const float *) row;
-            if (w->type != GGML_TYPE_F32) {
-                to_float(row, scratch, k);
-                wf = scratch;
-            }
+            const char * row = (const char *) w->data + r*w->nb[1];
             for (int64_t t = 0; t < nt; ++t) {
                 const float * xt = (const float *) ((const char *) x->data + t*x->nb[1]);
-                double acc = 0.0;
-                for (int64_t c = 0; c < k; ++c) {
-                    acc += (double) wf[c] * (double) xt[c];
-                }
-                *(float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]) = (float) acc;
+                *(float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]) = kx_row_dot_ref(w, row, xt, scratch);
             }
         }
         return;

@@ -18,6 +18,9 @@ size_t kx_mul_mat_rows_work_size(const struct ggml_tensor * node, int n_tasks);
 // the same for ggml_compute_forward_kx_ffn_rows
 size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks);
 
+// the reference path's dot of one weight row (dequantized into scratch, k floats) with x, in double
+float  kx_row_dot_ref(const struct ggml_tensor * w, const char * row, const float * x, float * scratch);
+
 // adds to the counters kx_cpu_axpy_stats reads (the fused FFN op counts as the axpy does)
 void   kx_cpu_axpy_stats_add(int64_t nonzero, int64_t rows, int64_t elsewhere);
 

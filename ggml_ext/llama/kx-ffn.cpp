@@ -76,15 +76,6 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
     }
 }
 
-// the GLU's activation as the fused CPU op names it
-static enum kx_select_act kx_glu_act(llm_ffn_op_type type_op) {
-    switch (type_op) {
-        case LLM_FFN_RELU: return KX_SELECT_RELU;
-        case LLM_FFN_SILU: return KX_SELECT_SILU;
-        default:           return KX_SELECT_GELU;
-    }
-}
-
 // the prefetch's three phases (kx-balance.cpp): begin and end on one thread, the scan on all.
 // Every compute thread calls every node (n_tasks only sizes the work buffer).
 static void kx_pipe_begin_op(ggml_tensor *, const ggml_tensor * list, int ith, int nth, void * hook) {
@@ -183,8 +174,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         g.cb(hc, "ffn_act_cpu", il);
         yc = on_cpu(ggml_kx_axpy_rows(ctx0, L.down_t, hc, sel, H.colddown));
     } else {
-        yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all,
-                                     kx_glu_act(type_op)));
+        yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all, act));
     }
     g.cb(yc, "ffn_out_cpu", il);
     if (ahead) {
