@@ -71,7 +71,7 @@ def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipel
     predictor read twice."""
     from offload import bound, hybrid_bytes_per_token
     b = hybrid_bytes_per_token(lay, counters, n_tok, costs.per_neuron, costs.pred * (2 if pipeline else 1),
-                               costs.n_ff)
+                               costs.n_ff, costs.gate_row)
     b["pcie"] += reload_bytes
     return {"bytes": b, **bound(b, bw)}
 

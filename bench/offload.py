@@ -337,7 +337,8 @@ def run_config(args: argparse.Namespace) -> int:
 
         def add_hybrid(mode: str, res: dict) -> None:
             c = res["counters"]
-            b = hybrid_bytes_per_token(lay, c, n_tok, hybrid["per_neuron_bytes"], hybrid["pred_mib"] * MiB, n_ff)
+            b = hybrid_bytes_per_token(lay, c, n_tok, hybrid["per_neuron_bytes"], hybrid["pred_mib"] * MiB, n_ff,
+                                       hybrid.get("gate_row_bytes", 0))
             bd = bound(b, bw)
             listed = c["rows"] + c["elsewhere"]
             rows.append({"impl": "kairox", "mode": mode, "how": "tpot", "ngl": 999, **res, "bytes": b,
@@ -402,7 +403,7 @@ def hybrid_slots(kxbench: str, model: Path, lay: Layout, budget_mib: float, thre
     c = slot_costs(model)
     free = budget_mib * 0.97 * MiB - mem["total_mib"] * MiB - c.pred
     slots = max(0, min(c.n_ff, int(free // (c.per_neuron * lay.n_layer))))
-    return slots, {**mem, "pred_mib": c.pred / MiB, "per_neuron_bytes": c.per_neuron, "slots": slots,
+    return slots, {**mem, "pred_mib": c.pred / MiB, "per_neuron_bytes": c.per_neuron, "gate_row_bytes": c.gate_row, "slots": slots,
                    "slots_mib": slots * c.per_neuron * lay.n_layer / MiB}
 
 
@@ -432,13 +433,19 @@ def lay_n_ff(model: Path) -> int:
 
 
 def hybrid_bytes_per_token(lay: Layout, counters: dict, n_tokens: int, per_neuron: float, pred: float,
-                           n_ff: int) -> dict:
+                           n_ff: int, gate_row: float = 0.0) -> dict:
     """(GPU, CPU, PCIe) bytes of one static-hybrid decode step: all dense tensors, the
     predictors and the listed resident rows on the GPU; the listed other rows on the CPU;
-    per layer x and the active list down, the CPU part's output up."""
+    per layer x and the active list down, the CPU part's output up. With gate_row known, the
+    CPU reads a gate row per listed neuron and its up and down rows only where it fired
+    (counters' nonzero; decode: one token per call): what the host part must read. Without
+    it, every listed neuron's three rows (the bound of results before the ReLU up skip)."""
     rows, hot = counters["rows"] / n_tokens, counters["elsewhere"] / n_tokens
     gpu = sum(lay.layer_other) + lay.output + pred + hot * per_neuron
-    cpu = rows * per_neuron
+    if gate_row:
+        cpu = rows * gate_row + counters["nonzero"] / n_tokens * (per_neuron - gate_row)
+    else:
+        cpu = rows * per_neuron
     pcie = lay.n_layer * (2 * lay.n_embd * 4 + 4 * (n_ff + 1))
     return {"gpu": gpu, "cpu": cpu, "pcie": pcie}
 

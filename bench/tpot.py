@@ -112,8 +112,7 @@ def main() -> int:
         times.append(time.perf_counter() - t0)
     if sparse:
         c = sparse_counters(reset=True)
-        counters = {"selected": c.selected, "total": c.total, "calls": c.calls, "fallbacks": c.fallbacks,
-                    "nonzero": c.nonzero, "rows": c.rows, "elsewhere": c.elsewhere}
+        counters = dataclasses.asdict(c)
     balance = None
     if hybrid:  # the prompt is one batch of > 8 tokens (dense, not a step): every record is a decode's
         from kairox.report import summary, write_trace

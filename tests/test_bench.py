@@ -95,7 +95,7 @@ def test_balance_live_rows_and_their_bound() -> None:
             bl.parse_row(bad, 0.5, None, 16)
     # 2 layers of 10 neurons (1000 B each): 30 listed rows per token, 20 on the GPU
     lay = SimpleNamespace(n_layer=2, n_embd=4, layer_other=[100, 100], output=50)
-    costs = SimpleNamespace(per_neuron=1000.0, pred=300.0, n_ff=10)
+    costs = SimpleNamespace(per_neuron=1000.0, pred=300.0, n_ff=10, gate_row=0)
     bw = {"cpu_read": 1.0, "gpu_hbm": 10.0, "pcie_h2d": 1.0}
     c = {"rows": 10 * 4, "elsewhere": 20 * 4}
     b = bl.row_bound(lay, costs, c, 4, 0.0, False, bw)
@@ -105,6 +105,11 @@ def test_balance_live_rows_and_their_bound() -> None:
     b2 = bl.row_bound(lay, costs, c, 4, 1e5, True, bw)
     assert b2["bytes"]["gpu"] == b["bytes"]["gpu"] + 300
     assert b2["bytes"]["pcie"] == b["bytes"]["pcie"] + 1e5 and b2["limit"] == "pcie"
+    # a gate row of 400 B known: the host reads it for each listed neuron, up and down (600 B)
+    # only for the 4 of 10 per token that fired
+    relu = SimpleNamespace(per_neuron=1000.0, pred=300.0, n_ff=10, gate_row=400)
+    b3 = bl.row_bound(lay, relu, {**c, "nonzero": 4 * 4}, 4, 0.0, False, bw)
+    assert b3["bytes"]["cpu"] == 10 * 400 + 4 * 600 and b3["bytes"]["gpu"] == b["bytes"]["gpu"]
 
 
 def test_ablation_compares_each_row_with_its_own_calls_static(tmp_path: Path) -> None:

@@ -260,6 +260,44 @@ def test_ffn_rows_equals_the_four_ops(g: GGML, wtype: str, dtype: str, k: int, m
                 assert err.size == 0 or err.max() <= tol, (name, nt, use_ref, float(err.max()))
 
 
+def test_ffn_rows_relu_reads_up_rows_only_of_firing_neurons(g: GGML):
+    """ReLU: a neuron whose gate is <= 0 for every token adds exactly 0, so the fused op does
+    not read its up row (counted: up_skipped). Up rows of NaN for exactly those neurons leave
+    the output equal to the dense result without them (computed gate and given gate); a
+    neuron that fires for one token of two still reads its row. SiLU never gives 0: the same
+    weights give NaN there and no row is skipped."""
+    rng = np.random.default_rng(13)
+    n, k, m, T = 48, 64, 32, 2
+    x = rng.uniform(0.5, 1.5, (T, k)).astype(np.float32)           # all positive
+    sign = np.where(np.arange(n) % 3 == 0, 1.0, -1.0)                # every third neuron fires
+    gate = (rng.uniform(0.5, 1.5, (n, k)) * sign[:, None] / k).astype(np.float32)
+    half = 7                                                        # fires for token 1 only
+    gate[half] = 0
+    gate[half, :k // 2] = 1.0 / k
+    x[0, :k // 2] = 0
+    up = rng.standard_normal((n, k)).astype(np.float32)
+    down = rng.standard_normal((n, m)).astype(np.float32)
+    gv = x.astype(np.float64) @ gate.T.astype(np.float64)
+    silent = (gv <= 0).all(axis=0)
+    assert silent.sum() > n // 2 and not silent[half] and gv[0, half] == 0
+    up_nan = up.copy()
+    up_nan[silent] = np.nan
+    graw, uraw, draw = g.quantize(gate, "f32"), g.quantize(up_nan, "f32"), g.quantize(down, "f32")
+    sel = np.arange(n, dtype=np.int32)
+    h = np.maximum(gv, 0) * (x.astype(np.float64) @ np.where(silent[:, None], 0, up).T)
+    want = h @ down.astype(np.float64)
+    from kairox._native import sparse_counters
+    sparse_counters(reset=True)
+    for gate_pre in (None, gv.astype(np.float32)):
+        for nt in (1, 4):
+            out = g.ffn_rows(graw, uraw, "f32", n, k, draw, "f32", n, m, x, sel, n, act="relu",
+                             gate_pre=gate_pre, n_threads=nt)
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+            assert sparse_counters(reset=True).up_skipped == int(silent.sum())
+    out = g.ffn_rows(graw, uraw, "f32", n, k, draw, "f32", n, m, x, sel, n, act="silu", n_threads=2)
+    assert np.isnan(out).all() and sparse_counters(reset=True).up_skipped == 0
+
+
 def test_ffn_rows_exact_gate_and_counters(g: GGML):
     """With the gate given (the exact path computed every gate), only up and down rows are
     read: a gate weight of garbage changes nothing. The axpy counters count the fused op's

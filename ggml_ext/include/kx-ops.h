@@ -124,6 +124,11 @@ GGML_BACKEND_API void kx_cpu_select_stats(int64_t * selected, int64_t * total, i
 // hybrid layer has them). Any pointer may be NULL.
 GGML_BACKEND_API void kx_cpu_axpy_stats(int64_t * nonzero, int64_t * rows, int64_t * elsewhere, bool reset);
 
+// Listed rows of ReLU layers whose up row ggml_kx_ffn_rows did not read (gate <= 0 for every
+// token: the neuron adds exactly 0), since the last reset; once per row and call. The host
+// part's bytes are rows x (gate + up + down) - up_skipped x up - (rows - nonzero) x down.
+GGML_BACKEND_API void kx_cpu_ffn_stats(int64_t * up_skipped, bool reset);
+
 #ifdef __cplusplus
 }
 #endif

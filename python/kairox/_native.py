@@ -87,7 +87,9 @@ class SparseCounters:
     rows: listed rows the CPU down projections computed (once per call, not per token);
     elsewhere: listed rows a down projection skipped because its row map sends them to the
     other side of a hybrid layer (each listed neuron of a hybrid layer computed on the CPU
-    backend is skipped exactly once: by the host part if resident, else by the slots').
+    backend is skipped exactly once: by the host part if resident, else by the slots');
+    up_skipped: listed rows of ReLU layers whose up row the fused FFN op did not read (its
+    gate <= 0 for every token of the call).
     """
     selected: int
     total: int
@@ -96,6 +98,7 @@ class SparseCounters:
     nonzero: int
     rows: int = 0
     elsewhere: int = 0
+    up_skipped: int = 0
 
     @property
     def density(self) -> float:
@@ -165,7 +168,8 @@ def gpu_memory() -> tuple[int, int] | None:
 
 def sparse_counters(reset: bool = False) -> SparseCounters:
     lib = ggml_library("ggml-cpu")
-    vals = [ctypes.c_int64() for _ in range(7)]
+    vals = [ctypes.c_int64() for _ in range(8)]
     lib.kx_cpu_select_stats(*[ctypes.byref(v) for v in vals[:4]], ctypes.c_bool(reset))
-    lib.kx_cpu_axpy_stats(*[ctypes.byref(v) for v in vals[4:]], ctypes.c_bool(reset))
+    lib.kx_cpu_axpy_stats(*[ctypes.byref(v) for v in vals[4:7]], ctypes.c_bool(reset))
+    lib.kx_cpu_ffn_stats(ctypes.byref(vals[7]), ctypes.c_bool(reset))
     return SparseCounters(*(int(v.value) for v in vals))

@@ -337,6 +337,9 @@ class SlotCosts:
     n_ff: int
     per_neuron: int  # one neuron's slot: its gate row, up row and transposed down row
     pred: int        # predictors copied beside the slots, and the slot maps (all layers)
+    # the gate row's share of per_neuron: a ReLU neuron that does not fire costs the host
+    # part only its gate row
+    gate_row: int = 0
 
 
 def slot_costs(model_path: str | Path, pack_path: str | Path | None = None) -> SlotCosts:
@@ -356,7 +359,8 @@ def slot_costs(model_path: str | Path, pack_path: str | Path | None = None) -> S
     if down is None or len(rows) != 2:
         raise PlanError(f"{model_path} has no gated FFN with a pack down projection; it cannot have neuron slots")
     pred = sum(t.nbytes for t in pack.tensors if "kx_pred_" in t.name) + n_layer * 4 * n_ff
-    return SlotCosts(n_layer, n_ff, sum(rows.values()) + down.nbytes // down.ne[1], pred)
+    return SlotCosts(n_layer, n_ff, sum(rows.values()) + down.nbytes // down.ne[1], pred,
+                     rows["blk.0.ffn_gate.weight"])
 
 
 def parse_size(text: str) -> int:
