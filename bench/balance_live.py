@@ -76,6 +76,17 @@ def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipel
     return {"bytes": b, **bound(b, bw)}
 
 
+def host_op_us(res: dict) -> dict | None:
+    """Per layer step (µs): the token's time over its host FFN calls, the fused op's span (thread
+    0), its slowest and its mean thread's neuron loop (kx_cpu_ffn_stats); None without calls."""
+    c = res.get("counters") or {}
+    calls, n_tok = c.get("ffn_calls", 0), len(res.get("tpot_s") or [])
+    if not calls or not n_tok:
+        return None
+    return {"step": 1e6 * sum(res["tpot_s"]) / calls, "op": c["ffn_op_ns"] / calls / 1e3,
+            "loop_max": c["ffn_work_max_ns"] / calls / 1e3, "loop_mean": c["ffn_work_mean_ns"] / calls / 1e3}
+
+
 def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict, bd: dict | None) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
@@ -90,7 +101,7 @@ def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict
             "loads_per_token": b.get("loads_per_step", 0.0), "reload_mib_per_token": b.get("reload_mib_per_step", 0.0),
             "stalls": b.get("stalls"), "wait_us_max": b.get("wait_us_max"), "late_loads": b.get("late_loads"),
             "decide_us_per_step": b.get("decide_us_per_step"), "lam_last_mean": b.get("lam_last"),
-            "command": res["command"], "balance": b or None, "counters": c, "tpot_s": res.get("tpot_s")}
+            "layer_us": host_op_us(res), "command": res["command"], "balance": b or None, "counters": c, "tpot_s": res.get("tpot_s")}
 
 
 def main() -> int:
@@ -166,12 +177,14 @@ def main() -> int:
                  "",
                  "Bound: the physical floor per token of the row's placement at its own GPU share "
                  f"(docs/benchmarking.md; CPU read {bw['cpu_read']:.0f} GB/s, reloads on PCIe); efficiency = bound / "
-                 "measured. Hold: the CPU part's wait for the balancer thread's decision (pipe-thread rows).",
+                 "measured. Hold: the CPU part's wait for the balancer thread's decision (pipe-thread rows). "
+                 "µs per layer: the decode time over the host FFN calls, the fused host op's span, its "
+                 "slowest and mean thread's neuron loop (the rest of the span: x conversion, barriers, sums).",
                  "",
                  "| row | threads | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
                  "stalls io / cpu / none | worst reload wait µs | late loads | decision µs / token | hold µs / token | "
-                 "λ at end | bound ms/tok (limit) | efficiency |",
-                 "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+                 "λ at end | bound ms/tok (limit) | efficiency | µs per layer: step / host op / loop max / mean |",
+                 "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|"]
         for r in results:
             st = r["stalls"] or {}
             bd = r["bound"]
@@ -184,6 +197,8 @@ def main() -> int:
                 f"{(r['hold_us_per_step'] or 0):.0f} | "
                 f"{'' if r['lam_last_mean'] is None else format(r['lam_last_mean'], '.3f')} | "
                 + (f"{bd['seconds'] * 1e3:.2f} ({bd['limit']}) | {r['efficiency']:.2f} |" if bd else "- | - |")
+                + (" {step:.0f} / {op:.0f} / {loop_max:.0f} / {loop_mean:.0f} |".format(**lu)
+                   if (lu := r.get("layer_us")) else " - |")
                 if base else f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} |")
         if trace:
             from kairox.trace import summary_text

@@ -105,6 +105,11 @@ def test_balance_live_rows_and_their_bound() -> None:
     b2 = bl.row_bound(lay, costs, c, 4, 1e5, True, bw)
     assert b2["bytes"]["gpu"] == b["bytes"]["gpu"] + 300
     assert b2["bytes"]["pcie"] == b["bytes"]["pcie"] + 1e5 and b2["limit"] == "pcie"
+    # per layer step: 2 tokens of 1 ms over 2 x 2 host calls; the op's span and its loops
+    res = {"tpot_s": [1e-3, 1e-3], "counters": {"ffn_calls": 4, "ffn_op_ns": 4 * 300_000,
+                                                 "ffn_work_max_ns": 4 * 200_000, "ffn_work_mean_ns": 4 * 150_000}}
+    assert bl.host_op_us(res) == pytest.approx({"step": 500.0, "op": 300.0, "loop_max": 200.0, "loop_mean": 150.0})
+    assert bl.host_op_us({"tpot_s": [1e-3], "counters": {"rows": 3}}) is None
     # a gate row of 400 B known: the host reads it for each listed neuron, up and down (600 B)
     # only for the 4 of 10 per token that fired
     relu = SimpleNamespace(per_neuron=1000.0, pred=300.0, n_ff=10, gate_row=400)

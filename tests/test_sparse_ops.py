@@ -323,3 +323,5 @@ def test_ffn_rows_exact_gate_and_counters(g: GGML):
     c = sparse_counters(reset=True)
     assert c.rows == len(present) and c.elsewhere == len(sel) - len(present)
     assert c.nonzero == int((h[:, present] != 0).sum())
+    # one call, its time: the op's span holds its slowest thread's loop, which holds the mean
+    assert c.ffn_calls == 1 and c.ffn_op_ns >= c.ffn_work_max_ns >= c.ffn_work_mean_ns > 0

@@ -38,6 +38,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define KX_CACHE_LINE 64
 // neurons per activation block: a whole number of AVX-512 lanes
@@ -47,7 +48,7 @@ static size_t kx_ffn_align(size_t n) {
     return (n + KX_CACHE_LINE - 1) / KX_CACHE_LINE * KX_CACHE_LINE;
 }
 
-// wdata: [x in vec_dot_type] [per thread: present count, one cache line]
+// wdata: [x in vec_dot_type] [per thread: one cache line (present count, loop ns)]
 //        [per thread: accumulator m x nt floats]
 //        [per thread: g, u, h blocks of KX_FFN_BLK x nt, then k floats for the reference path]
 struct kx_ffn_work {
@@ -88,15 +89,32 @@ size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
     return (size_t) ((char *) w.blk - (char *) NULL) + (size_t) n_tasks * w.blk_stride * sizeof(float);
 }
 
-static atomic_int_fast64_t kx_stat_up_skipped;
+// counters (kx_cpu_ffn_stats): up rows skipped, calls, and where a call's time goes
+enum { KX_FFN_UP_SKIPPED, KX_FFN_CALLS, KX_FFN_OP_NS, KX_FFN_WORK_MAX_NS, KX_FFN_WORK_MEAN_NS, KX_FFN_N_STATS };
+static atomic_int_fast64_t kx_ffn_stat[KX_FFN_N_STATS];
 
-void kx_cpu_ffn_stats(int64_t * up_skipped, bool reset) {
-    if (up_skipped) {
-        *up_skipped = atomic_load(&kx_stat_up_skipped);
+void kx_cpu_ffn_stats(int64_t * up_skipped, int64_t * calls, int64_t * op_ns, int64_t * work_max_ns,
+                      int64_t * work_mean_ns, bool reset) {
+    int64_t * out[KX_FFN_N_STATS] = { up_skipped, calls, op_ns, work_max_ns, work_mean_ns };
+    for (int i = 0; i < KX_FFN_N_STATS; ++i) {
+        if (out[i]) {
+            *out[i] = atomic_load(&kx_ffn_stat[i]);
+        }
+        if (reset) {
+            atomic_store(&kx_ffn_stat[i], 0);
+        }
     }
-    if (reset) {
-        atomic_store(&kx_stat_up_skipped, 0);
-    }
+}
+
+// a monotonic clock in ns: two reads per thread and call (~50 ns against a ~100 µs call)
+static int64_t kx_ffn_now_ns(void) {
+#ifdef _WIN32
+    return ggml_time_us() * 1000;
+#else
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
+#endif
 }
 
 // KX_FFN_UP_ALL=1 reads every listed neuron's up row (the form before the ReLU skip), for
@@ -166,6 +184,10 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     float * hb  = ub + KX_FFN_BLK * nt;
     float * scr = hb + KX_FFN_BLK * nt;                  // k floats: a dequantized row (reference path)
 
+    const int64_t t_enter = kx_ffn_now_ns();
+    // this thread's cache line: [0] neurons present in its static slice, [1] its phase-2 ns
+    int64_t * line = w.cnt + ith * (KX_CACHE_LINE / sizeof(int64_t));
+
     const int32_t * list  = (const int32_t *) sel->data;
     const int64_t   count = list[0];
     const int32_t * ids   = list + 1;
@@ -185,7 +207,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         for (int64_t j = j0; j < j1; ++j) {
             n += kx_ffn_row(map, ids[j]) >= 0;
         }
-        w.cnt[ith * (KX_CACHE_LINE / sizeof(int64_t))] = n;
+        line[0] = n;
     }
     memset(acc, 0, sizeof(float) * (size_t) (m * nt));
     ggml_barrier(params->threadpool);
@@ -207,6 +229,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         }
         rank += c;
     }
+    const int64_t t_work = kx_ffn_now_ns();
     int64_t nonzero = 0;
     int64_t up_skipped = 0;
     int32_t blk_ids[KX_FFN_BLK];
@@ -266,8 +289,9 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         kx_cpu_axpy_stats_add(nonzero, r1 - r0, ith == 0 ? count - total : 0);
     }
     if (up_skipped) {
-        atomic_fetch_add(&kx_stat_up_skipped, up_skipped);
+        atomic_fetch_add(&kx_ffn_stat[KX_FFN_UP_SKIPPED], up_skipped);
     }
+    line[1] = kx_ffn_now_ns() - t_work;
     ggml_barrier(params->threadpool);
 
     // phase 3: columns split across threads, accumulators added in thread order (threads
@@ -283,5 +307,18 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
             }
             ggml_vec_acc_f32((int) (c1 - c0), y + c0, w.acc + (size_t) s * w.acc_stride + t*m + c0);
         }
+    }
+    if (ith == 0) {
+        int64_t wmax = 0;
+        int64_t wsum = 0;
+        for (int s = 0; s < nth; ++s) {
+            const int64_t v = w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t)) + 1];
+            wmax = v > wmax ? v : wmax;
+            wsum += v;
+        }
+        atomic_fetch_add(&kx_ffn_stat[KX_FFN_CALLS], 1);
+        atomic_fetch_add(&kx_ffn_stat[KX_FFN_OP_NS], kx_ffn_now_ns() - t_enter);
+        atomic_fetch_add(&kx_ffn_stat[KX_FFN_WORK_MAX_NS], wmax);
+        atomic_fetch_add(&kx_ffn_stat[KX_FFN_WORK_MEAN_NS], wsum / nth);
     }
 }

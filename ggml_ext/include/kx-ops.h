@@ -124,10 +124,14 @@ GGML_BACKEND_API void kx_cpu_select_stats(int64_t * selected, int64_t * total, i
 // hybrid layer has them). Any pointer may be NULL.
 GGML_BACKEND_API void kx_cpu_axpy_stats(int64_t * nonzero, int64_t * rows, int64_t * elsewhere, bool reset);
 
-// Listed rows of ReLU layers whose up row ggml_kx_ffn_rows did not read (gate <= 0 for every
-// token: the neuron adds exactly 0), since the last reset; once per row and call. The host
-// part's bytes are rows x (gate + up + down) - up_skipped x up - (rows - nonzero) x down.
-GGML_BACKEND_API void kx_cpu_ffn_stats(int64_t * up_skipped, bool reset);
+// ggml_kx_ffn_rows since the last reset: up_skipped, listed rows of ReLU layers whose up row
+// it did not read (gate <= 0 for every token: the neuron adds exactly 0; once per row and
+// call); calls; op_ns, the time thread 0 spent in the op (entry to exit, ns summed over calls);
+// work_max_ns / work_mean_ns, the slowest / the mean thread's neuron loop per call (summed):
+// op - work_max is the op's fixed cost (x conversion, barriers, column sums), work_max -
+// work_mean the threads' imbalance. Any pointer may be NULL.
+GGML_BACKEND_API void kx_cpu_ffn_stats(int64_t * up_skipped, int64_t * calls, int64_t * op_ns,
+                                       int64_t * work_max_ns, int64_t * work_mean_ns, bool reset);
 
 #ifdef __cplusplus
 }

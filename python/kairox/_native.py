@@ -89,7 +89,9 @@ class SparseCounters:
     other side of a hybrid layer (each listed neuron of a hybrid layer computed on the CPU
     backend is skipped exactly once: by the host part if resident, else by the slots');
     up_skipped: listed rows of ReLU layers whose up row the fused FFN op did not read (its
-    gate <= 0 for every token of the call).
+    gate <= 0 for every token of the call); ffn_calls, ffn_op_ns, ffn_work_max_ns,
+    ffn_work_mean_ns: that op's calls, its time (thread 0, entry to exit), and its slowest and
+    mean thread's neuron loop, ns summed over calls (kx-ops.h).
     """
     selected: int
     total: int
@@ -99,6 +101,10 @@ class SparseCounters:
     rows: int = 0
     elsewhere: int = 0
     up_skipped: int = 0
+    ffn_calls: int = 0
+    ffn_op_ns: int = 0
+    ffn_work_max_ns: int = 0
+    ffn_work_mean_ns: int = 0
 
     @property
     def density(self) -> float:
@@ -168,8 +174,8 @@ def gpu_memory() -> tuple[int, int] | None:
 
 def sparse_counters(reset: bool = False) -> SparseCounters:
     lib = ggml_library("ggml-cpu")
-    vals = [ctypes.c_int64() for _ in range(8)]
+    vals = [ctypes.c_int64() for _ in range(12)]
     lib.kx_cpu_select_stats(*[ctypes.byref(v) for v in vals[:4]], ctypes.c_bool(reset))
     lib.kx_cpu_axpy_stats(*[ctypes.byref(v) for v in vals[4:7]], ctypes.c_bool(reset))
-    lib.kx_cpu_ffn_stats(ctypes.byref(vals[7]), ctypes.c_bool(reset))
+    lib.kx_cpu_ffn_stats(*[ctypes.byref(v) for v in vals[7:]], ctypes.c_bool(reset))
     return SparseCounters(*(int(v.value) for v in vals))
