@@ -78,13 +78,24 @@ def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipel
 
 def host_op_us(res: dict) -> dict | None:
     """Per layer step (µs): the token's time over its host FFN calls, the fused op's span (thread
-    0), its slowest and its mean thread's neuron loop (kx_cpu_ffn_stats); None without calls."""
+    0), its slowest and its mean thread's neuron loop (kx_cpu_ffn_stats); with the scheduler's
+    counters (kx_sched_stats), per CPU split: its compute (the op plus thread start and join
+    and its other nodes), the wait for the device before it, the device launches and copies,
+    and per token the time outside the split loop (graph build and allocation, output, the
+    driver), spread over the layers. None without calls."""
     c = res.get("counters") or {}
     calls, n_tok = c.get("ffn_calls", 0), len(res.get("tpot_s") or [])
     if not calls or not n_tok:
         return None
-    return {"step": 1e6 * sum(res["tpot_s"]) / calls, "op": c["ffn_op_ns"] / calls / 1e3,
-            "loop_max": c["ffn_work_max_ns"] / calls / 1e3, "loop_mean": c["ffn_work_mean_ns"] / calls / 1e3}
+    us = {"step": 1e6 * sum(res["tpot_s"]) / calls, "op": c["ffn_op_ns"] / calls / 1e3,
+          "loop_max": c["ffn_work_max_ns"] / calls / 1e3, "loop_mean": c["ffn_work_mean_ns"] / calls / 1e3}
+    sc = c.get("sched") or {}
+    if sc.get("cpu_splits"):
+        n = sc["cpu_splits"]
+        us.update(cpu_split=sc["cpu_ns"] / n / 1e3, device_wait=sc["drain_ns"] / n / 1e3,
+                  launch=sc["launch_ns"] / n / 1e3, copy=sc["copy_ns"] / n / 1e3,
+                  outside=(1e9 * sum(res["tpot_s"]) - sc["splits_ns"]) / n / 1e3)
+    return us
 
 
 def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict, bd: dict | None) -> dict:
@@ -179,12 +190,16 @@ def main() -> int:
                  f"(docs/benchmarking.md; CPU read {bw['cpu_read']:.0f} GB/s, reloads on PCIe); efficiency = bound / "
                  "measured. Hold: the CPU part's wait for the balancer thread's decision (pipe-thread rows). "
                  "µs per layer: the decode time over the host FFN calls, the fused host op's span, its "
-                 "slowest and mean thread's neuron loop (the rest of the span: x conversion, barriers, sums).",
+                 "slowest and mean thread's neuron loop (the rest of the span: x conversion, barriers, sums); "
+                 "per CPU split (scheduler counters): its compute (the op with thread start and join), the wait for "
+                 "the device's results before it, the device launches and input copies queued, and the token's "
+                 "time outside the split loop (graph build, allocation, output, driver) spread over the layers.",
                  "",
                  "| row | threads | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
                  "stalls io / cpu / none | worst reload wait µs | late loads | decision µs / token | hold µs / token | "
-                 "λ at end | bound ms/tok (limit) | efficiency | µs per layer: step / host op / loop max / mean |",
-                 "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|"]
+                 "λ at end | bound ms/tok (limit) | efficiency | µs per layer: step / host op / loop max / mean | "
+                 "µs per layer: CPU split / device wait / launches / copies / outside |",
+                 "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
         for r in results:
             st = r["stalls"] or {}
             bd = r["bound"]
@@ -199,6 +214,8 @@ def main() -> int:
                 + (f"{bd['seconds'] * 1e3:.2f} ({bd['limit']}) | {r['efficiency']:.2f} |" if bd else "- | - |")
                 + (" {step:.0f} / {op:.0f} / {loop_max:.0f} / {loop_mean:.0f} |".format(**lu)
                    if (lu := r.get("layer_us")) else " - |")
+                + (" {cpu_split:.0f} / {device_wait:.0f} / {launch:.0f} / {copy:.0f} / {outside:.0f} |".format(**lu)
+                   if lu and "cpu_split" in lu else " - |")
                 if base else f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} |")
         if trace:
             from kairox.trace import summary_text

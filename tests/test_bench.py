@@ -110,6 +110,13 @@ def test_balance_live_rows_and_their_bound() -> None:
                                                  "ffn_work_max_ns": 4 * 200_000, "ffn_work_mean_ns": 4 * 150_000}}
     assert bl.host_op_us(res) == pytest.approx({"step": 500.0, "op": 300.0, "loop_max": 200.0, "loop_mean": 150.0})
     assert bl.host_op_us({"tpot_s": [1e-3], "counters": {"rows": 3}}) is None
+    # with the scheduler's counters: 4 CPU splits; 0.2 ms of the 2 ms outside the split loop
+    res["counters"]["sched"] = {"cpu_splits": 4, "cpu_ns": 4 * 320_000, "drain_ns": 4 * 100_000,
+                                "launch_ns": 4 * 10_000, "copy_ns": 4 * 5_000, "splits_ns": 1_800_000}
+    lu = bl.host_op_us(res)
+    assert lu["cpu_split"] == pytest.approx(320.0) and lu["device_wait"] == pytest.approx(100.0)
+    assert lu["launch"] == pytest.approx(10.0) and lu["copy"] == pytest.approx(5.0)
+    assert lu["outside"] == pytest.approx(50.0)
     # a gate row of 400 B known: the host reads it for each listed neuron, up and down (600 B)
     # only for the 4 of 10 per token that fired
     relu = SimpleNamespace(per_neuron=1000.0, pred=300.0, n_ff=10, gate_row=400)

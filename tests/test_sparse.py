@@ -72,10 +72,12 @@ def test_exact_mode_reproduces_dense(relu_model: Path, dense_run, ops) -> None:
     llm = make_llm(relu_model, sparse="exact")
     try:
         assert llm.sparse == "exact" and llm.sparse_error is None
-        from kairox._native import sparse_counters
+        from kairox._native import sched_counters, sparse_counters
         sparse_counters(reset=True)
+        sched_counters(reset=True)
         toks, logits = greedy(llm, N_GREEDY)
         c = sparse_counters(reset=True)
+        sc = sched_counters(reset=True)
         selected, total, calls, fallbacks = c.selected, c.total, c.calls, c.fallbacks
     finally:
         llm.close()
@@ -92,6 +94,11 @@ def test_exact_mode_reproduces_dense(relu_model: Path, dense_run, ops) -> None:
     assert 0.02 < density < 0.4
     # exact mode lists only neurons whose ReLU fires: every listed activation is nonzero
     assert c.nonzero == selected
+    # every layer-step ran the fused host op once; the scheduler counted one graph per decode,
+    # its CPU splits' time inside its split loop's
+    assert c.ffn_calls == calls and c.ffn_op_ns > 0
+    assert sc["graphs"] == len(PROMPT) + N_GREEDY and sc["cpu_splits"] >= sc["graphs"]
+    assert sc["splits_ns"] >= sc["cpu_ns"] + sc["drain_ns"] and sc["cpu_ns"] >= c.ffn_op_ns
 
 
 def test_exact_mode_small_batches_take_the_union(relu_model: Path, dense_run, ops) -> None:

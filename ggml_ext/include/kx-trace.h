@@ -53,6 +53,23 @@ GGML_API struct kx_trace_rec * kx_trace_add(int32_t split, const char * backend,
 // returns the number written, -1 when the file cannot be written
 GGML_API int64_t               kx_trace_dump(const char * path);
 
+// Scheduler counters (always on, host clock, ns summed since the last reset; not counted for
+// splits a KX_TRACE run records): where the host spends a graph's computation.
+enum kx_sched_stat {
+    KX_SCHED_GRAPHS,     // graph computations (ggml_backend_sched_graph_compute calls)
+    KX_SCHED_SPLITS_NS,  // in the split loop, first split's inputs to last split queued
+    KX_SCHED_CPU_SPLITS, // CPU split computations
+    KX_SCHED_CPU_NS,     // computing them (synchronous: thread start and join included)
+    KX_SCHED_LAUNCHES,   // device split (or head/tail view) computations queued
+    KX_SCHED_LAUNCH_NS,  // queueing them (a device computes asynchronously)
+    KX_SCHED_COPY_NS,    // issuing split input copies (stock copies wait inside)
+    KX_SCHED_DRAIN_NS,   // CPU splits waiting for the device's read-backs: the device still
+                         // computing what the CPU split needs
+    KX_SCHED_N_STATS,
+};
+// out: KX_SCHED_N_STATS values (may be NULL, to reset only)
+GGML_API void                  kx_sched_stats(int64_t * out, bool reset);
+
 #ifdef __cplusplus
 }
 #endif
