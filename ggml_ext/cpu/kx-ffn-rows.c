@@ -118,12 +118,12 @@ static int64_t kx_ffn_now_ns(void) {
 }
 
 // KX_FFN_UP_ALL=1 reads every listed neuron's up row (the form before the ReLU skip), for
-// measurement; read once per process
+// measurement; set and not "0" counts, as for KX_FFN_SPLIT (kx-ffn.cpp); read once per process
 static bool kx_ffn_up_all(void) {
     static int v = -1;
     if (v < 0) {
         const char * e = getenv("KX_FFN_UP_ALL");
-        v = e != NULL && e[0] == '1';
+        v = e != NULL && *e && strcmp(e, "0") != 0;
     }
     return v == 1;
 }
