@@ -30,11 +30,13 @@ from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
 # pipe*: one layer ahead within each token; pipe-thread: its prefetch made by the balancer's
 # own thread beside the CPU part (give it a core: a row thread count below the cores);
+# mapped:F: the static split with the GPU computing share F of the host side over PCIe
+# (kairox.Llama mapped_share; F in the λ position);
 # static-split / static-sync: the static split with the CPU part as four graph nodes
 # (KX_FFN_SPLIT=1, the form before the fused kx_ffn_rows op) / with the scheduler's stock
 # synchronous hand-off copies (KX_SYNC_COPIES=1, patch 0008)
-ROWS = ("static-split", "static-sync", "static", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
-POLICY = {"pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive", "static-split": "static",
+ROWS = ("static-split", "static-sync", "static", "mapped", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
+POLICY = {"mapped": "static", "pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive", "static-split": "static",
           "static-sync": "static"}
 PIPELINED = ("pipe", "pipe-fixed", "pipe-thread")
 ROW_ENV = {"static-split": {"KX_FFN_SPLIT": "1"}, "static-sync": {"KX_SYNC_COPIES": "1"}}
@@ -101,7 +103,7 @@ def host_op_us(res: dict) -> dict | None:
 def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict, bd: dict | None) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
-    label = kind if POLICY.get(kind, kind) == "static" else f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (
+    label = f"mapped {lam:g}" if kind == "mapped" else kind if POLICY.get(kind, kind) == "static" else f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (
         f", ≤{max_admit} loads" if max_admit is not None else "")
     return {"row": label, "kind": kind, "lam": lam, "max_admit": max_admit, "threads": threads,
             "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
@@ -233,6 +235,8 @@ def main() -> int:
                  "--reload-method", args.reload_method] + (["--pipeline"] if kind in PIPELINED else [])
         if max_admit is not None:
             extra += ["--max-admit", str(max_admit)]
+        if kind == "mapped":
+            extra += ["--mapped-share", str(lam)]
         if kind == "adaptive" and not traced:  # the first adaptive row's records
             extra += ["--balance-trace", str(out / f"{name}.jsonl")]
             traced = True

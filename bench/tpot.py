@@ -49,6 +49,8 @@ def main() -> int:
                     "runtime picks the slots and checks the budget on the device")
     ap.add_argument("--no-pinned", dest="pinned", action="store_false",
                     help="kairox hybrid: host-side weights mapped from the file, not page-locked")
+    ap.add_argument("--mapped-share", type=float, default=0.0,
+                    help="kairox hybrid: the GPU's share of the host-side neurons, read over PCIe")
     ap.add_argument("--balancer", choices=["static", "fixed", "adaptive"], default="static",
                     help="kairox hybrid: the live balancer with a fixed or an adaptive λ (static: none)")
     ap.add_argument("--lam", type=float, default=0.5, help="balancer: λ (at start, when adaptive)")
@@ -74,6 +76,8 @@ def main() -> int:
             extra["vram_budget"] = args.vram_budget
         if not args.pinned:
             extra["pinned"] = False
+        if args.mapped_share:
+            extra["mapped_share"] = args.mapped_share
         if args.balancer != "static":
             extra["reload_method"] = args.reload_method
     else:

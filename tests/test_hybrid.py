@@ -44,7 +44,9 @@ def permuted_tiny(path: Path, shape, seed: int) -> Path:
     return model
 
 
-def run(model: Path, **kw) -> tuple[list[int], np.ndarray, object]:
+def run(model: Path, inspect=None, **kw) -> tuple[list[int], np.ndarray, object]:
+    """Greedy decode after PROMPT: tokens, every position's logits, the sparse counters;
+    inspect(llm) runs after the decode, before the model closes."""
     import kairox
     from kairox._native import sparse_counters
     llm = kairox.Llama(str(model), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
@@ -57,7 +59,10 @@ def run(model: Path, **kw) -> tuple[list[int], np.ndarray, object]:
         for _ in range(N_GEN):
             toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
             llm.eval([toks[-1]])
-        return toks, np.array(llm.scores[:llm.n_tokens]), sparse_counters(reset=True)
+        out = toks, np.array(llm.scores[:llm.n_tokens]), sparse_counters(reset=True)
+        if inspect:
+            inspect(llm)
+        return out
     finally:
         llm.close()
 
@@ -264,3 +269,79 @@ def test_pinned_must_be_a_bool() -> None:
     from kairox.llama import KairoxOptions
     with pytest.raises(TypeError, match="pinned"):
         KairoxOptions(gpu_slots=4, pinned="yes")
+
+
+def mapped_count(freq: np.ndarray, resident: list[int], share: float) -> int:
+    """How many host-side neurons a mapped share takes: hottest first (ties by id) until
+    their summed frequency reaches `share` of the host side's (kx_slots_set_mapped_share)."""
+    cold = np.setdiff1d(np.arange(len(freq)), resident)
+    f = freq[cold][np.argsort(-freq[cold], kind="stable")].astype(np.float64)
+    acc, n = 0.0, 0
+    for v in f:
+        if acc >= share * float(f.sum()):
+            break
+        acc += float(v)
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("mode", ["exact", "predicted"])
+@pytest.mark.parametrize("gpu", [False, True])
+def test_mapped_share_keeps_the_output(synth_model: Path, mode: str, gpu: bool) -> None:
+    """The slots' device also computes a share of the host side from the host rows (mapped:
+    over PCIe on a GPU, plain host memory on the CPU device): each listed neuron is still
+    computed once, by one of three parts, so tokens and logits stay those of the unsplit
+    run; the share takes the hottest host-side neurons; 0 gives them back."""
+    import kairox
+    from kairox._native import has_gpu
+    from kairox.pack import pack_path_for, read_pack
+    if gpu and not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    freqs = [layer.freq for layer in read_pack(pack_path_for(synth_model)).layers]
+    where = {"n_gpu_layers": -1} if gpu else {"slots_device": "CPU"}
+    slots, share = [60, 100], 0.5
+    want_toks, want, c0 = run(synth_model, sparse=mode)
+    _, _, cs = run(synth_model, sparse=mode, gpu_slots=slots, **where)
+    seen: dict = {}
+
+    def inspect(llm) -> None:
+        seen["n"] = [llm.mapped_neurons(il) for il in range(N_LAYER)]
+        seen["want"] = [mapped_count(freqs[il], llm.slot_residents(il), share) for il in range(N_LAYER)]
+        llm.set_mapped_share(0.0)
+        seen["after"] = [llm.mapped_neurons(il) for il in range(N_LAYER)]
+
+    toks, got, c = run(synth_model, inspect, sparse=mode, gpu_slots=slots, mapped_share=share, **where)
+    assert seen["n"] == seen["want"] and min(seen["n"]) > 0
+    assert seen["after"] == [0] * N_LAYER
+    assert toks == want_toks
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= (1e-3 if gpu else 1e-5) * scale
+    if gpu:  # the host part computed fewer rows: the device took the mapped ones
+        assert 0 < c.rows < cs.rows
+        assert abs(c.rows + c.elsewhere - c0.rows) <= 0.01 * c0.rows
+    else:  # all three parts on the CPU backend: each listed row once, skipped by the other two
+        assert c.selected == c0.selected and c.rows == c0.rows
+        assert c.elsewhere == 2 * c.selected
+
+
+def test_bad_mapped_shares_are_refused(synth_model: Path) -> None:
+    import kairox
+    for bad in (-0.1, 1.0, "half", True):
+        with pytest.raises(ValueError, match="mapped_share"):
+            kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=8, slots_device="CPU", mapped_share=bad,
+                         verbose=False)
+    with pytest.raises(ValueError, match="gpu_slots"):
+        kairox.Llama(str(synth_model), sparse="predicted", mapped_share=0.5, verbose=False)
+    with pytest.raises(ValueError, match="balancer"):
+        kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=8, slots_device="CPU", mapped_share=0.5,
+                     balancer=True, verbose=False)
+    llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=8, slots_device="CPU", verbose=False)
+    try:
+        with pytest.raises(ValueError, match=r"\[0, 1\)"):
+            llm.set_mapped_share(1.5)
+        assert llm.mapped_neurons(0) == 0
+        llm.start_balancer(True)
+        with pytest.raises(ValueError, match="balancer"):
+            llm.set_mapped_share(0.5)
+    finally:
+        llm.close()

@@ -12,6 +12,8 @@
 #   KX_SKIP_OPS=1 ...            # no test-backend-ops (CUDA sources unchanged since a checked run)
 #   KX_RELOAD=1 ...              # the reload transfer methods (bench/reload.py)
 #   KX_LIVE="KB-7B" ...          # the live balancer ablation (bench/balance_live.py) of those configs
+#   KX_NCU="KB-7B" ...           # after the rows: every kernel's time over a few decoded tokens of the
+#                                static split (Nsight Compute, bench/kernel_profile.py; KX_NCU_ARGS: tpot.py's)
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -84,4 +86,23 @@ for cfg in ${KX_LIVE:-}; do
         [ -f "$t.jsonl" ] && python3 -m kairox report "$t.jsonl" --png "$t.png" && gzip -f "$t.jsonl"
     done
     echo "live $cfg done at $(( $(date +%s) - t0 )) s"
+done
+# where a layer step's device time goes: Nsight Compute times each kernel of a short static
+# decode (CUDA graphs off, so each kernel is a launch; clocks and caches left alone)
+for cfg in ${KX_NCU:-}; do
+    read -r pre m < <(bg_model "$cfg")
+    bud=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from offload import CONFIGS; print(CONFIGS['$cfg'][1])")
+    tok=/tmp/kxbench/ncu-$cfg.tokens.json
+    python3 -c "import json, sys; t = json.load(open(sys.argv[1])); json.dump(t[:64 + 40], open(sys.argv[2], 'w'))" \
+        "${m%.gguf}.drift64.tokens.json" "$tok" || { echo "ncu $cfg: no token file (run KX_LIVE first)"; continue; }
+    left=$(( ${KX_DEADLINE:-575} - 10 - ($(date +%s) - t0) ))
+    [ "$left" -gt 30 ] || { echo "ncu $cfg: no time left"; continue; }
+    GGML_CUDA_DISABLE_GRAPHS=1 timeout "$left" ncu --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum --launch-skip "${KX_NCU_SKIP:-16000}" --launch-count "${KX_NCU_COUNT:-2400}" \
+        --csv --log-file "$OUT/ncu-$cfg.csv" \
+        python3 bench/tpot.py --impl kairox --mode predicted --model "$m" --tokens "$tok" --prompt-len 64 --ngl 999 \
+        --threads "$(nproc)" --vram-budget "${bud}GiB" --balancer static ${KX_NCU_ARGS:-} > "$OUT/ncu-$cfg.log" 2>&1
+    echo "ncu $cfg: rc=$? at $(( $(date +%s) - t0 )) s"
+    python3 bench/kernel_profile.py "$OUT/ncu-$cfg.csv" -o "$OUT/kernel-profile-$cfg.md" | tail -40
+    gzip -f "$OUT/ncu-$cfg.csv"
 done

@@ -53,6 +53,18 @@ LLAMA_API int64_t kx_model_slots_bytes(const struct llama_model * model);
 LLAMA_API int64_t kx_model_slots_resident(const struct llama_model * model, int32_t il, int32_t * dst,
                                           int64_t capacity);
 
+// The slots' device also computes a share of every hybrid layer's host-side neurons, reading
+// their rows from the page-locked host weights over PCIe (mapped, no copy) while the CPU
+// computes the others: the device idles while the CPU streams its part, and PCIe adds its
+// bandwidth to the CPU's. share in [0, 1): the fraction of the host side's summed activation
+// frequency the device takes, hottest neurons first (0: none, the default). Waits for ctx's
+// decode and refreshes its graphs; other contexts of the model must set their sparse mode
+// again. Starting the balancer gives the share back to the CPU. 0, or 1 with err set (bad
+// share, no slots, the balancer runs, weights the device's row kernels cannot read).
+LLAMA_API int32_t kx_context_set_mapped_share(struct llama_context * ctx, float share, char * err, size_t err_size);
+// neurons of layer il the slots' device computes from mapped host rows (0 without; -1 bad layer)
+LLAMA_API int64_t kx_model_slots_mapped(const struct llama_model * model, int32_t il);
+
 // Replaces residents of layer il's slots between decodes (no graph may run meanwhile): the
 // neurons in evict go back to the host side, those in admit take freed or empty slots
 // (rows copied from the host weights). Checked first, all or nothing; 0 or 1 with err set.

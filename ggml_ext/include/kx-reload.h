@@ -74,6 +74,10 @@ struct kx_reload_iface {
     int32_t (*tag_copy)(void * r, int32_t tag, const struct kx_row_copy * c, int64_t n);
     int32_t (*tag_query)(void * r, int32_t tag);
     int32_t (*side_write)(void * r, const struct kx_i32_write * w, int64_t n);
+
+    // the device address of a host byte in a range host_register made readable (kernels read
+    // the host rows through it: the slots' mapped share, kx-slots.h); NULL outside such ranges
+    void *  (*host_addr)(void * r, const void * host);
 };
 
 typedef const struct kx_reload_iface * (*kx_reload_iface_get_t)(void);

@@ -143,6 +143,12 @@ int32_t kx_model_balancer_start(llama_model * model, const kx_balance_params * p
         return 1;
     }
     slots->balancer.reset();
+    if (params && slots->mapped_share > 0.0f) {
+        // the balancer moves neurons between the slots and the host side only: the mapped
+        // share goes back to the CPU (contexts rebuild at their next balance)
+        LLAMA_LOG_INFO("kairox: the balancer starts: the device's mapped share of the host side goes back to the CPU\n");
+        kx_slots_set_mapped_share(*slots, *model, *model->kx_pack_ptr, 0.0f);
+    }
     if (slots->pipeline) {
         slots->pipeline = false; // graphs drop the pipeline's nodes (contexts rebuild at their next balance)
         slots->pipe_worker = false;
@@ -153,6 +159,35 @@ int32_t kx_model_balancer_start(llama_model * model, const kx_balance_params * p
             slots->balancer = kx_balancer_new(*slots, *model, *model->kx_pack_ptr, *params);
         }
     });
+}
+
+int32_t kx_context_set_mapped_share(llama_context * ctx, float share, char * err, size_t err_size) {
+    if (!ctx) {
+        kx_set_err(err, err_size, "kx_context_set_mapped_share: no context");
+        return 1;
+    }
+    const llama_model & model = ctx->get_model();
+    kx_slots * slots = model.kx_pack_ptr ? model.kx_pack_ptr->slots.get() : nullptr;
+    if (!slots) {
+        kx_set_err(err, err_size, "a mapped share needs neuron slots, and this model has none");
+        return 1;
+    }
+    ctx->synchronize(); // no graph reads the maps while they change
+    const int32_t rc = kx_guard(err, err_size, [&] {
+        kx_slots_set_mapped_share(*slots, model, *model.kx_pack_ptr, share);
+    });
+    if (ctx->kx_get_sparse() != KX_SPARSE_DENSE) {
+        ctx->kx_set_sparse(ctx->kx_get_sparse(), model.kx_pack_ptr.get()); // the slots' graph_gen
+    }
+    return rc;
+}
+
+int64_t kx_model_slots_mapped(const llama_model * model, int32_t il) {
+    if (!model || il < 0 || (int64_t) il >= (int64_t) model->hparams.n_layer()) {
+        return -1;
+    }
+    const kx_slots * slots = model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
+    return slots ? slots->layers[il].n_mapped : 0;
 }
 
 static kx_balancer * kx_model_balancer(const llama_model * model) {

@@ -34,11 +34,12 @@ static int32_t kx_host_query(void *) { return 1; }
 static double  kx_host_wait(void *) { return 0.0; }
 static int32_t kx_host_tag_copy(void * r, int32_t, const kx_row_copy * c, int64_t n) { return kx_host_copy(r, c, n); }
 static int32_t kx_host_tag_query(void *, int32_t) { return 1; }
+static void *  kx_host_addr(void *, const void * host) { return const_cast<void *>(host); }
 
 static const kx_reload_iface kx_host_reload = {
     kx_host_create, kx_host_destroy, kx_host_register, kx_host_copy, kx_host_write_i32, kx_host_query, kx_host_wait,
     nullptr, nullptr, nullptr, nullptr, // no device decision: the host decides
-    kx_host_tag_copy, kx_host_tag_query, kx_host_write_i32,
+    kx_host_tag_copy, kx_host_tag_query, kx_host_write_i32, kx_host_addr,
 };
 
 // ---------------------------------------------------------------- decision
@@ -134,7 +135,7 @@ kx_balancer::~kx_balancer() {
 // ---------------------------------------------------------------- boundary
 
 // which engine moves rows into this device's slots, and the device's index for it
-static const kx_reload_iface * kx_balance_engine(const std::string & device, int32_t * index) {
+const kx_reload_iface * kx_balance_engine(const std::string & device, int32_t * index) {
     if (device == "CPU") {
         *index = 0;
         return &kx_host_reload;

@@ -132,6 +132,10 @@ struct kx_balancer {
     ~kx_balancer();
 };
 
+// The engine that moves rows into (and maps host rows for) the slots of ggml device `device`,
+// and that device's index for its create(); the host engine for "CPU". Throws std::runtime_error.
+const kx_reload_iface * kx_balance_engine(const std::string & device, int32_t * index);
+
 // Starts a balancer on the model's slots (replacing one that runs). Throws std::runtime_error.
 std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model & model, const kx_pack & pack,
                                              const kx_balance_params & params);

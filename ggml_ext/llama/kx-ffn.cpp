@@ -190,6 +190,18 @@ static ggml_tensor * kx_build_ffn_hybrid(
     g.cb(hg, "ffn_act_gpu", il);
     ggml_tensor * yg = ggml_kx_axpy_rows(ctx0, H.down, hg, sel, H.slotmap);
     g.cb(yg, "ffn_out_gpu", il);
+    if (H.n_mapped > 0) {
+        // the device's share of the host side, read from the host rows over PCIe (kx-slots.h):
+        // the same three steps through the mapped aliases and maps, in the same split
+        ggml_tensor * gm = ggml_kx_mul_mat_rows(ctx0, H.map_gate, cur, sel, H.mapmap);
+        ggml_tensor * um = ggml_kx_mul_mat_rows(ctx0, H.map_up, cur, sel, H.mapmap);
+        g.cb(um, "ffn_up_map", il);
+        ggml_tensor * hm = kx_glu(ctx0, gm, um, type_op);
+        g.cb(hm, "ffn_act_map", il);
+        ggml_tensor * ym = ggml_kx_axpy_rows(ctx0, H.map_down, hm, sel, H.mapdown);
+        g.cb(ym, "ffn_out_map", il);
+        yg = ggml_add(ctx0, yg, ym);
+    }
 
     ggml_tensor * y = ggml_add(ctx0, yc, yg);
     g.cb(y, "ffn_out", il);

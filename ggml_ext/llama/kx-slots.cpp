@@ -5,6 +5,8 @@
 
 #include "llama-model.h"
 
+#include "ggml-backend-impl.h"
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstring>
@@ -13,6 +15,13 @@
 
 kx_slots::~kx_slots() {
     balancer.reset(); // its reloads write into buf_dev and read host memory it registered
+    for (ggml_backend_buffer_t b : map_bufs) {
+        ggml_backend_buffer_free(b); // aliases only: the host memory stays the model's and the pack's
+    }
+    ggml_free(ctx_map);
+    if (map_engine) {
+        map_io->destroy(map_engine); // unmaps (and unpins) what it registered, after the aliases
+    }
     ggml_backend_buffer_free(buf_dev);
     ggml_backend_buffer_free(buf_host);
     ggml_free(ctx_dev);
@@ -61,7 +70,7 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
     slots->layers.resize(n_layer);
 
     // pass 1: checks and tensor shapes
-    ggml_init_params ip = { ggml_tensor_overhead()*(size_t) (10*n_layer + 1), nullptr, true };
+    ggml_init_params ip = { ggml_tensor_overhead()*(size_t) (12*n_layer + 1), nullptr, true };
     slots->ctx_dev  = ggml_init(ip);
     slots->ctx_host = ggml_init(ip);
     for (int64_t il = 0; il < n_layer; ++il) {
@@ -89,6 +98,8 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         L.up      = dev_t(ml.ffn_up->type, n_embd, S, "up");
         L.down    = dev_t(pl.down_t->type, n_embd, S, "down");
         L.slotmap = dev_t(GGML_TYPE_I32, n_ff, 1, "map");
+        L.mapmap  = dev_t(GGML_TYPE_I32, n_ff, 1, "mapmap");
+        L.mapdown = dev_t(GGML_TYPE_I32, n_ff, 1, "mapdown");
         if (pl.pred_a) {
             L.pred_a = ggml_dup_tensor(slots->ctx_dev, pl.pred_a);
             L.pred_b = ggml_dup_tensor(slots->ctx_dev, pl.pred_b);
@@ -149,6 +160,8 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         kx_gather_rows(ml.ffn_up, L.resident, L.up);
         kx_gather_rows(pl.down_t, resident_down, L.down);
         ggml_backend_tensor_set(L.slotmap, slotmap.data(), 0, ggml_nbytes(L.slotmap));
+        ggml_backend_tensor_memset(L.mapmap, 0xFF, 0, ggml_nbytes(L.mapmap)); // -1: nothing mapped
+        ggml_backend_tensor_memset(L.mapdown, 0xFF, 0, ggml_nbytes(L.mapdown));
         std::memcpy(L.coldmap->data, coldmap.data(), ggml_nbytes(L.coldmap));
         std::memcpy(L.colddown->data, colddown.data(), ggml_nbytes(L.colddown));
         ((int32_t *) L.seen->data)[0] = -1; // no decode recorded yet
@@ -163,6 +176,144 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
 
 static int32_t kx_down_row(const kx_pack_layer & pl, int32_t i) {
     return pl.rowmap ? ((const int32_t *) pl.rowmap->data)[i] : i;
+}
+
+// ---------------------------------------------------------------- mapped share
+
+static void * kx_alias_base(ggml_backend_buffer_t b) {
+    return b->context;
+}
+
+// A tensor of the slots' device whose data is host memory's device address: w's type and
+// shape, no copy. Its buffer (one per alias, covering exactly its bytes) belongs to the
+// device's buffer type, so the scheduler runs the ops reading it there and never copies
+// it; freeing the buffer frees nothing else.
+static ggml_tensor * kx_alias(kx_slots & slots, ggml_backend_buffer_type_t buft, const ggml_tensor * w,
+                              void * addr, const char * name) {
+    ggml_tensor * t = ggml_dup_tensor(slots.ctx_map, w);
+    ggml_set_name(t, name);
+    ggml_backend_buffer_i iface = {};
+    iface.get_base = kx_alias_base;
+    ggml_backend_buffer_t b = ggml_backend_buffer_init(buft, iface, addr, ggml_backend_buft_get_alloc_size(buft, t));
+    ggml_backend_buffer_set_usage(b, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    slots.map_bufs.push_back(b);
+    if (ggml_backend_tensor_alloc(b, t, addr) != GGML_STATUS_SUCCESS) {
+        throw std::runtime_error(kx_fmt("cannot alias %s on %s", w->name, slots.device.c_str()));
+    }
+    return t;
+}
+
+// the row kernels on the device (cuda/kx-mul-mat-rows.cu, kx-axpy-rows.cu) read these
+static bool kx_mapped_types_ok(const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down) {
+    auto rows = [](ggml_type t) {
+        return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0;
+    };
+    const ggml_type d = down->type;
+    return rows(gate->type) && rows(up->type) && (d == GGML_TYPE_F32 || d == GGML_TYPE_F16 || d == GGML_TYPE_Q8_0);
+}
+
+void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, const kx_pack & pack, float share) {
+    if (!(share >= 0.0f && share < 1.0f)) {
+        throw std::runtime_error(kx_fmt("the mapped share must be in [0, 1), not %g", (double) share));
+    }
+    if (slots.balancer && share > 0.0f) {
+        throw std::runtime_error("the balancer runs on these slots: stop it before mapping host rows");
+    }
+    const int64_t n_ff = pack.n_ff;
+    ++slots.graph_gen; // graphs built before carry the former share's nodes (graph reuse compares it)
+    // the device part: give every mapped neuron back to the host side first
+    for (int64_t il = 0; il < (int64_t) slots.layers.size(); ++il) {
+        kx_slot_layer & L = slots.layers[il];
+        if (L.n_slots == 0 || L.n_mapped == 0) {
+            continue;
+        }
+        std::vector<int32_t> mm(n_ff);
+        ggml_backend_tensor_get(L.mapmap, mm.data(), 0, ggml_nbytes(L.mapmap));
+        for (int64_t i = 0; i < n_ff; ++i) {
+            if (mm[i] >= 0) {
+                kx_slot_to_host(L, pack.layers[il], (int32_t) i);
+            }
+        }
+        ggml_backend_tensor_memset(L.mapmap, 0xFF, 0, ggml_nbytes(L.mapmap));
+        ggml_backend_tensor_memset(L.mapdown, 0xFF, 0, ggml_nbytes(L.mapdown));
+        L.n_mapped = 0;
+    }
+    slots.mapped_share = 0.0f;
+    if (share == 0.0f) {
+        return;
+    }
+
+    ggml_backend_dev_t dev = ggml_backend_dev_by_name(slots.device.c_str());
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
+    if (!slots.map_engine) {
+        int32_t index = 0;
+        slots.map_io = kx_balance_engine(slots.device, &index);
+        slots.map_engine = slots.map_io->create(index, KX_RELOAD_GATHER, 1);
+        if (!slots.map_engine || !slots.map_io->host_addr) {
+            throw std::runtime_error(kx_fmt("cannot map host memory for %s", slots.device.c_str()));
+        }
+        ggml_init_params ip = { ggml_tensor_overhead()*(size_t) (3*slots.layers.size() + 1), nullptr, true };
+        slots.ctx_map = ggml_init(ip);
+    }
+    // the host rows' device addresses: the whole buffers, as the balancer's reloads do
+    auto addr_of = [&](const ggml_tensor * w) {
+        if (slots.map_io->host_register(slots.map_engine, ggml_backend_buffer_get_base(w->buffer),
+                                        ggml_backend_buffer_get_size(w->buffer))) {
+            throw std::runtime_error(kx_fmt("the host memory of %s cannot be mapped for %s (load the model "
+                                            "with page-locked host weights)", w->name, slots.device.c_str()));
+        }
+        void * a = slots.map_io->host_addr(slots.map_engine, w->data);
+        if (!a) {
+            throw std::runtime_error(kx_fmt("%s has no device address on %s", w->name, slots.device.c_str()));
+        }
+        return a;
+    };
+    for (int64_t il = 0; il < (int64_t) slots.layers.size(); ++il) {
+        kx_slot_layer & L = slots.layers[il];
+        if (L.n_slots == 0) {
+            continue;
+        }
+        const llama_layer & ml = model.layers[il];
+        const kx_pack_layer & pl = pack.layers[il];
+        if (!kx_mapped_types_ok(ml.ffn_gate, ml.ffn_up, pl.down_t)) {
+            throw std::runtime_error(kx_fmt("layer %" PRId64 ": the device's row kernels cannot read %s/%s gate/up "
+                                            "and %s down rows", il, ggml_type_name(ml.ffn_gate->type),
+                                            ggml_type_name(ml.ffn_up->type), ggml_type_name(pl.down_t->type)));
+        }
+        if (!L.map_gate) {
+            L.map_gate = kx_alias(slots, buft, ml.ffn_gate, addr_of(ml.ffn_gate), kx_fmt("blk.%d.kx_map_gate", (int) il).c_str());
+            L.map_up   = kx_alias(slots, buft, ml.ffn_up, addr_of(ml.ffn_up), kx_fmt("blk.%d.kx_map_up", (int) il).c_str());
+            L.map_down = kx_alias(slots, buft, pl.down_t, addr_of(pl.down_t), kx_fmt("blk.%d.kx_map_down", (int) il).c_str());
+        }
+        // host-side neurons, hottest first (ties by id), until their frequency reaches the share
+        const int32_t * coldmap = (const int32_t *) L.coldmap->data;
+        std::vector<int32_t> cold;
+        double total = 0.0;
+        for (int64_t i = 0; i < n_ff; ++i) {
+            if (coldmap[i] >= 0) {
+                cold.push_back((int32_t) i);
+                total += pl.freq[i];
+            }
+        }
+        std::stable_sort(cold.begin(), cold.end(), [&](int32_t a, int32_t b) { return pl.freq[a] > pl.freq[b]; });
+        std::vector<int32_t> mm(n_ff, -1), md(n_ff, -1);
+        int32_t * cm = (int32_t *) L.coldmap->data;
+        int32_t * cd = (int32_t *) L.colddown->data;
+        double acc = 0.0;
+        for (int32_t i : cold) {
+            if (acc >= share * total) {
+                break;
+            }
+            acc += pl.freq[i];
+            mm[i] = cm[i];
+            md[i] = cd[i];
+            cm[i] = cd[i] = -1;
+            ++L.n_mapped;
+        }
+        ggml_backend_tensor_set(L.mapmap, mm.data(), 0, ggml_nbytes(L.mapmap));
+        ggml_backend_tensor_set(L.mapdown, md.data(), 0, ggml_nbytes(L.mapdown));
+    }
+    slots.mapped_share = share;
 }
 
 void kx_slot_to_host(kx_slot_layer & L, const kx_pack_layer & pl, int32_t i) {

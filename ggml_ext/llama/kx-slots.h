@@ -5,6 +5,16 @@
 //   coldmap  (host,   I32 [n_ff]): neuron -> its row in the model's gate/up, -1 when resident
 //   colddown (host,   I32 [n_ff]): neuron -> its row in the pack's down_t, -1 when resident
 //
+// A share of the host side can be computed by the slots' device too, straight from the
+// page-locked host rows over PCIe (mapped, zero-copy): while the CPU streams its neurons
+// from host memory at ~70-80 GB/s the device would otherwise idle, and PCIe adds up to
+// ~50 GB/s of reads of the same memory (kx_slots_set_mapped_share):
+//
+//   mapmap   (device, I32 [n_ff]): neuron -> its row in the model's gate/up, -1 unless mapped
+//   mapdown  (device, I32 [n_ff]): neuron -> its row in the pack's down_t, -1 unless mapped
+//
+// A mapped neuron is -1 in coldmap/colddown: each listed neuron is computed exactly once.
+//
 // The slot buffers never move or change size, so graphs (and CUDA graphs) built on them stay
 // valid while their contents are replaced; this issue fills them once, from the hottest
 // neurons by the pack's measured activation frequency.
@@ -40,6 +50,15 @@ struct kx_slot_layer {
     ggml_tensor * seen     = nullptr; // host, I32 [n_ff + 1]: the last decode's active list (the
                                       // graph copies it here; the balancer reads and clears it)
     std::vector<int32_t> resident;    // neuron ids, slot order; -1 for a slot given up and not refilled
+    // the mapped share: the model's gate/up and the pack's down_t as tensors of the slots'
+    // device whose data is the host rows' device address (no copy: the scheduler sees
+    // device weights), and the maps above; n_mapped = 0: none, the graph has no such nodes
+    ggml_tensor * map_gate = nullptr;
+    ggml_tensor * map_up   = nullptr;
+    ggml_tensor * map_down = nullptr;
+    ggml_tensor * mapmap   = nullptr;
+    ggml_tensor * mapdown  = nullptr;
+    int64_t n_mapped = 0;
 };
 
 // what the pipeline's graph nodes (kx-ffn.cpp) hand the balancer: layer il of these slots
@@ -61,6 +80,11 @@ struct kx_slots {
     ggml_backend_buffer_t buf_host = nullptr;
     size_t bytes_dev = 0;             // device memory held (counts against the VRAM budget)
     std::unique_ptr<kx_balancer> balancer; // the live balancer, when started (kx-balance.h)
+    float    mapped_share = 0.0f;     // kx_slots_set_mapped_share's last share
+    const kx_reload_iface * map_io = nullptr; // the engine that page-locks and maps host rows
+    void *                  map_engine = nullptr;
+    ggml_context *          ctx_map = nullptr;     // the aliases of the host weights
+    std::vector<ggml_backend_buffer_t> map_bufs;   // one per alias: its device address range
     ~kx_slots();
 };
 
@@ -76,6 +100,15 @@ void kx_slot_to_host(kx_slot_layer & L, const kx_pack_layer & pl, int32_t i);
 // host weights, the down row from the pack (through its row map).
 void kx_slot_row_copies(const kx_slot_layer & L, const llama_layer & ml, const kx_pack_layer & pl, int32_t i,
                         int32_t s, kx_row_copy out[3]);
+
+// The slots' device also computes a share of every hybrid layer's host-side neurons from the
+// host rows over PCIe: the coldest resident-less neurons are taken in order of the pack's
+// activation frequency, hottest first, until their summed frequency reaches `share` of the
+// host side's (0 <= share < 1; 0 gives every host-side neuron back to the CPU). Between
+// decodes only, and not while the balancer runs (it moves neurons between slots and the
+// host side and knows nothing of this third place). Throws std::runtime_error with one
+// sentence (weight types the device's row kernels lack, a host range it cannot map).
+void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, const kx_pack & pack, float share);
 
 // Replaces residents of layer il while no graph runs: the neurons in `evict` leave their
 // slots (back to the host side of the split), the neurons in `admit` take the freed or empty

@@ -58,6 +58,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                         ("plan", args.plan)) if v is not None}
             if hybrid and not args.pinned:
                 hybrid["pinned"] = False
+            if args.mapped_share:
+                hybrid["mapped_share"] = args.mapped_share
             if args.balancer:
                 from .balancer import BalancerConfig
                 hybrid["balancer"] = BalancerConfig(adaptive=args.balancer == "adaptive")
@@ -204,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pinned", dest="pinned", action="store_false",
                    help="hybrid: map the host-side weights from the file instead of page-locking them "
                    "(less RAM pinned; prompts offloaded to the GPU then copy them more slowly)")
+    p.add_argument("--mapped-share", type=float, default=0.0, metavar="F",
+                   help="hybrid: the GPU also computes this share (0-1, by activation frequency) of the "
+                   "host-side neurons, reading their rows from the page-locked host weights over PCIe "
+                   "while the CPU computes the rest (default 0: the CPU computes them all)")
     p.add_argument("--balancer", choices=["fixed", "adaptive"], default=None,
                    help="hybrid: move neurons between the GPU slots and the CPU while decoding (TAM policy, "
                    "reloads behind the next token); fixed or adaptive λ (default: the static split)")

@@ -63,6 +63,11 @@ class KairoxOptions:
     # is then read, not mapped, unless use_mmap=True is given), so prefill batches offloaded
     # to the GPU copy them at PCIe speed. False: pages mapped from the file (no pinned RAM).
     pinned: bool = True
+    # hybrid: the GPU also computes this share of the host-side neurons (by activation
+    # frequency, hottest first), reading their rows from the page-locked host weights over
+    # PCIe while the CPU computes the rest: PCIe adds its bandwidth to the CPU's. 0: the CPU
+    # computes the whole host side. Needs pinned host weights; not with the balancer.
+    mapped_share: float = 0.0
     # live balancer (hybrid only): after every decode, neurons move between the two sides by
     # the TAM policy, reloads behind the next decode. A kairox.balancer.BalancerConfig, or
     # True for its defaults. None / False: the static split.
@@ -104,6 +109,14 @@ class KairoxOptions:
             if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
                 raise ValueError(f"vram_budget must be a size in bytes > 0 or a string like '7GiB', not {self.vram_budget!r}")
             object.__setattr__(self, "vram_budget", b)
+        if isinstance(self.mapped_share, bool) or not isinstance(self.mapped_share, (int, float)) or \
+                not 0.0 <= self.mapped_share < 1.0:
+            raise ValueError(f"mapped_share must be a number in [0, 1), not {self.mapped_share!r}")
+        if self.mapped_share > 0 and not self.wants_slots:
+            raise ValueError("mapped_share splits the host side of the hybrid FFN: give gpu_slots, vram_budget or a plan")
+        if self.mapped_share > 0 and self.balancer:
+            raise ValueError("mapped_share and the balancer do not mix: the balancer moves neurons between the "
+                             "GPU slots and the CPU only")
         if not isinstance(self.pinned, bool):
             raise TypeError(f"pinned must be True or False, not {self.pinned!r}")
         if self.plan is not None and not isinstance(self.plan, (str, os.PathLike)):
@@ -217,6 +230,11 @@ _lib.kx_model_slots_bytes.argtypes = [ctypes.c_void_p]
 _lib.kx_model_slots_bytes.restype = ctypes.c_int64
 _lib.kx_model_slots_resident.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
 _lib.kx_model_slots_resident.restype = ctypes.c_int64
+
+_lib.kx_context_set_mapped_share.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_char_p, ctypes.c_size_t]
+_lib.kx_context_set_mapped_share.restype = ctypes.c_int32
+_lib.kx_model_slots_mapped.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+_lib.kx_model_slots_mapped.restype = ctypes.c_int64
 
 _lib.kx_model_slots_swap.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
                                      ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
@@ -431,6 +449,8 @@ class Llama(llama_cpp.Llama):
             return False
         try:
             self.set_sparse(mode)  # (re)builds the graph on these slots
+            if self.kx_options.mapped_share:
+                self.set_mapped_share(self.kx_options.mapped_share)
         except ValueError as e:
             self._kx_refuse(str(e))
             return False
@@ -481,6 +501,23 @@ class Llama(llama_cpp.Llama):
         buf = (ctypes.c_int32 * max(n, 1))()
         _lib.kx_model_slots_resident(self._model.model, il, buf, n)
         return list(buf[:n])
+
+    def set_mapped_share(self, share: float) -> None:
+        """Between decodes: the GPU computes `share` (0 <= share < 1) of every hybrid layer's
+        host-side neurons (by activation frequency, hottest first) from the page-locked host
+        rows over PCIe, the CPU the rest; 0 gives them all back to the CPU. Outputs do not
+        change, only which side computes each neuron. ValueError for a bad share, a model
+        without slots, a running balancer or weights the GPU's row kernels cannot read."""
+        err = ctypes.create_string_buffer(512)
+        if _lib.kx_context_set_mapped_share(self._ctx.ctx, float(share), err, len(err)):
+            raise ValueError(err.value.decode())
+
+    def mapped_neurons(self, il: int) -> int:
+        """How many of layer il's neurons the GPU computes from mapped host rows."""
+        n = _lib.kx_model_slots_mapped(self._model.model, il)
+        if n < 0:
+            raise IndexError(f"layer {il} is out of range")
+        return int(n)
 
     def swap_slots(self, il: int, evict: Sequence[int] = (), admit: Sequence[int] = ()) -> None:
         """Between decodes: neurons `evict` leave layer il's slots, neurons `admit` take the
