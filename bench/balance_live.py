@@ -56,7 +56,8 @@ def parse_row(spec: str, lam: float, max_admit: int | None,
 
 def split_env(spec: str) -> tuple[str, dict[str, str]]:
     """ROW[@VAR=VAL...] -> (ROW, {VAR: VAL}): a row run with extra environment (an A/B switch
-    such as KX_FFN_PREFETCH=0)."""
+    such as KX_FFN_PREFETCH=0); a VAR starting with -- is an argument of bench/tpot.py
+    (@--flash-attn=off)."""
     head, *pairs = spec.split("@")
     env = {}
     for kv in pairs:
@@ -103,8 +104,13 @@ def host_op_us(res: dict) -> dict | None:
 def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict, bd: dict | None) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
-    label = f"mapped {lam:g}" if kind == "mapped" else kind if POLICY.get(kind, kind) == "static" else f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (
-        f", ≤{max_admit} loads" if max_admit is not None else "")
+    if kind == "mapped":
+        label = f"mapped {lam:g}"
+    elif POLICY.get(kind, kind) == "static":
+        label = kind
+    else:
+        label = f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (
+            f", ≤{max_admit} loads" if max_admit is not None else "")
     return {"row": label, "kind": kind, "lam": lam, "max_admit": max_admit, "threads": threads,
             "tok_s": res["tok_s"], "tpot_p50_ms": res["tpot_p50_ms"], "tpot_p99_ms": res["tpot_p99_ms"],
             "bound": bd, "efficiency": bd["seconds"] * res["tok_s"] if bd else None,
@@ -244,7 +250,8 @@ def main() -> int:
             extra += ["--balance-trace", str(out / f"{name}-pipe.jsonl")]
             traced_pipe = True
         extra += ["--decide", "worker" if kind == "pipe-thread" else "auto" if kind in PIPELINED else args.decide]
-        row_env = {**ROW_ENV.get(kind, {}), **renv}
+        row_env = {**ROW_ENV.get(kind, {}), **{k: v for k, v in renv.items() if not k.startswith("--")}}
+        extra += [a for k, v in renv.items() if k.startswith("--") for a in (k, v)]
         res = tpot_run("kairox", "predicted", model, tokens, 999, threads, {**env, **row_env}, extra)
         if row_env:
             res["command"] = " ".join(f"{k}={v}" for k, v in row_env.items()) + " " + res["command"]

@@ -49,6 +49,8 @@ def main() -> int:
                     "runtime picks the slots and checks the budget on the device")
     ap.add_argument("--no-pinned", dest="pinned", action="store_false",
                     help="kairox hybrid: host-side weights mapped from the file, not page-locked")
+    ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
+                    help="auto: the implementation's default (kairox hybrid: on; stock: off)")
     ap.add_argument("--mapped-share", type=float, default=0.0,
                     help="kairox hybrid: the GPU's share of the host-side neurons, read over PCIe")
     ap.add_argument("--balancer", choices=["static", "fixed", "adaptive"], default="static",
@@ -85,6 +87,8 @@ def main() -> int:
         cls, extra = llama_cpp.Llama, {}
         if args.mode != "dense":
             sys.exit("the unpatched llama.cpp runs dense only")
+    if args.flash_attn != "auto":
+        extra["flash_attn"] = args.flash_attn == "on"
     from llama_cpp._logger import set_verbose
     set_verbose(False)
 

@@ -335,12 +335,17 @@ def test_bad_mapped_shares_are_refused(synth_model: Path) -> None:
     with pytest.raises(ValueError, match="balancer"):
         kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=8, slots_device="CPU", mapped_share=0.5,
                      balancer=True, verbose=False)
-    llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=8, slots_device="CPU", verbose=False)
+    llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=8, slots_device="CPU", mapped_share=0.5,
+                       verbose=False)
     try:
         with pytest.raises(ValueError, match=r"\[0, 1\)"):
             llm.set_mapped_share(1.5)
+        n = llm.mapped_neurons(0)
+        assert n > 0
+        llm.start_balancer(True, observe=True)  # records only: the share stays
+        assert llm.mapped_neurons(0) == n
+        llm.start_balancer(True)  # moves neurons between slots and CPU: the share goes back
         assert llm.mapped_neurons(0) == 0
-        llm.start_balancer(True)
         with pytest.raises(ValueError, match="balancer"):
             llm.set_mapped_share(0.5)
     finally:

@@ -143,9 +143,10 @@ int32_t kx_model_balancer_start(llama_model * model, const kx_balance_params * p
         return 1;
     }
     slots->balancer.reset();
-    if (params && slots->mapped_share > 0.0f) {
+    if (params && !params->observe && slots->mapped_share > 0.0f) {
         // the balancer moves neurons between the slots and the host side only: the mapped
-        // share goes back to the CPU (contexts rebuild at their next balance)
+        // share goes back to the CPU (contexts rebuild at their next balance); an observing
+        // balancer moves nothing and leaves it
         LLAMA_LOG_INFO("kairox: the balancer starts: the device's mapped share of the host side goes back to the CPU\n");
         kx_slots_set_mapped_share(*slots, *model, *model->kx_pack_ptr, 0.0f);
     }

@@ -216,7 +216,7 @@ void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, cons
     if (!(share >= 0.0f && share < 1.0f)) {
         throw std::runtime_error(kx_fmt("the mapped share must be in [0, 1), not %g", (double) share));
     }
-    if (slots.balancer && share > 0.0f) {
+    if (slots.balancer && !slots.balancer->params.observe && share > 0.0f) {
         throw std::runtime_error("the balancer runs on these slots: stop it before mapping host rows");
     }
     const int64_t n_ff = pack.n_ff;

@@ -105,8 +105,8 @@ void kx_slot_row_copies(const kx_slot_layer & L, const llama_layer & ml, const k
 // host rows over PCIe: the coldest resident-less neurons are taken in order of the pack's
 // activation frequency, hottest first, until their summed frequency reaches `share` of the
 // host side's (0 <= share < 1; 0 gives every host-side neuron back to the CPU). Between
-// decodes only, and not while the balancer runs (it moves neurons between slots and the
-// host side and knows nothing of this third place). Throws std::runtime_error with one
+// decodes only, and not while the balancer moves neurons (between slots and the host side:
+// it knows nothing of this third place); an observing balancer may run. Throws std::runtime_error with one
 // sentence (weight types the device's row kernels lack, a host range it cannot map).
 void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, const kx_pack & pack, float share);
 
