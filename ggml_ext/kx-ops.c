@@ -65,6 +65,19 @@ struct ggml_tensor * ggml_kx_mul_mat_rows(
     return result;
 }
 
+struct ggml_tensor * ggml_kx_mul_mat_rows_gated(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * sel,
+        struct ggml_tensor  * rowmap,
+        struct ggml_tensor  * gate) {
+    struct ggml_tensor * result = ggml_kx_mul_mat_rows(ctx, w, x, sel, rowmap);
+    GGML_ASSERT(gate->type == GGML_TYPE_F32 && ggml_are_same_shape(gate, result) && ggml_is_contiguous(gate));
+    result->src[4] = gate;
+    return result;
+}
+
 struct ggml_tensor * ggml_kx_axpy_rows(
         struct ggml_context * ctx,
         struct ggml_tensor  * wt,

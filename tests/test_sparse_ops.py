@@ -121,6 +121,28 @@ def test_mul_mat_rows(g: GGML, wtype: str, k: int, T: int):
                 assert err.size == 0 or err.max() <= tol, (name, nt, use_ref, float(err.max()))
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_mul_mat_rows_gated_skips_rows_whose_gate_never_fires(g: GGML, T: int):
+    """The gated op (ReLU up rows): a listed neuron whose gate is <= 0 for every token reads
+    0 (its row, NaN here, is never touched); the others read what the ungated op reads."""
+    rng = np.random.default_rng(7)
+    n, k = 300, 256
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    gate = rng.standard_normal((T, n)).astype(np.float32)
+    off = np.all(gate <= 0, axis=0)
+    w[off] = np.nan
+    w_raw = g.quantize(w, "f32")
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    sel = np.sort(rng.choice(n, 120, replace=False)).astype(np.int32)
+    for nt in THREADS:
+        got = g.mul_mat_rows(w_raw, "f32", n, k, x, sel, n_threads=nt, gate=gate)
+        plain = g.mul_mat_rows(np.where(off[:, None], 0, w).astype(np.float32).tobytes(), "f32", n, k, x, sel,
+                               n_threads=nt)
+        assert not np.isnan(got).any()
+        assert np.all(got[:, off] == 0) and off[sel].any() and (~off[sel]).any()
+        np.testing.assert_array_equal(got, plain)
+
+
 # --------------------------------------------------------------------- kx_axpy_rows
 
 

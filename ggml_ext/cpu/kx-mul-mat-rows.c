@@ -51,11 +51,25 @@ float kx_row_dot_ref(const struct ggml_tensor * w, const char * row, const float
     return (float) acc;
 }
 
+// gated op: neuron i's gate is <= 0 for every token (relu gives 0: its row is not needed)
+static inline bool kx_gated_off(const struct ggml_tensor * gate, int64_t i, int64_t nt) {
+    if (!gate) {
+        return false;
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+        if (*(const float *) ((const char *) gate->data + i*sizeof(float) + t*gate->nb[1]) > 0.0f) {
+            return false;
+        }
+    }
+    return true;
+}
+
 void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * w   = dst->src[0];
     const struct ggml_tensor * x   = dst->src[1];
     const struct ggml_tensor * sel = dst->src[2];
     const int32_t * map = dst->src[3] ? (const int32_t *) dst->src[3]->data : NULL;
+    const struct ggml_tensor * gate = dst->src[4]; // gated (ReLU up rows): skip rows whose gate is <= 0
 
     const int ith = params->ith;
     const int nth = params->nth;
@@ -101,7 +115,7 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
         for (int64_t j = j0; j < j1; ++j) {
             const int64_t i   = ids[j];
             const int64_t r   = map ? map[i] : i;
-            if (r < 0) {
+            if (r < 0 || kx_gated_off(gate, i, nt)) {
                 continue;
             }
             const char * row = (const char *) w->data + r*w->nb[1];
@@ -117,7 +131,7 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
     for (int64_t j = j0; j < j1; ++j) {
         const int64_t i   = ids[j];
         const int64_t r   = map ? map[i] : i;
-        if (r < 0) {
+        if (r < 0 || kx_gated_off(gate, i, nt)) {
             continue;
         }
         const char *  row = (const char *) w->data + r*w->nb[1];

@@ -7,6 +7,9 @@
 // lane (Q8_0/Q4_0: 34/18-byte blocks, 2-byte aligned, read as 16-bit words). x is read
 // as float, weights are dequantized on the fly: no x quantization pass (the CPU path
 // quantizes x to Q8 for quantized weights; the difference stays within test tolerance).
+// Gated (src[4], the up rows of a ReLU GLU): a neuron whose gate is <= 0 for every token
+// is skipped before its row is read; about half of a predicted list does not fire, and a
+// mapped row costs PCIe bandwidth.
 #include "kx-ops-cuda.cuh"
 #include "kx-ops.h"
 
@@ -109,6 +112,7 @@ template <ggml_type type>
 static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64_t w_nb1,
                                               const float * __restrict__ x, int64_t sx,
                                               const int32_t * __restrict__ sel, const int32_t * __restrict__ rowmap,
+                                              const float * __restrict__ gate,
                                               float * __restrict__ dst, int64_t n, int64_t k, int nt) {
     const int     lane   = threadIdx.x % WARP_SIZE;
     const int64_t warp   = (int64_t) blockIdx.x*KX_MMR_WARPS + threadIdx.x/WARP_SIZE;
@@ -119,6 +123,15 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
         const int32_t r = rowmap ? rowmap[i] : i;
         if (r < 0) {
             continue; // listed but not in this weight: the other side computes it
+        }
+        if (gate) { // gated (ReLU up rows): a neuron whose gate is <= 0 for every token adds 0
+            bool on = false;
+            for (int t = 0; t < nt; ++t) {
+                on |= gate[i + t*n] > 0.0f;
+            }
+            if (!on) {
+                continue;
+            }
         }
         float acc[KX_CUDA_MAX_TOKENS] = {0.0f};
         kx_row_dot<type>(w + r*w_nb1, x, sx, nt, k, lane, acc);
@@ -157,8 +170,9 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const dim3 block(KX_MMR_WARPS*WARP_SIZE);
     const int64_t sx = x->nb[1]/sizeof(float);
     const int32_t * map = rowmap ? (const int32_t *) rowmap->data : nullptr;
+    const float * gate = dst->src[4] ? (const float *) dst->src[4]->data : nullptr; // [n, nt], contiguous
 #define KX_MMR_LAUNCH(T) kx_mul_mat_rows_kernel<T><<<grid, block, 0, stream>>>( \
-        (const char *) w->data, w->nb[1], (const float *) x->data, sx, (const int32_t *) sel->data, map, \
+        (const char *) w->data, w->nb[1], (const float *) x->data, sx, (const int32_t *) sel->data, map, gate, \
         (float *) dst->data, n, k, nt)
     switch (w->type) {
         case GGML_TYPE_F32:  KX_MMR_LAUNCH(GGML_TYPE_F32);  break;

@@ -80,6 +80,18 @@ GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows(
         struct ggml_tensor  * sel,
         struct ggml_tensor  * rowmap);
 
+// The same, for the up projection of a ReLU GLU: gate F32 [n, n_tokens] holds the gate
+// values of the same neurons (0 where unlisted), and a listed row whose gate is <= 0 for
+// every token is not read (its result is 0): relu(g) * u is 0 there whatever u is, so the
+// GLU after it gives what the ungated op would.
+GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows_gated(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * sel,
+        struct ggml_tensor  * rowmap,
+        struct ggml_tensor  * gate);
+
 // wt: [m, n_rows] F32, F16 or Q8_0: one contiguous row of m outputs per neuron;
 // h: F32 [n, n_tokens]; sel: I32 [n + 1]; rowmap: NULL (neuron i is row i) or I32 [n].
 // Result: F32 [m, n_tokens], column t = sum over i in sel (present in wt) of

@@ -182,9 +182,14 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, yc, kx_pipe_publish_op, 1, hook)));
     }
 
-    // device part (resident neurons)
+    // device part (resident neurons); for ReLU the up rows only of neurons whose gate fired
+    // (the host op skips them the same way, kx-ffn-rows.c)
+    const bool relu = type_op == LLM_FFN_RELU;
+    auto up_rows = [&](ggml_tensor * w, ggml_tensor * map, ggml_tensor * gv) {
+        return relu ? ggml_kx_mul_mat_rows_gated(ctx0, w, cur, sel, map, gv) : ggml_kx_mul_mat_rows(ctx0, w, cur, sel, map);
+    };
     ggml_tensor * gg = ggml_kx_mul_mat_rows(ctx0, H.gate, cur, sel, H.slotmap);
-    ggml_tensor * ug = ggml_kx_mul_mat_rows(ctx0, H.up, cur, sel, H.slotmap);
+    ggml_tensor * ug = up_rows(H.up, H.slotmap, gg);
     g.cb(ug, "ffn_up_gpu", il);
     ggml_tensor * hg = kx_glu(ctx0, gg, ug, type_op);
     g.cb(hg, "ffn_act_gpu", il);
@@ -194,7 +199,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         // the device's share of the host side, read from the host rows over PCIe (kx-slots.h):
         // the same three steps through the mapped aliases and maps, in the same split
         ggml_tensor * gm = ggml_kx_mul_mat_rows(ctx0, H.map_gate, cur, sel, H.mapmap);
-        ggml_tensor * um = ggml_kx_mul_mat_rows(ctx0, H.map_up, cur, sel, H.mapmap);
+        ggml_tensor * um = up_rows(H.map_up, H.mapmap, gm);
         g.cb(um, "ffn_up_map", il);
         ggml_tensor * hm = kx_glu(ctx0, gm, um, type_op);
         g.cb(hm, "ffn_act_map", il);

@@ -128,13 +128,24 @@ struct test_kx_rows : public test_case {
 
 // GGML_OP_KX_MUL_MAT_ROWS over a whole weight (rows = n) or a slot buffer (rows < n, map).
 struct test_kx_mul_mat_rows : public test_kx_rows {
-    test_kx_mul_mat_rows(ggml_type type, int64_t k, int64_t n, int64_t nt, int64_t n_rows, double density)
-        : test_kx_rows(type, k, n, nt, n_rows, density, 1234) {}
+    bool gated;
+    test_kx_mul_mat_rows(ggml_type type, int64_t k, int64_t n, int64_t nt, int64_t n_rows, double density,
+                         bool gated = false)
+        : test_kx_rows(type, k, n, nt, n_rows, density, 1234), gated(gated) {}
+
+    std::string vars() override { return test_kx_rows::vars() + ",gated=" + (gated ? "1" : "0"); }
 
     ggml_tensor * build_graph(ggml_context * ctx) override {
         ggml_tensor * w = new_inputs(ctx);
         ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, nt);
-        ggml_tensor * out = ggml_kx_mul_mat_rows(ctx, w, x, sel, map);
+        ggml_tensor * out;
+        if (gated) {
+            // gate values of either sign: the gated rows must read 0 on both backends
+            ggml_tensor * g = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, nt);
+            out = ggml_kx_mul_mat_rows_gated(ctx, w, x, sel, map, g);
+        } else {
+            out = ggml_kx_mul_mat_rows(ctx, w, x, sel, map);
+        }
         ggml_set_name(out, "out");
         return out;
     }
@@ -194,6 +205,8 @@ static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cas
             test_cases.emplace_back(new test_kx_mul_mat_rows(type, 4096, 11008, nt, 11008, 0.11));
             test_cases.emplace_back(new test_kx_mul_mat_rows(type, 4096, 11008, nt, 2752, 0.11));
         }
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 1, 300, 0.5, true));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 3, 1000, 0.3, true));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 1, 1000, 0.0));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 2, 1000, 1.0));
     }
