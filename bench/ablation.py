@@ -29,6 +29,7 @@ from offload import result_name  # noqa: E402
 STEPS = {"static-split": "static split, CPU part as four nodes (gate rows, up rows, GLU, axpy)",
          "static-sync": "static split, the scheduler's stock synchronous hand-off copies",
          "static": "static split (profiled hot neurons in the slots)",
+         "mapped": "static split, the GPU also computing a share of the host side over PCIe (mapped rows)",
          "fixed": "between decodes, TAM fixed λ",
          "adaptive": "between decodes, TAM adaptive λ",
          "pipe-fixed": "one layer ahead, TAM fixed λ (compute threads decide)",

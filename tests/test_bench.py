@@ -231,3 +231,25 @@ def test_stamp_result_wraps_a_raw_file(tmp_path) -> None:
     d = json.loads(g.read_text())
     assert (d["command"], d["commit"], d["result"]) == ("tool --flag", "def456", {"x": 1})
     assert d["machine"]["cpus"] >= 1
+
+
+def test_kernel_profile_groups_kernels_per_layer_step(tmp_path):
+    """bench/kernel_profile.py: an Nsight Compute CSV (one row per launch, ns and µs units)
+    -> per-step counts and times, the median step in launch order."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from kernel_profile import read_kernels, short_name, summarize
+    assert short_name("void kx_select_kernel<(ggml_type)1>(const float *, int)") == "kx_select_kernel"
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = [("void kx_select_kernel(int)", "nsecond", "6,000"), ("void mmv<float>(int)", "usecond", "12.0"),
+            ("void kx_select_kernel(int)", "nsecond", "7000"), ("void mmv<float>(int)", "usecond", "10.0"),
+            ("void kx_select_kernel(int)", "nsecond", "5000")]
+    f = tmp_path / "ncu.csv"
+    f.write_text("==PROF== noise\n" + head + "".join(
+        f'"{i}","{n}","gpu__time_duration.sum","{u}","{v}"\n' for i, (n, u, v) in enumerate(rows)))
+    k = read_kernels(f)
+    assert k == [("kx_select_kernel", 6.0), ("mmv", 12.0), ("kx_select_kernel", 7.0), ("mmv", 10.0),
+                 ("kx_select_kernel", 5.0)]
+    text = "\n".join(summarize(k))
+    assert "2 whole layer steps" in text and "17.5 µs of kernel time per step" in text
+    assert "| mmv | 1.00 | 11.0 | 11.0 |" in text
