@@ -342,6 +342,15 @@ def test_bad_mapped_shares_are_refused(synth_model: Path) -> None:
             llm.set_mapped_share(1.5)
         n = llm.mapped_neurons(0)
         assert n > 0
+        # a mapped neuron (the hottest host-side one is) cannot take a slot: it would be
+        # computed twice; nothing changes
+        from kairox.pack import pack_path_for, read_pack
+        freq = read_pack(pack_path_for(synth_model)).layers[0].freq
+        res = llm.slot_residents(0)
+        hot = max(sorted(set(range(N_FF)) - set(res)), key=lambda i: freq[i])
+        with pytest.raises(ValueError, match="mapped"):
+            llm.swap_slots(0, evict=[res[0]], admit=[hot])
+        assert llm.slot_residents(0) == res
         llm.start_balancer(True, observe=True)  # records only: the share stays
         assert llm.mapped_neurons(0) == n
         llm.start_balancer(True)  # moves neurons between slots and CPU: the share goes back

@@ -227,13 +227,12 @@ void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, cons
         if (L.n_slots == 0 || L.n_mapped == 0) {
             continue;
         }
-        std::vector<int32_t> mm(n_ff);
-        ggml_backend_tensor_get(L.mapmap, mm.data(), 0, ggml_nbytes(L.mapmap));
         for (int64_t i = 0; i < n_ff; ++i) {
-            if (mm[i] >= 0) {
+            if (L.mapped[i]) {
                 kx_slot_to_host(L, pack.layers[il], (int32_t) i);
             }
         }
+        L.mapped.assign(n_ff, 0);
         ggml_backend_tensor_memset(L.mapmap, 0xFF, 0, ggml_nbytes(L.mapmap));
         ggml_backend_tensor_memset(L.mapdown, 0xFF, 0, ggml_nbytes(L.mapdown));
         L.n_mapped = 0;
@@ -308,6 +307,8 @@ void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, cons
             mm[i] = cm[i];
             md[i] = cd[i];
             cm[i] = cd[i] = -1;
+            L.mapped.resize(n_ff, 0);
+            L.mapped[i] = 1;
             ++L.n_mapped;
         }
         ggml_backend_tensor_set(L.mapmap, mm.data(), 0, ggml_nbytes(L.mapmap));
@@ -363,6 +364,11 @@ void kx_slots_swap(kx_slots & slots, const llama_model & model, const kx_pack & 
         const int32_t i = admit[k];
         if (i < 0 || i >= n_ff || slot_of[i] >= 0 || seen[i]) {
             throw std::runtime_error(kx_fmt("swap: layer %d: neuron %d is resident, out of range or listed twice", (int) il, (int) i));
+        }
+        if (!L.mapped.empty() && L.mapped[i]) {
+            // it would be computed twice: by its slot and from its mapped host rows
+            throw std::runtime_error(kx_fmt("swap: layer %d: neuron %d is computed from mapped host rows "
+                                            "(set the mapped share to 0 first)", (int) il, (int) i));
         }
         seen[i] = 1;
     }

@@ -59,6 +59,7 @@ struct kx_slot_layer {
     ggml_tensor * mapmap   = nullptr;
     ggml_tensor * mapdown  = nullptr;
     int64_t n_mapped = 0;
+    std::vector<uint8_t> mapped;      // [n_ff] when a share was set: 1 for the neurons mapmap holds
 };
 
 // what the pipeline's graph nodes (kx-ffn.cpp) hand the balancer: layer il of these slots
