@@ -182,30 +182,26 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, yc, kx_pipe_publish_op, 1, hook)));
     }
 
-    // device part (resident neurons); for ReLU the up rows only of neurons whose gate fired
+    // device parts: the resident neurons from the slots, and the mapped share of the host side
+    // read from the host rows over PCIe (kx-slots.h), the same three steps through their own
+    // weights and maps in the same split; for ReLU the up rows only of neurons whose gate fired
     // (the host op skips them the same way, kx-ffn-rows.c)
-    const bool relu = type_op == LLM_FFN_RELU;
-    auto up_rows = [&](ggml_tensor * w, ggml_tensor * map, ggml_tensor * gv) {
-        return relu ? ggml_kx_mul_mat_rows_gated(ctx0, w, cur, sel, map, gv) : ggml_kx_mul_mat_rows(ctx0, w, cur, sel, map);
+    auto device_part = [&](ggml_tensor * gate_w, ggml_tensor * up_w, ggml_tensor * down_w, ggml_tensor * map,
+                           ggml_tensor * dmap, const char * up_name, const char * act_name, const char * out_name) {
+        ggml_tensor * gv = ggml_kx_mul_mat_rows(ctx0, gate_w, cur, sel, map);
+        ggml_tensor * uv = type_op == LLM_FFN_RELU ? ggml_kx_mul_mat_rows_gated(ctx0, up_w, cur, sel, map, gv)
+                                                   : ggml_kx_mul_mat_rows(ctx0, up_w, cur, sel, map);
+        g.cb(uv, up_name, il);
+        ggml_tensor * hv = kx_glu(ctx0, gv, uv, type_op);
+        g.cb(hv, act_name, il);
+        ggml_tensor * yv = ggml_kx_axpy_rows(ctx0, down_w, hv, sel, dmap);
+        g.cb(yv, out_name, il);
+        return yv;
     };
-    ggml_tensor * gg = ggml_kx_mul_mat_rows(ctx0, H.gate, cur, sel, H.slotmap);
-    ggml_tensor * ug = up_rows(H.up, H.slotmap, gg);
-    g.cb(ug, "ffn_up_gpu", il);
-    ggml_tensor * hg = kx_glu(ctx0, gg, ug, type_op);
-    g.cb(hg, "ffn_act_gpu", il);
-    ggml_tensor * yg = ggml_kx_axpy_rows(ctx0, H.down, hg, sel, H.slotmap);
-    g.cb(yg, "ffn_out_gpu", il);
+    ggml_tensor * yg = device_part(H.gate, H.up, H.down, H.slotmap, H.slotmap, "ffn_up_gpu", "ffn_act_gpu", "ffn_out_gpu");
     if (H.n_mapped > 0) {
-        // the device's share of the host side, read from the host rows over PCIe (kx-slots.h):
-        // the same three steps through the mapped aliases and maps, in the same split
-        ggml_tensor * gm = ggml_kx_mul_mat_rows(ctx0, H.map_gate, cur, sel, H.mapmap);
-        ggml_tensor * um = up_rows(H.map_up, H.mapmap, gm);
-        g.cb(um, "ffn_up_map", il);
-        ggml_tensor * hm = kx_glu(ctx0, gm, um, type_op);
-        g.cb(hm, "ffn_act_map", il);
-        ggml_tensor * ym = ggml_kx_axpy_rows(ctx0, H.map_down, hm, sel, H.mapdown);
-        g.cb(ym, "ffn_out_map", il);
-        yg = ggml_add(ctx0, yg, ym);
+        yg = ggml_add(ctx0, yg, device_part(H.map_gate, H.map_up, H.map_down, H.mapmap, H.mapdown,
+                                            "ffn_up_map", "ffn_act_map", "ffn_out_map"));
     }
 
     ggml_tensor * y = ggml_add(ctx0, yc, yg);

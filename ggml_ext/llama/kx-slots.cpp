@@ -296,6 +296,7 @@ void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, cons
         }
         std::stable_sort(cold.begin(), cold.end(), [&](int32_t a, int32_t b) { return pl.freq[a] > pl.freq[b]; });
         std::vector<int32_t> mm(n_ff, -1), md(n_ff, -1);
+        L.mapped.assign(n_ff, 0);
         int32_t * cm = (int32_t *) L.coldmap->data;
         int32_t * cd = (int32_t *) L.colddown->data;
         double acc = 0.0;
@@ -307,7 +308,6 @@ void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, cons
             mm[i] = cm[i];
             md[i] = cd[i];
             cm[i] = cd[i] = -1;
-            L.mapped.resize(n_ff, 0);
             L.mapped[i] = 1;
             ++L.n_mapped;
         }
