@@ -53,7 +53,9 @@ struct ggml_tensor * ggml_kx_mul_mat_rows(
     GGML_ASSERT(x->ne[2] == 1 && x->ne[3] == 1);
     GGML_ASSERT(w->ne[0] == x->ne[0]);
     const int64_t n = rowmap ? ggml_nelements(rowmap) : w->ne[1];
-    kx_check_sel(sel, n);
+    if (sel) { // no list: every neuron
+        kx_check_sel(sel, n);
+    }
     kx_check_rowmap(rowmap, n, w->ne[1]);
 
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, x->ne[1]);

@@ -115,22 +115,24 @@ class GGML:
         full[1:1 + len(ids)] = ids
         return self._tensor(ctx, "i32", (n + 1,), full)
 
-    def mul_mat_rows(self, w_bytes: bytes, w_type: str, n: int, k: int, x: np.ndarray, sel: np.ndarray,
+    def mul_mat_rows(self, w_bytes: bytes, w_type: str, n: int, k: int, x: np.ndarray, sel: np.ndarray | None,
                      rowmap: np.ndarray | None = None, n_threads: int = 1, use_ref: bool = False,
                      gate: np.ndarray | None = None) -> np.ndarray:
         """w [n_rows, k] (as ggml bytes, n_rows = n without a row map), x [T, k] -> [T, n];
-        gate [T, n]: the gated op (rows whose gate is <= 0 for every token are skipped)."""
+        sel None: no list (every neuron); gate [T, n]: the gated op (rows whose gate is <= 0
+        for every token are skipped)."""
         T = x.shape[0]
         ctx = self._ctx(len(w_bytes) + x.nbytes + 4 * n * (1 + T))
         try:
             wt = self._tensor(ctx, w_type, (k, len(w_bytes) // self.base.ggml_row_size(GGML_TYPE[w_type], k)), w_bytes)
             xt = self._tensor(ctx, "f32", (k, T), x.astype(np.float32))
             rm = None if rowmap is None else self._tensor(ctx, "i32", (n,), rowmap.astype(np.int32))
+            st = None if sel is None else self._sel(ctx, sel, n)
             if gate is None:
-                out = self.base.ggml_kx_mul_mat_rows(ctx, wt, xt, self._sel(ctx, sel, n), rm)
+                out = self.base.ggml_kx_mul_mat_rows(ctx, wt, xt, st, rm)
             else:
                 gt = self._tensor(ctx, "f32", (n, T), gate.astype(np.float32))
-                out = self.base.ggml_kx_mul_mat_rows_gated(ctx, wt, xt, self._sel(ctx, sel, n), rm, gt)
+                out = self.base.ggml_kx_mul_mat_rows_gated(ctx, wt, xt, st, rm, gt)
             return self._run(ctx, out, n_threads, use_ref, (T, n), np.float32).copy()
         finally:
             self.base.ggml_free(ctx)

@@ -122,6 +122,34 @@ def test_mul_mat_rows(g: GGML, wtype: str, k: int, T: int):
 
 
 @pytest.mark.parametrize("T", [1, 3])
+def test_mul_mat_rows_without_a_list_is_the_matvec(g: GGML, T: int):
+    """No list (the predictor's B on the device): every neuron, through the row map where
+    one is given (neurons it sends to -1 read 0), gated rows skipped as with a list."""
+    rng = np.random.default_rng(11)
+    n, k = 300, 256
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    dense = (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32)
+    rowmap = np.full(n, -1, dtype=np.int32)
+    held = np.sort(rng.choice(n, 100, replace=False))
+    rowmap[held] = np.arange(100, dtype=np.int32)
+    gate = rng.standard_normal((T, n)).astype(np.float32)
+    fires = np.any(gate > 0, axis=0)
+    for nt in THREADS:
+        for use_ref in (False, True):
+            got = g.mul_mat_rows(g.quantize(w, "f32"), "f32", n, k, x, None, n_threads=nt, use_ref=use_ref)
+            np.testing.assert_allclose(got, dense, rtol=1e-4, atol=1e-4)
+            got = g.mul_mat_rows(g.quantize(w[held], "f32"), "f32", n, k, x, None, rowmap=rowmap, n_threads=nt,
+                                 use_ref=use_ref)
+            np.testing.assert_allclose(got[:, held], dense[:, held], rtol=1e-4, atol=1e-4)
+            assert np.all(got[:, rowmap < 0] == 0)
+            got = g.mul_mat_rows(g.quantize(w, "f32"), "f32", n, k, x, None, gate=gate, n_threads=nt,
+                                 use_ref=use_ref)
+            np.testing.assert_allclose(got[:, fires], dense[:, fires], rtol=1e-4, atol=1e-4)
+            assert np.all(got[:, ~fires] == 0)
+
+
+@pytest.mark.parametrize("T", [1, 3])
 def test_mul_mat_rows_gated_skips_rows_whose_gate_never_fires(g: GGML, T: int):
     """The gated op (ReLU up rows): a listed neuron whose gate is <= 0 for every token reads
     0 (its row, NaN here, is never touched); the others read what the ungated op reads."""

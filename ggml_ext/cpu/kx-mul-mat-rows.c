@@ -1,5 +1,6 @@
 // GGML_OP_KX_MUL_MAT_ROWS on the CPU: w·x for the rows listed in sel only (through the
-// row map when one is given: neurons it sends to -1 are not in w and stay 0).
+// row map when one is given: neurons it sends to -1 are not in w and stay 0); without
+// sel, for every row (a plain matvec, the form the predictor's second half uses).
 //
 // The fast path is ggml's own matvec inner loop: x is converted once to the weight
 // type's vec_dot_type (Q8_0/Q8_K for quantized weights, F16, BF16 or F32), then
@@ -104,16 +105,16 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
     }
     ggml_barrier(params->threadpool);
 
-    // phase 2: active rows
-    const int32_t * list  = (const int32_t *) sel->data;
-    const int64_t   count = list[0];
-    const int32_t * ids   = list + 1;
+    // phase 2: active rows (no list: every row, in order)
+    const int32_t * list  = sel ? (const int32_t *) sel->data : NULL;
+    const int64_t   count = list ? list[0] : n;
+    const int32_t * ids   = list ? list + 1 : NULL;
     const int64_t   j0 = count*ith/nth;
     const int64_t   j1 = count*(ith + 1)/nth;
 
     if (params->use_ref) {
         for (int64_t j = j0; j < j1; ++j) {
-            const int64_t i   = ids[j];
+            const int64_t i   = ids ? ids[j] : j;
             const int64_t r   = map ? map[i] : i;
             if (r < 0 || kx_gated_off(gate, i, nt)) {
                 continue;
@@ -129,7 +130,7 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
 
     ggml_vec_dot_t const vec_dot = tw->vec_dot;
     for (int64_t j = j0; j < j1; ++j) {
-        const int64_t i   = ids[j];
+        const int64_t i   = ids ? ids[j] : j;
         const int64_t r   = map ? map[i] : i;
         if (r < 0 || kx_gated_off(gate, i, nt)) {
             continue;
@@ -137,7 +138,8 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
         const char *  row = (const char *) w->data + r*w->nb[1];
         if (j + 1 < j1) {
             // rows are scattered: start the next row's first lines early
-            const int64_t rn = map ? map[ids[j + 1]] : ids[j + 1];
+            const int64_t in = ids ? ids[j + 1] : j + 1;
+            const int64_t rn = map ? map[in] : in;
             if (rn >= 0) {
                 const char * next = (const char *) w->data + rn*w->nb[1];
                 __builtin_prefetch(next);

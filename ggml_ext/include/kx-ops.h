@@ -69,10 +69,11 @@ GGML_API struct ggml_tensor * ggml_kx_select(
 // GPU-resident neurons to -1, so each side computes only its own neurons of one list.
 
 // w: [k, n_rows] of any type with a CPU vec_dot (F32, F16, BF16, Q4_0, Q8_0, K-quants, ...);
-// x: F32 [k, n_tokens]; sel: I32 [n + 1] from ggml_kx_select; rowmap: NULL (neuron i is
-// row i, n = n_rows) or I32 [n].
+// x: F32 [k, n_tokens]; sel: I32 [n + 1] from ggml_kx_select, or NULL for every neuron;
+// rowmap: NULL (neuron i is row i, n = n_rows) or I32 [n].
 // Result: F32 [n, n_tokens]; rows listed in sel (and present in w) hold w·x, all other
-// rows are 0.
+// rows are 0. Without sel and rowmap it is a plain matvec; the CUDA kernel gives each row
+// one warp, which on short rows (the predictor's 256-wide B) beats ggml's one block per row.
 GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,

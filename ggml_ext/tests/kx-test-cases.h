@@ -126,14 +126,17 @@ struct test_kx_rows : public test_case {
     }
 };
 
-// GGML_OP_KX_MUL_MAT_ROWS over a whole weight (rows = n) or a slot buffer (rows < n, map).
+// GGML_OP_KX_MUL_MAT_ROWS over a whole weight (rows = n) or a slot buffer (rows < n, map);
+// unlisted: no list at all (every row, the predictor's plain matvec).
 struct test_kx_mul_mat_rows : public test_kx_rows {
-    bool gated;
+    bool gated, listed;
     test_kx_mul_mat_rows(ggml_type type, int64_t k, int64_t n, int64_t nt, int64_t n_rows, double density,
-                         bool gated = false)
-        : test_kx_rows(type, k, n, nt, n_rows, density, 1234), gated(gated) {}
+                         bool gated = false, bool listed = true)
+        : test_kx_rows(type, k, n, nt, n_rows, density, 1234), gated(gated), listed(listed) {}
 
-    std::string vars() override { return test_kx_rows::vars() + ",gated=" + (gated ? "1" : "0"); }
+    std::string vars() override {
+        return test_kx_rows::vars() + ",gated=" + (gated ? "1" : "0") + ",listed=" + (listed ? "1" : "0");
+    }
 
     ggml_tensor * build_graph(ggml_context * ctx) override {
         ggml_tensor * w = new_inputs(ctx);
@@ -142,9 +145,9 @@ struct test_kx_mul_mat_rows : public test_kx_rows {
         if (gated) {
             // gate values of either sign: the gated rows must read 0 on both backends
             ggml_tensor * g = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, nt);
-            out = ggml_kx_mul_mat_rows_gated(ctx, w, x, sel, map, g);
+            out = ggml_kx_mul_mat_rows_gated(ctx, w, x, listed ? sel : nullptr, map, g);
         } else {
-            out = ggml_kx_mul_mat_rows(ctx, w, x, sel, map);
+            out = ggml_kx_mul_mat_rows(ctx, w, x, listed ? sel : nullptr, map);
         }
         ggml_set_name(out, "out");
         return out;
@@ -209,6 +212,11 @@ static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cas
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 3, 1000, 0.3, true));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 1, 1000, 0.0));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 2, 1000, 1.0));
+        // no list: every row (the predictor's B, 256 wide), ungated and gated, and a map
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 11008, 1, 11008, 1.0, false, false));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 11008, 4, 11008, 1.0, false, false));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 4096, 1000, 2, 1000, 1.0, true, false));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 1, 300, 1.0, false, false));
     }
     for (ggml_type type : {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0}) {
         for (int64_t nt : {1, 4, 8}) {
