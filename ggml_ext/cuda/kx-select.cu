@@ -19,7 +19,9 @@ static __device__ __forceinline__ bool kx_on(float v, float thr, int32_t act) {
     return act == KX_SELECT_SCORE ? v > thr : fabsf(kx_act_value(v, act)) > thr;
 }
 
-static __global__ void kx_select_kernel(const float * s, int32_t * out, int64_t n, int64_t nt, int64_t nb1,
+// launch bounds: 1024 threads may use at most 64 registers each (the unbounded build took
+// 65 and failed to launch)
+static __global__ void __launch_bounds__(KX_SELECT_THREADS) kx_select_kernel(const float * s, int32_t * out, int64_t n, int64_t nt, int64_t nb1,
                                         float thr, float max_density, int32_t act) {
     __shared__ uint32_t masks[KX_SELECT_CHUNKS*WARP_SIZE]; // [chunk][warp]
     __shared__ int32_t  offs[KX_SELECT_CHUNKS*WARP_SIZE];  // exclusive scan of their popcounts
