@@ -8,8 +8,7 @@ bool ggml_cuda_kx_supports_op(const ggml_tensor * op) {
     const ggml_tensor * src1 = op->src[1];
     switch (op->op) {
         case GGML_OP_KX_SELECT:
-            // one block, 32 neurons per thread (kx-select.cu): wider layers stay on the CPU
-            return src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) && src0->ne[0] <= 32768;
+            return src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float);
         case GGML_OP_KX_MUL_MAT_ROWS:
             switch (src0->type) {
                 case GGML_TYPE_F32:
