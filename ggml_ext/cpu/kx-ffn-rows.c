@@ -25,6 +25,14 @@
 // neurons that fire (KB-7B: 53% of listed host neurons nonzero), so this skips ~19% of the
 // host part's bytes. SiLU/GELU never give an exact 0 and read every row.
 //
+// ReLU in two passes, split by rows rather than neurons: a neuron that fires costs three
+// rows and one that does not costs one, and the list comes in hotness order, so an even
+// split of the neurons left the slowest thread's loop 25% (KB-7B) to 27% (KB-13B) above
+// the mean one's (H200, 16 threads, kx_cpu_ffn_stats). Pass a: the gates, split evenly
+// over the present neurons, written to a shared array with the ids; one barrier; pass b:
+// the up and down rows, split evenly over the neurons that fired. KX_FFN_ONE_PASS=1 keeps
+// the single pass, for measurement.
+//
 // No software prefetch: requesting the next neuron's gate/up rows and the block's down rows
 // whole into L2 ran 6% slower on the H200 host (KB-7B, 16 threads, interleaved A/B rows,
 // bench/results/balance-live/prefetch/): the hardware streamers already keep the row reads
@@ -48,12 +56,16 @@ static size_t kx_ffn_align(size_t n) {
     return (n + KX_CACHE_LINE - 1) / KX_CACHE_LINE * KX_CACHE_LINE;
 }
 
-// wdata: [x in vec_dot_type] [per thread: one cache line (present count, loop ns)]
+// wdata: [x in vec_dot_type] [per thread: one cache line (present count, loop ns, fired count,
+//        rows read)]
+//        [two-pass ReLU: the gates (n x nt floats) and ids (n) of the present neurons, by rank]
 //        [per thread: accumulator m x nt floats]
 //        [per thread: g, u, h blocks of KX_FFN_BLK x nt, then k floats for the reference path]
 struct kx_ffn_work {
     char    * xq;
     int64_t * cnt;    // cnt[ith * KX_CACHE_LINE / 8]
+    float   * gs;     // gs[rank * nt + t]
+    int32_t * rid;    // rid[rank]
     float   * acc;    // thread j: acc + j * acc_stride
     float   * blk;    // thread j: blk + j * blk_stride
     size_t    acc_stride;
@@ -76,6 +88,11 @@ static struct kx_ffn_work kx_ffn_layout(char * base, const struct ggml_tensor * 
     }
     w.cnt = (int64_t *) (base + off);
     off += (size_t) nth * KX_CACHE_LINE;
+    const int64_t n = node->src[4]->ne[0] - 1; // neurons: sel is I32 [n + 1]
+    w.gs = (float *) (base + off);
+    off += kx_ffn_align(sizeof(float) * (size_t) (n * nt));
+    w.rid = (int32_t *) (base + off);
+    off += kx_ffn_align(sizeof(int32_t) * (size_t) n);
     w.acc_stride = kx_ffn_align(sizeof(float) * (size_t) (m * nt)) / sizeof(float);
     w.acc = (float *) (base + off);
     off += (size_t) nth * w.acc_stride * sizeof(float);
@@ -89,13 +106,15 @@ size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
     return (size_t) ((char *) w.blk - (char *) NULL) + (size_t) n_tasks * w.blk_stride * sizeof(float);
 }
 
-// counters (kx_cpu_ffn_stats): up rows skipped, calls, and where a call's time goes
-enum { KX_FFN_UP_SKIPPED, KX_FFN_CALLS, KX_FFN_OP_NS, KX_FFN_WORK_MAX_NS, KX_FFN_WORK_MEAN_NS, KX_FFN_N_STATS };
+// counters (kx_cpu_ffn_stats): up rows skipped, calls, where a call's time goes, and how
+// evenly its threads' rows were spread
+enum { KX_FFN_UP_SKIPPED, KX_FFN_CALLS, KX_FFN_OP_NS, KX_FFN_WORK_MAX_NS, KX_FFN_WORK_MEAN_NS,
+       KX_FFN_ROWS_MAX, KX_FFN_ROWS_MEAN, KX_FFN_N_STATS };
 static atomic_int_fast64_t kx_ffn_stat[KX_FFN_N_STATS];
 
 void kx_cpu_ffn_stats(int64_t * up_skipped, int64_t * calls, int64_t * op_ns, int64_t * work_max_ns,
-                      int64_t * work_mean_ns, bool reset) {
-    int64_t * out[KX_FFN_N_STATS] = { up_skipped, calls, op_ns, work_max_ns, work_mean_ns };
+                      int64_t * work_mean_ns, int64_t * rows_max, int64_t * rows_mean, bool reset) {
+    int64_t * out[KX_FFN_N_STATS] = { up_skipped, calls, op_ns, work_max_ns, work_mean_ns, rows_max, rows_mean };
     for (int i = 0; i < KX_FFN_N_STATS; ++i) {
         if (out[i]) {
             *out[i] = atomic_load(&kx_ffn_stat[i]);
@@ -117,15 +136,25 @@ static int64_t kx_ffn_now_ns(void) {
 #endif
 }
 
-// KX_FFN_UP_ALL=1 reads every listed neuron's up row (the form before the ReLU skip), for
-// measurement; set and not "0" counts, as for KX_FFN_SPLIT (kx-ffn.cpp); read once per process
+// A/B switches for measurement, set and not "0" (as KX_FFN_SPLIT in kx-ffn.cpp), read once
+// per process: KX_FFN_UP_ALL=1 reads every listed neuron's up row (the form before the ReLU
+// skip); KX_FFN_ONE_PASS=1 runs ReLU in one pass split by neurons (before the two passes)
+static bool kx_ffn_env_flag(const char * name, int * cached) {
+    if (*cached < 0) {
+        const char * e = getenv(name);
+        *cached = e != NULL && *e && strcmp(e, "0") != 0;
+    }
+    return *cached == 1;
+}
+
 static bool kx_ffn_up_all(void) {
     static int v = -1;
-    if (v < 0) {
-        const char * e = getenv("KX_FFN_UP_ALL");
-        v = e != NULL && *e && strcmp(e, "0") != 0;
-    }
-    return v == 1;
+    return kx_ffn_env_flag("KX_FFN_UP_ALL", &v);
+}
+
+static bool kx_ffn_one_pass(void) {
+    static int v = -1;
+    return kx_ffn_env_flag("KX_FFN_ONE_PASS", &v);
 }
 
 static inline int64_t kx_ffn_row(const int32_t * map, int64_t i) {
@@ -153,6 +182,53 @@ static inline float kx_ffn_dot(const struct ggml_tensor * w, const char * row, c
     return d;
 }
 
+// a block of up to KX_FFN_BLK neurons with their g and u: act(g) * u, then the down rows
+// of the nonzero ones into the thread's accumulator
+struct kx_ffn_blk {
+    int64_t nt;
+    int32_t act;
+    int64_t m;
+    float * gb;     // [nt][KX_FFN_BLK]
+    float * ub;
+    float * hb;
+    float * acc;    // [nt][m]
+    const struct ggml_tensor * down;
+    const int32_t * dmap;
+    bool    ref;
+    int     nb;     // neurons in the block
+    int32_t ids[KX_FFN_BLK];
+    int64_t nonzero; // (neuron, token) pairs added
+    int64_t rows;    // down rows read (a neuron with a nonzero h for any token)
+};
+
+static void kx_ffn_blk_flush(struct kx_ffn_blk * B) {
+    if (B->nb == 0) {
+        return;
+    }
+    for (int64_t t = 0; t < B->nt; ++t) {
+        for (int b = B->nb; b < KX_FFN_BLK; ++b) {
+            B->gb[t*KX_FFN_BLK + b] = 0.0f;
+            B->ub[t*KX_FFN_BLK + b] = 0.0f;
+        }
+        kx_ffn_glu(B->act, KX_FFN_BLK, B->hb + t*KX_FFN_BLK, B->gb + t*KX_FFN_BLK, B->ub + t*KX_FFN_BLK);
+    }
+    for (int b = 0; b < B->nb; ++b) {
+        const int64_t dr = kx_ffn_row(B->dmap, B->ids[b]);
+        const char * drow = (const char *) B->down->data + dr*B->down->nb[1];
+        const int64_t before = B->nonzero;
+        for (int64_t t = 0; t < B->nt; ++t) {
+            const float v = B->hb[t*KX_FFN_BLK + b];
+            if (v == 0.0f) {
+                continue;
+            }
+            ++B->nonzero;
+            kx_axpy_row(B->down->type, 0, B->m, B->acc + t*B->m, drow, v, B->ref);
+        }
+        B->rows += B->nonzero > before;
+    }
+    B->nb = 0;
+}
+
 void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * gate = dst->src[0];
     const struct ggml_tensor * up   = dst->src[1];
@@ -168,6 +244,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     const int  nth = params->nth;
     const bool ref = params->use_ref;
     const bool skip_up = act == KX_SELECT_RELU && !kx_ffn_up_all();
+    const bool two_pass = skip_up && !kx_ffn_one_pass();
 
     const int64_t k  = gate->ne[0];
     const int64_t m  = dst->ne[0];
@@ -229,69 +306,128 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         }
         rank += c;
     }
-    const int64_t t_work = kx_ffn_now_ns();
-    int64_t nonzero = 0;
+    int64_t t_work = kx_ffn_now_ns();
+    int64_t work_ns = 0;
+    struct kx_ffn_blk B = { .nt = nt, .act = act, .m = m, .gb = gb, .ub = ub, .hb = hb, .acc = acc,
+                            .down = down, .dmap = dmap, .ref = ref };
     int64_t up_skipped = 0;
-    int32_t blk_ids[KX_FFN_BLK];
-    while (rank < r1) {
-        // gather the next block of present neurons, computing their g and u
-        int nb = 0;
-        for (; j < count && rank < r1 && nb < KX_FFN_BLK; ++j) {
+    int64_t rows = 0; // gate and up rows read here (down rows: B.rows)
+    // the neurons that own an accumulator: present ones (one pass) or fired ones (two)
+    int64_t owned = total;
+    if (!two_pass) {
+        while (rank < r1) {
+            // gather the next block of present neurons, computing their g and u
+            for (; j < count && rank < r1 && B.nb < KX_FFN_BLK; ++j) {
+                const int64_t i = ids[j];
+                const int64_t r = kx_ffn_row(map, i);
+                if (r < 0) {
+                    continue;
+                }
+                if (rank++ < r0) {
+                    continue;
+                }
+                const char * grow = (const char *) gate->data + r*gate->nb[1];
+                const char * urow = (const char *) up->data + r*up->nb[1];
+                bool need_up = !skip_up;
+                for (int64_t t = 0; t < nt; ++t) {
+                    const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
+                    const float g = gpre ? *(const float *) ((const char *) gpre->data + i*sizeof(float) + t*gpre->nb[1])
+                                         : kx_ffn_dot(gate, grow, xq + t*xrow, xf, scr, ref);
+                    gb[t*KX_FFN_BLK + B.nb] = g;
+                    need_up |= g > 0.0f;   // a NaN gate is no reason either: ReLU maps it to 0
+                }
+                for (int64_t t = 0; t < nt; ++t) {
+                    const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
+                    ub[t*KX_FFN_BLK + B.nb] = need_up ? kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref) : 0.0f;
+                }
+                up_skipped += !need_up;
+                rows += (gpre == NULL) + need_up;
+                B.ids[B.nb++] = (int32_t) i;
+            }
+            kx_ffn_blk_flush(&B);
+        }
+    } else {
+        // pass a: the gates of ranks [r0, r1) into the shared array, the fired ones counted
+        int64_t fired = 0;
+        for (; j < count && rank < r1; ++j) {
             const int64_t i = ids[j];
             const int64_t r = kx_ffn_row(map, i);
             if (r < 0) {
                 continue;
             }
-            if (rank++ < r0) {
+            const int64_t q = rank++;
+            if (q < r0) {
                 continue;
             }
             const char * grow = (const char *) gate->data + r*gate->nb[1];
-            const char * urow = (const char *) up->data + r*up->nb[1];
-            bool need_up = !skip_up;
+            bool on = false;
             for (int64_t t = 0; t < nt; ++t) {
                 const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
                 const float g = gpre ? *(const float *) ((const char *) gpre->data + i*sizeof(float) + t*gpre->nb[1])
                                      : kx_ffn_dot(gate, grow, xq + t*xrow, xf, scr, ref);
-                gb[t*KX_FFN_BLK + nb] = g;
-                need_up |= g > 0.0f;   // a NaN gate is no reason either: ReLU maps it to 0
+                w.gs[q*nt + t] = g;
+                on |= g > 0.0f;
             }
+            w.rid[q] = (int32_t) i;
+            fired += on;
+        }
+        line[2] = fired;
+        up_skipped = (r1 - r0) - fired;
+        rows = gpre ? 0 : r1 - r0;
+        work_ns = kx_ffn_now_ns() - t_work;
+        ggml_barrier(params->threadpool);
+        t_work = kx_ffn_now_ns();
+
+        // pass b: fired neurons [f0, f1) of all F, in rank order; start at the slice of
+        // pass a that holds fired neuron f0
+        int64_t F = 0;
+        for (int s = 0; s < nth; ++s) {
+            F += w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t)) + 2];
+        }
+        owned = F;
+        const int64_t f0 = F*ith/nth;
+        const int64_t f1 = F*(ith + 1)/nth;
+        int64_t q = 0;
+        int64_t f = 0;
+        for (int s = 0; s < nth; ++s) {
+            const int64_t c = w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t)) + 2];
+            if (f + c > f0) {
+                q = total*s/nth;
+                break;
+            }
+            f += c;
+        }
+        for (; f < f1; ++q) {
+            bool on = false;
+            for (int64_t t = 0; t < nt; ++t) {
+                on |= w.gs[q*nt + t] > 0.0f;
+            }
+            if (!on || f++ < f0) {
+                continue;
+            }
+            const int64_t i = w.rid[q];
+            const char * urow = (const char *) up->data + kx_ffn_row(map, i)*up->nb[1];
             for (int64_t t = 0; t < nt; ++t) {
                 const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
-                ub[t*KX_FFN_BLK + nb] = need_up ? kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref) : 0.0f;
+                gb[t*KX_FFN_BLK + B.nb] = w.gs[q*nt + t];
+                ub[t*KX_FFN_BLK + B.nb] = kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref);
             }
-            up_skipped += !need_up;
-            blk_ids[nb++] = (int32_t) i;
-        }
-        if (nb == 0) {
-            continue;
-        }
-        for (int64_t t = 0; t < nt; ++t) {
-            for (int b = nb; b < KX_FFN_BLK; ++b) {
-                gb[t*KX_FFN_BLK + b] = 0.0f;
-                ub[t*KX_FFN_BLK + b] = 0.0f;
-            }
-            kx_ffn_glu(act, KX_FFN_BLK, hb + t*KX_FFN_BLK, gb + t*KX_FFN_BLK, ub + t*KX_FFN_BLK);
-        }
-        for (int b = 0; b < nb; ++b) {
-            const int64_t dr = kx_ffn_row(dmap, blk_ids[b]);
-            const char * drow = (const char *) down->data + dr*down->nb[1];
-            for (int64_t t = 0; t < nt; ++t) {
-                const float v = hb[t*KX_FFN_BLK + b];
-                if (v == 0.0f) {
-                    continue;
-                }
-                ++nonzero;
-                kx_axpy_row(down->type, 0, m, acc + t*m, drow, v, ref);
+            B.ids[B.nb++] = (int32_t) i;
+            ++rows;
+            if (B.nb == KX_FFN_BLK) {
+                kx_ffn_blk_flush(&B);
             }
         }
+        kx_ffn_blk_flush(&B);
     }
     if (r1 > r0 || ith == 0) {
-        kx_cpu_axpy_stats_add(nonzero, r1 - r0, ith == 0 ? count - total : 0);
+        kx_cpu_axpy_stats_add(B.nonzero, r1 - r0, ith == 0 ? count - total : 0);
     }
     if (up_skipped) {
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_UP_SKIPPED], up_skipped);
     }
-    line[1] = kx_ffn_now_ns() - t_work;
+    line[1] = work_ns + kx_ffn_now_ns() - t_work;
+    line[3] = rows + B.rows;
     ggml_barrier(params->threadpool);
 
     // phase 3: columns split across threads, accumulators added in thread order (threads
@@ -302,7 +438,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         float * y = (float *) ((char *) dst->data + t*dst->nb[1]);
         memset(y + c0, 0, sizeof(float) * (size_t) (c1 - c0));
         for (int s = 0; s < nth; ++s) {
-            if (total*s/nth == total*(s + 1)/nth) {
+            if (owned*s/nth == owned*(s + 1)/nth) {
                 continue;
             }
             ggml_vec_acc_f32((int) (c1 - c0), y + c0, w.acc + (size_t) s * w.acc_stride + t*m + c0);
@@ -311,14 +447,20 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     if (ith == 0) {
         int64_t wmax = 0;
         int64_t wsum = 0;
+        int64_t rmax = 0;
+        int64_t rsum = 0;
         for (int s = 0; s < nth; ++s) {
-            const int64_t v = w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t)) + 1];
-            wmax = v > wmax ? v : wmax;
-            wsum += v;
+            const int64_t * ls = w.cnt + s * (KX_CACHE_LINE / sizeof(int64_t));
+            wmax = ls[1] > wmax ? ls[1] : wmax;
+            wsum += ls[1];
+            rmax = ls[3] > rmax ? ls[3] : rmax;
+            rsum += ls[3];
         }
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_CALLS], 1);
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_OP_NS], kx_ffn_now_ns() - t_enter);
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_WORK_MAX_NS], wmax);
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_WORK_MEAN_NS], wsum / nth);
+        atomic_fetch_add(&kx_ffn_stat[KX_FFN_ROWS_MAX], rmax);
+        atomic_fetch_add(&kx_ffn_stat[KX_FFN_ROWS_MEAN], rsum / nth);
     }
 }

@@ -91,7 +91,8 @@ class SparseCounters:
     up_skipped: listed rows of ReLU layers whose up row the fused FFN op did not read (its
     gate <= 0 for every token of the call); ffn_calls, ffn_op_ns, ffn_work_max_ns,
     ffn_work_mean_ns: that op's calls, its time (thread 0, entry to exit), and its slowest and
-    mean thread's neuron loop, ns summed over calls (kx-ops.h).
+    mean thread's neuron loop, ns summed over calls; ffn_rows_max, ffn_rows_mean: the weight
+    rows its busiest and its mean thread read, summed over calls (kx-ops.h).
     """
     selected: int
     total: int
@@ -105,6 +106,8 @@ class SparseCounters:
     ffn_op_ns: int = 0
     ffn_work_max_ns: int = 0
     ffn_work_mean_ns: int = 0
+    ffn_rows_max: int = 0
+    ffn_rows_mean: int = 0
 
     @property
     def density(self) -> float:
@@ -188,7 +191,7 @@ def sched_counters(reset: bool = False) -> dict[str, int]:
 
 def sparse_counters(reset: bool = False) -> SparseCounters:
     lib = ggml_library("ggml-cpu")
-    vals = [ctypes.c_int64() for _ in range(12)]
+    vals = [ctypes.c_int64() for _ in range(14)]
     lib.kx_cpu_select_stats(*[ctypes.byref(v) for v in vals[:4]], ctypes.c_bool(reset))
     lib.kx_cpu_axpy_stats(*[ctypes.byref(v) for v in vals[4:7]], ctypes.c_bool(reset))
     lib.kx_cpu_ffn_stats(*[ctypes.byref(v) for v in vals[7:]], ctypes.c_bool(reset))
