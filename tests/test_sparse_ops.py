@@ -7,6 +7,9 @@ References: numpy in float64 on weights dequantized by gguf.quants (not by ggml)
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -379,9 +382,6 @@ def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
     for nt in (1, 3, 7, 16, 80):   # uneven splits, more threads than firing neurons
         rows_max, rows_mean, err = hot_first_relu_rows(g, nt)
         assert err < 1e-4 and rows_max - rows_mean <= 3, (nt, rows_max, rows_mean)
-    import os
-    import subprocess
-    import sys
     code = ("import sys; sys.path[:0] = sys.argv[1:]; from ggml_ops import GGML; "
             "from test_sparse_ops import hot_first_relu_rows; print(*hot_first_relu_rows(GGML(), 4))")
     env = dict(os.environ, KX_FFN_ONE_PASS="1", KAIROX_LIB_DIR=str(native))

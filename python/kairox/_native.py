@@ -191,7 +191,7 @@ def sched_counters(reset: bool = False) -> dict[str, int]:
 
 def sparse_counters(reset: bool = False) -> SparseCounters:
     lib = ggml_library("ggml-cpu")
-    vals = [ctypes.c_int64() for _ in range(14)]
+    vals = [ctypes.c_int64() for _ in dataclasses.fields(SparseCounters)]
     lib.kx_cpu_select_stats(*[ctypes.byref(v) for v in vals[:4]], ctypes.c_bool(reset))
     lib.kx_cpu_axpy_stats(*[ctypes.byref(v) for v in vals[4:7]], ctypes.c_bool(reset))
     lib.kx_cpu_ffn_stats(*[ctypes.byref(v) for v in vals[7:]], ctypes.c_bool(reset))
