@@ -3,8 +3,9 @@
 //
 // One warp per listed neuron, grid-stride over the list: every warp streams one weight
 // row once and dots it with all tokens' x (≤ KX_CUDA_MAX_TOKENS in registers), so a batch
-// reads its union of rows once. Rows move in 16-byte loads (F32/F16) or one block per
-// lane (Q8_0/Q4_0: 34/18-byte blocks, 2-byte aligned, read as 16-bit words). x is read
+// reads its union of rows once. Rows move in 16-byte loads (F32/F16 straight to registers,
+// Q8_0/Q4_0 staged through shared memory; a quantized row that is not 16-byte aligned
+// falls back to one block per lane read as 16-bit words). x is read
 // as float, weights are dequantized on the fly: no x quantization pass (the CPU path
 // quantizes x to Q8 for quantized weights; the difference stays within test tolerance).
 // Gated (src[4], the up rows of a ReLU GLU): a neuron whose gate is <= 0 for every token
@@ -21,128 +22,154 @@
 
 #define KX_MMR_WARPS 4 // warps per block
 #define KX_MMR_LOADS 8 // 16-byte loads a lane has in flight: 4 KiB per warp
+#define KX_MMR_QLOADS 9 // the same for quantized rows, staged: 288 units = 4608 bytes per warp
 
-// x: token t at x + t*sx (floats); adds w[c .. c+len) · x[c .. c+len) into acc
+// A row as 16-byte units: a lane loads units lane, lane + 32, ... KX_MMR_LOADS at a time,
+// then hands each to use(unit, index) in order.
+template <typename U, typename F>
+static __device__ __forceinline__ void kx_row_stream(const U * __restrict__ r, int64_t nl, int lane, F use) {
+    for (int64_t base = lane; base < nl; base += KX_MMR_LOADS*WARP_SIZE) {
+        U raw[KX_MMR_LOADS];
+#pragma unroll
+        for (int u = 0; u < KX_MMR_LOADS; ++u) {
+            const int64_t c = base + u*WARP_SIZE;
+            raw[u] = c < nl ? r[c] : U{};
+        }
+#pragma unroll
+        for (int u = 0; u < KX_MMR_LOADS; ++u) {
+            const int64_t c = base + u*WARP_SIZE;
+            if (c >= nl) {
+                break;
+            }
+            use(raw[u], c);
+        }
+    }
+}
+
+// one quantized block's 32 weights, dequantized (Q8_0: 34 bytes, Q4_0: 18 bytes; 2-byte aligned)
 template <ggml_type type>
+static __device__ __forceinline__ void kx_block_dequant(const char * blk, float * wv) {
+    if constexpr (type == GGML_TYPE_Q8_0) {
+        const block_q8_0 * b = (const block_q8_0 *) blk;
+        const float d = __half2float(b->d);
+        const uint16_t * q16 = (const uint16_t *) b->qs;
+#pragma unroll
+        for (int j = 0; j < QK8_0/2; ++j) {
+            const uint16_t u = q16[j];
+            wv[2*j]     = d*(float) (int8_t) (u & 0xFF);
+            wv[2*j + 1] = d*(float) (int8_t) (u >> 8);
+        }
+    } else { // Q4_0: element j = (qs[j] & 0xF) - 8, element j + 16 = (qs[j] >> 4) - 8
+        const block_q4_0 * b = (const block_q4_0 *) blk;
+        const float d = __half2float(b->d);
+        const uint16_t * q16 = (const uint16_t *) b->qs;
+#pragma unroll
+        for (int j = 0; j < QK4_0/4; ++j) {
+            const uint16_t u = q16[j];
+            wv[2*j]      = d*(float) ((int) (u & 0xF) - 8);
+            wv[2*j + 16] = d*(float) ((int) ((u >> 4) & 0xF) - 8);
+            wv[2*j + 1]  = d*(float) ((int) ((u >> 8) & 0xF) - 8);
+            wv[2*j + 17] = d*(float) ((int) (u >> 12) - 8);
+        }
+    }
+}
+
+// acc[t] += block b's 32 weights · x[t][32 b .. 32 b + 32)
+template <ggml_type type>
+static __device__ __forceinline__ void kx_block_dot(const char * blk, const float * __restrict__ x, int64_t sx,
+                                                    int nt, int64_t b, float * acc) {
+    float wv[32];
+    kx_block_dequant<type>(blk, wv);
+#pragma unroll
+    for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+        if (t < nt) {
+            const float4 * xt = (const float4 *) (x + t*sx + b*32);
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float4 a = xt[j];
+                s += wv[4*j]*a.x + wv[4*j + 1]*a.y + wv[4*j + 2]*a.z + wv[4*j + 3]*a.w;
+            }
+            acc[t] += s;
+        }
+    }
+}
+
+// x: token t at x + t*sx (floats); adds w[c .. c+len) · x[c .. c+len) into acc.
+// staged (quantized rows whose start and length are multiples of 16 bytes): the warp reads
+// a chunk of whole blocks in 16-byte units, KX_MMR_QLOADS per lane in flight, into shared
+// memory, then each lane dequantizes blocks from there. Why: a lane reading its own 18- or
+// 34-byte block in 2-byte words had one block in flight, the same latency bound the F16
+// path had before its loads were batched.
+template <ggml_type type, bool staged>
 static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row, const float * __restrict__ x,
                                                   int64_t sx, int nt, int64_t k, int lane, float * acc) {
     if constexpr (type == GGML_TYPE_F16) {
-        const int4 * r = (const int4 *) row; // 8 halves per load
-        const int64_t nl = k/8;
-        for (int64_t base = lane; base < nl; base += KX_MMR_LOADS*WARP_SIZE) {
-            int4 raw[KX_MMR_LOADS];
+        kx_row_stream((const int4 *) row, k/8, lane, [&](const int4 & raw, int64_t c8) { // 8 halves a unit
+            const half2 * h = (const half2 *) &raw;
+            float2 w[4];
 #pragma unroll
-            for (int u = 0; u < KX_MMR_LOADS; ++u) {
-                const int64_t c8 = base + u*WARP_SIZE;
-                raw[u] = c8 < nl ? r[c8] : make_int4(0, 0, 0, 0);
+            for (int q = 0; q < 4; ++q) {
+                w[q] = __half22float2(h[q]);
             }
 #pragma unroll
-            for (int u = 0; u < KX_MMR_LOADS; ++u) {
-                const int64_t c8 = base + u*WARP_SIZE;
-                if (c8 >= nl) {
-                    break;
-                }
-                const half2 * h = (const half2 *) &raw[u];
-                float2 w[4];
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    w[q] = __half22float2(h[q]);
-                }
-#pragma unroll
-                for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
-                    if (t < nt) {
-                        const float4 * xt = (const float4 *) (x + t*sx + c8*8);
-                        const float4 a = xt[0], b = xt[1];
-                        acc[t] += w[0].x*a.x + w[0].y*a.y + w[1].x*a.z + w[1].y*a.w
-                                + w[2].x*b.x + w[2].y*b.y + w[3].x*b.z + w[3].y*b.w;
-                    }
+            for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+                if (t < nt) {
+                    const float4 * xt = (const float4 *) (x + t*sx + c8*8);
+                    const float4 a = xt[0], b = xt[1];
+                    acc[t] += w[0].x*a.x + w[0].y*a.y + w[1].x*a.z + w[1].y*a.w
+                            + w[2].x*b.x + w[2].y*b.y + w[3].x*b.z + w[3].y*b.w;
                 }
             }
-        }
+        });
     } else if constexpr (type == GGML_TYPE_F32) {
-        const float4 * r = (const float4 *) row;
-        const int64_t nl = k/4;
-        for (int64_t base = lane; base < nl; base += KX_MMR_LOADS*WARP_SIZE) {
-            float4 wl[KX_MMR_LOADS];
-#pragma unroll
-            for (int u = 0; u < KX_MMR_LOADS; ++u) {
-                const int64_t c4 = base + u*WARP_SIZE;
-                wl[u] = c4 < nl ? r[c4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int u = 0; u < KX_MMR_LOADS; ++u) {
-                const int64_t c4 = base + u*WARP_SIZE;
-                if (c4 >= nl) {
-                    break;
-                }
-                const float4 w = wl[u];
-#pragma unroll
-                for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
-                    if (t < nt) {
-                        const float4 a = ((const float4 *) (x + t*sx))[c4];
-                        acc[t] += w.x*a.x + w.y*a.y + w.z*a.z + w.w*a.w;
-                    }
-                }
-            }
-        }
-    } else if constexpr (type == GGML_TYPE_Q8_0) {
-        const block_q8_0 * r = (const block_q8_0 *) row;
-        for (int64_t b = lane; b < k/QK8_0; b += WARP_SIZE) {
-            const float d = __half2float(r[b].d);
-            const uint16_t * q16 = (const uint16_t *) r[b].qs;
-            float wv[QK8_0];
-#pragma unroll
-            for (int j = 0; j < QK8_0/2; ++j) {
-                const uint16_t u = q16[j];
-                wv[2*j]     = d*(float) (int8_t) (u & 0xFF);
-                wv[2*j + 1] = d*(float) (int8_t) (u >> 8);
-            }
+        kx_row_stream((const float4 *) row, k/4, lane, [&](const float4 & w, int64_t c4) {
 #pragma unroll
             for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
                 if (t < nt) {
-                    const float4 * xt = (const float4 *) (x + t*sx + b*QK8_0);
-                    float s = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < QK8_0/4; ++j) {
-                        const float4 a = xt[j];
-                        s += wv[4*j]*a.x + wv[4*j + 1]*a.y + wv[4*j + 2]*a.z + wv[4*j + 3]*a.w;
-                    }
-                    acc[t] += s;
+                    const float4 a = ((const float4 *) (x + t*sx))[c4];
+                    acc[t] += w.x*a.x + w.y*a.y + w.z*a.z + w.w*a.w;
                 }
             }
-        }
-    } else { // Q4_0: element j = (qs[j] & 0xF) - 8, element j + 16 = (qs[j] >> 4) - 8
-        const block_q4_0 * r = (const block_q4_0 *) row;
-        for (int64_t b = lane; b < k/QK4_0; b += WARP_SIZE) {
-            const float d = __half2float(r[b].d);
-            const uint16_t * q16 = (const uint16_t *) r[b].qs;
-            float wv[QK4_0];
+        });
+    } else {
+        constexpr int bs = type == GGML_TYPE_Q8_0 ? (int) sizeof(block_q8_0) : (int) sizeof(block_q4_0);
+        const int64_t nb = k/32;
+        if constexpr (staged) {
+            // blocks per chunk: as many as fit in the staged units (Q4_0 256, Q8_0 135 -> 128)
+            constexpr int cb = (KX_MMR_QLOADS*WARP_SIZE*16/bs) & ~(WARP_SIZE - 1);
+            __shared__ int4 stage[KX_MMR_WARPS][KX_MMR_QLOADS*WARP_SIZE];
+            int4 * st = stage[threadIdx.x/WARP_SIZE];
+            const int4 * r = (const int4 *) row;
+            const int64_t nl = nb*bs/16;
+            for (int64_t b0 = 0; b0 < nb; b0 += cb) {
+                const int64_t l0 = b0*bs/16; // chunks hold whole units: cb*bs is a multiple of 16
+                const int64_t ln = min((int64_t) cb*bs/16, nl - l0);
+                int4 raw[KX_MMR_QLOADS];
 #pragma unroll
-            for (int j = 0; j < QK4_0/4; ++j) {
-                const uint16_t u = q16[j];
-                wv[2*j]          = d*(float) ((int) (u & 0xF) - 8);
-                wv[2*j + 16]     = d*(float) ((int) ((u >> 4) & 0xF) - 8);
-                wv[2*j + 1]      = d*(float) ((int) ((u >> 8) & 0xF) - 8);
-                wv[2*j + 17]     = d*(float) ((int) (u >> 12) - 8);
-            }
-#pragma unroll
-            for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
-                if (t < nt) {
-                    const float4 * xt = (const float4 *) (x + t*sx + b*QK4_0);
-                    float s = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < QK4_0/4; ++j) {
-                        const float4 a = xt[j];
-                        s += wv[4*j]*a.x + wv[4*j + 1]*a.y + wv[4*j + 2]*a.z + wv[4*j + 3]*a.w;
-                    }
-                    acc[t] += s;
+                for (int u = 0; u < KX_MMR_QLOADS; ++u) {
+                    const int64_t c = lane + u*WARP_SIZE;
+                    raw[u] = c < ln ? r[l0 + c] : int4{};
                 }
+#pragma unroll
+                for (int u = 0; u < KX_MMR_QLOADS; ++u) {
+                    st[lane + u*WARP_SIZE] = raw[u];
+                }
+                __syncwarp();
+                for (int64_t b = lane; b < cb && b0 + b < nb; b += WARP_SIZE) {
+                    kx_block_dot<type>((const char *) st + b*bs, x, sx, nt, b0 + b, acc);
+                }
+                __syncwarp(); // the next chunk overwrites the stage
+            }
+        } else {
+            for (int64_t b = lane; b < nb; b += WARP_SIZE) {
+                kx_block_dot<type>(row + b*bs, x, sx, nt, b, acc);
             }
         }
     }
 }
 
-template <ggml_type type>
+template <ggml_type type, bool staged>
 static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64_t w_nb1,
                                               const float * __restrict__ x, int64_t sx,
                                               const int32_t * __restrict__ sel, const int32_t * __restrict__ rowmap,
@@ -168,7 +195,7 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
             }
         }
         float acc[KX_CUDA_MAX_TOKENS] = {0.0f};
-        kx_row_dot<type>(w + r*w_nb1, x, sx, nt, k, lane, acc);
+        kx_row_dot<type, staged>(w + r*w_nb1, x, sx, nt, k, lane, acc);
 #pragma unroll
         for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
             if (t < nt) {
@@ -209,14 +236,21 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const int32_t * list = sel ? (const int32_t *) sel->data : nullptr;
     const int32_t * map = rowmap ? (const int32_t *) rowmap->data : nullptr;
     const float * gate = dst->src[4] ? (const float *) dst->src[4]->data : nullptr; // [n, nt], contiguous
-#define KX_MMR_LAUNCH(T) kx_mul_mat_rows_kernel<T><<<grid, block, 0, stream>>>( \
+    // quantized rows staged in 16-byte units need 16-byte aligned rows (k % 256 == 0 for
+    // Q4_0 and Q8_0, and a 16-byte aligned base: ggml buffers, mapped GGUF data)
+    const bool staged = (uintptr_t) w->data % 16 == 0 && w->nb[1] % 16 == 0;
+#define KX_MMR_LAUNCH(T, S) kx_mul_mat_rows_kernel<T, S><<<grid, block, 0, stream>>>( \
         (const char *) w->data, w->nb[1], (const float *) x->data, sx, list, map, gate, \
         (float *) dst->data, n, k, nt)
     switch (w->type) {
-        case GGML_TYPE_F32:  KX_MMR_LAUNCH(GGML_TYPE_F32);  break;
-        case GGML_TYPE_F16:  KX_MMR_LAUNCH(GGML_TYPE_F16);  break;
-        case GGML_TYPE_Q8_0: KX_MMR_LAUNCH(GGML_TYPE_Q8_0); break;
-        case GGML_TYPE_Q4_0: KX_MMR_LAUNCH(GGML_TYPE_Q4_0); break;
+        case GGML_TYPE_F32:  KX_MMR_LAUNCH(GGML_TYPE_F32, false); break;
+        case GGML_TYPE_F16:  KX_MMR_LAUNCH(GGML_TYPE_F16, false); break;
+        case GGML_TYPE_Q8_0:
+            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q8_0, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q8_0, false); }
+            break;
+        case GGML_TYPE_Q4_0:
+            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q4_0, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q4_0, false); }
+            break;
         default: GGML_ABORT("kx_mul_mat_rows: unsupported type %s", ggml_type_name(w->type));
     }
 #undef KX_MMR_LAUNCH

@@ -111,13 +111,12 @@ static void kx_pipe_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int,
 // another rank stays on ggml's matvec rather than copying B to the CPU each token.
 static ggml_tensor * kx_predict(ggml_context * ctx0, ggml_tensor * cur, const kx_pack_layer & L,
                                 const kx_slot_layer * H) {
-    ggml_tensor * s = ggml_mul_mat(ctx0, H && H->pred_a ? H->pred_a : L.pred_a, cur);
-    if (H && H->pred_b && H->pred_b->ne[0] % 8 == 0) {
-        s = ggml_kx_mul_mat_rows(ctx0, H->pred_b, s, nullptr, nullptr);
-    } else {
-        s = ggml_mul_mat(ctx0, H && H->pred_b ? H->pred_b : L.pred_b, s);
-    }
-    return ggml_add(ctx0, s, H && H->pred_c ? H->pred_c : L.pred_c);
+    // the slots copy all three parts of a layer's predictor or none (kx-slots.cpp)
+    const bool dev = H && H->pred_a;
+    ggml_tensor * s = ggml_mul_mat(ctx0, dev ? H->pred_a : L.pred_a, cur);
+    s = dev && H->pred_b->ne[0] % 8 == 0 ? ggml_kx_mul_mat_rows(ctx0, H->pred_b, s, nullptr, nullptr)
+                                         : ggml_mul_mat(ctx0, dev ? H->pred_b : L.pred_b, s);
+    return ggml_add(ctx0, s, dev ? H->pred_c : L.pred_c);
 }
 
 static ggml_tensor * kx_build_ffn_hybrid(

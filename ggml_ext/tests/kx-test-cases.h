@@ -208,6 +208,10 @@ static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cas
             test_cases.emplace_back(new test_kx_mul_mat_rows(type, 4096, 11008, nt, 11008, 0.11));
             test_cases.emplace_back(new test_kx_mul_mat_rows(type, 4096, 11008, nt, 2752, 0.11));
         }
+        // quantized rows: staged chunks with a tail (8448 = 33 x 256), and rows whose length is
+        // not a multiple of 16 bytes (96: one block per lane, unstaged)
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 8448, 1000, 2, 300, 0.5));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 96, 1000, 3, 1000, 0.3));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 1, 300, 0.5, true));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 3, 1000, 0.3, true));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 1, 1000, 0.0));
