@@ -351,9 +351,10 @@ def test_ffn_rows_relu_reads_up_rows_only_of_firing_neurons(g: GGML):
     assert np.isnan(out).all() and sparse_counters(reset=True).up_skipped == 0
 
 
-def hot_first_relu_rows(g: GGML, n_threads: int) -> tuple[int, int, float]:
+def hot_first_relu_rows(g: GGML, n_threads: int, sel: np.ndarray | None = None) -> tuple[int, int, float, int]:
     """The ReLU op over a list in hotness order (the first quarter fires, the rest does not):
-    the busiest and the mean thread's rows read, and the error against numpy."""
+    the busiest and the mean thread's rows read, the error against numpy, and the nonzero
+    counter's miss (counted minus true nonzero activations). sel: the list (default: all 64)."""
     rng = np.random.default_rng(17)
     n, k, m = 64, 64, 32
     x = rng.uniform(0.5, 1.5, (1, k)).astype(np.float32)
@@ -362,13 +363,16 @@ def hot_first_relu_rows(g: GGML, n_threads: int) -> tuple[int, int, float]:
     up = rng.standard_normal((n, k)).astype(np.float32)
     down = rng.standard_normal((n, m)).astype(np.float32)
     gv = x.astype(np.float64) @ gate.T.astype(np.float64)
-    want = (np.maximum(gv, 0) * (x.astype(np.float64) @ up.T.astype(np.float64))) @ down.astype(np.float64)
+    sel = np.arange(n, dtype=np.int32) if sel is None else np.asarray(sel, np.int32)
+    h = np.maximum(gv, 0) * (x.astype(np.float64) @ up.T.astype(np.float64))
+    want = h[:, sel] @ down[sel].astype(np.float64)
     from kairox._native import sparse_counters
     sparse_counters(reset=True)
     out = g.ffn_rows(g.quantize(gate, "f32"), g.quantize(up, "f32"), "f32", n, k, g.quantize(down, "f32"), "f32",
-                     n, m, x, np.arange(n, dtype=np.int32), n, act="relu", n_threads=n_threads)
+                     n, m, x, sel, n, act="relu", n_threads=n_threads)
     c = sparse_counters(reset=True)
-    return c.ffn_rows_max, c.ffn_rows_mean, float(np.abs(out - want).max())
+    nonzero = int((h[:, sel] != 0).sum())
+    return c.ffn_rows_max, c.ffn_rows_mean, float(np.abs(out - want).max()), c.nonzero - nonzero
 
 
 def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
@@ -377,19 +381,24 @@ def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
     fire, 4 threads read 16 gate + 4 up + 4 down rows each. The one-pass form
     (KX_FFN_ONE_PASS=1, a fresh process: the switch is read once) gives the first thread all
     16 firing neurons, 48 rows against a mean of 24; both compute the same output."""
-    rows_max, rows_mean, err = hot_first_relu_rows(g, 4)
-    assert (rows_max, rows_mean) == (24, 24) and err < 1e-4
-    for nt in (1, 3, 7, 16, 80):   # uneven splits, more threads than firing neurons
-        rows_max, rows_mean, err = hot_first_relu_rows(g, nt)
-        assert err < 1e-4 and rows_max - rows_mean <= 3, (nt, rows_max, rows_mean)
+    rows_max, rows_mean, err, miss = hot_first_relu_rows(g, 4)
+    assert (rows_max, rows_mean, miss) == (24, 24, 0) and err < 1e-4
+    # uneven splits, more threads than firing neurons, more threads than listed neurons (80:
+    # a thread with no gates to compute may still own fired neurons, and counts them)
+    for nt in (1, 3, 7, 16, 80):
+        rows_max, rows_mean, err, miss = hot_first_relu_rows(g, nt)
+        assert err < 1e-4 and rows_max - rows_mean <= 3 and miss == 0, (nt, rows_max, rows_mean, miss)
+    # 6 listed, 4 fire, 16 threads: threads 3 and 11 compute no gate but own a fired neuron
+    *_, err, miss = hot_first_relu_rows(g, 16, sel=np.r_[0:4, 40:42])
+    assert err < 1e-4 and miss == 0, miss
     code = ("import sys; sys.path[:0] = sys.argv[1:]; from ggml_ops import GGML; "
             "from test_sparse_ops import hot_first_relu_rows; print(*hot_first_relu_rows(GGML(), 4))")
     env = dict(os.environ, KX_FFN_ONE_PASS="1", KAIROX_LIB_DIR=str(native))
     r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), *sys.path], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    rows_max, rows_mean, err = r.stdout.split()
-    assert (int(rows_max), int(rows_mean)) == (48, 24) and float(err) < 1e-4
+    rows_max, rows_mean, err, miss = r.stdout.split()
+    assert (int(rows_max), int(rows_mean), int(miss)) == (48, 24, 0) and float(err) < 1e-4
 
 
 def test_ffn_rows_exact_gate_and_counters(g: GGML):

@@ -420,9 +420,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         }
         kx_ffn_blk_flush(&B);
     }
-    if (r1 > r0 || ith == 0) {
-        kx_cpu_axpy_stats_add(B.nonzero, r1 - r0, ith == 0 ? count - total : 0);
-    }
+    // every thread: in two passes one that computed no gate may still own fired neurons
+    kx_cpu_axpy_stats_add(B.nonzero, r1 - r0, ith == 0 ? count - total : 0);
     if (up_skipped) {
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_UP_SKIPPED], up_skipped);
     }
