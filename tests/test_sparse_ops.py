@@ -375,30 +375,40 @@ def hot_first_relu_rows(g: GGML, n_threads: int, sel: np.ndarray | None = None) 
     return c.ffn_rows_max, c.ffn_rows_mean, float(np.abs(out - want).max()), c.nonzero - nonzero
 
 
-def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
-    """ReLU runs in two passes (gates split over the listed neurons, then up and down rows over
-    those that fired), so a hot-first list costs every thread the same rows: 64 neurons, 16
-    fire, 4 threads read 16 gate + 4 up + 4 down rows each. The one-pass form
-    (KX_FFN_ONE_PASS=1, a fresh process: the switch is read once) gives the first thread all
-    16 firing neurons, 48 rows against a mean of 24; both compute the same output."""
-    rows_max, rows_mean, err, miss = hot_first_relu_rows(g, 4)
-    assert (rows_max, rows_mean, miss) == (24, 24, 0) and err < 1e-4
-    # uneven splits, more threads than firing neurons, more threads than listed neurons (80:
-    # a thread with no gates to compute may still own fired neurons, and counts them)
-    for nt in (1, 3, 7, 16, 80):
-        rows_max, rows_mean, err, miss = hot_first_relu_rows(g, nt)
-        assert err < 1e-4 and rows_max - rows_mean <= 3 and miss == 0, (nt, rows_max, rows_mean, miss)
-    # 6 listed, 4 fire, 16 threads: threads 3 and 11 compute no gate but own a fired neuron
-    *_, err, miss = hot_first_relu_rows(g, 16, sel=np.r_[0:4, 40:42])
-    assert err < 1e-4 and miss == 0, miss
-    code = ("import sys; sys.path[:0] = sys.argv[1:]; from ggml_ops import GGML; "
-            "from test_sparse_ops import hot_first_relu_rows; print(*hot_first_relu_rows(GGML(), 4))")
-    env = dict(os.environ, KX_FFN_ONE_PASS="1", KAIROX_LIB_DIR=str(native))
-    r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), *sys.path], env=env,
-                       capture_output=True, text=True, timeout=120)
+def relu_rows_in_process(native: Path, env: dict[str, str], n_threads: int) -> tuple[int, int, float, int]:
+    """hot_first_relu_rows in a fresh process with env set (the op reads its switches once)."""
+    code = ("import sys; sys.path[:0] = sys.argv[2:]; from ggml_ops import GGML; "
+            "from test_sparse_ops import hot_first_relu_rows; print(*hot_first_relu_rows(GGML(), int(sys.argv[1])))")
+    r = subprocess.run([sys.executable, "-c", code, str(n_threads), str(Path(__file__).parent), *sys.path],
+                       env=dict(os.environ, KAIROX_LIB_DIR=str(native), **env), capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     rows_max, rows_mean, err, miss = r.stdout.split()
-    assert (int(rows_max), int(rows_mean), int(miss)) == (48, 24, 0) and float(err) < 1e-4
+    return int(rows_max), int(rows_mean), float(err), int(miss)
+
+
+def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
+    """ReLU runs in two passes (gates over the listed neurons, then up and down rows over those
+    that fired), each in 4 chunks per thread. On a hot-first list (64 neurons, 16 fire: 96
+    rows) with 4 threads, fixed chunks (KX_FFN_STATIC_CHUNKS=1) give every thread 16 gate + 4
+    up + 4 down rows; the one-pass form (KX_FFN_ONE_PASS=1) gives the first thread all 16
+    firing neurons, 48 rows against a mean of 24. By default a free thread takes the next
+    chunk, so the rows follow each thread's speed: the total is the same and so is the output."""
+    rows_max, rows_mean, err, miss = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1"}, 4)
+    assert (rows_max, rows_mean, miss) == (24, 24, 0) and err < 1e-4
+    rows_max, rows_mean, err, miss = relu_rows_in_process(native, {"KX_FFN_ONE_PASS": "1"}, 4)
+    assert (rows_max, rows_mean, miss) == (48, 24, 0) and err < 1e-4
+    # uneven splits, more threads than firing neurons, more threads than listed neurons (80:
+    # a thread may compute no gate and still take fired neurons, and count them)
+    for nt in (1, 3, 4, 7, 16, 80):
+        rows_max, rows_mean, err, miss = hot_first_relu_rows(g, nt)
+        assert err < 1e-4 and miss == 0 and rows_mean == 96 // nt and rows_max >= rows_mean, (nt, rows_max, miss)
+    # 6 listed, 4 fire, 16 threads
+    *_, err, miss = hot_first_relu_rows(g, 16, sel=np.r_[0:4, 40:42])
+    assert err < 1e-4 and miss == 0, miss
+    # fixed chunks over 80 threads (most take no chunk of one pass or the other)
+    rows_max, rows_mean, err, miss = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1"}, 80)
+    assert err < 1e-4 and miss == 0 and rows_mean == 96 // 80
 
 
 def test_ffn_rows_exact_gate_and_counters(g: GGML):

@@ -11,10 +11,11 @@
 // gate, up and down rows itself (24 KiB per neuron of an F16 4096-wide model), summing into
 // a private accumulator; one barrier later the threads add the accumulators column-wise.
 //
-// Determinism: the share of each thread depends only on the list, the map and the thread
-// count (an even split of the neurons present in this weight, counted per static slice of
-// the list before the first barrier), and the column sums add the accumulators in thread
-// order, so a graph gives the same bits every time it runs with the same threads.
+// Determinism: each accumulator's neurons depend only on the list, the map and the thread
+// count (one pass: a thread's even split of the neurons present in this weight, counted per
+// static slice of the list before the first barrier; two passes: a chunk's, whichever
+// thread takes it), and the column sums add the accumulators in order, so a graph gives
+// the same bits every time it runs with the same threads.
 //
 // The activation is ggml's own vector GLU on blocks of KX_FFN_BLK neurons: element-wise,
 // so each neuron gets what the dense path's GLU op computes for it.
@@ -32,6 +33,12 @@
 // over the present neurons, written to a shared array with the ids; one barrier; pass b:
 // the up and down rows, split evenly over the neurons that fired. KX_FFN_ONE_PASS=1 keeps
 // the single pass, for measurement.
+//
+// Each pass runs in KX_FFN_CHUNKS chunks per thread, and a thread that is free takes the
+// next one (a shared counter); a pass-b chunk sums into its own accumulator. Why: with the
+// rows split evenly the slowest thread's loop stayed 19-26% above the mean (H200, KB-7B,
+// bench/results/balance-live/two-pass/), so what was left was per-thread speed, not work.
+// KX_FFN_STATIC_CHUNKS=1 gives each thread its own contiguous chunks (an even split).
 //
 // No software prefetch: requesting the next neuron's gate/up rows and the block's down rows
 // whole into L2 ran 6% slower on the H200 host (KB-7B, 16 threads, interleaved A/B rows,
@@ -51,22 +58,26 @@
 #define KX_CACHE_LINE 64
 // neurons per activation block: a whole number of AVX-512 lanes
 #define KX_FFN_BLK    16
+// ReLU's two passes: chunks per thread of each pass, taken by whichever thread is free
+#define KX_FFN_CHUNKS 4
 
 static size_t kx_ffn_align(size_t n) {
     return (n + KX_CACHE_LINE - 1) / KX_CACHE_LINE * KX_CACHE_LINE;
 }
 
-// wdata: [x in vec_dot_type] [per thread: one cache line (present count, loop ns, fired count,
-//        rows read)]
+// wdata: [x in vec_dot_type] [per thread: one cache line (present count, loop ns, -, rows read)]
+//        [the two passes' chunk counters: one cache line] [fired count per pass-a chunk]
 //        [two-pass ReLU: the gates (n x nt floats) and ids (n) of the present neurons, by rank]
-//        [per thread: accumulator m x nt floats]
+//        [KX_FFN_CHUNKS per thread: accumulator m x nt floats (one pass uses one per thread)]
 //        [per thread: g, u, h blocks of KX_FFN_BLK x nt, then k floats for the reference path]
 struct kx_ffn_work {
     char    * xq;
     int64_t * cnt;    // cnt[ith * KX_CACHE_LINE / 8]
+    atomic_int_fast64_t * next; // [2]: the next chunk of pass a, of pass b (own cache line)
+    int64_t * fired;  // fired[c]: neurons of pass-a chunk c that fired
     float   * gs;     // gs[rank * nt + t]
     int32_t * rid;    // rid[rank]
-    float   * acc;    // thread j: acc + j * acc_stride
+    float   * acc;    // accumulator j (a thread's, or a pass-b chunk's): acc + j * acc_stride
     float   * blk;    // thread j: blk + j * blk_stride
     size_t    acc_stride;
     size_t    blk_stride;
@@ -88,6 +99,10 @@ static struct kx_ffn_work kx_ffn_layout(char * base, const struct ggml_tensor * 
     }
     w.cnt = (int64_t *) (base + off);
     off += (size_t) nth * KX_CACHE_LINE;
+    w.next = (atomic_int_fast64_t *) (base + off);
+    off += KX_CACHE_LINE;
+    w.fired = (int64_t *) (base + off);
+    off += kx_ffn_align(sizeof(int64_t) * (size_t) (KX_FFN_CHUNKS * nth));
     const int64_t n = node->src[4]->ne[0] - 1; // neurons: sel is I32 [n + 1]
     w.gs = (float *) (base + off);
     off += kx_ffn_align(sizeof(float) * (size_t) (n * nt));
@@ -95,7 +110,7 @@ static struct kx_ffn_work kx_ffn_layout(char * base, const struct ggml_tensor * 
     off += kx_ffn_align(sizeof(int32_t) * (size_t) n);
     w.acc_stride = kx_ffn_align(sizeof(float) * (size_t) (m * nt)) / sizeof(float);
     w.acc = (float *) (base + off);
-    off += (size_t) nth * w.acc_stride * sizeof(float);
+    off += (size_t) (KX_FFN_CHUNKS * nth) * w.acc_stride * sizeof(float);
     w.blk_stride = kx_ffn_align(sizeof(float) * (3 * KX_FFN_BLK * (size_t) nt + (size_t) k)) / sizeof(float);
     w.blk = (float *) (base + off);
     return w;
@@ -155,6 +170,26 @@ static bool kx_ffn_up_all(void) {
 static bool kx_ffn_one_pass(void) {
     static int v = -1;
     return kx_ffn_env_flag("KX_FFN_ONE_PASS", &v);
+}
+
+static bool kx_ffn_static_chunks(void) {
+    static int v = -1;
+    return kx_ffn_env_flag("KX_FFN_STATIC_CHUNKS", &v);
+}
+
+// the next chunk of [0, nck) this thread works on, or -1: taken from a shared counter
+// (dynamic), or the thread's own contiguous share in order (static: *own counts them)
+static int64_t kx_ffn_claim(atomic_int_fast64_t * next, int64_t * own, int64_t nck, int ith, int nth, bool dyn) {
+    int64_t c;
+    if (dyn) {
+        c = atomic_fetch_add_explicit(next, 1, memory_order_relaxed);
+    } else {
+        c = nck*ith/nth + (*own)++;
+        if (c >= nck*(ith + 1)/nth) {
+            return -1;
+        }
+    }
+    return c < nck ? c : -1;
 }
 
 static inline int64_t kx_ffn_row(const int32_t * map, int64_t i) {
@@ -270,7 +305,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     const int32_t * ids   = list + 1;
 
     // phase 1: convert x (tokens split across threads); count the neurons present in this
-    // weight in a static slice of the list; zero the private accumulator
+    // weight in a static slice of the list; zero the private accumulator (one pass) or the
+    // chunk counters (two)
     if (conv && !ref) {
         ggml_from_float_t from_float = ggml_get_type_traits_cpu(vdt)->from_float;
         for (int64_t t = ith; t < nt; t += nth) {
@@ -286,7 +322,14 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         }
         line[0] = n;
     }
-    memset(acc, 0, sizeof(float) * (size_t) (m * nt));
+    if (two_pass) {
+        if (ith == 0) { // no thread takes a chunk before the barrier
+            atomic_store_explicit(&w.next[0], 0, memory_order_relaxed);
+            atomic_store_explicit(&w.next[1], 0, memory_order_relaxed);
+        }
+    } else {
+        memset(acc, 0, sizeof(float) * (size_t) (m * nt));
+    }
     ggml_barrier(params->threadpool);
 
     // phase 2: this thread's share of the present neurons, ranks [r0, r1) in list order
@@ -312,8 +355,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                             .down = down, .dmap = dmap, .ref = ref };
     int64_t up_skipped = 0;
     int64_t rows = 0; // gate and up rows read here (down rows: B.rows)
-    // the neurons that own an accumulator: present ones (one pass) or fired ones (two)
-    int64_t owned = total;
+    int64_t present = r1 - r0; // present neurons this thread computed
+    int64_t nacc = 0;          // two passes: pass-b chunks, one accumulator each
     if (!two_pass) {
         while (rank < r1) {
             // gather the next block of present neurons, computing their g and u
@@ -347,81 +390,105 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
             kx_ffn_blk_flush(&B);
         }
     } else {
-        // pass a: the gates of ranks [r0, r1) into the shared array, the fired ones counted
-        int64_t fired = 0;
-        for (; j < count && rank < r1; ++j) {
-            const int64_t i = ids[j];
-            const int64_t r = kx_ffn_row(map, i);
-            if (r < 0) {
-                continue;
+        // pass a: chunks of ranks [q0, q1) of the present neurons, their gates into the
+        // shared array, the fired ones counted per chunk
+        const bool dyn = !kx_ffn_static_chunks();
+        const int64_t nca = total < KX_FFN_CHUNKS*nth ? total : KX_FFN_CHUNKS*nth;
+        int64_t own = 0;
+        int64_t gates = 0;
+        for (int64_t c; (c = kx_ffn_claim(&w.next[0], &own, nca, ith, nth, dyn)) >= 0; ) {
+            const int64_t q0 = total*c/nca;
+            const int64_t q1 = total*(c + 1)/nca;
+            // the list position of rank q0: from the start of the static slice that holds it
+            int64_t q = 0;
+            int64_t jj = 0;
+            for (int s = 0; s < nth; ++s) {
+                const int64_t cs = w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t))];
+                if (q + cs > q0) {
+                    jj = count*s/nth;
+                    break;
+                }
+                q += cs;
             }
-            const int64_t q = rank++;
-            if (q < r0) {
-                continue;
+            int64_t fired = 0;
+            for (; jj < count && q < q1; ++jj) {
+                const int64_t i = ids[jj];
+                const int64_t r = kx_ffn_row(map, i);
+                if (r < 0 || q++ < q0) {
+                    continue;
+                }
+                const int64_t qi = q - 1;
+                const char * grow = (const char *) gate->data + r*gate->nb[1];
+                bool on = false;
+                for (int64_t t = 0; t < nt; ++t) {
+                    const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
+                    const float g = gpre ? *(const float *) ((const char *) gpre->data + i*sizeof(float) + t*gpre->nb[1])
+                                         : kx_ffn_dot(gate, grow, xq + t*xrow, xf, scr, ref);
+                    w.gs[qi*nt + t] = g;
+                    on |= g > 0.0f;
+                }
+                w.rid[qi] = (int32_t) i;
+                fired += on;
             }
-            const char * grow = (const char *) gate->data + r*gate->nb[1];
-            bool on = false;
-            for (int64_t t = 0; t < nt; ++t) {
-                const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
-                const float g = gpre ? *(const float *) ((const char *) gpre->data + i*sizeof(float) + t*gpre->nb[1])
-                                     : kx_ffn_dot(gate, grow, xq + t*xrow, xf, scr, ref);
-                w.gs[q*nt + t] = g;
-                on |= g > 0.0f;
-            }
-            w.rid[q] = (int32_t) i;
-            fired += on;
+            w.fired[c] = fired;
+            gates += q1 - q0;
+            up_skipped += (q1 - q0) - fired;
         }
-        line[2] = fired;
-        up_skipped = (r1 - r0) - fired;
-        rows = gpre ? 0 : r1 - r0;
+        present = gates;
+        rows = gpre ? 0 : gates;
         work_ns = kx_ffn_now_ns() - t_work;
         ggml_barrier(params->threadpool);
         t_work = kx_ffn_now_ns();
 
-        // pass b: fired neurons [f0, f1) of all F, in rank order; start at the slice of
-        // pass a that holds fired neuron f0
+        // pass b: chunks of fired ranks [f0, f1) of all F, each into its own accumulator (so
+        // the sum does not depend on which thread took it); a chunk starts at the pass-a
+        // chunk that holds fired neuron f0
         int64_t F = 0;
-        for (int s = 0; s < nth; ++s) {
-            F += w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t)) + 2];
+        for (int64_t c = 0; c < nca; ++c) {
+            F += w.fired[c];
         }
-        owned = F;
-        const int64_t f0 = F*ith/nth;
-        const int64_t f1 = F*(ith + 1)/nth;
-        int64_t q = 0;
-        int64_t f = 0;
-        for (int s = 0; s < nth; ++s) {
-            const int64_t c = w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t)) + 2];
-            if (f + c > f0) {
-                q = total*s/nth;
-                break;
+        nacc = F < KX_FFN_CHUNKS*nth ? F : KX_FFN_CHUNKS*nth;
+        own = 0;
+        for (int64_t c; (c = kx_ffn_claim(&w.next[1], &own, nacc, ith, nth, dyn)) >= 0; ) {
+            const int64_t f0 = F*c/nacc;
+            const int64_t f1 = F*(c + 1)/nacc;
+            int64_t q = 0;
+            int64_t f = 0;
+            for (int64_t ca = 0; ca < nca; ++ca) {
+                if (f + w.fired[ca] > f0) {
+                    q = total*ca/nca;
+                    break;
+                }
+                f += w.fired[ca];
             }
-            f += c;
+            B.acc = w.acc + (size_t) c * w.acc_stride;
+            memset(B.acc, 0, sizeof(float) * (size_t) (m * nt));
+            for (; f < f1; ++q) {
+                bool on = false;
+                for (int64_t t = 0; t < nt; ++t) {
+                    on |= w.gs[q*nt + t] > 0.0f;
+                }
+                if (!on || f++ < f0) {
+                    continue;
+                }
+                const int64_t i = w.rid[q];
+                const char * urow = (const char *) up->data + kx_ffn_row(map, i)*up->nb[1];
+                for (int64_t t = 0; t < nt; ++t) {
+                    const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
+                    gb[t*KX_FFN_BLK + B.nb] = w.gs[q*nt + t];
+                    ub[t*KX_FFN_BLK + B.nb] = kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref);
+                }
+                B.ids[B.nb++] = (int32_t) i;
+                ++rows;
+                if (B.nb == KX_FFN_BLK) {
+                    kx_ffn_blk_flush(&B);
+                }
+            }
+            kx_ffn_blk_flush(&B);
         }
-        for (; f < f1; ++q) {
-            bool on = false;
-            for (int64_t t = 0; t < nt; ++t) {
-                on |= w.gs[q*nt + t] > 0.0f;
-            }
-            if (!on || f++ < f0) {
-                continue;
-            }
-            const int64_t i = w.rid[q];
-            const char * urow = (const char *) up->data + kx_ffn_row(map, i)*up->nb[1];
-            for (int64_t t = 0; t < nt; ++t) {
-                const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
-                gb[t*KX_FFN_BLK + B.nb] = w.gs[q*nt + t];
-                ub[t*KX_FFN_BLK + B.nb] = kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref);
-            }
-            B.ids[B.nb++] = (int32_t) i;
-            ++rows;
-            if (B.nb == KX_FFN_BLK) {
-                kx_ffn_blk_flush(&B);
-            }
-        }
-        kx_ffn_blk_flush(&B);
     }
     // every thread: in two passes one that computed no gate may still own fired neurons
-    kx_cpu_axpy_stats_add(B.nonzero, r1 - r0, ith == 0 ? count - total : 0);
+    kx_cpu_axpy_stats_add(B.nonzero, present, ith == 0 ? count - total : 0);
     if (up_skipped) {
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_UP_SKIPPED], up_skipped);
     }
@@ -429,15 +496,16 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     line[3] = rows + B.rows;
     ggml_barrier(params->threadpool);
 
-    // phase 3: columns split across threads, accumulators added in thread order (threads
-    // that owned no neuron hold zeros and are skipped)
+    // phase 3: columns split across threads, accumulators added in order: one pass, the
+    // threads' (threads that owned no neuron hold zeros and are skipped); two passes, the
+    // pass-b chunks' (none is empty)
     const int64_t c0 = m*ith/nth;
     const int64_t c1 = m*(ith + 1)/nth;
     for (int64_t t = 0; t < nt; ++t) {
         float * y = (float *) ((char *) dst->data + t*dst->nb[1]);
         memset(y + c0, 0, sizeof(float) * (size_t) (c1 - c0));
-        for (int s = 0; s < nth; ++s) {
-            if (owned*s/nth == owned*(s + 1)/nth) {
+        for (int64_t s = 0; s < (two_pass ? nacc : nth); ++s) {
+            if (!two_pass && total*s/nth == total*(s + 1)/nth) {
                 continue;
             }
             ggml_vec_acc_f32((int) (c1 - c0), y + c0, w.acc + (size_t) s * w.acc_stride + t*m + c0);
