@@ -38,7 +38,11 @@
 // next one (a shared counter); a pass-b chunk sums into its own accumulator. Why: with the
 // rows split evenly the slowest thread's loop stayed 19-26% above the mean (H200, KB-7B,
 // bench/results/balance-live/two-pass/), so what was left was per-thread speed, not work.
-// KX_FFN_STATIC_CHUNKS=1 gives each thread its own contiguous chunks (an even split).
+// Measured (chunks/): the spread fell to 9-11%, but the slowest loop did not shorten: the
+// threads share the DRAM bandwidth, and one that finishes early has none to lend. Kept: it
+// is not slower there, and a thread slowed for other reasons (a small core, a preempted
+// one) no longer holds up the layer. KX_FFN_STATIC_CHUNKS=1 gives each thread its own
+// contiguous chunks (an even split).
 //
 // No software prefetch: requesting the next neuron's gate/up rows and the block's down rows
 // whole into L2 ran 6% slower on the H200 host (KB-7B, 16 threads, interleaved A/B rows,
