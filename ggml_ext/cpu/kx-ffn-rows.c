@@ -200,6 +200,18 @@ static inline int64_t kx_ffn_row(const int32_t * map, int64_t i) {
     return map ? map[i] : i;
 }
 
+// parts 0..n-1 hold cnt[p*stride] ranks each, in order: the part that holds rank target
+// (n when none does), and in *before the ranks of the parts ahead of it
+static int64_t kx_ffn_seek(const int64_t * cnt, int64_t stride, int64_t n, int64_t target, int64_t * before) {
+    int64_t q = 0;
+    int64_t p = 0;
+    for (; p < n && q + cnt[p*stride] <= target; ++p) {
+        q += cnt[p*stride];
+    }
+    *before = q;
+    return p;
+}
+
 // act(g) * u over one block, with the dense path's GLU (the reference path too: the stock
 // GLU op it stands for has no other)
 static void kx_ffn_glu(int32_t act, int n, float * h, const float * g, const float * u) {
@@ -219,6 +231,13 @@ static inline float kx_ffn_dot(const struct ggml_tensor * w, const char * row, c
     float d;
     ggml_get_type_traits_cpu(w->type)->vec_dot((int) w->ne[0], &d, 0, row, 0, xq, 0, 1);
     return d;
+}
+
+// neuron i's gate for token t: given (the exact path computed every gate) or its row's dot
+static inline float kx_ffn_gate(const struct ggml_tensor * gpre, int64_t i, int64_t t, const struct ggml_tensor * gate,
+                                const char * grow, const char * xq, const float * xf, float * scratch, bool ref) {
+    return gpre ? *(const float *) ((const char *) gpre->data + i*sizeof(float) + t*gpre->nb[1])
+                : kx_ffn_dot(gate, grow, xq, xf, scratch, ref);
 }
 
 // a block of up to KX_FFN_BLK neurons with their g and u: act(g) * u, then the down rows
@@ -343,16 +362,10 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     }
     const int64_t r0 = total*ith/nth;
     const int64_t r1 = total*(ith + 1)/nth;
-    int64_t j = 0;
-    int64_t rank = 0;
-    for (int s = 0; s < nth; ++s) {
-        const int64_t c = w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t))];
-        if (rank + c > r0) {
-            j = count*s/nth;
-            break;
-        }
-        rank += c;
-    }
+    // the static slices' present counts, one per thread's cache line
+    const int64_t cstride = KX_CACHE_LINE / sizeof(int64_t);
+    int64_t rank;
+    int64_t j = count*kx_ffn_seek(w.cnt, cstride, nth, r0, &rank)/nth;
     int64_t t_work = kx_ffn_now_ns();
     int64_t work_ns = 0;
     struct kx_ffn_blk B = { .nt = nt, .act = act, .m = m, .gb = gb, .ub = ub, .hb = hb, .acc = acc,
@@ -378,8 +391,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                 bool need_up = !skip_up;
                 for (int64_t t = 0; t < nt; ++t) {
                     const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
-                    const float g = gpre ? *(const float *) ((const char *) gpre->data + i*sizeof(float) + t*gpre->nb[1])
-                                         : kx_ffn_dot(gate, grow, xq + t*xrow, xf, scr, ref);
+                    const float g = kx_ffn_gate(gpre, i, t, gate, grow, xq + t*xrow, xf, scr, ref);
                     gb[t*KX_FFN_BLK + B.nb] = g;
                     need_up |= g > 0.0f;   // a NaN gate is no reason either: ReLU maps it to 0
                 }
@@ -404,16 +416,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
             const int64_t q0 = total*c/nca;
             const int64_t q1 = total*(c + 1)/nca;
             // the list position of rank q0: from the start of the static slice that holds it
-            int64_t q = 0;
-            int64_t jj = 0;
-            for (int s = 0; s < nth; ++s) {
-                const int64_t cs = w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t))];
-                if (q + cs > q0) {
-                    jj = count*s/nth;
-                    break;
-                }
-                q += cs;
-            }
+            int64_t q;
+            int64_t jj = count*kx_ffn_seek(w.cnt, cstride, nth, q0, &q)/nth;
             int64_t fired = 0;
             for (; jj < count && q < q1; ++jj) {
                 const int64_t i = ids[jj];
@@ -426,8 +430,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                 bool on = false;
                 for (int64_t t = 0; t < nt; ++t) {
                     const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
-                    const float g = gpre ? *(const float *) ((const char *) gpre->data + i*sizeof(float) + t*gpre->nb[1])
-                                         : kx_ffn_dot(gate, grow, xq + t*xrow, xf, scr, ref);
+                    const float g = kx_ffn_gate(gpre, i, t, gate, grow, xq + t*xrow, xf, scr, ref);
                     w.gs[qi*nt + t] = g;
                     on |= g > 0.0f;
                 }
@@ -456,15 +459,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         for (int64_t c; (c = kx_ffn_claim(&w.next[1], &own, nacc, ith, nth, dyn)) >= 0; ) {
             const int64_t f0 = F*c/nacc;
             const int64_t f1 = F*(c + 1)/nacc;
-            int64_t q = 0;
-            int64_t f = 0;
-            for (int64_t ca = 0; ca < nca; ++ca) {
-                if (f + w.fired[ca] > f0) {
-                    q = total*ca/nca;
-                    break;
-                }
-                f += w.fired[ca];
-            }
+            int64_t f;
+            int64_t q = total*kx_ffn_seek(w.fired, 1, nca, f0, &f)/nca;
             B.acc = w.acc + (size_t) c * w.acc_stride;
             memset(B.acc, 0, sizeof(float) * (size_t) (m * nt));
             for (; f < f1; ++q) {
