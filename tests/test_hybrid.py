@@ -233,8 +233,8 @@ def test_placement_is_reported_per_tensor(synth_model: Path) -> None:
 
 @pytest.mark.parametrize("pinned", [True, False])
 def test_gpu_host_weights_are_pinned(synth_model: Path, pinned: bool) -> None:
-    """On a GPU: the FFN weights stay in host memory, page-locked (the GPU's host buffer
-    type, where llama.cpp keeps its own CPU layers) unless pinned=False; attention on the
+    """On a GPU: the FFN weights stay in host memory, page-locked (kairox's host buffer
+    type, kx-host.cpp) unless pinned=False; attention on the
     GPU. A prompt of 40 tokens (a batch the scheduler offloads to the GPU, weights copied
     from host memory) gives the logits of the all-CPU sparse run."""
     import kairox
@@ -253,7 +253,7 @@ def test_gpu_host_weights_are_pinned(synth_model: Path, pinned: bool) -> None:
                        n_ctx=128, n_batch=64, n_ubatch=64, logits_all=True, verbose=False)
     try:
         host = llm.tensor_buffer_type("blk.0.ffn_up.weight")
-        assert host == ("CUDA_Host" if pinned else "CPU_Mapped")
+        assert host == ("KX_Host_Pinned" if pinned else "CPU_Mapped")
         assert llm.tensor_buffer_type("blk.1.ffn_down.weight") == host
         assert llm.tensor_buffer_type("blk.0.attn_q.weight").startswith("CUDA")
         assert llm.tensor_buffer_type("blk.0.attn_q.weight") != "CUDA_Host"

@@ -427,11 +427,25 @@ static void * kx_reload_host_addr(void * p, const void * host) {
     return p ? (void *) kx_reload_dev_addr(*(const kx_cuda_reload *) p, host) : nullptr;
 }
 
+static int32_t kx_reload_host_pin(void * ptr, size_t size) {
+    // portable: the engines of every device see it; mapped: gathers and the mapped share
+    // read it through its device address (kx_reload_host_register finds it page-locked)
+    KX_RELOAD_CHECK(cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterMapped), 1);
+    return 0;
+}
+
+static void kx_reload_host_unpin(void * ptr) {
+    if (cudaHostUnregister(ptr) != cudaSuccess) {
+        cudaGetLastError(); // a range that was never locked: nothing to undo
+    }
+}
+
 static const kx_reload_iface kx_cuda_reload_iface_v = {
     kx_reload_create, kx_reload_destroy, kx_reload_host_register, kx_reload_copy,
     kx_reload_write_i32, kx_reload_query, kx_reload_wait,
     kx_reload_tam_new, ggml_cuda_kx_tam_batch_free, kx_reload_tam_launch, ggml_cuda_kx_tam_batch_fetch,
     kx_reload_tag_copy, kx_reload_tag_query, kx_reload_side_write, kx_reload_host_addr,
+    kx_reload_host_pin, kx_reload_host_unpin,
 };
 
 const kx_reload_iface * ggml_cuda_kx_reload_iface(void) {

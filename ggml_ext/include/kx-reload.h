@@ -78,6 +78,12 @@ struct kx_reload_iface {
     // the device address of a host byte in a range host_register made readable (kernels read
     // the host rows through it: the slots' mapped share, kx-slots.h); NULL outside such ranges
     void *  (*host_addr)(void * r, const void * host);
+
+    // Page-locks [ptr, ptr+size) for every device, mapped (no engine needed): the host
+    // weights' buffer (llama/kx-host.cpp) after its pages exist. 0 ok, nonzero with a
+    // message on stderr. host_unpin undoes it before the pages go. NULL: nothing to lock for.
+    int32_t (*host_pin)(void * ptr, size_t size);
+    void    (*host_unpin)(void * ptr);
 };
 
 typedef const struct kx_reload_iface * (*kx_reload_iface_get_t)(void);

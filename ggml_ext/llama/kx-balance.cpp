@@ -40,6 +40,7 @@ static const kx_reload_iface kx_host_reload = {
     kx_host_create, kx_host_destroy, kx_host_register, kx_host_copy, kx_host_write_i32, kx_host_query, kx_host_wait,
     nullptr, nullptr, nullptr, nullptr, // no device decision: the host decides
     kx_host_tag_copy, kx_host_tag_query, kx_host_write_i32, kx_host_addr,
+    nullptr, nullptr, // host memory needs no locking for the host engine
 };
 
 // ---------------------------------------------------------------- decision

@@ -3,6 +3,7 @@
 // This is the runtime's copy of the checks in python/kairox/pack.py (the reference);
 // tests/test_sparse.py feeds both the same broken packs. Every refusal is one sentence
 // naming the check that failed, so the caller can print it and keep running dense.
+#include "kairox.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
 
@@ -420,9 +421,11 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         }
     }
 
-    // ---- the big tensors, into one CPU buffer marked as weights (the scheduler then runs
-    // the ops that read them on the CPU backend, where the buffer lives)
-    pack->buf = ggml_backend_alloc_ctx_tensors_from_buft(pack->ctx, ggml_backend_cpu_buffer_type());
+    // ---- the big tensors, into one host buffer marked as weights (the scheduler then runs
+    // the ops that read them on the CPU backend, where the buffer lives); in huge pages, as
+    // the host op reads the transposed down rows scattered (kx-host.cpp). Not page-locked:
+    // the slots lock what their mapped share reads.
+    pack->buf = ggml_backend_alloc_ctx_tensors_from_buft(pack->ctx, kx_host_buffer_type(false));
     if (!pack->buf) {
         throw kx_pack_error(kx_fmt("cannot allocate host memory for pack %s", path.c_str()));
     }

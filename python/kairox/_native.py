@@ -149,18 +149,6 @@ def has_gpu() -> bool:
     return bool(_first_gpu()[1])
 
 
-def gpu_host_buffer_type() -> int | None:
-    """The first GPU's host buffer type (ggml_backend_buffer_type_t; CUDA_Host: page-locked
-    memory the GPU copies from at full PCIe speed), or None without a GPU or when its
-    backend has none."""
-    lib, dev = _first_gpu()
-    if not dev:
-        return None
-    lib.ggml_backend_dev_host_buffer_type.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_host_buffer_type.restype = ctypes.c_void_p
-    return lib.ggml_backend_dev_host_buffer_type(dev) or None
-
-
 def gpu_memory() -> tuple[int, int] | None:
     """(free, total) bytes of the first GPU as its driver reports them (cudaMemGetInfo: the
     whole device, every process), or None without a GPU."""

@@ -19,6 +19,13 @@ def machine_facts() -> dict:
     except (OSError, StopIteration):
         pass
     try:
+        # the host buffers ask for huge pages (kx-host.cpp); "never" here gives them 4 KiB pages
+        for key, f in (("thp", "enabled"), ("thp_defrag", "defrag")):
+            text = Path(f"/sys/kernel/mm/transparent_hugepage/{f}").read_text()
+            facts[key] = text[text.index("[") + 1:text.index("]")]
+    except (OSError, ValueError):
+        pass
+    try:
         facts["gpu"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=20).stdout.strip() or None

@@ -270,6 +270,8 @@ _lib.kx_model_balance_activity.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctyp
 _lib.kx_model_balance_activity.restype = ctypes.c_int64
 _lib.kx_model_tensor_buffer_type.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _lib.kx_model_tensor_buffer_type.restype = ctypes.c_char_p
+_lib.kx_host_buffer_type.argtypes = [ctypes.c_bool]
+_lib.kx_host_buffer_type.restype = ctypes.c_void_p
 
 
 class _BuftOverride(ctypes.Structure):
@@ -288,12 +290,13 @@ def _cpu_overrides(names: Sequence[str] = (), pinned: bool = True) -> tuple[ctyp
     keeps llama.cpp's per-tensor regex matching short. Returns the array and the pattern
     bytes, which must outlive the load.
 
-    pinned: in the GPU's host buffer type (page-locked), which batches the scheduler
-    offloads to the GPU (prefill) copy from at full PCIe speed, and slot reloads will.
-    llama.cpp honours it only for a model loaded without mmap (mapped models keep pageable
-    CPU buffers). Without a GPU host buffer type: plain CPU buffers."""
+    pinned: in kairox's host buffer type (page-locked and mapped for the GPU, in 2 MiB
+    pages: the host op's scattered row reads then miss the TLB far less, kx-host.cpp), which
+    batches the scheduler offloads to the GPU (prefill) copy from at full PCIe speed, and
+    slot reloads and the mapped share read. llama.cpp honours it only for a model loaded
+    without mmap (mapped models keep pageable CPU buffers). Otherwise: plain CPU buffers."""
     import re
-    from ._native import ggml_library, gpu_host_buffer_type
+    from ._native import ggml_library
     base = ggml_library("ggml-base")
     base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
     kinds: dict[str, list[str]] = {}
@@ -307,7 +310,7 @@ def _cpu_overrides(names: Sequence[str] = (), pinned: bool = True) -> tuple[ctyp
     pats = [_FFN_ON_CPU] + [rf"^blk\.({'|'.join(ls)})\.{re.escape(k)}$".encode() for k, ls in kinds.items()]
     pats += [f"^{re.escape(n)}$".encode() for n in other]
     arr = (_BuftOverride * (len(pats) + 1))()
-    cpu = (gpu_host_buffer_type() if pinned else None) or base.ggml_backend_cpu_buffer_type()
+    cpu = _lib.kx_host_buffer_type(True) if pinned else base.ggml_backend_cpu_buffer_type()
     for i, pat in enumerate(pats):
         arr[i].pattern, arr[i].buft = pat, cpu
     arr[len(pats)].pattern, arr[len(pats)].buft = None, None
