@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On the GPU machine's host CPU, no GPU: the ReLU host op alone (bench/host_op.c) on KB-70B's
+# layer shapes in 4 KiB and 2 MiB pages, interleaved, beside the scattered-read roof of the
+# same rows (bench/host_pages.c). A CPU-only ggml build (about a minute on 16 cores). To $OUT.
+#
+#   bash bench/device/host_op.sh          # repo root; carry vendor/llama.cpp
+set -uo pipefail
+. bench/device/env.sh
+cmake -S . -B "$W/build-cpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=OFF > "$W/cpu-configure.log" || exit 1
+cmake --build "$W/build-cpu" -j "$(nproc)" --target ggml-cpu > "$W/cpu-build.log" 2>&1 || { tail -30 "$W/cpu-build.log"; exit 1; }
+echo "build done ($(( $(date +%s) - t0 )) s)"
+L=$(dirname "$(find "$W/build-cpu" -name 'libggml-cpu.so' | head -1)")
+gcc -O2 -march=native -Wall bench/host_op.c -I vendor/llama.cpp/ggml/include -I ggml_ext/include \
+    -L "$L" -lggml-base -lggml-cpu -Wl,-rpath,"$L" -o "$W/host_op" || exit 1
+gcc -O3 -march=native -fopenmp -Wall bench/host_pages.c -o "$W/host_pages" || exit 1
+cat /sys/kernel/mm/transparent_hugepage/enabled > "$OUT/thp.txt"
+{
+    for rep in 1 2; do
+        for pg in 4k 2M; do "$W/host_op" $pg "$(nproc)" ${KX_HOST_OP_ARGS:-8 1305 20}; done
+    done
+    "$W/host_pages" 32 4608 2400 512
+    "$W/host_pages" 32 8704 700 512
+} | tee "$OUT/host-op.jsonl"
+echo "done ($(( $(date +%s) - t0 )) s)"

@@ -1,0 +1,146 @@
+// The ReLU host op (GGML_OP_KX_FFN_ROWS on the CPU) alone on one model's layer shapes: how
+// fast it moves its rows against the scattered-read roof of bench/host_pages.c.
+//
+// LAYERS layers of random Q4_0 gate/up [N_FF rows of K] and Q8_0 transposed down [N_FF rows
+// of K] (KB-70B: 28672 x 8192) in one buffer of 4 KiB or 2 MiB pages; every repetition lists
+// LISTED new random neurons per layer (about half fire: random weights) and computes the
+// layers' ops as one graph on a thread pool. Bytes read: the listed gate rows and, for the
+// neurons that fired, their up and down rows (the op's counters).
+//
+//   cc -O2 -march=native bench/host_op.c -I vendor/llama.cpp/ggml/include -I ggml_ext/include
+//      -L LIB -lggml-base -lggml-cpu -Wl,-rpath,LIB -o host_op
+//   ./host_op PAGES(4k|2M) THREADS [LAYERS LISTED REPS N_FF K]    # one JSON line
+#define _GNU_SOURCE
+#include "ggml.h"
+#include "ggml-cpu.h"
+#include "kx-ops.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint64_t next_u64(void) {
+    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+    return rng;
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+// random blocks of a quantized matrix with a small positive scale (fp16 0x1C00 = 2^-8):
+// dot products of either sign, no overflow
+static void fill_blocks(uint8_t * p, size_t n_blocks, size_t block_bytes) {
+    for (size_t b = 0; b < n_blocks; ++b) {
+        uint8_t * q = p + b * block_bytes;
+        for (size_t i = 2; i < block_bytes; i += 8) {
+            const uint64_t v = next_u64();
+            memcpy(q + i, &v, block_bytes - i < 8 ? block_bytes - i : 8);
+        }
+        q[0] = 0x00; q[1] = 0x1C;
+    }
+}
+
+static int cmp_i32(const void * a, const void * b) {
+    return *(const int32_t *) a - *(const int32_t *) b;
+}
+
+int main(int argc, char ** argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: %s 4k|2M THREADS [LAYERS LISTED REPS N_FF K]\n", argv[0]);
+        return 2;
+    }
+    const int     huge    = strcmp(argv[1], "2M") == 0;
+    const int     nth     = atoi(argv[2]);
+    const int     layers  = argc > 3 ? atoi(argv[3]) : 8;
+    const int     listed  = argc > 4 ? atoi(argv[4]) : 1305;
+    const int     reps    = argc > 5 ? atoi(argv[5]) : 20;
+    const int64_t n_ff    = argc > 6 ? atoll(argv[6]) : 28672;
+    const int64_t k       = argc > 7 ? atoll(argv[7]) : 8192;
+
+    const size_t q4_row = ggml_row_size(GGML_TYPE_Q4_0, k);
+    const size_t q8_row = ggml_row_size(GGML_TYPE_Q8_0, k);
+    const size_t weights = (size_t) layers * n_ff * (2 * q4_row + q8_row);
+    const size_t mem = weights + (64u << 20);
+    void * buf = mmap(NULL, mem, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (buf == MAP_FAILED) {
+        perror("mmap");
+        return 1;
+    }
+    madvise(buf, mem, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+
+    struct ggml_init_params ip = { mem, buf, false };
+    struct ggml_context * ctx = ggml_init(ip);
+    struct ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, 1);
+    for (int64_t i = 0; i < k; ++i) {
+        ((float *) x->data)[i] = (float) ((int64_t) (next_u64() % 2001) - 1000) / 1000.0f;
+    }
+    struct ggml_cgraph * gf = ggml_new_graph(ctx);
+    struct ggml_tensor ** sel = malloc(sizeof(*sel) * layers);
+    for (int l = 0; l < layers; ++l) {
+        struct ggml_tensor * g = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, k, n_ff);
+        struct ggml_tensor * u = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, k, n_ff);
+        struct ggml_tensor * d = ggml_new_tensor_2d(ctx, GGML_TYPE_Q8_0, k, n_ff);
+        fill_blocks(g->data, ggml_nbytes(g) / 18, 18);
+        fill_blocks(u->data, ggml_nbytes(u) / 18, 18);
+        fill_blocks(d->data, ggml_nbytes(d) / 34, 34);
+        sel[l] = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff + 1);
+        ggml_build_forward_expand(gf, ggml_kx_ffn_rows(ctx, g, u, d, x, sel[l], NULL, NULL, NULL, KX_SELECT_RELU));
+    }
+
+    struct ggml_threadpool_params tpp = ggml_threadpool_params_default(nth);
+    struct ggml_threadpool * tp = ggml_threadpool_new(&tpp);
+    struct ggml_cplan plan = ggml_graph_plan(gf, nth, tp);
+    plan.work_data = malloc(plan.work_size ? plan.work_size : 1);
+
+    uint8_t * mark = calloc((size_t) n_ff, 1);
+    double best = 1e30, sum = 0.0;
+    int64_t listed_all = 0, skipped_all = 0;
+    for (int rep = 0; rep <= reps; ++rep) {
+        for (int l = 0; l < layers; ++l) {
+            int32_t * s = (int32_t *) sel[l]->data;
+            memset(mark, 0, (size_t) n_ff);
+            s[0] = listed;
+            for (int i = 0; i < listed; ++i) {
+                int32_t id;
+                do { id = (int32_t) (next_u64() % (uint64_t) n_ff); } while (mark[id]);
+                mark[id] = 1;
+                s[1 + i] = id;
+            }
+            qsort(s + 1, (size_t) listed, sizeof(int32_t), cmp_i32); // the select op lists in id order
+        }
+        int64_t up_skipped = 0;
+        kx_cpu_ffn_stats(NULL, NULL, NULL, NULL, NULL, NULL, NULL, true);
+        const double t0 = now_s();
+        if (ggml_graph_compute(gf, &plan) != GGML_STATUS_SUCCESS) {
+            fprintf(stderr, "compute failed\n");
+            return 1;
+        }
+        const double t = now_s() - t0;
+        kx_cpu_ffn_stats(&up_skipped, NULL, NULL, NULL, NULL, NULL, NULL, true);
+        if (rep == 0) {
+            continue; // warm-up: page faults of the work buffer, thread start
+        }
+        best = t < best ? t : best;
+        sum += t;
+        listed_all += (int64_t) listed * layers;
+        skipped_all += up_skipped;
+    }
+    const double fired = (double) (listed_all - skipped_all) / reps / layers;
+    const double bytes = (double) listed * q4_row + fired * (q4_row + q8_row); // per layer
+    printf("{\"pages\": \"%s\", \"threads\": %d, \"layers\": %d, \"listed\": %d, \"fired\": %.1f, \"n_ff\": %lld, "
+           "\"k\": %lld, \"mb_per_layer\": %.2f, \"us_per_layer_best\": %.1f, \"us_per_layer_mean\": %.1f, "
+           "\"gbs_best\": %.2f, \"gbs_mean\": %.2f}\n",
+           huge ? "2M" : "4k", nth, layers, listed, fired, (long long) n_ff, (long long) k, bytes / 1e6,
+           best / layers * 1e6, sum / reps / layers * 1e6, bytes * layers / best / 1e9, bytes * layers * reps / sum / 1e9);
+    ggml_threadpool_free(tp);
+    ggml_free(ctx);
+    munmap(buf, mem);
+    return 0;
+}
