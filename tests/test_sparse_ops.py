@@ -411,6 +411,41 @@ def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
     assert err < 1e-4 and miss == 0 and rows_mean == 96 // 80
 
 
+def q4_relu_outputs(g: GGML, n_threads: int) -> np.ndarray:
+    """The ReLU op on Q4_0 gate/up and Q8_0 down rows, one token, over lists of 1-90 neurons
+    (every remainder of groups of four), stacked; with the fired counts."""
+    rng = np.random.default_rng(29)
+    n, k, m = 90, 256, 96
+    gate, up = (rng.standard_normal((2, n, k)) / math.sqrt(k)).astype(np.float32)
+    down = rng.standard_normal((n, m)).astype(np.float32)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    graw, uraw, draw = g.quantize(gate, "q4_0"), g.quantize(up, "q4_0"), g.quantize(down, "q8_0")
+    outs = []
+    for size in (1, 2, 3, 5, 6, 7, 33, 90):
+        sel = np.sort(rng.choice(n, size, replace=False)).astype(np.int32)
+        outs.append(g.ffn_rows(graw, uraw, "q4_0", n, k, draw, "q8_0", n, m, x, sel, n, act="relu",
+                               n_threads=n_threads)[0])
+    return np.stack(outs)
+
+
+def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(native: Path):
+    """Q4_0 gate and up rows four at a time (kx-dot.h) and Q8_0 down rows four at a time
+    (kx_axpy_q8_0_rows) give the very bits of ggml's vec_dot and the row-by-row axpy
+    (KX_FFN_ROWS1=1), at every group remainder and thread count."""
+    code = ("import sys; sys.path[:0] = sys.argv[2:]; from ggml_ops import GGML; import numpy as np; "
+            "from test_sparse_ops import q4_relu_outputs; "
+            "g = GGML(); sys.stdout.write(np.stack([q4_relu_outputs(g, t) for t in (1, 3, 8)]).tobytes().hex())")
+    got = {}
+    for flag in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", code, "0", str(Path(__file__).parent), *sys.path],
+                           env=dict(os.environ, KAIROX_LIB_DIR=str(native), KX_FFN_ROWS1=flag),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        got[flag] = np.frombuffer(bytes.fromhex(r.stdout), np.float32)
+    assert got["0"].size == 3 * 8 * 96 and np.abs(got["0"]).max() > 0
+    np.testing.assert_array_equal(got["0"], got["1"])
+
+
 def test_ffn_rows_exact_gate_and_counters(g: GGML):
     """With the gate given (the exact path computed every gate), only up and down rows are
     read: a gate weight of garbage changes nothing. The axpy counters count the fused op's

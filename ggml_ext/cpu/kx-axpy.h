@@ -83,6 +83,39 @@ static inline void kx_axpy_q8_0(int64_t nb, float * GGML_RESTRICT y, const block
     }
 }
 
+// nr (<= 4) whole Q8_0 rows at once, y += v[r] * row r in row order per element (the same
+// FMAs as nr calls of kx_axpy_q8_0, bit for bit), y loaded and stored once per 16 columns
+// instead of once per row, and the rows read as nr interleaved streams (the gate and up
+// rows' reason, kx-dot.h). False without AVX-512 (the caller goes row by row).
+static inline bool kx_axpy_q8_0_rows(int64_t nb, int nr, float * GGML_RESTRICT y, const void * const * rows,
+                                     const float * v) {
+#if defined(__AVX512F__)
+    const block_q8_0 * x[4];
+    for (int r = 0; r < nr; ++r) {
+        x[r] = (const block_q8_0 *) rows[r];
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 s[4];
+        for (int r = 0; r < nr; ++r) {
+            s[r] = _mm512_set1_ps(v[r]*GGML_CPU_FP16_TO_FP32(x[r][b].d));
+        }
+        float * yb = y + b*QK8_0;
+        for (int j = 0; j < QK8_0; j += 16) {
+            __m512 acc = _mm512_loadu_ps(yb + j);
+            for (int r = 0; r < nr; ++r) {
+                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (x[r][b].qs + j))));
+                acc = _mm512_fmadd_ps(qf, s[r], acc);
+            }
+            _mm512_storeu_ps(yb + j, acc);
+        }
+    }
+    return true;
+#else
+    (void) nb; (void) nr; (void) y; (void) rows; (void) v;
+    return false;
+#endif
+}
+
 // c0 and c1 are multiples of 32 for Q8_0 (whole blocks; the constructors check m % 32 == 0)
 static inline void kx_axpy_row(enum ggml_type type, int64_t c0, int64_t c1, float * GGML_RESTRICT y,
                                const void * GGML_RESTRICT row, float v, bool ref) {

@@ -38,20 +38,28 @@
 // next one (a shared counter); a pass-b chunk sums into its own accumulator. Why: with the
 // rows split evenly the slowest thread's loop stayed 19-26% above the mean (H200, KB-7B,
 // bench/results/balance-live/two-pass/), so what was left was per-thread speed, not work.
-// Measured (chunks/): the spread fell to 9-11%, but the slowest loop did not shorten: the
-// threads share the DRAM bandwidth, and one that finishes early has none to lend. Kept: it
-// is not slower there, and a thread slowed for other reasons (a small core, a preempted
+// Measured (chunks/): the spread fell to 9-11%, but the slowest loop did not shorten. Kept:
+// it is not slower there, and a thread slowed for other reasons (a small core, a preempted
 // one) no longer holds up the layer. KX_FFN_STATIC_CHUNKS=1 gives each thread its own
 // contiguous chunks (an even split).
 //
+// One token (decode) with Q4_0 gate/up and Q8_0 down rows: four rows at a time (kx-dot.h,
+// kx_axpy_q8_0_rows), bit for bit the row-by-row result. Why: the op alone on KB-70B's
+// shapes scaled linearly with threads on the H200 host, 3.2 GB/s each, against 68-80 GB/s
+// for the same scattered reads without the arithmetic (bench/results/host-pages/): a
+// thread walking one row at a time keeps too few reads in flight. Four rows walked
+// together are four prefetch streams and four independent chains (development VM, 2
+// threads: 8.6-9.7 -> 11.8 GB/s). KX_FFN_ROWS1=1 goes row by row, for measurement.
+//
 // No software prefetch: requesting the next neuron's gate/up rows and the block's down rows
 // whole into L2 ran 6% slower on the H200 host (KB-7B, 16 threads, interleaved A/B rows,
-// bench/results/balance-live/prefetch/): the hardware streamers already keep the row reads
-// in flight, and the extra requests only compete with them.
+// bench/results/balance-live/prefetch/), and the next row 1-2 rows ahead was no faster on
+// the development VM (bench/host_op.c).
 #include "kx-ops-cpu.h"
 #include "kx-ops.h"
 
 #include "kx-axpy.h"
+#include "kx-dot.h"
 #include "vec.h"
 
 #include <stdatomic.h>
@@ -181,6 +189,12 @@ static bool kx_ffn_static_chunks(void) {
     return kx_ffn_env_flag("KX_FFN_STATIC_CHUNKS", &v);
 }
 
+// KX_FFN_ROWS1=1: Q4_0 gate and up rows one at a time with ggml's vec_dot (before kx-dot.h)
+static bool kx_ffn_rows1(void) {
+    static int v = -1;
+    return kx_ffn_env_flag("KX_FFN_ROWS1", &v);
+}
+
 // the next chunk of [0, nck) this thread works on, or -1: taken from a shared counter
 // (dynamic), or the thread's own contiguous share in order (static: *own counts them)
 static int64_t kx_ffn_claim(atomic_int_fast64_t * next, int64_t * own, int64_t nck, int ith, int nth, bool dyn) {
@@ -210,6 +224,20 @@ static int64_t kx_ffn_seek(const int64_t * cnt, int64_t stride, int64_t n, int64
     }
     *before = q;
     return p;
+}
+
+// one token's gates of ng (<= 4) neurons from their Q4_0 rows at once (kx-dot.h), into
+// gs[q[n]]; returns how many fired
+static int64_t kx_ffn_gates4(float * gs, const void * const * rows, const int64_t * q, int ng, int64_t k,
+                             const char * xq) {
+    float g[4];
+    kx_dot_q4_0_rows(k, ng, rows, xq, g);
+    int64_t fired = 0;
+    for (int n = 0; n < ng; ++n) {
+        gs[q[n]] = g[n];
+        fired += g[n] > 0.0f;
+    }
+    return fired;
 }
 
 // act(g) * u over one block, with the dense path's GLU (the reference path too: the stock
@@ -255,6 +283,10 @@ struct kx_ffn_blk {
     bool    ref;
     int     nb;     // neurons in the block
     int32_t ids[KX_FFN_BLK];
+    // up rows computed at the flush, four at a time (kx-dot.h; one token): NULL up otherwise
+    const struct ggml_tensor * up4;
+    const char * xq;
+    const void * urow[KX_FFN_BLK];
     int64_t nonzero; // (neuron, token) pairs added
     int64_t rows;    // down rows read (a neuron with a nonzero h for any token)
 };
@@ -263,12 +295,39 @@ static void kx_ffn_blk_flush(struct kx_ffn_blk * B) {
     if (B->nb == 0) {
         return;
     }
+    for (int b = 0; B->up4 && b < B->nb; b += 4) {
+        kx_dot_q4_0_rows(B->up4->ne[0], B->nb - b < 4 ? B->nb - b : 4, B->urow + b, B->xq, B->ub + b);
+    }
     for (int64_t t = 0; t < B->nt; ++t) {
         for (int b = B->nb; b < KX_FFN_BLK; ++b) {
             B->gb[t*KX_FFN_BLK + b] = 0.0f;
             B->ub[t*KX_FFN_BLK + b] = 0.0f;
         }
         kx_ffn_glu(B->act, KX_FFN_BLK, B->hb + t*KX_FFN_BLK, B->gb + t*KX_FFN_BLK, B->ub + t*KX_FFN_BLK);
+    }
+    if (B->nt == 1 && B->down->type == GGML_TYPE_Q8_0 && !B->ref && !kx_ffn_rows1()) {
+        // one token: the nonzero ones' down rows four at a time (kx_axpy_q8_0_rows)
+        const void * dr[4];
+        float        dv[4];
+        int          nd = 0;
+        for (int b = 0; b <= B->nb; ++b) {
+            if (b < B->nb && B->hb[b] != 0.0f) {
+                dr[nd] = (const char *) B->down->data + kx_ffn_row(B->dmap, B->ids[b])*B->down->nb[1];
+                dv[nd++] = B->hb[b];
+            }
+            if (nd == 4 || (b == B->nb && nd > 0)) {
+                if (!kx_axpy_q8_0_rows(B->m/QK8_0, nd, B->acc, dr, dv)) {
+                    for (int r = 0; r < nd; ++r) {
+                        kx_axpy_row(GGML_TYPE_Q8_0, 0, B->m, B->acc, dr[r], dv[r], false);
+                    }
+                }
+                B->nonzero += nd;
+                B->rows += nd;
+                nd = 0;
+            }
+        }
+        B->nb = 0;
+        return;
     }
     for (int b = 0; b < B->nb; ++b) {
         const int64_t dr = kx_ffn_row(B->dmap, B->ids[b]);
@@ -369,7 +428,11 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     int64_t t_work = kx_ffn_now_ns();
     int64_t work_ns = 0;
     struct kx_ffn_blk B = { .nt = nt, .act = act, .m = m, .gb = gb, .ub = ub, .hb = hb, .acc = acc,
-                            .down = down, .dmap = dmap, .ref = ref };
+                            .down = down, .dmap = dmap, .ref = ref, .xq = xq };
+    // one token with x in Q8_0 (Q4_0's vec_dot type): Q4_0 gate rows (pass a) and up rows
+    // (pass b, at each block's flush) four at a time (kx-dot.h)
+    const bool rows4 = !ref && nt == 1 && vdt == GGML_TYPE_Q8_0 && !kx_ffn_rows1() && kx_dot_q4_0_rows_ok();
+    const bool gate4 = rows4 && gate->type == GGML_TYPE_Q4_0 && !gpre;
     int64_t up_skipped = 0;
     int64_t rows = 0; // gate and up rows read here (down rows: B.rows)
     int64_t present = r1 - r0; // present neurons this thread computed
@@ -419,6 +482,9 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
             int64_t q;
             int64_t jj = count*kx_ffn_seek(w.cnt, cstride, nth, q0, &q)/nth;
             int64_t fired = 0;
+            const void * grp[4]; // gate4: rows waiting to be computed together, and their ranks
+            int64_t      gq[4];
+            int          ng = 0;
             for (; jj < count && q < q1; ++jj) {
                 const int64_t i = ids[jj];
                 const int64_t r = kx_ffn_row(map, i);
@@ -427,6 +493,16 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                 }
                 const int64_t qi = q - 1;
                 const char * grow = (const char *) gate->data + r*gate->nb[1];
+                w.rid[qi] = (int32_t) i;
+                if (gate4) {
+                    grp[ng] = grow;
+                    gq[ng++] = qi;
+                    if (ng == 4) {
+                        fired += kx_ffn_gates4(w.gs, grp, gq, ng, k, xq);
+                        ng = 0;
+                    }
+                    continue;
+                }
                 bool on = false;
                 for (int64_t t = 0; t < nt; ++t) {
                     const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
@@ -434,8 +510,10 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                     w.gs[qi*nt + t] = g;
                     on |= g > 0.0f;
                 }
-                w.rid[qi] = (int32_t) i;
                 fired += on;
+            }
+            if (ng > 0) {
+                fired += kx_ffn_gates4(w.gs, grp, gq, ng, k, xq);
             }
             w.fired[c] = fired;
             gates += q1 - q0;
@@ -455,6 +533,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
             F += w.fired[c];
         }
         nacc = F < KX_FFN_CHUNKS*nth ? F : KX_FFN_CHUNKS*nth;
+        B.up4 = rows4 && up->type == GGML_TYPE_Q4_0 ? up : NULL;
         own = 0;
         for (int64_t c; (c = kx_ffn_claim(&w.next[1], &own, nacc, ith, nth, dyn)) >= 0; ) {
             const int64_t f0 = F*c/nacc;
@@ -473,10 +552,11 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                 }
                 const int64_t i = w.rid[q];
                 const char * urow = (const char *) up->data + kx_ffn_row(map, i)*up->nb[1];
+                B.urow[B.nb] = urow; // B.up4: its dot at the flush
                 for (int64_t t = 0; t < nt; ++t) {
                     const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
                     gb[t*KX_FFN_BLK + B.nb] = w.gs[q*nt + t];
-                    ub[t*KX_FFN_BLK + B.nb] = kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref);
+                    ub[t*KX_FFN_BLK + B.nb] = B.up4 ? 0.0f : kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref);
                 }
                 B.ids[B.nb++] = (int32_t) i;
                 ++rows;
