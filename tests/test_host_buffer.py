@@ -4,12 +4,10 @@ live in it (every sparse test reads them); the pinned form is checked on the GPU
 (tests/test_hybrid.py::test_gpu_host_weights_are_pinned)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fresh import run_fresh
 
 HUGE = 2 << 20
 
@@ -18,7 +16,6 @@ HUGE = 2 << 20
 # last byte read back, and whether the mapping is gone after the free
 _PROBE = r"""
 import ctypes as C, sys
-sys.path[:0] = sys.argv[3:]
 from kairox.llama import _lib
 from kairox._native import ggml_library
 b = ggml_library("ggml-base")
@@ -56,11 +53,8 @@ print(p % (2 << 20), b.ggml_backend_buft_name(t).decode(), rss, huge, first, las
 
 
 def probe(native: Path, size: int, pinned: bool, env: dict[str, str]) -> tuple[int, str, int, int, int, int, bool]:
-    r = subprocess.run([sys.executable, "-c", _PROBE, str(size), "1" if pinned else "0", *sys.path],
-                       env=dict(os.environ, KAIROX_LIB_DIR=str(native), **env), capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    off, name, rss, huge, first, last, gone = r.stdout.split()
+    off, name, rss, huge, first, last, gone = run_fresh(native, _PROBE, str(size), "1" if pinned else "0",
+                                                        env=env).split()
     return int(off), name, int(rss), int(huge), int(first), int(last), gone == "True"
 
 

@@ -7,15 +7,13 @@ References: numpy in float64 on weights dequantized by gguf.quants (not by ggml)
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
+from fresh import run_fresh
 from ggml_ops import GGML
 
 THREADS = (1, 2, 3)
@@ -377,13 +375,9 @@ def hot_first_relu_rows(g: GGML, n_threads: int, sel: np.ndarray | None = None) 
 
 def relu_rows_in_process(native: Path, env: dict[str, str], n_threads: int) -> tuple[int, int, float, int]:
     """hot_first_relu_rows in a fresh process with env set (the op reads its switches once)."""
-    code = ("import sys; sys.path[:0] = sys.argv[2:]; from ggml_ops import GGML; "
-            "from test_sparse_ops import hot_first_relu_rows; print(*hot_first_relu_rows(GGML(), int(sys.argv[1])))")
-    r = subprocess.run([sys.executable, "-c", code, str(n_threads), str(Path(__file__).parent), *sys.path],
-                       env=dict(os.environ, KAIROX_LIB_DIR=str(native), **env), capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    rows_max, rows_mean, err, miss = r.stdout.split()
+    code = ("import sys; from ggml_ops import GGML; from test_sparse_ops import hot_first_relu_rows; "
+            "print(*hot_first_relu_rows(GGML(), int(sys.argv[1])))")
+    rows_max, rows_mean, err, miss = run_fresh(native, code, str(n_threads), env=env).split()
     return int(rows_max), int(rows_mean), float(err), int(miss)
 
 
@@ -432,16 +426,10 @@ def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(native: Path):
     """Q4_0 gate and up rows four at a time (kx-dot.h) and Q8_0 down rows four at a time
     (kx_axpy_q8_0_rows) give the very bits of ggml's vec_dot and the row-by-row axpy
     (KX_FFN_ROWS1=1), at every group remainder and thread count."""
-    code = ("import sys; sys.path[:0] = sys.argv[2:]; from ggml_ops import GGML; import numpy as np; "
-            "from test_sparse_ops import q4_relu_outputs; "
+    code = ("import sys; import numpy as np; from ggml_ops import GGML; from test_sparse_ops import q4_relu_outputs; "
             "g = GGML(); sys.stdout.write(np.stack([q4_relu_outputs(g, t) for t in (1, 3, 8)]).tobytes().hex())")
-    got = {}
-    for flag in ("0", "1"):
-        r = subprocess.run([sys.executable, "-c", code, "0", str(Path(__file__).parent), *sys.path],
-                           env=dict(os.environ, KAIROX_LIB_DIR=str(native), KX_FFN_ROWS1=flag),
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-        got[flag] = np.frombuffer(bytes.fromhex(r.stdout), np.float32)
+    got = {flag: np.frombuffer(bytes.fromhex(run_fresh(native, code, env={"KX_FFN_ROWS1": flag})), np.float32)
+           for flag in ("0", "1")}
     assert got["0"].size == 3 * 8 * 96 and np.abs(got["0"]).max() > 0
     np.testing.assert_array_equal(got["0"], got["1"])
 

@@ -164,8 +164,7 @@ static int64_t kx_ffn_now_ns(void) {
 }
 
 // A/B switches for measurement, set and not "0" (as KX_FFN_SPLIT in kx-ffn.cpp), read once
-// per process: KX_FFN_UP_ALL=1 reads every listed neuron's up row (the form before the ReLU
-// skip); KX_FFN_ONE_PASS=1 runs ReLU in one pass split by neurons (before the two passes)
+// per process
 static bool kx_ffn_env_flag(const char * name, int * cached) {
     if (*cached < 0) {
         const char * e = getenv(name);
@@ -174,26 +173,13 @@ static bool kx_ffn_env_flag(const char * name, int * cached) {
     return *cached == 1;
 }
 
-static bool kx_ffn_up_all(void) {
-    static int v = -1;
-    return kx_ffn_env_flag("KX_FFN_UP_ALL", &v);
-}
+#define KX_FFN_FLAG(fn, name) \
+    static bool fn(void) { static int v = -1; return kx_ffn_env_flag(name, &v); }
 
-static bool kx_ffn_one_pass(void) {
-    static int v = -1;
-    return kx_ffn_env_flag("KX_FFN_ONE_PASS", &v);
-}
-
-static bool kx_ffn_static_chunks(void) {
-    static int v = -1;
-    return kx_ffn_env_flag("KX_FFN_STATIC_CHUNKS", &v);
-}
-
-// KX_FFN_ROWS1=1: Q4_0 gate and up rows one at a time with ggml's vec_dot (before kx-dot.h)
-static bool kx_ffn_rows1(void) {
-    static int v = -1;
-    return kx_ffn_env_flag("KX_FFN_ROWS1", &v);
-}
+KX_FFN_FLAG(kx_ffn_up_all,        "KX_FFN_UP_ALL")        // every listed neuron's up row (before the ReLU skip)
+KX_FFN_FLAG(kx_ffn_one_pass,      "KX_FFN_ONE_PASS")      // ReLU in one pass split by neurons (before the two)
+KX_FFN_FLAG(kx_ffn_static_chunks, "KX_FFN_STATIC_CHUNKS") // each thread its own contiguous chunks
+KX_FFN_FLAG(kx_ffn_rows1,         "KX_FFN_ROWS1")         // Q4_0/Q8_0 rows one at a time (before kx-dot.h)
 
 // the next chunk of [0, nck) this thread works on, or -1: taken from a shared counter
 // (dynamic), or the thread's own contiguous share in order (static: *own counts them)
@@ -285,6 +271,7 @@ struct kx_ffn_blk {
     int32_t ids[KX_FFN_BLK];
     // up rows computed at the flush, four at a time (kx-dot.h; one token): NULL up otherwise
     const struct ggml_tensor * up4;
+    bool    down4;  // one token, Q8_0 down rows: the nonzero ones four at a time
     const char * xq;
     const void * urow[KX_FFN_BLK];
     int64_t nonzero; // (neuron, token) pairs added
@@ -305,8 +292,7 @@ static void kx_ffn_blk_flush(struct kx_ffn_blk * B) {
         }
         kx_ffn_glu(B->act, KX_FFN_BLK, B->hb + t*KX_FFN_BLK, B->gb + t*KX_FFN_BLK, B->ub + t*KX_FFN_BLK);
     }
-    if (B->nt == 1 && B->down->type == GGML_TYPE_Q8_0 && !B->ref && !kx_ffn_rows1()) {
-        // one token: the nonzero ones' down rows four at a time (kx_axpy_q8_0_rows)
+    if (B->down4) { // kx_axpy_q8_0_rows
         const void * dr[4];
         float        dv[4];
         int          nd = 0;
@@ -433,6 +419,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     // (pass b, at each block's flush) four at a time (kx-dot.h)
     const bool rows4 = !ref && nt == 1 && vdt == GGML_TYPE_Q8_0 && !kx_ffn_rows1() && kx_dot_q4_0_rows_ok();
     const bool gate4 = rows4 && gate->type == GGML_TYPE_Q4_0 && !gpre;
+    B.down4 = !ref && nt == 1 && down->type == GGML_TYPE_Q8_0 && !kx_ffn_rows1();
     int64_t up_skipped = 0;
     int64_t rows = 0; // gate and up rows read here (down rows: B.rows)
     int64_t present = r1 - r0; // present neurons this thread computed

@@ -1,0 +1,19 @@
+"""Run test code in a fresh Python process (test helper): the native library reads its
+switches (KX_FFN_*, KX_HOST_PAGES) once per process, so a test that sets one needs a
+process of its own. The child sees this process's import path plus the tests folder."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_fresh(native: Path, code: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """`python -c code args...` with the library at `native` and env added; its stdout."""
+    path = os.pathsep.join([str(Path(__file__).parent), *sys.path])
+    r = subprocess.run([sys.executable, "-c", code, *args],
+                       env=dict(os.environ, KAIROX_LIB_DIR=str(native), PYTHONPATH=path, **(env or {})),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
