@@ -16,7 +16,8 @@
 // with one load per loop step a warp walked an 8 KiB row in 16 dependent round trips;
 // over PCIe (mapped host rows) that made the kernel latency-bound, ~31 µs per layer for a
 // row gather the gated form halved without getting faster (H200, KB-7B, Nsight Compute).
-// No list (sel NULL): every row in order, a plain matvec.
+// No list (sel NULL): every row in order, a plain matvec. Short contiguous F32/F16 rows (512
+// B to 2 KiB: the predictor's B) take kx_mul_mat_rows_short_kernel, several rows per warp.
 #include "kx-ops-cuda.cuh"
 #include "kx-ops.h"
 
@@ -208,6 +209,100 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
     }
 }
 
+// The plain matvec over short contiguous rows: a warp reads R whole rows (KX_MMR_LOADS
+// 16-byte units per lane, 4 KiB) in one batch of loads. Why: the predictor's B has rows of
+// 512 B to 2 KiB (rank 256-512), where one warp per row left most of a lane's batch empty
+// and streamed KB-70B's [512, 28672] F16 B at 1.1 TB/s, 26.5 µs per layer on the decode's
+// critical path (H200, Nsight Compute). A lane's unit u belongs to row u/(KX_MMR_LOADS/R).
+template <ggml_type type, int R, int NT>
+static __global__ void kx_mul_mat_rows_short_kernel(const int4 * __restrict__ w, const float * __restrict__ x,
+                                                    int64_t sx, float * __restrict__ dst, int64_t n, int nt) {
+    constexpr int UPR = KX_MMR_LOADS/R;       // a lane's units per row
+    constexpr int NL  = UPR*WARP_SIZE;        // units per row
+    constexpr int EPU = type == GGML_TYPE_F16 ? 8 : 4; // weights per unit
+    const int     lane   = threadIdx.x % WARP_SIZE;
+    const int64_t warp   = (int64_t) blockIdx.x*KX_MMR_WARPS + threadIdx.x/WARP_SIZE;
+    const int64_t nwarps = (int64_t) gridDim.x*KX_MMR_WARPS;
+    for (int64_t ch = warp; ch*R < n; ch += nwarps) {
+        const int64_t nu = min((int64_t) R, n - ch*R)*NL; // units of this warp's rows
+        const int4 * wc = w + ch*R*NL;
+        int4 raw[KX_MMR_LOADS];
+#pragma unroll
+        for (int u = 0; u < KX_MMR_LOADS; ++u) {
+            const int c = lane + u*WARP_SIZE;
+            raw[u] = c < nu ? wc[c] : int4{};
+        }
+        float acc[R][NT] = {};
+#pragma unroll
+        for (int u = 0; u < KX_MMR_LOADS; ++u) {
+            const int col = (lane + (u % UPR)*WARP_SIZE)*EPU; // first weight of the unit in its row
+            float wv[EPU];
+            if constexpr (type == GGML_TYPE_F16) {
+                const half2 * h = (const half2 *) &raw[u];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float2 f = __half22float2(h[q]);
+                    wv[2*q] = f.x;
+                    wv[2*q + 1] = f.y;
+                }
+            } else {
+                const float4 f = *(const float4 *) &raw[u];
+                wv[0] = f.x; wv[1] = f.y; wv[2] = f.z; wv[3] = f.w;
+            }
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < nt) {
+                    const float4 * xt = (const float4 *) (x + t*sx + col);
+#pragma unroll
+                    for (int e = 0; e < EPU/4; ++e) {
+                        const float4 a = xt[e];
+                        acc[u/UPR][t] += wv[4*e]*a.x + wv[4*e + 1]*a.y + wv[4*e + 2]*a.z + wv[4*e + 3]*a.w;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < nt) {
+                    const float v = warp_reduce_sum(acc[r][t]);
+                    if (lane == 0 && ch*R + r < n) {
+                        dst[ch*R + r + t*n] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// kx_mul_mat_rows_short_kernel for w when it applies (see there), else false
+static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_t sx, float * dst,
+                                  int64_t n, int nt, int nsm, cudaStream_t stream) {
+    if ((w->type != GGML_TYPE_F32 && w->type != GGML_TYPE_F16) || !ggml_is_contiguous(w) ||
+        (uintptr_t) w->data % 16 != 0 || w->ne[1] != n) {
+        return false;
+    }
+    const int64_t nl = w->nb[1]/16; // units per row
+    const int r = nl == 32 ? 8 : nl == 64 ? 4 : nl == 128 ? 2 : 0;
+    if (w->nb[1] % 16 != 0 || r == 0) {
+        return false;
+    }
+    const int64_t warps = (n + r - 1)/r;
+    const dim3 grid((unsigned) std::min<int64_t>((warps + KX_MMR_WARPS - 1)/KX_MMR_WARPS, (int64_t) nsm*16));
+    const dim3 block(KX_MMR_WARPS*WARP_SIZE);
+    const int4 * wd = (const int4 *) w->data;
+#define KX_MMR_SHORT(T, R) (nt == 1 ? kx_mul_mat_rows_short_kernel<T, R, 1><<<grid, block, 0, stream>>>(wd, x, sx, dst, n, nt) \
+                                    : kx_mul_mat_rows_short_kernel<T, R, KX_CUDA_MAX_TOKENS><<<grid, block, 0, stream>>>(wd, x, sx, dst, n, nt))
+    if (w->type == GGML_TYPE_F16) {
+        if (r == 8) { KX_MMR_SHORT(GGML_TYPE_F16, 8); } else if (r == 4) { KX_MMR_SHORT(GGML_TYPE_F16, 4); } else { KX_MMR_SHORT(GGML_TYPE_F16, 2); }
+    } else {
+        if (r == 8) { KX_MMR_SHORT(GGML_TYPE_F32, 8); } else if (r == 4) { KX_MMR_SHORT(GGML_TYPE_F32, 4); } else { KX_MMR_SHORT(GGML_TYPE_F32, 2); }
+    }
+#undef KX_MMR_SHORT
+    return true;
+}
+
 void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * w      = dst->src[0];
     const ggml_tensor * x      = dst->src[1];
@@ -227,12 +322,16 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
         CUDA_CHECK(cudaMemsetAsync(dst->data, 0, ggml_nbytes(dst), stream));
     }
 
-    // enough warps to keep every SM's memory pipeline full at the densest list, no more
     const int nsm = ggml_cuda_info().devices[ctx.device].nsm;
+    const int64_t sx = x->nb[1]/sizeof(float);
+    if (!sel && !rowmap && !dst->src[4] &&
+        kx_mul_mat_rows_short(w, (const float *) x->data, sx, (float *) dst->data, n, nt, nsm, stream)) {
+        return;
+    }
+    // enough warps to keep every SM's memory pipeline full at the densest list, no more
     const int64_t blocks = std::min<int64_t>((n + KX_MMR_WARPS - 1)/KX_MMR_WARPS, (int64_t) nsm*16);
     const dim3 grid((unsigned) std::max<int64_t>(1, blocks));
     const dim3 block(KX_MMR_WARPS*WARP_SIZE);
-    const int64_t sx = x->nb[1]/sizeof(float);
     const int32_t * list = sel ? (const int32_t *) sel->data : nullptr;
     const int32_t * map = rowmap ? (const int32_t *) rowmap->data : nullptr;
     const float * gate = dst->src[4] ? (const float *) dst->src[4]->data : nullptr; // [n, nt], contiguous

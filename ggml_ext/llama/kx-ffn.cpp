@@ -105,7 +105,7 @@ static void kx_pipe_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int,
 }
 
 // s = B·(A·x) + c with the predictor copy on the slots' device where there is one.
-// There B runs as a row op without a list (one warp per 256-wide row): ggml's matvec
+// There B runs as a row op without a list (several short rows a warp): ggml's matvec
 // gives each row a block, 15.9 µs per layer for KB-7B's [256, 11008] F32 B on the
 // decode's critical path (H200, Nsight Compute). Rows in 16-byte loads need rank % 8 == 0;
 // another rank stays on ggml's matvec rather than copying B to the CPU each token.

@@ -191,7 +191,7 @@ struct test_kx_axpy_rows : public test_kx_rows {
 
 static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cases) {
     // select: every activation rule, batches, the density fallback (0.6 of n active or more)
-    for (int64_t n : {1000, 11008, 28672}) {
+    for (int64_t n : {1000, 11008, 28672, 140001}) { // 140001: past the ballots CUDA keeps
         for (int64_t nt : {1, 3}) {
             test_cases.emplace_back(new test_kx_select(n, nt, 0.5f, 0.6f, KX_SELECT_SCORE));
             test_cases.emplace_back(new test_kx_select(n, nt, 0.3f, 0.6f, KX_SELECT_RELU));
@@ -221,6 +221,11 @@ static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cas
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 11008, 4, 11008, 1.0, false, false));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 4096, 1000, 2, 1000, 1.0, true, false));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, 1, 300, 1.0, false, false));
+        // no list over short rows (F32/F16 512 B - 2 KiB: several rows a warp), n not a multiple
+        // of the rows a warp takes
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 512, 28673, 1, 28673, 1.0, false, false));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 128, 1001, 3, 1001, 1.0, false, false));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 1024, 999, 8, 999, 1.0, false, false));
     }
     for (ggml_type type : {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0}) {
         for (int64_t nt : {1, 4, 8}) {
