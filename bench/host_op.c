@@ -2,14 +2,14 @@
 // fast it moves its rows against the scattered-read roof of bench/host_pages.c.
 //
 // LAYERS layers of random Q4_0 gate/up [N_FF rows of K] and Q8_0 transposed down [N_FF rows
-// of K] (KB-70B: 28672 x 8192) in one buffer of 4 KiB or 2 MiB pages; every repetition lists
+// of K] (KB-70B: 28672 x 8192), or all three F16 (TYPES f16; KB-7B: 11008 x 4096), in one buffer of 4 KiB or 2 MiB pages; every repetition lists
 // LISTED new random neurons per layer (about half fire: random weights) and computes the
 // layers' ops as one graph on a thread pool. Bytes read: the listed gate rows and, for the
 // neurons that fired, their up and down rows (the op's counters).
 //
 //   cc -O2 -march=native bench/host_op.c -I vendor/llama.cpp/ggml/include -I ggml_ext/include
 //      -L LIB -lggml-base -lggml-cpu -Wl,-rpath,LIB -o host_op
-//   ./host_op PAGES(4k|2M) THREADS [LAYERS LISTED REPS N_FF K]    # one JSON line
+//   ./host_op PAGES(4k|2M) THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|f16)]    # one JSON line
 #define _GNU_SOURCE
 #include "ggml.h"
 #include "ggml-cpu.h"
@@ -47,13 +47,23 @@ static void fill_blocks(uint8_t * p, size_t n_blocks, size_t block_bytes) {
     }
 }
 
+// random F16 values of either sign in [2^-3, 2^-2) (exponent fixed: no Inf, no NaN)
+static void fill_f16(uint16_t * p, size_t n) {
+    for (size_t i = 0; i < n; i += 4) {
+        const uint64_t v = next_u64();
+        for (size_t j = 0; j < 4 && i + j < n; ++j) {
+            p[i + j] = (uint16_t) (((v >> (16*j)) & 0x83FF) | 0x3000);
+        }
+    }
+}
+
 static int cmp_i32(const void * a, const void * b) {
     return *(const int32_t *) a - *(const int32_t *) b;
 }
 
 int main(int argc, char ** argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s 4k|2M THREADS [LAYERS LISTED REPS N_FF K]\n", argv[0]);
+        fprintf(stderr, "usage: %s 4k|2M THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|f16)]\n", argv[0]);
         return 2;
     }
     const int     huge    = strcmp(argv[1], "2M") == 0;
@@ -63,10 +73,13 @@ int main(int argc, char ** argv) {
     const int     reps    = argc > 5 ? atoi(argv[5]) : 20;
     const int64_t n_ff    = argc > 6 ? atoll(argv[6]) : 28672;
     const int64_t k       = argc > 7 ? atoll(argv[7]) : 8192;
+    const int     f16     = argc > 8 && strcmp(argv[8], "f16") == 0;
+    const enum ggml_type tw = f16 ? GGML_TYPE_F16 : GGML_TYPE_Q4_0; // gate and up
+    const enum ggml_type td = f16 ? GGML_TYPE_F16 : GGML_TYPE_Q8_0; // transposed down
 
-    const size_t q4_row = ggml_row_size(GGML_TYPE_Q4_0, k);
-    const size_t q8_row = ggml_row_size(GGML_TYPE_Q8_0, k);
-    const size_t weights = (size_t) layers * n_ff * (2 * q4_row + q8_row);
+    const size_t w_row = ggml_row_size(tw, k);
+    const size_t d_row = ggml_row_size(td, k);
+    const size_t weights = (size_t) layers * n_ff * (2 * w_row + d_row);
     const size_t mem = weights + (64u << 20);
     void * buf = mmap(NULL, mem, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (buf == MAP_FAILED) {
@@ -84,12 +97,18 @@ int main(int argc, char ** argv) {
     struct ggml_cgraph * gf = ggml_new_graph(ctx);
     struct ggml_tensor ** sel = malloc(sizeof(*sel) * layers);
     for (int l = 0; l < layers; ++l) {
-        struct ggml_tensor * g = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, k, n_ff);
-        struct ggml_tensor * u = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, k, n_ff);
-        struct ggml_tensor * d = ggml_new_tensor_2d(ctx, GGML_TYPE_Q8_0, k, n_ff);
-        fill_blocks(g->data, ggml_nbytes(g) / 18, 18);
-        fill_blocks(u->data, ggml_nbytes(u) / 18, 18);
-        fill_blocks(d->data, ggml_nbytes(d) / 34, 34);
+        struct ggml_tensor * g = ggml_new_tensor_2d(ctx, tw, k, n_ff);
+        struct ggml_tensor * u = ggml_new_tensor_2d(ctx, tw, k, n_ff);
+        struct ggml_tensor * d = ggml_new_tensor_2d(ctx, td, k, n_ff);
+        if (f16) {
+            fill_f16(g->data, (size_t) ggml_nelements(g));
+            fill_f16(u->data, (size_t) ggml_nelements(u));
+            fill_f16(d->data, (size_t) ggml_nelements(d));
+        } else {
+            fill_blocks(g->data, ggml_nbytes(g) / 18, 18);
+            fill_blocks(u->data, ggml_nbytes(u) / 18, 18);
+            fill_blocks(d->data, ggml_nbytes(d) / 34, 34);
+        }
         sel[l] = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff + 1);
         ggml_build_forward_expand(gf, ggml_kx_ffn_rows(ctx, g, u, d, x, sel[l], NULL, NULL, NULL, KX_SELECT_RELU));
     }
@@ -133,11 +152,12 @@ int main(int argc, char ** argv) {
         skipped_all += up_skipped;
     }
     const double fired = (double) (listed_all - skipped_all) / reps / layers;
-    const double bytes = (double) listed * q4_row + fired * (q4_row + q8_row); // per layer
-    printf("{\"pages\": \"%s\", \"threads\": %d, \"layers\": %d, \"listed\": %d, \"fired\": %.1f, \"n_ff\": %lld, "
+    const double bytes = (double) listed * w_row + fired * (w_row + d_row); // per layer
+    const char * rows1 = getenv("KX_FFN_ROWS1"); // the op's row-by-row switch, recorded
+    printf("{\"types\": \"%s\", \"rows1\": %d, \"pages\": \"%s\", \"threads\": %d, \"layers\": %d, \"listed\": %d, \"fired\": %.1f, \"n_ff\": %lld, "
            "\"k\": %lld, \"mb_per_layer\": %.2f, \"us_per_layer_best\": %.1f, \"us_per_layer_mean\": %.1f, "
            "\"gbs_best\": %.2f, \"gbs_mean\": %.2f}\n",
-           huge ? "2M" : "4k", nth, layers, listed, fired, (long long) n_ff, (long long) k, bytes / 1e6,
+           f16 ? "f16" : "q4", rows1 ? atoi(rows1) : 0, huge ? "2M" : "4k", nth, layers, listed, fired, (long long) n_ff, (long long) k, bytes / 1e6,
            best / layers * 1e6, sum / reps / layers * 1e6, bytes * layers / best / 1e9, bytes * layers * reps / sum / 1e9);
     ggml_threadpool_free(tp);
     ggml_free(ctx);

@@ -405,32 +405,38 @@ def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
     assert err < 1e-4 and miss == 0 and rows_mean == 96 // 80
 
 
-def q4_relu_outputs(g: GGML, n_threads: int) -> np.ndarray:
-    """The ReLU op on Q4_0 gate/up and Q8_0 down rows, one token, over lists of 1-90 neurons
-    (every remainder of groups of four), stacked; with the fired counts."""
+def rows4_relu_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8_0") -> np.ndarray:
+    """The ReLU op on wtype gate/up and dtype down rows, one token, over lists of 1-90 neurons
+    (every remainder of groups of four), stacked. F16 rows are 296 wide (past ggml's 64-wide
+    steps: its double-precision tail) and F16 down rows 101 (past the 16-wide vectors)."""
     rng = np.random.default_rng(29)
-    n, k, m = 90, 256, 96
+    n = 90
+    k = 256 if wtype == "q4_0" else 296
+    m = 96 if dtype == "q8_0" else 101
     gate, up = (rng.standard_normal((2, n, k)) / math.sqrt(k)).astype(np.float32)
     down = rng.standard_normal((n, m)).astype(np.float32)
     x = rng.standard_normal((1, k)).astype(np.float32)
-    graw, uraw, draw = g.quantize(gate, "q4_0"), g.quantize(up, "q4_0"), g.quantize(down, "q8_0")
+    graw, uraw, draw = g.quantize(gate, wtype), g.quantize(up, wtype), g.quantize(down, dtype)
     outs = []
     for size in (1, 2, 3, 5, 6, 7, 33, 90):
         sel = np.sort(rng.choice(n, size, replace=False)).astype(np.int32)
-        outs.append(g.ffn_rows(graw, uraw, "q4_0", n, k, draw, "q8_0", n, m, x, sel, n, act="relu",
+        outs.append(g.ffn_rows(graw, uraw, wtype, n, k, draw, dtype, n, m, x, sel, n, act="relu",
                                n_threads=n_threads)[0])
     return np.stack(outs)
 
 
-def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(native: Path):
-    """Q4_0 gate and up rows four at a time (kx-dot.h) and Q8_0 down rows four at a time
-    (kx_axpy_q8_0_rows) give the very bits of ggml's vec_dot and the row-by-row axpy
+@pytest.mark.parametrize("wtype,dtype", [("q4_0", "q8_0"), ("f16", "f16")])
+def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(native: Path, wtype: str, dtype: str):
+    """Gate and up rows four at a time (kx-dot.h: Q4_0, F16) and down rows four at a time
+    (kx_axpy_rows: Q8_0, F16) give the very bits of ggml's vec_dot and the row-by-row axpy
     (KX_FFN_ROWS1=1), at every group remainder and thread count."""
-    code = ("import sys; import numpy as np; from ggml_ops import GGML; from test_sparse_ops import q4_relu_outputs; "
-            "g = GGML(); sys.stdout.write(np.stack([q4_relu_outputs(g, t) for t in (1, 3, 8)]).tobytes().hex())")
+    code = ("import sys; import numpy as np; from ggml_ops import GGML; from test_sparse_ops import rows4_relu_outputs; "
+            f"g = GGML(); sys.stdout.write(np.stack([rows4_relu_outputs(g, t, {wtype!r}, {dtype!r}) "
+            "for t in (1, 3, 8)]).tobytes().hex())")
     got = {flag: np.frombuffer(bytes.fromhex(run_fresh(native, code, env={"KX_FFN_ROWS1": flag})), np.float32)
            for flag in ("0", "1")}
-    assert got["0"].size == 3 * 8 * 96 and np.abs(got["0"]).max() > 0
+    m = 96 if dtype == "q8_0" else 101
+    assert got["0"].size == 3 * 8 * m and np.abs(got["0"]).max() > 0
     np.testing.assert_array_equal(got["0"], got["1"])
 
 

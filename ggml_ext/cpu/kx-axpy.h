@@ -116,6 +116,49 @@ static inline bool kx_axpy_q8_0_rows(int64_t nb, int nr, float * GGML_RESTRICT y
 #endif
 }
 
+// nr (<= 4) F16 rows of m columns at once, y += v[r] * row r in row order per element (the
+// same FMAs as nr calls of kx_axpy_f16, bit for bit), as kx_axpy_q8_0_rows. False without
+// AVX-512.
+static inline bool kx_axpy_f16_rows(int64_t m, int nr, float * GGML_RESTRICT y, const void * const * rows,
+                                    const float * v) {
+#if defined(__AVX512F__)
+    const ggml_fp16_t * x[4];
+    __m512 vv[4];
+    for (int r = 0; r < nr; ++r) {
+        x[r] = (const ggml_fp16_t *) rows[r];
+        vv[r] = _mm512_set1_ps(v[r]);
+    }
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) {
+        __m512 acc = _mm512_loadu_ps(y + i);
+        for (int r = 0; r < nr; ++r) {
+            acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (x[r] + i))), vv[r], acc);
+        }
+        _mm512_storeu_ps(y + i, acc);
+    }
+    for (; i < m; ++i) {
+        for (int r = 0; r < nr; ++r) {
+            y[i] += GGML_CPU_FP16_TO_FP32(x[r][i])*v[r];
+        }
+    }
+    return true;
+#else
+    (void) m; (void) nr; (void) y; (void) rows; (void) v;
+    return false;
+#endif
+}
+
+// y += v[r] * row r for nr (<= 4) whole rows of m columns of a type with a rows-at-once
+// path above; false where there is none (the caller goes row by row)
+static inline bool kx_axpy_rows(enum ggml_type type, int64_t m, int nr, float * GGML_RESTRICT y,
+                                const void * const * rows, const float * v) {
+    switch (type) {
+        case GGML_TYPE_Q8_0: return kx_axpy_q8_0_rows(m/QK8_0, nr, y, rows, v);
+        case GGML_TYPE_F16:  return kx_axpy_f16_rows(m, nr, y, rows, v);
+        default:             return false;
+    }
+}
+
 // c0 and c1 are multiples of 32 for Q8_0 (whole blocks; the constructors check m % 32 == 0)
 static inline void kx_axpy_row(enum ggml_type type, int64_t c0, int64_t c1, float * GGML_RESTRICT y,
                                const void * GGML_RESTRICT row, float v, bool ref) {

@@ -43,13 +43,14 @@
 // one) no longer holds up the layer. KX_FFN_STATIC_CHUNKS=1 gives each thread its own
 // contiguous chunks (an even split).
 //
-// One token (decode) with Q4_0 gate/up and Q8_0 down rows: four rows at a time (kx-dot.h,
-// kx_axpy_q8_0_rows), bit for bit the row-by-row result. Why: the op alone on KB-70B's
+// One token (decode) with Q4_0 or F16 gate/up and Q8_0 or F16 down rows: four rows at a
+// time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result. Why: the op alone on KB-70B's
 // shapes scaled linearly with threads on the H200 host, 3.2 GB/s each, against 68-80 GB/s
 // for the same scattered reads without the arithmetic (bench/results/host-pages/): a
 // thread walking one row at a time keeps too few reads in flight. Four rows walked
 // together are four prefetch streams and four independent chains (development VM, 2
-// threads: 8.6-9.7 -> 11.8 GB/s). KX_FFN_ROWS1=1 goes row by row, for measurement.
+// threads: 8.6-9.7 -> 11.8 GB/s; H200, KB-70B: the decode 1.18-1.27x,
+// bench/results/balance-live/kb70b-rows4/). KX_FFN_ROWS1=1 goes row by row, for measurement.
 //
 // No software prefetch: requesting the next neuron's gate/up rows and the block's down rows
 // whole into L2 ran 6% slower on the H200 host (KB-7B, 16 threads, interleaved A/B rows,
@@ -179,7 +180,7 @@ static bool kx_ffn_env_flag(const char * name, int * cached) {
 KX_FFN_FLAG(kx_ffn_up_all,        "KX_FFN_UP_ALL")        // every listed neuron's up row (before the ReLU skip)
 KX_FFN_FLAG(kx_ffn_one_pass,      "KX_FFN_ONE_PASS")      // ReLU in one pass split by neurons (before the two)
 KX_FFN_FLAG(kx_ffn_static_chunks, "KX_FFN_STATIC_CHUNKS") // each thread its own contiguous chunks
-KX_FFN_FLAG(kx_ffn_rows1,         "KX_FFN_ROWS1")         // Q4_0/Q8_0 rows one at a time (before kx-dot.h)
+KX_FFN_FLAG(kx_ffn_rows1,         "KX_FFN_ROWS1")         // rows one at a time (before kx-dot.h)
 
 // the next chunk of [0, nck) this thread works on, or -1: taken from a shared counter
 // (dynamic), or the thread's own contiguous share in order (static: *own counts them)
@@ -212,12 +213,13 @@ static int64_t kx_ffn_seek(const int64_t * cnt, int64_t stride, int64_t n, int64
     return p;
 }
 
-// one token's gates of ng (<= 4) neurons from their Q4_0 rows at once (kx-dot.h), into
-// gs[q[n]]; returns how many fired
-static int64_t kx_ffn_gates4(float * gs, const void * const * rows, const int64_t * q, int ng, int64_t k,
-                             const char * xq) {
-    float g[4];
-    kx_dot_q4_0_rows(k, ng, rows, xq, g);
+// one token's gates of ng (<= 4) neurons from their rows at once (kx-dot.h), into gs[q[n]];
+// returns how many fired
+static int64_t kx_ffn_gates4(float * gs, enum ggml_type type, const void * const * rows, const int64_t * q, int ng,
+                             int64_t k, const char * xq) {
+    float g[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+    const bool done = kx_dot_rows(type, k, ng, rows, xq, g); // the caller checked kx_dot_rows_ok
+    GGML_ASSERT(done);
     int64_t fired = 0;
     for (int n = 0; n < ng; ++n) {
         gs[q[n]] = g[n];
@@ -271,7 +273,7 @@ struct kx_ffn_blk {
     int32_t ids[KX_FFN_BLK];
     // up rows computed at the flush, four at a time (kx-dot.h; one token): NULL up otherwise
     const struct ggml_tensor * up4;
-    bool    down4;  // one token, Q8_0 down rows: the nonzero ones four at a time
+    bool    down4;  // one token, Q8_0 or F16 down rows: the nonzero ones four at a time
     const char * xq;
     const void * urow[KX_FFN_BLK];
     int64_t nonzero; // (neuron, token) pairs added
@@ -283,7 +285,7 @@ static void kx_ffn_blk_flush(struct kx_ffn_blk * B) {
         return;
     }
     for (int b = 0; B->up4 && b < B->nb; b += 4) {
-        kx_dot_q4_0_rows(B->up4->ne[0], B->nb - b < 4 ? B->nb - b : 4, B->urow + b, B->xq, B->ub + b);
+        kx_dot_rows(B->up4->type, B->up4->ne[0], B->nb - b < 4 ? B->nb - b : 4, B->urow + b, B->xq, B->ub + b);
     }
     for (int64_t t = 0; t < B->nt; ++t) {
         for (int b = B->nb; b < KX_FFN_BLK; ++b) {
@@ -292,7 +294,7 @@ static void kx_ffn_blk_flush(struct kx_ffn_blk * B) {
         }
         kx_ffn_glu(B->act, KX_FFN_BLK, B->hb + t*KX_FFN_BLK, B->gb + t*KX_FFN_BLK, B->ub + t*KX_FFN_BLK);
     }
-    if (B->down4) { // kx_axpy_q8_0_rows
+    if (B->down4) { // kx_axpy_rows
         const void * dr[4];
         float        dv[4];
         int          nd = 0;
@@ -302,9 +304,9 @@ static void kx_ffn_blk_flush(struct kx_ffn_blk * B) {
                 dv[nd++] = B->hb[b];
             }
             if (nd == 4 || (b == B->nb && nd > 0)) {
-                if (!kx_axpy_q8_0_rows(B->m/QK8_0, nd, B->acc, dr, dv)) {
+                if (!kx_axpy_rows(B->down->type, B->m, nd, B->acc, dr, dv)) {
                     for (int r = 0; r < nd; ++r) {
-                        kx_axpy_row(GGML_TYPE_Q8_0, 0, B->m, B->acc, dr[r], dv[r], false);
+                        kx_axpy_row(B->down->type, 0, B->m, B->acc, dr[r], dv[r], false);
                     }
                 }
                 B->nonzero += nd;
@@ -415,11 +417,11 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     int64_t work_ns = 0;
     struct kx_ffn_blk B = { .nt = nt, .act = act, .m = m, .gb = gb, .ub = ub, .hb = hb, .acc = acc,
                             .down = down, .dmap = dmap, .ref = ref, .xq = xq };
-    // one token with x in Q8_0 (Q4_0's vec_dot type): Q4_0 gate rows (pass a) and up rows
-    // (pass b, at each block's flush) four at a time (kx-dot.h)
-    const bool rows4 = !ref && nt == 1 && vdt == GGML_TYPE_Q8_0 && !kx_ffn_rows1() && kx_dot_q4_0_rows_ok();
-    const bool gate4 = rows4 && gate->type == GGML_TYPE_Q4_0 && !gpre;
-    B.down4 = !ref && nt == 1 && down->type == GGML_TYPE_Q8_0 && !kx_ffn_rows1();
+    // one token: Q4_0 or F16 gate rows (pass a) and up rows (pass b, at each block's flush)
+    // four at a time (kx-dot.h), Q8_0 or F16 down rows too (kx-axpy.h)
+    const bool rows4 = !ref && nt == 1 && !kx_ffn_rows1();
+    const bool gate4 = rows4 && kx_dot_rows_ok(gate->type) && !gpre;
+    B.down4 = rows4 && (down->type == GGML_TYPE_Q8_0 || down->type == GGML_TYPE_F16);
     int64_t up_skipped = 0;
     int64_t rows = 0; // gate and up rows read here (down rows: B.rows)
     int64_t present = r1 - r0; // present neurons this thread computed
@@ -485,7 +487,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                     grp[ng] = grow;
                     gq[ng++] = qi;
                     if (ng == 4) {
-                        fired += kx_ffn_gates4(w.gs, grp, gq, ng, k, xq);
+                        fired += kx_ffn_gates4(w.gs, gate->type, grp, gq, ng, k, xq);
                         ng = 0;
                     }
                     continue;
@@ -500,7 +502,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                 fired += on;
             }
             if (ng > 0) {
-                fired += kx_ffn_gates4(w.gs, grp, gq, ng, k, xq);
+                fired += kx_ffn_gates4(w.gs, gate->type, grp, gq, ng, k, xq);
             }
             w.fired[c] = fired;
             gates += q1 - q0;
@@ -520,7 +522,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
             F += w.fired[c];
         }
         nacc = F < KX_FFN_CHUNKS*nth ? F : KX_FFN_CHUNKS*nth;
-        B.up4 = rows4 && up->type == GGML_TYPE_Q4_0 ? up : NULL;
+        B.up4 = rows4 && kx_dot_rows_ok(up->type) ? up : NULL;
         own = 0;
         for (int64_t c; (c = kx_ffn_claim(&w.next[1], &own, nacc, ith, nth, dyn)) >= 0; ) {
             const int64_t f0 = F*c/nacc;
