@@ -144,7 +144,7 @@ static inline bool kx_dot_rows_ok(enum ggml_type type) {
     }
 
 // out[r] = row r · y over k elements, r < nr <= 4, y in the type's vec_dot type (Q4_0: k %
-// 32 == 0, y Q8_0; F16: y F16). False where kx_dot_rows_ok(type) is (the caller then uses
+// 32 == 0, y Q8_0; F16: y F16). False where kx_dot_rows_ok(type) is false (the caller uses
 // ggml's vec_dot per row).
 static inline bool kx_dot_rows(enum ggml_type type, int64_t k, int nr, const void * const * rows, const void * vy,
                                float * out) {
