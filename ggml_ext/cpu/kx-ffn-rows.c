@@ -273,7 +273,8 @@ struct kx_ffn_blk {
     int32_t ids[KX_FFN_BLK];
     // up rows computed at the flush, four at a time (kx-dot.h; one token): NULL up otherwise
     const struct ggml_tensor * up4;
-    bool    down4;  // one token, Q8_0 or F16 down rows: the nonzero ones four at a time
+    bool    down4;  // one token: the nonzero down rows four at a time (kx_axpy_rows; row by row
+                    // for a type it has no path for)
     const char * xq;
     const void * urow[KX_FFN_BLK];
     int64_t nonzero; // (neuron, token) pairs added
@@ -417,11 +418,11 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     int64_t work_ns = 0;
     struct kx_ffn_blk B = { .nt = nt, .act = act, .m = m, .gb = gb, .ub = ub, .hb = hb, .acc = acc,
                             .down = down, .dmap = dmap, .ref = ref, .xq = xq };
-    // one token: Q4_0 or F16 gate rows (pass a) and up rows (pass b, at each block's flush)
-    // four at a time (kx-dot.h), Q8_0 or F16 down rows too (kx-axpy.h)
+    // one token: gate rows (pass a) and up rows (pass b, at each block's flush) four at a
+    // time where kx-dot.h has a path for their type, the down rows where kx-axpy.h has
     const bool rows4 = !ref && nt == 1 && !kx_ffn_rows1();
     const bool gate4 = rows4 && kx_dot_rows_ok(gate->type) && !gpre;
-    B.down4 = rows4 && (down->type == GGML_TYPE_Q8_0 || down->type == GGML_TYPE_F16);
+    B.down4 = rows4;
     int64_t up_skipped = 0;
     int64_t rows = 0; // gate and up rows read here (down rows: B.rows)
     int64_t present = r1 - r0; // present neurons this thread computed
