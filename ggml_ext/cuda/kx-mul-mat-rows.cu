@@ -47,6 +47,24 @@ static __device__ __forceinline__ void kx_row_stream(const U * __restrict__ r, i
     }
 }
 
+// one 16-byte unit of an F16 (8 weights) or F32 (4 weights) row · x at the unit's first
+// weight (xt, 16-byte aligned): the one place both row kernels write this dot
+template <ggml_type type>
+static __device__ __forceinline__ float kx_unit_dot(const int4 & raw, const float * __restrict__ xt) {
+    const float4 a = ((const float4 *) xt)[0];
+    if constexpr (type == GGML_TYPE_F16) {
+        const half2 * h = (const half2 *) &raw;
+        const float2 w0 = __half22float2(h[0]), w1 = __half22float2(h[1]);
+        const float2 w2 = __half22float2(h[2]), w3 = __half22float2(h[3]);
+        const float4 b = ((const float4 *) xt)[1];
+        return w0.x*a.x + w0.y*a.y + w1.x*a.z + w1.y*a.w + w2.x*b.x + w2.y*b.y + w3.x*b.z + w3.y*b.w;
+    } else {
+        static_assert(type == GGML_TYPE_F32, "F16 or F32 units");
+        const float4 w = *(const float4 *) &raw;
+        return w.x*a.x + w.y*a.y + w.z*a.z + w.w*a.w;
+    }
+}
+
 // one quantized block's 32 weights, dequantized (Q8_0: 34 bytes, Q4_0: 18 bytes; 2-byte aligned)
 template <ggml_type type>
 static __device__ __forceinline__ void kx_block_dequant(const char * blk, float * wv) {
@@ -105,31 +123,13 @@ static __device__ __forceinline__ void kx_block_dot(const char * blk, const floa
 template <ggml_type type, bool staged>
 static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row, const float * __restrict__ x,
                                                   int64_t sx, int nt, int64_t k, int lane, float * acc) {
-    if constexpr (type == GGML_TYPE_F16) {
-        kx_row_stream((const int4 *) row, k/8, lane, [&](const int4 & raw, int64_t c8) { // 8 halves a unit
-            const half2 * h = (const half2 *) &raw;
-            float2 w[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                w[q] = __half22float2(h[q]);
-            }
+    if constexpr (type == GGML_TYPE_F16 || type == GGML_TYPE_F32) {
+        constexpr int epu = type == GGML_TYPE_F16 ? 8 : 4; // weights per 16-byte unit
+        kx_row_stream((const int4 *) row, k/epu, lane, [&](const int4 & raw, int64_t c) {
 #pragma unroll
             for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
                 if (t < nt) {
-                    const float4 * xt = (const float4 *) (x + t*sx + c8*8);
-                    const float4 a = xt[0], b = xt[1];
-                    acc[t] += w[0].x*a.x + w[0].y*a.y + w[1].x*a.z + w[1].y*a.w
-                            + w[2].x*b.x + w[2].y*b.y + w[3].x*b.z + w[3].y*b.w;
-                }
-            }
-        });
-    } else if constexpr (type == GGML_TYPE_F32) {
-        kx_row_stream((const float4 *) row, k/4, lane, [&](const float4 & w, int64_t c4) {
-#pragma unroll
-            for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
-                if (t < nt) {
-                    const float4 a = ((const float4 *) (x + t*sx))[c4];
-                    acc[t] += w.x*a.x + w.y*a.y + w.z*a.z + w.w*a.w;
+                    acc[t] += kx_unit_dot<type>(raw, x + t*sx + c*epu);
                 }
             }
         });
@@ -237,28 +237,10 @@ static __global__ void kx_mul_mat_rows_short_kernel(const int4 * __restrict__ w,
 #pragma unroll
         for (int u = 0; u < KX_MMR_LOADS; ++u) {
             const int col = (lane + (u % UPR)*WARP_SIZE)*EPU; // first weight of the unit in its row
-            float wv[EPU];
-            if constexpr (type == GGML_TYPE_F16) {
-                const half2 * h = (const half2 *) &raw[u];
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const float2 f = __half22float2(h[q]);
-                    wv[2*q] = f.x;
-                    wv[2*q + 1] = f.y;
-                }
-            } else {
-                const float4 f = *(const float4 *) &raw[u];
-                wv[0] = f.x; wv[1] = f.y; wv[2] = f.z; wv[3] = f.w;
-            }
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
                 if (t < nt) {
-                    const float4 * xt = (const float4 *) (x + t*sx + col);
-#pragma unroll
-                    for (int e = 0; e < EPU/4; ++e) {
-                        const float4 a = xt[e];
-                        acc[u/UPR][t] += wv[4*e]*a.x + wv[4*e + 1]*a.y + wv[4*e + 2]*a.z + wv[4*e + 3]*a.w;
-                    }
+                    acc[u/UPR][t] += kx_unit_dot<type>(raw[u], x + t*sx + col);
                 }
             }
         }

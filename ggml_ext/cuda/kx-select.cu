@@ -1,79 +1,82 @@
 // GGML_OP_KX_SELECT on CUDA: scores -> ascending list of active neuron ids, the CPU
 // kernel's output exactly (same rule, same order, same density fallback).
 //
-// One block of 1024 threads, 32 warps. Warp w owns a contiguous range of 32-neuron chunks;
-// a chunk is one coalesced 128-byte read per token, its active lanes one ballot. Pass 1
-// counts each warp's active neurons (keeping the ballots in shared memory), one scan over
-// the 32 warp counts gives each warp its output offset, pass 2 writes the ids in order.
-// Why chunks: with one contiguous segment per thread (the first version) every load of a
-// warp touched 32 cache lines. Measured (H200, bench/select_time.cu, scores not in L2):
-// 28672 neurons 17.0 -> 14.6 µs, 131072 neurons 143 -> 44.6 µs; 11008 unchanged (9.2-9.4);
-// under Nsight Compute in KB-70B's decode 13.4 -> 13.1 µs. Either way one block reads the
-// scores at ~12 GB/s: the single SM is the bound, and the next step is a grid-wide version
-// (ballots from every SM, then one block's scan and write).
+// Two launches. The ballot kernel spreads the scores over the whole GPU: each warp reads
+// KX_SELECT_BATCH coalesced 32-neuron chunks (one 128-byte read each per token) and stores
+// one ballot word per chunk. The write kernel, one block, turns the ballots into the list:
+// each of its 32 warps counts a contiguous range of ballots, one scan over the 32 counts gives
+// each warp its output offset, and the warp writes its ids in order.
+// Why two: a single block reading every score was bound by its one SM at ~12 GB/s (H200,
+// bench/select_time.cu, scores not in L2: 28672 neurons 14.6 µs, 131072 44.6 µs; 13.1 µs in
+// KB-70B's decode under Nsight Compute). The ballots are n/8 bytes, so the one-block part
+// now reads 1/32 of what it did, from L2.
 #include "kx-ops-cuda.cuh"
 #include "kx-ops.h"
 
-#define KX_SELECT_THREADS 1024
-#define KX_SELECT_WARPS   (KX_SELECT_THREADS/WARP_SIZE)
-#define KX_SELECT_BATCH   8    // chunks a lane has in flight per token
-#define KX_SELECT_MASKS   4096 // ballots kept between the passes (n ≤ 131072); beyond, pass 2 recomputes
+#define KX_SELECT_BATCH         8    // chunks a warp of the ballot kernel reads, all loads in flight
+#define KX_SELECT_BALLOT_WARPS  4    // warps per block of the ballot kernel (small blocks: many SMs)
+#define KX_SELECT_THREADS       1024 // the write kernel's one block
+#define KX_SELECT_WARPS         (KX_SELECT_THREADS/WARP_SIZE)
 
 static __device__ __forceinline__ bool kx_on(float v, float thr, int32_t act) {
     return act == KX_SELECT_SCORE ? v > thr : fabsf(kx_act_value(v, act)) > thr;
 }
 
-// the ballots of chunks c0 .. c0 + KX_SELECT_BATCH - 1 (those below c1): a neuron is active
-// when any token's score passes the rule
-static __device__ __forceinline__ void kx_select_ballots(const float * s, int64_t n, int64_t nt, int64_t nb1,
-                                                         float thr, int32_t act, int64_t c0, int64_t c1,
-                                                         int lane, uint32_t * m) {
+// masks[c] = ballot of chunk c (neurons 32c .. 32c+31): bit l is set when any token's score of
+// neuron 32c+l passes the rule
+static __global__ void kx_select_ballot_kernel(const float * s, uint32_t * masks, int64_t n, int64_t nt,
+                                               int64_t nb1, float thr, int32_t act) {
+    const int     lane = threadIdx.x % WARP_SIZE;
+    const int64_t nc   = (n + WARP_SIZE - 1) / WARP_SIZE;
+    const int64_t c0   = ((int64_t) blockIdx.x*KX_SELECT_BALLOT_WARPS + threadIdx.x/WARP_SIZE)*KX_SELECT_BATCH;
+    if (c0 >= nc) {
+        return; // whole warp: the ballots below stay full-warp
+    }
     bool on[KX_SELECT_BATCH] = {false};
     for (int64_t t = 0; t < nt; ++t) {
         const float * st = (const float *) ((const char *) s + t*nb1);
         float v[KX_SELECT_BATCH];
 #pragma unroll
-        for (int b = 0; b < KX_SELECT_BATCH; ++b) { // all loads first: one round trip per batch
+        for (int b = 0; b < KX_SELECT_BATCH; ++b) { // all loads first: one round trip per token
             const int64_t i = (c0 + b)*WARP_SIZE + lane;
-            v[b] = c0 + b < c1 && i < n ? st[i] : 0.0f;
+            v[b] = i < n ? st[i] : 0.0f;
         }
 #pragma unroll
         for (int b = 0; b < KX_SELECT_BATCH; ++b) {
             const int64_t i = (c0 + b)*WARP_SIZE + lane;
-            on[b] = on[b] || (c0 + b < c1 && i < n && kx_on(v[b], thr, act));
+            on[b] = on[b] || (i < n && kx_on(v[b], thr, act));
         }
     }
+    uint32_t mine = 0; // lane b keeps chunk c0 + b's ballot: one coalesced store
 #pragma unroll
     for (int b = 0; b < KX_SELECT_BATCH; ++b) {
-        m[b] = __ballot_sync(0xffffffff, on[b]);
+        const uint32_t m = __ballot_sync(0xffffffff, on[b]);
+        mine = lane == b ? m : mine;
+    }
+    if (lane < KX_SELECT_BATCH && c0 + lane < nc) {
+        masks[c0 + lane] = mine;
     }
 }
 
-static __global__ void kx_select_kernel(const float * s, int32_t * out, int64_t n, int64_t nt, int64_t nb1,
-                                        float thr, float max_density, int32_t act) {
-    __shared__ int32_t  warp_off[KX_SELECT_WARPS];
-    __shared__ int32_t  total;
-    __shared__ uint32_t masks[KX_SELECT_MASKS];
+static __global__ void kx_select_write_kernel(const uint32_t * masks, int32_t * out, int64_t n, float max_density) {
+    __shared__ int32_t warp_off[KX_SELECT_WARPS];
+    __shared__ int32_t total;
 
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
-    const int64_t nc  = (n + WARP_SIZE - 1) / WARP_SIZE;           // chunks
+    const int64_t nc  = (n + WARP_SIZE - 1) / WARP_SIZE;
     const int64_t per = (nc + KX_SELECT_WARPS - 1) / KX_SELECT_WARPS;
     const int64_t c0  = min(nc, warp*per);
     const int64_t c1  = min(nc, c0 + per);
-    const bool keep = nc <= KX_SELECT_MASKS;
 
+    // the warp's count: lane l sums the ballots c0 + l, c0 + l + 32, ... (coalesced reads)
     int32_t mine = 0;
-    for (int64_t c = c0; c < c1; c += KX_SELECT_BATCH) {
-        uint32_t m[KX_SELECT_BATCH];
-        kx_select_ballots(s, n, nt, nb1, thr, act, c, c1, lane, m);
+    for (int64_t c = c0 + lane; c < c1; c += WARP_SIZE) {
+        mine += __popc(masks[c]);
+    }
 #pragma unroll
-        for (int b = 0; b < KX_SELECT_BATCH; ++b) {
-            mine += __popc(m[b]);
-            if (keep && lane == b && c + b < c1) {
-                masks[c + b] = m[b];
-            }
-        }
+    for (int d = WARP_SIZE/2; d > 0; d /= 2) {
+        mine += __shfl_xor_sync(0xffffffff, mine, d);
     }
     if (lane == 0) {
         warp_off[warp] = mine;
@@ -110,27 +113,41 @@ static __global__ void kx_select_kernel(const float * s, int32_t * out, int64_t 
     }
     const uint32_t below = (1u << lane) - 1; // lanes before this one
     int32_t pos = warp_off[warp];
-    for (int64_t c = c0; c < c1; c += KX_SELECT_BATCH) {
-        uint32_t m[KX_SELECT_BATCH];
-        if (keep) {
+    for (int64_t g = c0; g < c1; g += WARP_SIZE) { // 32 ballots at a time, one per lane
+        const uint32_t m = g + lane < c1 ? masks[g + lane] : 0u;
+        const int32_t  k = __popc(m);
+        int32_t ki = k; // inclusive scan: where each chunk's ids start
 #pragma unroll
-            for (int b = 0; b < KX_SELECT_BATCH; ++b) {
-                m[b] = c + b < c1 ? masks[c + b] : 0u;
+        for (int d = 1; d < WARP_SIZE; d *= 2) {
+            const int32_t v = __shfl_up_sync(0xffffffff, ki, d);
+            if (lane >= d) {
+                ki += v;
             }
-        } else {
-            kx_select_ballots(s, n, nt, nb1, thr, act, c, c1, lane, m);
         }
-#pragma unroll
-        for (int b = 0; b < KX_SELECT_BATCH; ++b) {
-            if (m[b] >> lane & 1u) {
-                ids[pos + __popc(m[b] & below)] = (int32_t) ((c + b)*WARP_SIZE + lane);
+        const int64_t nj = min((int64_t) WARP_SIZE, c1 - g);
+        for (int64_t j = 0; j < nj; ++j) { // chunk g + j: its neuron 32(g+j) + lane
+            const uint32_t mj = __shfl_sync(0xffffffff, m, (int) j);
+            const int32_t  sj = __shfl_sync(0xffffffff, ki - k, (int) j);
+            if (mj >> lane & 1u) {
+                ids[pos + sj + __popc(mj & below)] = (int32_t) ((g + j)*WARP_SIZE + lane);
             }
-            pos += __popc(m[b]);
         }
+        pos += __shfl_sync(0xffffffff, ki, WARP_SIZE - 1);
     }
     if (threadIdx.x == 0) {
         out[0] = count;
     }
+}
+
+// both launches on `stream`; masks: (n + 31)/32 words of scratch
+static void kx_select_launch(const float * s, int32_t * out, uint32_t * masks, int64_t n, int64_t nt, int64_t nb1,
+                             float thr, float max_density, int32_t act, cudaStream_t stream) {
+    const int64_t nc     = (n + WARP_SIZE - 1) / WARP_SIZE;
+    const int64_t warps  = (nc + KX_SELECT_BATCH - 1) / KX_SELECT_BATCH;
+    const int64_t blocks = (warps + KX_SELECT_BALLOT_WARPS - 1) / KX_SELECT_BALLOT_WARPS;
+    kx_select_ballot_kernel<<<(unsigned) blocks, KX_SELECT_BALLOT_WARPS*WARP_SIZE, 0, stream>>>(
+        s, masks, n, nt, nb1, thr, act);
+    kx_select_write_kernel<<<1, KX_SELECT_THREADS, 0, stream>>>(masks, out, n, max_density);
 }
 
 void ggml_cuda_kx_select(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -139,7 +156,8 @@ void ggml_cuda_kx_select(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const float   thr         = ggml_get_op_params_f32(dst, 0);
     const float   max_density = ggml_get_op_params_f32(dst, 1);
     const int32_t act         = ggml_get_op_params_i32(dst, 2);
-    kx_select_kernel<<<1, KX_SELECT_THREADS, 0, ctx.stream()>>>(
-        (const float *) src->data, (int32_t *) dst->data, src->ne[0], src->ne[1], src->nb[1],
-        thr, max_density, act);
+    const int64_t n           = src->ne[0];
+    ggml_cuda_pool_alloc<uint32_t> masks(ctx.pool(), (n + WARP_SIZE - 1) / WARP_SIZE);
+    kx_select_launch((const float *) src->data, (int32_t *) dst->data, masks.get(), n, src->ne[1], src->nb[1],
+                     thr, max_density, act, ctx.stream());
 }

@@ -191,7 +191,9 @@ struct test_kx_axpy_rows : public test_kx_rows {
 
 static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cases) {
     // select: every activation rule, batches, the density fallback (0.6 of n active or more)
-    for (int64_t n : {1000, 11008, 28672, 140001}) { // 140001: past the ballots CUDA keeps
+    // CUDA: 33 is two ballots, 1000 has a partial last one, 140001 gives the write kernel's
+    // warps several groups of 32 ballots each
+    for (int64_t n : {33, 1000, 11008, 28672, 140001}) {
         for (int64_t nt : {1, 3}) {
             test_cases.emplace_back(new test_kx_select(n, nt, 0.5f, 0.6f, KX_SELECT_SCORE));
             test_cases.emplace_back(new test_kx_select(n, nt, 0.3f, 0.6f, KX_SELECT_RELU));
