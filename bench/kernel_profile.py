@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Where a decode's device time goes, kernel by kernel: reads an Nsight Compute CSV
 (`ncu --metrics gpu__time_duration.sum --csv`, one row per kernel launch; written by
-bench/device/hybrid.sh with KX_NCU) and prints, per layer step (one kx_select launch per
-hybrid layer), each kernel's count and µs, and the kernels of the median step in order.
+bench/device/hybrid.sh with KX_NCU) and prints, per layer step (one kx_select per hybrid layer), each
+kernel's count and µs, and the kernels of the median step in order.
 
 Each kernel is timed alone (Nsight Compute serializes launches), so the sums leave out the
 gaps between kernels and any overlap: they say what the device computes, not how long the
@@ -55,7 +55,9 @@ def read_kernels(path: Path) -> list[tuple[str, float]]:
 def summarize(kernels: list[tuple[str, float]]) -> list[str]:
     if not kernels:
         return ["no kernel timings in the file"]
-    starts = [i for i, (n, _) in enumerate(kernels) if "kx_select" in n]
+    # a step begins with its select's first kernel (CUDA runs it as two: ballots, then the write)
+    sel = [n.startswith("kx_select") for n, _ in kernels]
+    starts = [i for i, s in enumerate(sel) if s and not (i and sel[i - 1])]
     steps = [kernels[a:b] for a, b in zip(starts, starts[1:])]
     n_steps = max(1, len(steps))
     body = [k for s in steps for k in s] or kernels

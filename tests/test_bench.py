@@ -253,3 +253,10 @@ def test_kernel_profile_groups_kernels_per_layer_step(tmp_path):
     text = "\n".join(summarize(k))
     assert "2 whole layer steps" in text and "17.5 µs of kernel time per step" in text
     assert "| mmv | 1.00 | 11.0 | 11.0 |" in text
+    # CUDA's select is two kernels (ballots, then the write): one step, starting at the first
+    two = [("kx_select_ballot_kernel", 2.0), ("kx_select_write_kernel", 4.0), ("mmv", 12.0),
+           ("kx_select_ballot_kernel", 2.0), ("kx_select_write_kernel", 4.0), ("mmv", 10.0),
+           ("kx_select_ballot_kernel", 2.0)]
+    text = "\n".join(summarize(two))
+    assert "2 whole layer steps" in text and "17.0 µs of kernel time per step" in text
+    assert "| kx_select_write_kernel | 1.00 | 4.0 | 4.0 |" in text
