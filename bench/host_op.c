@@ -1,4 +1,4 @@
-// The ReLU host op (GGML_OP_KX_FFN_ROWS on the CPU) alone on one model's layer shapes: how
+// The host op (GGML_OP_KX_FFN_ROWS on the CPU; ReLU, or SiLU with ACT silu) alone on one model's layer shapes: how
 // fast it moves its rows against the scattered-read roof of bench/host_pages.c.
 //
 // LAYERS layers of random Q4_0 gate/up [N_FF rows of K] and Q8_0 transposed down [N_FF rows
@@ -9,7 +9,7 @@
 //
 //   cc -O2 -march=native bench/host_op.c -I vendor/llama.cpp/ggml/include -I ggml_ext/include
 //      -L LIB -lggml-base -lggml-cpu -Wl,-rpath,LIB -o host_op
-//   ./host_op PAGES(4k|2M) THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|f16)]    # one JSON line
+//   ./host_op PAGES(4k|2M) THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|f16) ACT(relu|silu)]    # one JSON line
 #define _GNU_SOURCE
 #include "ggml.h"
 #include "ggml-cpu.h"
@@ -63,7 +63,7 @@ static int cmp_i32(const void * a, const void * b) {
 
 int main(int argc, char ** argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s 4k|2M THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|f16)]\n", argv[0]);
+        fprintf(stderr, "usage: %s 4k|2M THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|f16) ACT(relu|silu)]\n", argv[0]);
         return 2;
     }
     const int     huge    = strcmp(argv[1], "2M") == 0;
@@ -74,6 +74,7 @@ int main(int argc, char ** argv) {
     const int64_t n_ff    = argc > 6 ? atoll(argv[6]) : 28672;
     const int64_t k       = argc > 7 ? atoll(argv[7]) : 8192;
     const int     f16     = argc > 8 && strcmp(argv[8], "f16") == 0;
+    const int     silu    = argc > 9 && strcmp(argv[9], "silu") == 0; // one pass: every listed up and down row
     const enum ggml_type tw = f16 ? GGML_TYPE_F16 : GGML_TYPE_Q4_0; // gate and up
     const enum ggml_type td = f16 ? GGML_TYPE_F16 : GGML_TYPE_Q8_0; // transposed down
 
@@ -110,7 +111,8 @@ int main(int argc, char ** argv) {
             fill_blocks(d->data, ggml_nbytes(d) / 34, 34);
         }
         sel[l] = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff + 1);
-        ggml_build_forward_expand(gf, ggml_kx_ffn_rows(ctx, g, u, d, x, sel[l], NULL, NULL, NULL, KX_SELECT_RELU));
+        ggml_build_forward_expand(gf, ggml_kx_ffn_rows(ctx, g, u, d, x, sel[l], NULL, NULL, NULL,
+                                                    silu ? KX_SELECT_SILU : KX_SELECT_RELU));
     }
 
     struct ggml_threadpool_params tpp = ggml_threadpool_params_default(nth);
@@ -154,10 +156,10 @@ int main(int argc, char ** argv) {
     const double fired = (double) (listed_all - skipped_all) / reps / layers;
     const double bytes = (double) listed * w_row + fired * (w_row + d_row); // per layer
     const char * rows1 = getenv("KX_FFN_ROWS1"); // the op's row-by-row switch, recorded
-    printf("{\"types\": \"%s\", \"rows1\": %d, \"pages\": \"%s\", \"threads\": %d, \"layers\": %d, \"listed\": %d, \"fired\": %.1f, \"n_ff\": %lld, "
+    printf("{\"types\": \"%s\", \"act\": \"%s\", \"rows1\": %d, \"pages\": \"%s\", \"threads\": %d, \"layers\": %d, \"listed\": %d, \"fired\": %.1f, \"n_ff\": %lld, "
            "\"k\": %lld, \"mb_per_layer\": %.2f, \"us_per_layer_best\": %.1f, \"us_per_layer_mean\": %.1f, "
            "\"gbs_best\": %.2f, \"gbs_mean\": %.2f}\n",
-           f16 ? "f16" : "q4", rows1 ? atoi(rows1) : 0, huge ? "2M" : "4k", nth, layers, listed, fired, (long long) n_ff, (long long) k, bytes / 1e6,
+           f16 ? "f16" : "q4", silu ? "silu" : "relu", rows1 ? atoi(rows1) : 0, huge ? "2M" : "4k", nth, layers, listed, fired, (long long) n_ff, (long long) k, bytes / 1e6,
            best / layers * 1e6, sum / reps / layers * 1e6, bytes * layers / best / 1e9, bytes * layers * reps / sum / 1e9);
     ggml_threadpool_free(tp);
     ggml_free(ctx);

@@ -405,8 +405,9 @@ def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
     assert err < 1e-4 and miss == 0 and rows_mean == 96 // 80
 
 
-def rows4_relu_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8_0") -> np.ndarray:
-    """The ReLU op on wtype gate/up and dtype down rows, one token, over lists of 1-90 neurons
+def rows4_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8_0", act: str = "relu") -> np.ndarray:
+    """The fused op (act: ReLU's two passes, or SiLU/GELU's one) on wtype gate/up and dtype
+    down rows, one token, over lists of 1-90 neurons
     (every remainder of groups of four), stacked. F16 rows are 296 wide (past ggml's 64-wide
     steps: its double-precision tail) and F16 down rows 101 (past the 16-wide vectors)."""
     rng = np.random.default_rng(29)
@@ -420,18 +421,20 @@ def rows4_relu_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str 
     outs = []
     for size in (1, 2, 3, 5, 6, 7, 33, 90):
         sel = np.sort(rng.choice(n, size, replace=False)).astype(np.int32)
-        outs.append(g.ffn_rows(graw, uraw, wtype, n, k, draw, dtype, n, m, x, sel, n, act="relu",
+        outs.append(g.ffn_rows(graw, uraw, wtype, n, k, draw, dtype, n, m, x, sel, n, act=act,
                                n_threads=n_threads)[0])
     return np.stack(outs)
 
 
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu"])
 @pytest.mark.parametrize("wtype,dtype", [("q4_0", "q8_0"), ("f16", "f16")])
-def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(native: Path, wtype: str, dtype: str):
-    """Gate and up rows four at a time (kx-dot.h: Q4_0, F16) and down rows four at a time
-    (kx_axpy_rows: Q8_0, F16) give the very bits of ggml's vec_dot and the row-by-row axpy
-    (KX_FFN_ROWS1=1), at every group remainder and thread count."""
-    code = ("import sys; import numpy as np; from ggml_ops import GGML; from test_sparse_ops import rows4_relu_outputs; "
-            f"g = GGML(); sys.stdout.write(np.stack([rows4_relu_outputs(g, t, {wtype!r}, {dtype!r}) "
+def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(native: Path, wtype: str, dtype: str, act: str):
+    """Gate and up rows four at a time (kx-dot.h: Q4_0, F16; ReLU in pass a and at pass b's
+    flush, SiLU/GELU both at the block's flush) and down rows four at a time (kx_axpy_rows:
+    Q8_0, F16) give the very bits of ggml's vec_dot and the row-by-row axpy (KX_FFN_ROWS1=1),
+    at every group remainder and thread count."""
+    code = ("import sys; import numpy as np; from ggml_ops import GGML; from test_sparse_ops import rows4_outputs; "
+            f"g = GGML(); sys.stdout.write(np.stack([rows4_outputs(g, t, {wtype!r}, {dtype!r}, {act!r}) "
             "for t in (1, 3, 8)]).tobytes().hex())")
     got = {flag: np.frombuffer(bytes.fromhex(run_fresh(native, code, env={"KX_FFN_ROWS1": flag})), np.float32)
            for flag in ("0", "1")}

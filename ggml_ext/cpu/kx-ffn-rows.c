@@ -44,7 +44,8 @@
 // contiguous chunks (an even split).
 //
 // One token (decode) with Q4_0 or F16 gate/up and Q8_0 or F16 down rows: four rows at a
-// time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result. Why: the op alone on KB-70B's
+// time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result; in one pass (SiLU,
+// GELU) the block's gate and up rows go four at a time at its flush. Why: the op alone on KB-70B's
 // shapes scaled linearly with threads on the H200 host, 3.2 GB/s each, against 68-80 GB/s
 // for the same scattered reads without the arithmetic (bench/results/host-pages/): a
 // thread walking one row at a time keeps too few reads in flight. Four rows walked
@@ -271,11 +272,14 @@ struct kx_ffn_blk {
     bool    ref;
     int     nb;     // neurons in the block
     int32_t ids[KX_FFN_BLK];
-    // up rows computed at the flush, four at a time (kx-dot.h; one token): NULL up otherwise
+    // gate rows (one pass without the ReLU skip) and up rows computed at the flush, four at
+    // a time (kx-dot.h; one token): NULL otherwise
+    const struct ggml_tensor * gate4;
     const struct ggml_tensor * up4;
     bool    down4;  // one token: the nonzero down rows four at a time (kx_axpy_rows; row by row
                     // for a type it has no path for)
     const char * xq;
+    const void * grow[KX_FFN_BLK];
     const void * urow[KX_FFN_BLK];
     int64_t nonzero; // (neuron, token) pairs added
     int64_t rows;    // down rows read (a neuron with a nonzero h for any token)
@@ -284,6 +288,9 @@ struct kx_ffn_blk {
 static void kx_ffn_blk_flush(struct kx_ffn_blk * B) {
     if (B->nb == 0) {
         return;
+    }
+    for (int b = 0; B->gate4 && b < B->nb; b += 4) {
+        kx_dot_rows(B->gate4->type, B->gate4->ne[0], B->nb - b < 4 ? B->nb - b : 4, B->grow + b, B->xq, B->gb + b);
     }
     for (int b = 0; B->up4 && b < B->nb; b += 4) {
         kx_dot_rows(B->up4->type, B->up4->ne[0], B->nb - b < 4 ? B->nb - b : 4, B->urow + b, B->xq, B->ub + b);
@@ -428,6 +435,10 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     int64_t present = r1 - r0; // present neurons this thread computed
     int64_t nacc = 0;          // two passes: pass-b chunks, one accumulator each
     if (!two_pass) {
+        // without the ReLU skip every up row is read, so gates and ups can both wait for the
+        // block's flush and go four at a time (SiLU/GELU: the models most users run)
+        B.gate4 = rows4 && !skip_up && !gpre && kx_dot_rows_ok(gate->type) ? gate : NULL;
+        B.up4   = rows4 && !skip_up && kx_dot_rows_ok(up->type) ? up : NULL;
         while (rank < r1) {
             // gather the next block of present neurons, computing their g and u
             for (; j < count && rank < r1 && B.nb < KX_FFN_BLK; ++j) {
@@ -442,13 +453,15 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                 const char * grow = (const char *) gate->data + r*gate->nb[1];
                 const char * urow = (const char *) up->data + r*up->nb[1];
                 bool need_up = !skip_up;
-                for (int64_t t = 0; t < nt; ++t) {
+                B.grow[B.nb] = grow; // B.gate4, B.up4 (one token): their dots at the flush
+                B.urow[B.nb] = urow;
+                for (int64_t t = 0; t < nt && !B.gate4; ++t) {
                     const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
                     const float g = kx_ffn_gate(gpre, i, t, gate, grow, xq + t*xrow, xf, scr, ref);
                     gb[t*KX_FFN_BLK + B.nb] = g;
                     need_up |= g > 0.0f;   // a NaN gate is no reason either: ReLU maps it to 0
                 }
-                for (int64_t t = 0; t < nt; ++t) {
+                for (int64_t t = 0; t < nt && !B.up4; ++t) {
                     const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
                     ub[t*KX_FFN_BLK + B.nb] = need_up ? kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref) : 0.0f;
                 }
