@@ -285,16 +285,20 @@ struct kx_ffn_blk {
     int64_t rows;    // down rows read (a neuron with a nonzero h for any token)
 };
 
+// out[b] = row b of w · xq for the block's nb rows, four at a time (w NULL: nothing to do)
+static void kx_ffn_blk_dots(const struct ggml_tensor * w, int nb, const void * const * rows, const char * xq,
+                            float * out) {
+    for (int b = 0; w && b < nb; b += 4) {
+        kx_dot_rows(w->type, w->ne[0], nb - b < 4 ? nb - b : 4, rows + b, xq, out + b);
+    }
+}
+
 static void kx_ffn_blk_flush(struct kx_ffn_blk * B) {
     if (B->nb == 0) {
         return;
     }
-    for (int b = 0; B->gate4 && b < B->nb; b += 4) {
-        kx_dot_rows(B->gate4->type, B->gate4->ne[0], B->nb - b < 4 ? B->nb - b : 4, B->grow + b, B->xq, B->gb + b);
-    }
-    for (int b = 0; B->up4 && b < B->nb; b += 4) {
-        kx_dot_rows(B->up4->type, B->up4->ne[0], B->nb - b < 4 ? B->nb - b : 4, B->urow + b, B->xq, B->ub + b);
-    }
+    kx_ffn_blk_dots(B->gate4, B->nb, B->grow, B->xq, B->gb);
+    kx_ffn_blk_dots(B->up4,   B->nb, B->urow, B->xq, B->ub);
     for (int64_t t = 0; t < B->nt; ++t) {
         for (int b = B->nb; b < KX_FFN_BLK; ++b) {
             B->gb[t*KX_FFN_BLK + b] = 0.0f;
@@ -429,6 +433,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     // time where kx-dot.h has a path for their type, the down rows where kx-axpy.h has
     const bool rows4 = !ref && nt == 1 && !kx_ffn_rows1();
     const bool gate4 = rows4 && kx_dot_rows_ok(gate->type) && !gpre;
+    const struct ggml_tensor * up4 = rows4 && kx_dot_rows_ok(up->type) ? up : NULL;
     B.down4 = rows4;
     int64_t up_skipped = 0;
     int64_t rows = 0; // gate and up rows read here (down rows: B.rows)
@@ -437,8 +442,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     if (!two_pass) {
         // without the ReLU skip every up row is read, so gates and ups can both wait for the
         // block's flush and go four at a time (SiLU/GELU: the models most users run)
-        B.gate4 = rows4 && !skip_up && !gpre && kx_dot_rows_ok(gate->type) ? gate : NULL;
-        B.up4   = rows4 && !skip_up && kx_dot_rows_ok(up->type) ? up : NULL;
+        B.gate4 = gate4 && !skip_up ? gate : NULL;
+        B.up4   = skip_up ? NULL : up4;
         while (rank < r1) {
             // gather the next block of present neurons, computing their g and u
             for (; j < count && rank < r1 && B.nb < KX_FFN_BLK; ++j) {
@@ -536,7 +541,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
             F += w.fired[c];
         }
         nacc = F < KX_FFN_CHUNKS*nth ? F : KX_FFN_CHUNKS*nth;
-        B.up4 = rows4 && kx_dot_rows_ok(up->type) ? up : NULL;
+        B.up4 = up4;
         own = 0;
         for (int64_t c; (c = kx_ffn_claim(&w.next[1], &own, nacc, ith, nth, dyn)) >= 0; ) {
             const int64_t f0 = F*c/nacc;
