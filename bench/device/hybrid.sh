@@ -10,6 +10,7 @@
 #                                session: a pack that outlasts the call is waited for by the next)
 #   KX_SKIP_TESTS=1 ...          # a warm rerun: no test-backend-ops, no pytest
 #   KX_SKIP_OPS=1 ...            # no test-backend-ops (CUDA sources unchanged since a checked run)
+#   KX_TEST_TIMEOUT=300 ...      # stop pytest after that many seconds (a hang must not eat the call)
 #   KX_RELOAD=1 ...              # the reload transfer methods (bench/reload.py)
 #   KX_LIVE="KB-7B" ...          # the live balancer ablation (bench/balance_live.py) of those configs
 #   KX_NCU="KB-7B" ...           # after the rows: every kernel's time over a few decoded tokens of the
@@ -42,7 +43,7 @@ if [ -n "${KX_PERF:-}" ]; then
     "$B/test-backend-ops" perf -b CUDA0 -o KX_MUL_MAT_ROWS > "$OUT/test-backend-ops-perf.log" 2>&1
     "$B/test-backend-ops" perf -b CUDA0 -o KX_AXPY_ROWS >> "$OUT/test-backend-ops-perf.log" 2>&1
 fi
-[ -z "${KX_SKIP_TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider \
+[ -z "${KX_SKIP_TESTS:-}" ] && timeout "${KX_TEST_TIMEOUT:-0}" python3 -m pytest -q -p no:cacheprovider \
     ${KX_TESTS:-tests/test_hybrid.py tests/test_sparse_ops.py tests/test_budget.py tests/test_trace.py tests/test_pack.py} \
     2>&1 | tee "$OUT/pytest.log" | tail -15
 echo "tests done ($(( $(date +%s) - t0 )) s)"
