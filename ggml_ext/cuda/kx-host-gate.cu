@@ -22,11 +22,11 @@ static __device__ __forceinline__ uint64_t kx_globaltimer_ns(void) {
     return t;
 }
 
-static __global__ void kx_host_gate_kernel(const volatile uint32_t * word, uint32_t seq, uint32_t poll_ns) {
+static __global__ void kx_host_gate_kernel(const volatile uint32_t * word, uint32_t seq) {
     const uint64_t t0 = kx_globaltimer_ns();
     // wrap-safe: the host's counter only grows, seq is at most 2^31 ahead of the word
     while ((int32_t) (*word - seq) < 0) {
-        __nanosleep(poll_ns);
+        __nanosleep(200);
         if (kx_globaltimer_ns() - t0 > KX_HOST_GATE_TIMEOUT_NS) {
             __trap();
         }
@@ -42,7 +42,6 @@ void ggml_cuda_kx_host_gate(ggml_backend_t backend, const volatile uint32_t * wo
     // word is page-locked (the device's host buffer type): mapped into the device's address space
     void * dword = nullptr;
     CUDA_CHECK(cudaHostGetDevicePointer(&dword, (void *) word, 0));
-    static const uint32_t poll_ns = getenv("KX_GATE_POLL_NS") ? (uint32_t) atoi(getenv("KX_GATE_POLL_NS")) : 200;
-    kx_host_gate_kernel<<<1, 1, 0, ctx->stream()>>>((const volatile uint32_t *) dword, seq, poll_ns);
+    kx_host_gate_kernel<<<1, 1, 0, ctx->stream()>>>((const volatile uint32_t *) dword, seq);
     CUDA_CHECK(cudaGetLastError());
 }
