@@ -21,9 +21,6 @@ bool ggml_cuda_kx_supports_op(const ggml_tensor * op);
 // scheduler trace stamp (kx-trace-mark.cu; include/kx-trace.h: kx_backend_trace_mark_t)
 void ggml_cuda_kx_trace_mark(ggml_backend_t backend, int64_t * t_us);
 
-// the scheduler's run-ahead gate (kx-host-gate.cu; include/kx-trace.h: kx_backend_host_gate_t)
-void ggml_cuda_kx_host_gate(ggml_backend_t backend, const volatile uint32_t * word, uint32_t seq);
-
 // the reload engine of the live balancer (kx-reload.cu; include/kx-reload.h)
 struct kx_reload_iface;
 const kx_reload_iface * ggml_cuda_kx_reload_iface(void);

@@ -43,12 +43,6 @@ struct kx_trace_rec {
 // where a GPU backend stamps the time when its stream reaches this point
 typedef void (*kx_backend_trace_mark_t)(ggml_backend_t backend, int64_t * t_us);
 
-// Run-ahead (patch 0008): the backend's stream waits until *word (page-locked host memory of
-// the device's host buffer type) reaches seq (wrap-safe: (int32_t)(*word - seq) >= 0), so the
-// work queued after it may read a host result that is written only later. The scheduler
-// stores seq once that result is complete. Obtained from the registry as "kx_backend_host_gate".
-typedef void (*kx_backend_host_gate_t)(ggml_backend_t backend, const volatile uint32_t * word, uint32_t seq);
-
 GGML_API bool                  kx_trace_enabled(void);
 // start the next graph's records (the scheduler calls it once per graph)
 GGML_API void                  kx_trace_next_graph(void);
@@ -71,8 +65,6 @@ enum kx_sched_stat {
     KX_SCHED_COPY_NS,    // issuing split input copies (stock copies wait inside)
     KX_SCHED_DRAIN_NS,   // CPU splits waiting for the device's read-backs: the device still
                          // computing what the CPU split needs
-    KX_SCHED_AHEAD,      // device splits queued behind a host gate before the CPU split they
-                         // read from ran (run-ahead; KX_NO_AHEAD=1 turns it off)
     KX_SCHED_N_STATS,
 };
 // out: KX_SCHED_N_STATS values (may be NULL, to reset only)

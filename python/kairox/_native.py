@@ -163,16 +163,14 @@ def gpu_memory() -> tuple[int, int] | None:
     return int(free.value), int(total.value)
 
 
-SCHED_STATS = ("graphs", "splits_ns", "cpu_splits", "cpu_ns", "launches", "launch_ns", "copy_ns", "drain_ns",
-               "ahead")
+SCHED_STATS = ("graphs", "splits_ns", "cpu_splits", "cpu_ns", "launches", "launch_ns", "copy_ns", "drain_ns")
 
 
 def sched_counters(reset: bool = False) -> dict[str, int]:
     """The scheduler's host time per phase since the last reset (kx_sched_stats, kx-trace.h):
     graphs computed, ns in the split loop, CPU splits and ns computing them, device split
     launches and ns queueing them, ns issuing input copies, ns a CPU split waited for the
-    device's read-backs (the device still computing what it needs), device splits queued
-    ahead behind a host gate (run-ahead)."""
+    device's read-backs (the device still computing what it needs)."""
     lib = ggml_library("ggml-base")
     vals = (ctypes.c_int64 * len(SCHED_STATS))()
     lib.kx_sched_stats(vals, ctypes.c_bool(reset))
