@@ -25,6 +25,19 @@ struct ggml_tensor * ggml_kx_select(
     return result;
 }
 
+struct ggml_tensor * ggml_kx_select_to_host(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * scores,
+        float                 threshold,
+        float                 max_density,
+        enum kx_select_act    act,
+        int32_t             * host) {
+    GGML_ASSERT(host != NULL && ((uintptr_t) host) % 16 == 0);
+    struct ggml_tensor * result = ggml_kx_select(ctx, scores, threshold, max_density, act);
+    memcpy((char *) result->op_params + KX_SELECT_HOST_PARAM, &host, sizeof(host));
+    return result;
+}
+
 static void kx_check_sel(const struct ggml_tensor * sel, int64_t n) {
     GGML_ASSERT(sel->type == GGML_TYPE_I32);
     GGML_ASSERT(ggml_is_contiguous(sel));

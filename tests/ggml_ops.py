@@ -46,6 +46,8 @@ class GGML:
         b.ggml_row_size.argtypes, b.ggml_row_size.restype = [C.c_int, C.c_int64], C.c_size_t
         b.ggml_kx_select.argtypes = [P, P, C.c_float, C.c_float, C.c_int]
         b.ggml_kx_select.restype = P
+        b.ggml_kx_select_to_host.argtypes = [P, P, C.c_float, C.c_float, C.c_int, P]
+        b.ggml_kx_select_to_host.restype = P
         b.ggml_kx_mul_mat_rows.argtypes, b.ggml_kx_mul_mat_rows.restype = [P, P, P, P, P], P
         b.ggml_kx_mul_mat_rows_gated.argtypes, b.ggml_kx_mul_mat_rows_gated.restype = [P, P, P, P, P, P], P
         b.ggml_kx_axpy_rows.argtypes, b.ggml_kx_axpy_rows.restype = [P, P, P, P, P], P
@@ -97,13 +99,19 @@ class GGML:
     # ------------------------------------------------------------------ ops
 
     def select(self, scores: np.ndarray, threshold: float, max_density: float, act: str,
-               n_threads: int = 1, use_ref: bool = False) -> np.ndarray:
-        """scores [T, n] (numpy rows = tokens) -> int32 [n + 1] (count, ids...)."""
+               n_threads: int = 1, use_ref: bool = False, host: np.ndarray | None = None) -> np.ndarray:
+        """scores [T, n] (numpy rows = tokens) -> int32 [n + 1] (count, ids...). host: an int32
+        [n + 2] array, 16-byte aligned, that also receives the list (ggml_kx_select_to_host)."""
         T, n = scores.shape
         ctx = self._ctx(scores.nbytes)
         try:
             s = self._tensor(ctx, "f32", (n, T), scores.astype(np.float32))
-            out = self.base.ggml_kx_select(ctx, s, threshold, max_density, KX_SELECT_ACT[act])
+            if host is None:
+                out = self.base.ggml_kx_select(ctx, s, threshold, max_density, KX_SELECT_ACT[act])
+            else:
+                assert host.dtype == np.int32 and host.size >= n + 2 and host.ctypes.data % 16 == 0
+                out = self.base.ggml_kx_select_to_host(ctx, s, threshold, max_density, KX_SELECT_ACT[act],
+                                                       host.ctypes.data)
             return self._run(ctx, out, n_threads, use_ref, (n + 1,), np.int32).copy()
         finally:
             self.base.ggml_free(ctx)

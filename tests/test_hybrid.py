@@ -216,6 +216,33 @@ def test_gpu_hybrid_matches_the_cpu(synth_model: Path, mode: str) -> None:
     assert abs(listed - c0.rows) <= 0.01 * c0.rows  # GPU vs CPU predictor rounding may flip a few
 
 
+def test_gpu_warm_up_keeps_the_output(synth_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KX_WARM=1 on a GPU: layer 0 predicts layer 1's list beside its CPU part and the device
+    writes it to the host; layer 1's CPU split starts before the device's results have landed,
+    its first node reading that list's rows while thread 0 waits (kx-warm.cpp, patch 0008). The
+    tokens and logits must be those of the run without it (up to the rounding of the axpy
+    kernel's atomic adds: a split reading its inputs before they landed is off by a whole part),
+    and the counters must show every layer-1 step deferred, and rows warmed from lists."""
+    from kairox._native import has_gpu, sched_counters, warm_counters
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    monkeypatch.delenv("KX_WARM", raising=False)
+    sched_counters(reset=True)
+    warm_counters(reset=True)
+    want_toks, want, _ = run(synth_model, sparse="predicted", gpu_slots=100, n_gpu_layers=-1)
+    off, woff = sched_counters(reset=True), warm_counters(reset=True)
+    monkeypatch.setenv("KX_WARM", "1")
+    toks, got, _ = run(synth_model, sparse="predicted", gpu_slots=100, n_gpu_layers=-1)
+    on, won = sched_counters(reset=True), warm_counters(reset=True)
+    assert off["deferred"] == 0 and woff["calls"] == 0
+    steps = len(PROMPT) + N_GEN  # one token per decode (n_batch=1): layer 1 warms once each
+    assert won["calls"] == steps and on["deferred"] == steps, (won, on)
+    # a list lands beside layer 0's CPU part; on this tiny model that part can end first
+    assert won["lists"] > 0 and won["rows"] > 0 and won["bytes"] > 0, won
+    assert toks == want_toks
+    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+
+
 def test_placement_is_reported_per_tensor(synth_model: Path) -> None:
     """Hybrid placement without a GPU (slots on the CPU device): every weight in plain
     CPU buffers (mapped from the file: CPU_Mapped); the lookup names the buffer type, None

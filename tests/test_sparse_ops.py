@@ -85,6 +85,34 @@ def test_select_empty_full_and_density_fallback(g: GGML):
     assert g.select_stats()[3] == 0
 
 
+def _aligned_i32(n: int) -> np.ndarray:
+    raw = np.zeros(n + 16, np.int32)
+    off = (-raw.ctypes.data % 16) // 4
+    return raw[off:off + n]
+
+
+@pytest.mark.parametrize("density", [1.0, 0.25])
+def test_select_to_host_copies_the_list_then_the_flag(g: GGML, density: float):
+    """ggml_kx_select_to_host: host = [1, count, ids...] equal to the result (the layer
+    before's prediction for the warm-up, kx-warm.cpp); the words after the list untouched."""
+    rng = np.random.default_rng(3)
+    n = 517
+    s = (rng.standard_normal((1, n)) - 0.3).astype(np.float32)
+    host = _aligned_i32(n + 2)
+    host[:] = -7
+    out = g.select(s, 0.0, density, "score", host=host)
+    count = int(out[0])
+    want = ref_select(s, 0.0, 1.0, "score")
+    if len(want) > density * n:
+        want = np.arange(n)  # the density fallback lists every neuron, and so does the copy
+    assert count == len(want) and host[0] == 1 and host[1] == count
+    np.testing.assert_array_equal(host[2:2 + count], want)
+    assert (host[2 + count:] == -7).all()
+    host[0] = 0  # the reader's reset; the next select sets it again
+    g.select(s, 0.0, density, "score", host=host)
+    assert host[0] == 1
+
+
 # ------------------------------------------------------------------ kx_mul_mat_rows
 
 # (type, k): K-quants need k % 256 == 0, the others k % 32

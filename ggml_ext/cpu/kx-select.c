@@ -103,6 +103,11 @@ void ggml_compute_forward_kx_select(const struct ggml_compute_params * params, s
         fallback = true;
     }
     out[0] = (int32_t) count;
+    int32_t * host = kx_select_host(dst);
+    if (host) { // the list, then the flag (kx-ops.h)
+        memcpy(host + 1, out, sizeof(int32_t) * (size_t) (count + 1));
+        atomic_store_explicit((_Atomic int32_t *) host, 1, memory_order_release);
+    }
 
     atomic_fetch_add(&kx_stat_selected, count);
     atomic_fetch_add(&kx_stat_total, n);

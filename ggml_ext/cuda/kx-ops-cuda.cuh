@@ -20,6 +20,8 @@ bool ggml_cuda_kx_supports_op(const ggml_tensor * op);
 
 // scheduler trace stamp (kx-trace-mark.cu; include/kx-trace.h: kx_backend_trace_mark_t)
 void ggml_cuda_kx_trace_mark(ggml_backend_t backend, int64_t * t_us);
+// the scheduler's deferred wait polls it (kx-trace-mark.cu; kx-trace.h: kx_event_busy_t)
+bool ggml_cuda_kx_event_busy(ggml_backend_event_t event);
 
 // the reload engine of the live balancer (kx-reload.cu; include/kx-reload.h)
 struct kx_reload_iface;

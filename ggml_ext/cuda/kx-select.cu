@@ -139,6 +139,23 @@ static __global__ void kx_select_write_kernel(const uint32_t * masks, int32_t * 
     }
 }
 
+// the list (out: count, ids) into mapped host memory, then the flag (kx-ops.h:
+// ggml_kx_select_to_host): one block; each thread fences its own stores to the system before
+// the block meets, so the flag's store, fenced again, is seen last. A separate launch keeps the
+// write kernel as tested; it reads a list that is still in L2.
+static __global__ void kx_select_to_host_kernel(const int32_t * out, int32_t * host) {
+    const int32_t count = out[0];
+    for (int32_t j = threadIdx.x; j <= count; j += blockDim.x) {
+        host[1 + j] = out[j];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        *(volatile int32_t *) host = 1;
+    }
+}
+
 // both launches on `stream`; masks: (n + 31)/32 words of scratch
 static void kx_select_launch(const float * s, int32_t * out, uint32_t * masks, int64_t n, int64_t nt, int64_t nb1,
                              float thr, float max_density, int32_t act, cudaStream_t stream) {
@@ -160,4 +177,7 @@ void ggml_cuda_kx_select(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     ggml_cuda_pool_alloc<uint32_t> masks(ctx.pool(), (n + WARP_SIZE - 1) / WARP_SIZE);
     kx_select_launch((const float *) src->data, (int32_t *) dst->data, masks.get(), n, src->ne[1], src->nb[1],
                      thr, max_density, act, ctx.stream());
+    if (int32_t * host = kx_select_host(dst)) {
+        kx_select_to_host_kernel<<<1, KX_SELECT_THREADS, 0, ctx.stream()>>>((const int32_t *) dst->data, host);
+    }
 }

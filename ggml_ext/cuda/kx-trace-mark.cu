@@ -1,3 +1,5 @@
+// Two small helpers the scheduler (patch 0008) gets from the CUDA registry.
+//
 // The CUDA backend's stamp for the scheduler trace (include/kx-trace.h): a host function
 // queued on the backend's stream writes the time when the stream reaches it, i.e. when
 // the work queued before it has finished on the GPU. Returned by the CUDA registry as
@@ -13,4 +15,17 @@ void ggml_cuda_kx_trace_mark(ggml_backend_t backend, int64_t * t_us) {
     auto * ctx = (ggml_backend_cuda_context *) backend->context;
     ggml_cuda_set_device(ctx->device);
     CUDA_CHECK(cudaLaunchHostFunc(ctx->stream(), kx_trace_stamp, t_us));
+}
+
+// "kx_event_busy": the deferred device wait (kx-trace.h) polls whether the read-backs a CPU
+// split waits for have landed, so that the thread waiting can do something else meanwhile.
+// cudaEventQuery does not block (~1 µs); cudaErrorNotReady is its "not yet", not an error.
+bool ggml_cuda_kx_event_busy(ggml_backend_event_t event) {
+    const cudaError_t err = cudaEventQuery((cudaEvent_t) event->context);
+    if (err == cudaErrorNotReady) {
+        (void) cudaGetLastError(); // clear it: the next CUDA_CHECK must not see it
+        return true;
+    }
+    CUDA_CHECK(err);
+    return false;
 }

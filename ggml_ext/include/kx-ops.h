@@ -16,6 +16,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -62,6 +63,28 @@ GGML_API struct ggml_tensor * ggml_kx_select(
         float                 threshold,
         float                 max_density,
         enum kx_select_act    act);
+
+// ggml_kx_select whose list is also written to host memory the device can write (page-locked
+// and mapped, e.g. a device's host buffer type; plain memory on the CPU backend), as
+// host[1 .. count + 1] = the result, then host[0] = 1, the last store: a reader that sees
+// host[0] == 1 sees the whole list, and resets host[0] to 0 once it is used. (kx-ffn.cpp's
+// prefetch reads layer il+1's list predicted during layer il this way, without a scheduler
+// copy that would wait for the device.) host: I32 [n + 2], 16-byte aligned.
+GGML_API struct ggml_tensor * ggml_kx_select_to_host(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * scores,
+        float                 threshold,
+        float                 max_density,
+        enum kx_select_act    act,
+        int32_t             * host);
+
+// the host copy of a select node (NULL: none); the byte offset of the pointer in op params
+#define KX_SELECT_HOST_PARAM 16
+static inline int32_t * kx_select_host(const struct ggml_tensor * sel) {
+    int32_t * p;
+    memcpy(&p, (const char *) sel->op_params + KX_SELECT_HOST_PARAM, sizeof(p));
+    return p;
+}
 
 // Row maps (rowmap, I32 [n] or NULL): neuron i lives in row rowmap[i] of the weight, or
 // nowhere in it when rowmap[i] < 0. A GPU slot buffer holds some neurons' rows in any

@@ -64,11 +64,27 @@ enum kx_sched_stat {
     KX_SCHED_LAUNCH_NS,  // queueing them (a device computes asynchronously)
     KX_SCHED_COPY_NS,    // issuing split input copies (stock copies wait inside)
     KX_SCHED_DRAIN_NS,   // CPU splits waiting for the device's read-backs: the device still
-                         // computing what the CPU split needs
+                         // computing what the CPU split needs (deferred waits included)
+    KX_SCHED_DEFERRED,   // CPU splits whose first node waited instead (below)
     KX_SCHED_N_STATS,
 };
 // out: KX_SCHED_N_STATS values (may be NULL, to reset only)
 GGML_API void                  kx_sched_stats(int64_t * out, bool reset);
+
+// Deferred device wait. A CPU split that reads device results normally starts when they have
+// landed. When its first node is a custom op named "kx_warm..." (kx-warm.cpp), the split
+// starts at once and that node waits instead: its thread 0 calls kx_sched_drain_pending,
+// and its other threads use the wait (warming the caches with rows the split will read) until
+// kx_sched_drain_done. Nothing in such a node may read the split's inputs. Outside a deferred
+// split all three report "nothing pending".
+// the device is still computing what the split waits for (a cheap query; polled by thread 0)
+GGML_API bool                  kx_sched_drain_busy(void);
+// wait for it (thread 0 of the first node; idempotent)
+GGML_API void                  kx_sched_drain_pending(void);
+// the wait is over, or there is none (any thread)
+GGML_API bool                  kx_sched_drain_done(void);
+// what a device registry returns as "kx_event_busy": true while the event has not completed
+typedef bool (*kx_event_busy_t)(ggml_backend_event_t event);
 
 #ifdef __cplusplus
 }

@@ -32,6 +32,7 @@
 #include "kx-balance.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
+#include "kx-warm.h"
 
 #include "kx-ops.h"
 
@@ -74,6 +75,21 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
         case LLM_FFN_SILU: *nm = "ffn_swiglu"; return ggml_swiglu_split(ctx0, gv, uv);
         default:           *nm = "ffn_geglu";  return ggml_geglu_split(ctx0, gv, uv);
     }
+}
+
+// KX_WARM=1: hybrid layers warm the host's caches with their rows while the CPU waits for the
+// device (kx-warm.cpp); read at each graph build (a test compares both in one process)
+static bool kx_warm_enabled() {
+    const char * e = getenv("KX_WARM");
+    return e && *e && strcmp(e, "0") != 0;
+}
+
+// layer il of these slots warms up: a predicted hybrid layer whose list the layer before can
+// write to the host (not with the pipeline, whose ahead nodes sit in the same splits)
+static bool kx_warm_layer(const kx_slots & slots, const kx_pack & pack, int32_t mode, int il) {
+    return kx_warm_enabled() && mode != 1 && !slots.pipeline && il > 0 && il < pack.n_layer &&
+           slots.layers[il].n_slots > 0 && slots.layers[il].ahead && slots.layers[il].pred_a &&
+           (size_t) il < slots.warm.size();
 }
 
 // the prefetch's three phases (kx-balance.cpp): begin and end on one thread, the scan on all.
@@ -145,7 +161,16 @@ static ggml_tensor * kx_build_ffn_hybrid(
     }
     g.cb(sel, "kx_sel", il);
     // layer il+1's active set predicted from this x, next to this layer's (same split)
-    const kx_slots & slots = *pack.slots;
+    kx_slots & slots = *pack.slots;
+    if (kx_warm_layer(slots, pack, mode, il)) {
+        // first on the CPU, before anything that reads the split's inputs (kx-warm.h)
+        kx_warm_hook & wh = slots.warm[il];
+        wh = { &H, gate, up, L.down_t };
+        ggml_build_forward_expand(g.gf, sel);
+        ggml_tensor * w = on_cpu(ggml_map_custom1(ctx0, H.coldmap, kx_warm_op, GGML_N_TASKS_MAX, &wh));
+        ggml_set_name(w, "kx_warm");
+        ggml_build_forward_expand(g.gf, w);
+    }
     const bool ahead = slots.pipeline && il + 1 < pack.n_layer && slots.layers[il + 1].n_slots > 0 &&
                        pack.layers[il + 1].pred_a;
     ggml_tensor * sel_next = nullptr;
@@ -205,6 +230,15 @@ static ggml_tensor * kx_build_ffn_hybrid(
         g.cb(yv, out_name, il);
         return yv;
     };
+    if (kx_warm_layer(slots, pack, mode, il + 1)) {
+        // layer il+1's list for its warm-up, beside this layer's CPU part: the device writes
+        // it to the host itself, so nothing here waits for it
+        const kx_slot_layer & N = slots.layers[il + 1];
+        ggml_tensor * s = kx_predict(ctx0, cur, pack.layers[il + 1], &N);
+        ggml_tensor * sn = ggml_kx_select_to_host(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE, N.ahead);
+        g.cb(sn, "kx_sel_warm", il);
+        ggml_build_forward_expand(g.gf, sn);
+    }
     ggml_tensor * yg = device_part(H.gate, H.up, H.down, H.slotmap, H.slotmap, "ffn_up_gpu", "ffn_act_gpu", "ffn_out_gpu");
     if (H.n_mapped > 0) {
         yg = ggml_add(ctx0, yg, device_part(H.map_gate, H.map_up, H.map_down, H.mapmap, H.mapdown,

@@ -24,6 +24,7 @@ kx_slots::~kx_slots() {
     }
     ggml_backend_buffer_free(buf_dev);
     ggml_backend_buffer_free(buf_host);
+    ggml_backend_buffer_free(buf_ahead);
     ggml_free(ctx_dev);
     ggml_free(ctx_host);
 }
@@ -130,6 +131,24 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         throw std::runtime_error("cannot allocate host memory for the slot maps");
     }
     ggml_backend_buffer_set_usage(slots->buf_host, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    slots->warm.resize(n_layer);
+    // the predicted lists the device writes for the host-cache warm-up: page-locked memory the
+    // device maps (its host buffer type); without one the warm-up is off for these slots
+    const size_t ahead_stride = (sizeof(int32_t) * (size_t) (n_ff + 2) + 63) / 64 * 64;
+    ggml_backend_buffer_type_t ahead_buft =
+        ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU ? nullptr : ggml_backend_dev_host_buffer_type(dev);
+    if (ahead_buft) {
+        slots->buf_ahead = ggml_backend_buft_alloc_buffer(ahead_buft, ahead_stride * (size_t) n_layer);
+    }
+    if (slots->buf_ahead) {
+        ggml_backend_buffer_clear(slots->buf_ahead, 0);
+        char * base = (char *) ggml_backend_buffer_get_base(slots->buf_ahead);
+        for (int64_t il = 0; il < n_layer; ++il) {
+            if (slots->layers[il].n_slots > 0) {
+                slots->layers[il].ahead = (int32_t *) (base + ahead_stride * (size_t) il);
+            }
+        }
+    }
 
     // pass 2: choose the residents (most frequently active first; ties by id) and fill
     for (int64_t il = 0; il < n_layer; ++il) {

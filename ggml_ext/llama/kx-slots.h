@@ -23,6 +23,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "kx-reload.h"
+#include "kx-warm.h"
 
 #include <cstdint>
 #include <memory>
@@ -60,6 +61,10 @@ struct kx_slot_layer {
     ggml_tensor * mapdown  = nullptr;
     int64_t n_mapped = 0;
     std::vector<uint8_t> mapped;      // [n_ff] when a share was set: 1 for the neurons mapmap holds
+    // page-locked, device-mapped I32 [n_ff + 2]: this layer's active list as predicted during
+    // the layer before (flag, count, ids; ggml_kx_select_to_host), for the host-cache warm-up
+    // (kx-warm.h); nullptr where the device has no such memory
+    int32_t * ahead = nullptr;
 };
 
 // what the pipeline's graph nodes (kx-ffn.cpp) hand the balancer: layer il of these slots
@@ -86,6 +91,8 @@ struct kx_slots {
     void *                  map_engine = nullptr;
     ggml_context *          ctx_map = nullptr;     // the aliases of the host weights
     std::vector<ggml_backend_buffer_t> map_bufs;   // one per alias: its device address range
+    ggml_backend_buffer_t buf_ahead = nullptr;     // the layers' `ahead` lists
+    std::vector<kx_warm_hook> warm;                // one per layer (kx-warm.h; set at graph build)
     ~kx_slots();
 };
 

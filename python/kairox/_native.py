@@ -163,7 +163,8 @@ def gpu_memory() -> tuple[int, int] | None:
     return int(free.value), int(total.value)
 
 
-SCHED_STATS = ("graphs", "splits_ns", "cpu_splits", "cpu_ns", "launches", "launch_ns", "copy_ns", "drain_ns")
+SCHED_STATS = ("graphs", "splits_ns", "cpu_splits", "cpu_ns", "launches", "launch_ns", "copy_ns", "drain_ns",
+               "deferred")
 
 
 def sched_counters(reset: bool = False) -> dict[str, int]:
@@ -175,6 +176,18 @@ def sched_counters(reset: bool = False) -> dict[str, int]:
     vals = (ctypes.c_int64 * len(SCHED_STATS))()
     lib.kx_sched_stats(vals, ctypes.c_bool(reset))
     return dict(zip(SCHED_STATS, (int(v) for v in vals)))
+
+
+WARM_STATS = ("calls", "lists", "rows", "bytes")
+
+
+def warm_counters(reset: bool = False) -> dict[str, int]:
+    """The host-cache warm-up's counters since the last reset (kx_warm_stats, kairox.h): warm
+    nodes run, those that found a predicted list, rows and bytes read ahead."""
+    lib = load_llama_cpp().llama_cpp._lib
+    vals = (ctypes.c_int64 * len(WARM_STATS))()
+    lib.kx_warm_stats(vals, ctypes.c_bool(reset))
+    return dict(zip(WARM_STATS, (int(v) for v in vals)))
 
 
 def sparse_counters(reset: bool = False) -> SparseCounters:
