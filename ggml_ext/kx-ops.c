@@ -159,3 +159,8 @@ struct ggml_tensor * ggml_kx_ffn_rows(
     result->src[7] = gate_pre;
     return result;
 }
+
+void ggml_kx_ffn_rows_own_shares(struct ggml_tensor * ffn_rows) {
+    GGML_ASSERT(ffn_rows->op == GGML_OP_KX_FFN_ROWS);
+    ggml_set_op_params_i32(ffn_rows, 1, 1);
+}

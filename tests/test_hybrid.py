@@ -237,6 +237,8 @@ def test_gpu_warm_up_keeps_the_output(synth_model: Path, monkeypatch: pytest.Mon
     assert off["deferred"] == 0 and woff["calls"] == 0
     steps = len(PROMPT) + N_GEN  # one token per decode (n_batch=1): layer 1 warms once each
     assert won["calls"] == steps and on["deferred"] == steps, (won, on)
+    # the next layer's list is computed beside the CPU part, not in a split of its own
+    assert on["cpu_splits"] == off["cpu_splits"], (on, off)
     # a list lands beside layer 0's CPU part; on this tiny model that part can end first
     assert won["lists"] > 0 and won["rows"] > 0 and won["bytes"] > 0, won
     assert toks == want_toks

@@ -41,7 +41,8 @@
 // Measured (chunks/): the spread fell to 9-11%, but the slowest loop did not shorten. Kept:
 // it is not slower there, and a thread slowed for other reasons (a small core, a preempted
 // one) no longer holds up the layer. KX_FFN_STATIC_CHUNKS=1 gives each thread its own
-// contiguous chunks (an even split).
+// contiguous chunks (an even split), and so does op param 1 (ggml_kx_ffn_rows_own_shares):
+// after the warm-up (kx-warm.cpp) each core's rows are in its own L2.
 //
 // One token (decode) with Q4_0 or F16 gate/up and Q8_0 or F16 down rows: four rows at a
 // time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result; in one pass (SiLU,
@@ -479,7 +480,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     } else {
         // pass a: chunks of ranks [q0, q1) of the present neurons, their gates into the
         // shared array, the fired ones counted per chunk
-        const bool dyn = !kx_ffn_static_chunks();
+        const bool dyn = !kx_ffn_static_chunks() && ggml_get_op_params_i32(dst, 1) == 0;
         const int64_t nca = total < KX_FFN_CHUNKS*nth ? total : KX_FFN_CHUNKS*nth;
         int64_t own = 0;
         int64_t gates = 0;

@@ -162,7 +162,8 @@ static ggml_tensor * kx_build_ffn_hybrid(
     g.cb(sel, "kx_sel", il);
     // layer il+1's active set predicted from this x, next to this layer's (same split)
     kx_slots & slots = *pack.slots;
-    if (kx_warm_layer(slots, pack, mode, il)) {
+    const bool warm = kx_warm_layer(slots, pack, mode, il);
+    if (warm) {
         // first on the CPU, before anything that reads the split's inputs (kx-warm.h)
         kx_warm_hook & wh = slots.warm[il];
         wh = { &H, gate, up, L.down_t };
@@ -207,8 +208,16 @@ static ggml_tensor * kx_build_ffn_hybrid(
         yc = on_cpu(ggml_kx_axpy_rows(ctx0, L.down_t, hc, sel, H.colddown));
     } else {
         yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all, act));
+        if (warm) {
+            ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
+        }
     }
     g.cb(yc, "ffn_out_cpu", il);
+    if (kx_warm_layer(slots, pack, mode, il + 1)) {
+        // in the split of the other CPU nodes: the device nodes that follow (the next layer's
+        // list among them) then head the next split and run beside this CPU part
+        ggml_build_forward_expand(g.gf, yc);
+    }
     if (ahead) {
         // last on the CPU, before the scheduler queues anything of layer il+1
         ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, yc, kx_pipe_publish_op, 1, hook)));
