@@ -217,8 +217,8 @@ def test_gpu_hybrid_matches_the_cpu(synth_model: Path, mode: str) -> None:
 
 
 def test_gpu_warm_up_keeps_the_output(synth_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """KX_WARM=1 on a GPU: layer 0 predicts layer 1's list beside its CPU part and the device
-    writes it to the host; layer 1's CPU split starts before the device's results have landed,
+    """The warm-up on a GPU (the default; KX_WARM=0 turns it off): layer 0 predicts layer 1's
+    list beside its CPU part and the device writes it to the host; layer 1's CPU split starts before the device's results have landed,
     its first node reading that list's rows while thread 0 waits (kx-warm.cpp, patch 0008). The
     tokens and logits must be those of the run without it (up to the rounding of the axpy
     kernel's atomic adds: a split reading its inputs before they landed is off by a whole part),
@@ -226,12 +226,12 @@ def test_gpu_warm_up_keeps_the_output(synth_model: Path, monkeypatch: pytest.Mon
     from kairox._native import has_gpu, sched_counters, warm_counters
     if not has_gpu():
         pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
-    monkeypatch.delenv("KX_WARM", raising=False)
+    monkeypatch.setenv("KX_WARM", "0")
     sched_counters(reset=True)
     warm_counters(reset=True)
     want_toks, want, _ = run(synth_model, sparse="predicted", gpu_slots=100, n_gpu_layers=-1)
     off, woff = sched_counters(reset=True), warm_counters(reset=True)
-    monkeypatch.setenv("KX_WARM", "1")
+    monkeypatch.delenv("KX_WARM")  # the default: on
     toks, got, _ = run(synth_model, sparse="predicted", gpu_slots=100, n_gpu_layers=-1)
     on, won = sched_counters(reset=True), warm_counters(reset=True)
     assert off["deferred"] == 0 and woff["calls"] == 0
