@@ -78,7 +78,7 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
 }
 
 // Hybrid layers warm the host's caches with their rows while the CPU waits for the device
-// (kx-warm.cpp). On by default: KB-7B 1.05-1.20x, KB-13B 1.04-1.29x in every interleaved pair
+// (kx-warm.cpp). On by default: KB-7B 1.05-1.20x, KB-13B 1.03-1.28x in every interleaved pair
 // on the H200 (bench/results/balance-live/warm/); beside a mapped share it neither gains nor
 // loses. KX_WARM=0 turns it off; read at each graph build (a test compares both in one process).
 static bool kx_warm_enabled() {
@@ -162,7 +162,6 @@ static ggml_tensor * kx_build_ffn_hybrid(
         sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
     g.cb(sel, "kx_sel", il);
-    // layer il+1's active set predicted from this x, next to this layer's (same split)
     kx_slots & slots = *pack.slots;
     const bool warm = kx_warm_layer(slots, pack, mode, il);
     if (warm) {
@@ -174,6 +173,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_set_name(w, "kx_warm");
         ggml_build_forward_expand(g.gf, w);
     }
+    // layer il+1's active set predicted from this x, next to this layer's (same split)
     const bool ahead = slots.pipeline && il + 1 < pack.n_layer && slots.layers[il + 1].n_slots > 0 &&
                        pack.layers[il + 1].pred_a;
     ggml_tensor * sel_next = nullptr;
