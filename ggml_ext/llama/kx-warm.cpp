@@ -92,14 +92,18 @@ void kx_warm_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * use
         const int64_t r0 = total*ith/nth;
         const int64_t r1 = total*(ith + 1)/nth;
         uint64_t acc = 0;
+        int32_t j0 = 0; // where rank r0 starts in the list (found in pass 0, reused in pass 1)
         // pass 0: gate rows; pass 1: up and down rows
         for (int pass = 0; pass < 2; ++pass) {
-            int64_t r = 0;
-            for (int32_t j = 0; j < count && r < r1; ++j) {
+            int64_t r = pass == 0 ? 0 : r0;
+            for (int32_t j = j0; j < count && r < r1; ++j) {
                 const int32_t i   = ids[j];
                 const int32_t row = cmap[i];
                 if (row < 0 || r++ < r0) {
                     continue;
+                }
+                if (pass == 0 && r == r0 + 1) {
+                    j0 = j;
                 }
                 if (stop(rows)) {
                     goto done;
