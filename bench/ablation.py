@@ -2,7 +2,8 @@
 """The live balancer's ablation table across configurations, folded from the raw results of
 bench/balance_live.py (each row one process; several files and repeats per configuration).
 
-Rows with the same label and thread count are one line: tok/s as median (min-max over the
+Rows with the same label, thread count and host warm-up are one line (the warm-up, on by
+default from d4679eb, is read from each row's counters, not from its label): tok/s as median (min-max over the
 repeats), TPOT p50 / p99 medians, GPU share, reloads per token, the physical bound of the
 row's placement and the efficiency (bound / measured), against the static split's median in
 the same call and against llama.cpp's best decode at the same budget (bench/offload.py's
@@ -47,6 +48,21 @@ def llama_cpp_best(offload_dir: Path, config: str, budget: float) -> float | Non
     return max(best) if best else None
 
 
+def warmed(r: dict) -> bool:
+    """Whether the row's host threads read the next layer's rows ahead (kx-warm.cpp)."""
+    return bool((r.get("layer_us") or {}).get("warm_kib"))
+
+
+def plain_label(r: dict) -> str:
+    """The row's label without KX_WARM (what warmed() says is shown apart)."""
+    label = r["row"]
+    if "[" in label:
+        head, _, env = label.partition(" [")
+        rest = [e for e in env.rstrip("]").split() if not e.startswith("KX_WARM=")]
+        label = head + (f" [{' '.join(rest)}]" if rest else "")
+    return label
+
+
 def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
     by_cfg: dict[str, dict] = {}
     for f in files:
@@ -55,17 +71,19 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
         c["src"].append(f"{f.name} ({d['commit'][:7]})")
         # each row against the static rows of its own call (the machine's spread between calls
         # is larger than most differences between rows)
-        own = [r["tok_s"] for r in d["rows"] if r["kind"] == "static" and not r.get("env") and (r.get("threads") or 16) == 16]
+        own = [r["tok_s"] for r in d["rows"] if r["kind"] == "static" and not warmed(r) and
+               set(r.get("env") or {}) <= {"KX_WARM"} and (r.get("threads") or 16) == 16]
         for r in d["rows"]:
             r = {**r, "static_here": statistics.median(own) if own else None}
-            c["rows"][(r["kind"], r["row"], r.get("threads") or 16)].append(r)
+            c["rows"][(r["kind"], warmed(r), plain_label(r), r.get("threads") or 16)].append(r)
     out = ["# Live balancer ablation (folded by bench/ablation.py)", "",
            "tok/s: median (min-max) over the repeats of each row; vs static: median of each run against the "
-           "static rows (16 threads) of its own call; "
+           "static rows (16 threads, no host warm-up) of its own call; "
            "vs llama.cpp: its best decode at the same budget (bench/results/offload-*.json). "
            "Bound: the row's placement at its own GPU share (docs/benchmarking.md); efficiency = bound / measured "
            "(median row). Every row: teacher-forced text drifting topic every 64 tokens, 16 compute threads unless "
-           "given, reloads by the gather kernel.", ""]
+           "given, reloads by the gather kernel. Warm-up: the host threads read the next layer's predicted rows "
+           "while they wait for the device (kx-warm.cpp).", ""]
     for cfg, c in sorted(by_cfg.items(), key=lambda kv: kv[1]["budget"]):
         ref = llama_cpp_best(offload_dir, cfg, c["budget"]) if offload_dir else None
         out += [f"## {cfg} @ {c['budget']:g} GiB", "", "Sources: " + ", ".join(c["src"]) +
@@ -74,8 +92,8 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
                 "reload MiB / token | late loads | bound ms/tok | efficiency |",
                 "|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
         order = list(STEPS)
-        for (kind, label, threads), rs in sorted(c["rows"].items(), key=lambda kv: (order.index(kv[0][0]),
-                                                                                    kv[0][2], kv[0][1])):
+        for (kind, warm, label, threads), rs in sorted(c["rows"].items(), key=lambda kv: (order.index(kv[0][0]),
+                                                                                          kv[0][1], kv[0][3], kv[0][2])):
             tok = sorted(r["tok_s"] for r in rs)
             med = statistics.median(tok)
             mid = min(rs, key=lambda r: abs(r["tok_s"] - med))
@@ -87,7 +105,8 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
             late = statistics.mean(r.get("late_loads") or 0 for r in rs)
             rng = f"{med:.2f}" + (f" ({tok[0]:.2f}-{tok[-1]:.2f})" if len(tok) > 1 else "")
             vs = [r["tok_s"] / r["static_here"] for r in rs if r["static_here"]]
-            out.append(f"| {STEPS[kind]} | {label} | {threads} | {len(rs)} | {rng} | "
+            step = STEPS[kind] + (", host warm-up" if warm else "")
+            out.append(f"| {step} | {label} | {threads} | {len(rs)} | {rng} | "
                        + (f"{statistics.median(vs):.2f}x | " if vs else "- | ")
                        + (f"{med / ref:.2f}x | " if ref else "- | ")
                        + f"{p50:.1f} / {p99:.1f} | {share:.3f} | {mib:.1f} | {late:.0f} | "

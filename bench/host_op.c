@@ -137,14 +137,14 @@ int main(int argc, char ** argv) {
             qsort(s + 1, (size_t) listed, sizeof(int32_t), cmp_i32); // the select op lists in id order
         }
         int64_t up_skipped = 0;
-        kx_cpu_ffn_stats(NULL, NULL, NULL, NULL, NULL, NULL, NULL, true);
+        kx_cpu_ffn_stats(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true);
         const double t0 = now_s();
         if (ggml_graph_compute(gf, &plan) != GGML_STATUS_SUCCESS) {
             fprintf(stderr, "compute failed\n");
             return 1;
         }
         const double t = now_s() - t0;
-        kx_cpu_ffn_stats(&up_skipped, NULL, NULL, NULL, NULL, NULL, NULL, true);
+        kx_cpu_ffn_stats(&up_skipped, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true);
         if (rep == 0) {
             continue; // warm-up: page faults of the work buffer, thread start
         }

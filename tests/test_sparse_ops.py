@@ -6,6 +6,9 @@ References: numpy in float64 on weights dequantized by gguf.quants (not by ggml)
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -377,10 +380,19 @@ def test_ffn_rows_relu_reads_up_rows_only_of_firing_neurons(g: GGML):
     assert np.isnan(out).all() and sparse_counters(reset=True).up_skipped == 0
 
 
-def hot_first_relu_rows(g: GGML, n_threads: int, sel: np.ndarray | None = None) -> tuple[int, int, float, int]:
-    """The ReLU op over a list in hotness order (the first quarter fires, the rest does not):
-    the busiest and the mean thread's rows read, the error against numpy, and the nonzero
-    counter's miss (counted minus true nonzero activations). sel: the list (default: all 64)."""
+@dataclasses.dataclass
+class ReluRows:
+    rows_max: int    # weight rows the busiest thread read
+    rows_mean: int   # ... the mean thread
+    err: float       # the output's largest error against numpy
+    miss: int        # the nonzero counter's miss (counted minus true nonzero activations)
+    stolen: int      # chunks a thread took from another's share (own shares)
+    digest: str      # the output's bytes, hashed: equal digests are equal bits
+
+
+def hot_first_relu_rows(g: GGML, n_threads: int, sel: np.ndarray | None = None) -> ReluRows:
+    """The ReLU op over a list in hotness order (the first quarter fires, the rest does not),
+    with n_threads. sel: the list (default: all 64)."""
     rng = np.random.default_rng(17)
     n, k, m = 64, 64, 32
     x = rng.uniform(0.5, 1.5, (1, k)).astype(np.float32)
@@ -398,39 +410,59 @@ def hot_first_relu_rows(g: GGML, n_threads: int, sel: np.ndarray | None = None) 
                      n, m, x, sel, n, act="relu", n_threads=n_threads)
     c = sparse_counters(reset=True)
     nonzero = int((h[:, sel] != 0).sum())
-    return c.ffn_rows_max, c.ffn_rows_mean, float(np.abs(out - want).max()), c.nonzero - nonzero
+    return ReluRows(c.ffn_rows_max, c.ffn_rows_mean, float(np.abs(out - want).max()), c.nonzero - nonzero,
+                    c.ffn_stolen, hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest())
 
 
-def relu_rows_in_process(native: Path, env: dict[str, str], n_threads: int) -> tuple[int, int, float, int]:
-    """hot_first_relu_rows in a fresh process with env set (the op reads its switches once)."""
-    code = ("import sys; from ggml_ops import GGML; from test_sparse_ops import hot_first_relu_rows; "
-            "print(*hot_first_relu_rows(GGML(), int(sys.argv[1])))")
-    rows_max, rows_mean, err, miss = run_fresh(native, code, str(n_threads), env=env).split()
-    return int(rows_max), int(rows_mean), float(err), int(miss)
+def relu_rows_in_process(native: Path, env: dict[str, str], n_threads: int, repeat: int = 1) -> list[ReluRows]:
+    """hot_first_relu_rows, repeat times, in a fresh process with env set (the op reads its
+    switches once)."""
+    code = ("import dataclasses, json, sys; from ggml_ops import GGML; from test_sparse_ops import hot_first_relu_rows; "
+            "g = GGML(); print(json.dumps([dataclasses.asdict(hot_first_relu_rows(g, int(sys.argv[1]))) "
+            "for _ in range(int(sys.argv[2]))]))")
+    return [ReluRows(**r) for r in json.loads(run_fresh(native, code, str(n_threads), str(repeat), env=env))]
 
 
 def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
     """ReLU runs in two passes (gates over the listed neurons, then up and down rows over those
     that fired), each in 4 chunks per thread. On a hot-first list (64 neurons, 16 fire: 96
-    rows) with 4 threads, fixed chunks (KX_FFN_STATIC_CHUNKS=1) give every thread 16 gate + 4
-    up + 4 down rows; the one-pass form (KX_FFN_ONE_PASS=1) gives the first thread all 16
-    firing neurons, 48 rows against a mean of 24. By default a free thread takes the next
-    chunk, so the rows follow each thread's speed: the total is the same and so is the output."""
-    rows_max, rows_mean, err, miss = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1"}, 4)
-    assert (rows_max, rows_mean, miss) == (24, 24, 0) and err < 1e-4
-    rows_max, rows_mean, err, miss = relu_rows_in_process(native, {"KX_FFN_ONE_PASS": "1"}, 4)
-    assert (rows_max, rows_mean, miss) == (48, 24, 0) and err < 1e-4
+    rows) with 4 threads, fixed chunks without stealing (KX_FFN_STATIC_CHUNKS=1,
+    KX_FFN_NO_STEAL=1) give every thread 16 gate + 4 up + 4 down rows; the one-pass form
+    (KX_FFN_ONE_PASS=1) gives the first thread all 16 firing neurons, 48 rows against a mean
+    of 24. By default a free thread takes the next chunk, so the rows follow each thread's
+    speed: the total is the same and so is the output."""
+    r, = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1", "KX_FFN_NO_STEAL": "1"}, 4)
+    assert (r.rows_max, r.rows_mean, r.miss, r.stolen) == (24, 24, 0, 0) and r.err < 1e-4
+    r, = relu_rows_in_process(native, {"KX_FFN_ONE_PASS": "1"}, 4)
+    assert (r.rows_max, r.rows_mean, r.miss, r.stolen) == (48, 24, 0, 0) and r.err < 1e-4
     # uneven splits, more threads than firing neurons, more threads than listed neurons (80:
     # a thread may compute no gate and still take fired neurons, and count them)
     for nt in (1, 3, 4, 7, 16, 80):
-        rows_max, rows_mean, err, miss = hot_first_relu_rows(g, nt)
-        assert err < 1e-4 and miss == 0 and rows_mean == 96 // nt and rows_max >= rows_mean, (nt, rows_max, miss)
+        r = hot_first_relu_rows(g, nt)
+        assert r.err < 1e-4 and r.miss == 0 and r.rows_mean == 96 // nt and r.rows_max >= r.rows_mean, (nt, r)
+        assert r.stolen == 0  # shared chunks: nothing is anyone's own
     # 6 listed, 4 fire, 16 threads
-    *_, err, miss = hot_first_relu_rows(g, 16, sel=np.r_[0:4, 40:42])
-    assert err < 1e-4 and miss == 0, miss
+    r = hot_first_relu_rows(g, 16, sel=np.r_[0:4, 40:42])
+    assert r.err < 1e-4 and r.miss == 0, r
     # fixed chunks over 80 threads (most take no chunk of one pass or the other)
-    rows_max, rows_mean, err, miss = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1"}, 80)
-    assert err < 1e-4 and miss == 0 and rows_mean == 96 // 80
+    r, = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1", "KX_FFN_NO_STEAL": "1"}, 80)
+    assert r.err < 1e-4 and r.miss == 0 and r.rows_mean == 96 // 80 and r.stolen == 0
+
+
+def test_ffn_rows_own_shares_steal_and_keep_the_bits(native: Path):
+    """Own shares (KX_FFN_STATIC_CHUNKS=1, as after the warm-up): a thread whose share is done
+    takes another's chunks from the back. Over 80 threads (64 of them own no pass-b chunk)
+    chunks are stolen, every chunk is still computed exactly once (the error, the rows read,
+    the nonzero count) and the output has the same bits as without stealing, run after run."""
+    plain, = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1", "KX_FFN_NO_STEAL": "1"}, 80)
+    for nt in (4, 80):
+        runs = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1"}, nt, repeat=20)
+        for r in runs:
+            assert r.err < 1e-4 and r.miss == 0 and r.rows_mean == 96 // nt, (nt, r)
+            if nt == 80:
+                assert r.digest == plain.digest, r
+        if nt == 80:
+            assert sum(r.stolen for r in runs) > 0, runs
 
 
 def rows4_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8_0", act: str = "relu") -> np.ndarray:

@@ -44,6 +44,15 @@
 // contiguous chunks (an even split), and so does op param 1 (ggml_kx_ffn_rows_own_shares):
 // after the warm-up (kx-warm.cpp) each core's rows are in its own L2.
 //
+// Own shares, then stealing: a thread takes its own chunks from the front, and when they
+// are done it takes another thread's chunks from the back (the part the warm-up reached
+// last, if at all). Why: with even own shares and no stealing, KB-70B's slowest loop was 236
+// µs per layer against a mean of 183 and the decode 23.57 tok/s against 30.63 with chunks
+// taken by any free thread (H200, 3d4750e, bench/results/balance-live/kb70b-warm/): an even
+// split of the rows is not an even split of the time. The sums stay the same bits: a pass-a
+// chunk writes its gates by rank, a pass-b chunk into its own accumulator, whichever thread
+// takes it. KX_FFN_NO_STEAL=1 keeps each thread on its own share, for measurement.
+//
 // One token (decode) with Q4_0 or F16 gate/up and Q8_0 or F16 down rows: four rows at a
 // time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result; in one pass (SiLU,
 // GELU) the block's gate and up rows go four at a time at its flush. Why: the op alone on KB-70B's
@@ -80,7 +89,8 @@ static size_t kx_ffn_align(size_t n) {
     return (n + KX_CACHE_LINE - 1) / KX_CACHE_LINE * KX_CACHE_LINE;
 }
 
-// wdata: [x in vec_dot_type] [per thread: one cache line (present count, loop ns, -, rows read)]
+// wdata: [x in vec_dot_type] [per thread: one cache line (present count, loop ns, -, rows read,
+//        the chunks taken from its share in pass a, in pass b)]
 //        [the two passes' chunk counters: one cache line] [fired count per pass-a chunk]
 //        [two-pass ReLU: the gates (n x nt floats) and ids (n) of the present neurons, by rank]
 //        [KX_FFN_CHUNKS per thread: accumulator m x nt floats (one pass uses one per thread)]
@@ -136,15 +146,17 @@ size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
     return (size_t) ((char *) w.blk - (char *) NULL) + (size_t) n_tasks * w.blk_stride * sizeof(float);
 }
 
-// counters (kx_cpu_ffn_stats): up rows skipped, calls, where a call's time goes, and how
-// evenly its threads' rows were spread
+// counters (kx_cpu_ffn_stats): up rows skipped, calls, where a call's time goes, how evenly
+// its threads' rows were spread, and the chunks taken from another thread's share
 enum { KX_FFN_UP_SKIPPED, KX_FFN_CALLS, KX_FFN_OP_NS, KX_FFN_WORK_MAX_NS, KX_FFN_WORK_MEAN_NS,
-       KX_FFN_ROWS_MAX, KX_FFN_ROWS_MEAN, KX_FFN_N_STATS };
+       KX_FFN_ROWS_MAX, KX_FFN_ROWS_MEAN, KX_FFN_STOLEN, KX_FFN_N_STATS };
 static atomic_int_fast64_t kx_ffn_stat[KX_FFN_N_STATS];
 
 void kx_cpu_ffn_stats(int64_t * up_skipped, int64_t * calls, int64_t * op_ns, int64_t * work_max_ns,
-                      int64_t * work_mean_ns, int64_t * rows_max, int64_t * rows_mean, bool reset) {
-    int64_t * out[KX_FFN_N_STATS] = { up_skipped, calls, op_ns, work_max_ns, work_mean_ns, rows_max, rows_mean };
+                      int64_t * work_mean_ns, int64_t * rows_max, int64_t * rows_mean, int64_t * stolen,
+                      bool reset) {
+    int64_t * out[KX_FFN_N_STATS] = { up_skipped, calls, op_ns, work_max_ns, work_mean_ns, rows_max, rows_mean,
+                                      stolen };
     for (int i = 0; i < KX_FFN_N_STATS; ++i) {
         if (out[i]) {
             *out[i] = atomic_load(&kx_ffn_stat[i]);
@@ -183,20 +195,50 @@ KX_FFN_FLAG(kx_ffn_up_all,        "KX_FFN_UP_ALL")        // every listed neuron
 KX_FFN_FLAG(kx_ffn_one_pass,      "KX_FFN_ONE_PASS")      // ReLU in one pass split by neurons (before the two)
 KX_FFN_FLAG(kx_ffn_static_chunks, "KX_FFN_STATIC_CHUNKS") // each thread its own contiguous chunks
 KX_FFN_FLAG(kx_ffn_rows1,         "KX_FFN_ROWS1")         // rows one at a time (before kx-dot.h)
+KX_FFN_FLAG(kx_ffn_no_steal,      "KX_FFN_NO_STEAL")      // own shares without stealing (before it)
 
-// the next chunk of [0, nck) this thread works on, or -1: taken from a shared counter
-// (dynamic), or the thread's own contiguous share in order (static: *own counts them)
-static int64_t kx_ffn_claim(atomic_int_fast64_t * next, int64_t * own, int64_t nck, int ith, int nth, bool dyn) {
-    int64_t c;
-    if (dyn) {
-        c = atomic_fetch_add_explicit(next, 1, memory_order_relaxed);
-    } else {
-        c = nck*ith/nth + (*own)++;
-        if (c >= nck*(ith + 1)/nth) {
+// own shares: thread s owns chunks [nck*s/nth, nck*(s+1)/nth) of a pass; taken[s] (in its
+// cache line, zeroed before the first barrier) packs how many were taken from the front (low
+// 32 bits, the owner) and from the back (high 32 bits, other threads)
+#define KX_FFN_TAKEN_A 4 // the pass's word in the thread's cache line
+#define KX_FFN_TAKEN_B 5
+
+// takes one chunk of thread s's share: its front (owner) or its back; -1 when none is left
+static int64_t kx_ffn_take(atomic_int_fast64_t * taken, int64_t nck, int s, int nth, bool front) {
+    const int64_t base = nck*s/nth;
+    const int64_t size = nck*(s + 1)/nth - base;
+    int_fast64_t v = atomic_load_explicit(taken, memory_order_relaxed);
+    for (;;) {
+        const int64_t f = v & 0xffffffff;
+        const int64_t b = v >> 32;
+        if (f + b >= size) {
             return -1;
         }
+        const int_fast64_t nv = front ? v + 1 : v + ((int_fast64_t) 1 << 32);
+        if (atomic_compare_exchange_weak_explicit(taken, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
+            return front ? base + f : base + size - 1 - b;
+        }
     }
-    return c < nck ? c : -1;
+}
+
+// the next chunk of [0, nck) this thread works on, or -1: taken from a shared counter
+// (dynamic), or the thread's own share from the front, then the others' from the back
+// (own shares; word: KX_FFN_TAKEN_A or _B)
+static int64_t kx_ffn_claim(const struct kx_ffn_work * w, int word, int64_t nck, int ith, int nth, bool dyn) {
+    if (dyn) {
+        const int64_t c = atomic_fetch_add_explicit(&w->next[word - KX_FFN_TAKEN_A], 1, memory_order_relaxed);
+        return c < nck ? c : -1;
+    }
+    const int64_t cs = KX_CACHE_LINE / sizeof(int64_t);
+    int64_t c = kx_ffn_take((atomic_int_fast64_t *) (w->cnt + ith*cs + word), nck, ith, nth, true);
+    for (int d = 1; c < 0 && d < nth && !kx_ffn_no_steal(); ++d) {
+        const int s = (ith + d) % nth;
+        c = kx_ffn_take((atomic_int_fast64_t *) (w->cnt + s*cs + word), nck, s, nth, false);
+        if (c >= 0) {
+            atomic_fetch_add_explicit(&kx_ffn_stat[KX_FFN_STOLEN], 1, memory_order_relaxed);
+        }
+    }
+    return c;
 }
 
 static inline int64_t kx_ffn_row(const int32_t * map, int64_t i) {
@@ -404,6 +446,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
             n += kx_ffn_row(map, ids[j]) >= 0;
         }
         line[0] = n;
+        line[KX_FFN_TAKEN_A] = 0; // own shares: none taken yet (read after the barriers)
+        line[KX_FFN_TAKEN_B] = 0;
     }
     if (two_pass) {
         if (ith == 0) { // no thread takes a chunk before the barrier
@@ -482,9 +526,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         // shared array, the fired ones counted per chunk
         const bool dyn = !kx_ffn_static_chunks() && ggml_get_op_params_i32(dst, 1) == 0;
         const int64_t nca = total < KX_FFN_CHUNKS*nth ? total : KX_FFN_CHUNKS*nth;
-        int64_t own = 0;
         int64_t gates = 0;
-        for (int64_t c; (c = kx_ffn_claim(&w.next[0], &own, nca, ith, nth, dyn)) >= 0; ) {
+        for (int64_t c; (c = kx_ffn_claim(&w, KX_FFN_TAKEN_A, nca, ith, nth, dyn)) >= 0; ) {
             const int64_t q0 = total*c/nca;
             const int64_t q1 = total*(c + 1)/nca;
             // the list position of rank q0: from the start of the static slice that holds it
@@ -543,8 +586,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         }
         nacc = F < KX_FFN_CHUNKS*nth ? F : KX_FFN_CHUNKS*nth;
         B.up4 = up4;
-        own = 0;
-        for (int64_t c; (c = kx_ffn_claim(&w.next[1], &own, nacc, ith, nth, dyn)) >= 0; ) {
+        for (int64_t c; (c = kx_ffn_claim(&w, KX_FFN_TAKEN_B, nacc, ith, nth, dyn)) >= 0; ) {
             const int64_t f0 = F*c/nacc;
             const int64_t f1 = F*(c + 1)/nacc;
             int64_t f;

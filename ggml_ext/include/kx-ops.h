@@ -173,11 +173,13 @@ GGML_BACKEND_API void kx_cpu_axpy_stats(int64_t * nonzero, int64_t * rows, int64
 // work_max_ns / work_mean_ns, the slowest / the mean thread's neuron loop per call (summed):
 // op - work_max is the op's fixed cost (x conversion, barriers, column sums), work_max -
 // work_mean the threads' imbalance; rows_max / rows_mean, the weight rows (gate, up, down)
-// read by the busiest / the mean thread per call (summed), the imbalance the split leaves.
+// read by the busiest / the mean thread per call (summed), the imbalance the split leaves;
+// stolen, the chunks a thread took from another's share (own shares only, kx-ffn-rows.c).
 // Any pointer may be NULL.
 GGML_BACKEND_API void kx_cpu_ffn_stats(int64_t * up_skipped, int64_t * calls, int64_t * op_ns,
                                        int64_t * work_max_ns, int64_t * work_mean_ns,
-                                       int64_t * rows_max, int64_t * rows_mean, bool reset);
+                                       int64_t * rows_max, int64_t * rows_mean, int64_t * stolen,
+                                       bool reset);
 
 #ifdef __cplusplus
 }

@@ -92,7 +92,8 @@ class SparseCounters:
     gate <= 0 for every token of the call); ffn_calls, ffn_op_ns, ffn_work_max_ns,
     ffn_work_mean_ns: that op's calls, its time (thread 0, entry to exit), and its slowest and
     mean thread's neuron loop, ns summed over calls; ffn_rows_max, ffn_rows_mean: the weight
-    rows its busiest and its mean thread read, summed over calls (kx-ops.h).
+    rows its busiest and its mean thread read, summed over calls; ffn_stolen: chunks a thread
+    took from another thread's share (own shares, after the warm-up) (kx-ops.h).
     """
     selected: int
     total: int
@@ -108,6 +109,7 @@ class SparseCounters:
     ffn_work_mean_ns: int = 0
     ffn_rows_max: int = 0
     ffn_rows_mean: int = 0
+    ffn_stolen: int = 0
 
     @property
     def density(self) -> float:
