@@ -221,8 +221,9 @@ LLAMA_API ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned);
 
 // Warming the host's caches with the next layer's rows during the device's serial part
 // (llama/kx-warm.cpp; on unless KX_WARM=0 when graphs are built; hybrid layers after the
-// first with the predictor on the slots' device, not with the balancer's pipeline). out: 4 values (may be NULL, to reset only): warm nodes run,
-// those that had a predicted list, rows read ahead, bytes read ahead.
+// first with the predictor on the slots' device, not with the balancer's pipeline).
+// out: 4 values (may be NULL, to reset only): warm nodes run, those that had a predicted
+// list, rows read ahead, bytes read ahead.
 LLAMA_API void    kx_warm_stats(int64_t * out, bool reset);
 
 #ifdef __cplusplus

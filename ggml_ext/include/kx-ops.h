@@ -67,9 +67,9 @@ GGML_API struct ggml_tensor * ggml_kx_select(
 // ggml_kx_select whose list is also written to host memory the device can write (page-locked
 // and mapped, e.g. a device's host buffer type; plain memory on the CPU backend), as
 // host[1 .. count + 1] = the result, then host[0] = 1, the last store: a reader that sees
-// host[0] == 1 sees the whole list, and resets host[0] to 0 once it is used. (kx-ffn.cpp's
-// prefetch reads layer il+1's list predicted during layer il this way, without a scheduler
-// copy that would wait for the device.) host: I32 [n + 2], 16-byte aligned.
+// host[0] == 1 sees the whole list, and resets host[0] to 0 once it is used. (The host-cache
+// warm-up, kx-warm.cpp, reads layer il+1's list predicted during layer il this way, without a
+// scheduler copy that would wait for the device.) host: I32 [n + 2], 16-byte aligned.
 GGML_API struct ggml_tensor * ggml_kx_select_to_host(
         struct ggml_context * ctx,
         struct ggml_tensor  * scores,
@@ -145,11 +145,12 @@ GGML_API struct ggml_tensor * ggml_kx_ffn_rows(
         struct ggml_tensor  * gate_pre,
         enum kx_select_act    act);
 
-// Each thread of a ggml_kx_ffn_rows node keeps its own even share of the listed rows (no
-// chunks taken by whichever thread is free): when a node before it read those rows ahead on
-// the same split (kx-warm.cpp), they are in the L2 of the core that reads them. (Reading
-// lines another core just pulled in ran slower than DRAM: KB-7B on the H200 host, 16 threads,
-// slowest loop 117-126 µs against 110-113 µs without the warm-up, and 82 µs with own shares.)
+// Each thread of a ggml_kx_ffn_rows node starts on its own even share of the listed rows (not
+// on chunks taken by whichever thread is free), and only when its share is done takes the last
+// chunks of others' (kx-ffn-rows.c): when a node before it read those rows ahead on the same
+// split (kx-warm.cpp), they are in the L2 of the core that reads them. (Reading lines another
+// core just pulled in ran slower than DRAM: KB-7B on the H200 host, 16 threads, slowest loop
+// 117-126 µs against 110-113 µs without the warm-up, and 82 µs with own shares.)
 GGML_API void ggml_kx_ffn_rows_own_shares(struct ggml_tensor * ffn_rows);
 
 // Rows the CPU kernels were asked to compute, summed over ggml_kx_select calls since the

@@ -163,7 +163,8 @@ static ggml_tensor * kx_build_ffn_hybrid(
     }
     g.cb(sel, "kx_sel", il);
     kx_slots & slots = *pack.slots;
-    const bool warm = kx_warm_layer(slots, pack, mode, il);
+    const bool warm      = kx_warm_layer(slots, pack, mode, il);
+    const bool warm_next = kx_warm_layer(slots, pack, mode, il + 1);
     if (warm) {
         // first on the CPU, before anything that reads the split's inputs (kx-warm.h)
         kx_warm_hook & wh = slots.warm[il];
@@ -215,7 +216,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         }
     }
     g.cb(yc, "ffn_out_cpu", il);
-    if (kx_warm_layer(slots, pack, mode, il + 1)) {
+    if (warm_next) {
         // in the split of the other CPU nodes: the device nodes that follow (the next layer's
         // list among them) then head the next split and run beside this CPU part
         ggml_build_forward_expand(g.gf, yc);
@@ -241,7 +242,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         g.cb(yv, out_name, il);
         return yv;
     };
-    if (kx_warm_layer(slots, pack, mode, il + 1)) {
+    if (warm_next) {
         // layer il+1's list for its warm-up, beside this layer's CPU part: the device writes
         // it to the host itself, so nothing here waits for it
         const kx_slot_layer & N = slots.layers[il + 1];
