@@ -2,8 +2,9 @@
 """The live balancer's ablation table across configurations, folded from the raw results of
 bench/balance_live.py (each row one process; several files and repeats per configuration).
 
-Rows with the same label, thread count and host warm-up are one line (the warm-up, on by
-default from d4679eb, is read from each row's counters, not from its label): tok/s as median (min-max over the
+Rows with the same label, thread count and host steps are one line (the warm-up, on by
+default from d4679eb, and stealing in the host op, from 45525ec, are read from each row's
+counters, not from its label): tok/s as median (min-max over the
 repeats), TPOT p50 / p99 medians, GPU share, reloads per token, the physical bound of the
 row's placement and the efficiency (bound / measured), against the static split's median in
 the same call and against llama.cpp's best decode at the same budget (bench/offload.py's
@@ -53,6 +54,13 @@ def warmed(r: dict) -> bool:
     return bool((r.get("layer_us") or {}).get("warm_kib"))
 
 
+def host_steps(r: dict) -> str:
+    """What the row's host threads did beyond the split, from its counters: the warm-up, and
+    chunks of other threads' own shares taken when theirs was done (kx-ffn-rows.c)."""
+    lu = r.get("layer_us") or {}
+    return (", host warm-up" if lu.get("warm_kib") else "") + (", stealing" if lu.get("stolen") else "")
+
+
 def plain_label(r: dict) -> str:
     """The row's label without KX_WARM (what warmed() says is shown apart)."""
     label = r["row"]
@@ -75,7 +83,7 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
                set(r.get("env") or {}) <= {"KX_WARM"} and (r.get("threads") or 16) == 16]
         for r in d["rows"]:
             r = {**r, "static_here": statistics.median(own) if own else None}
-            c["rows"][(r["kind"], warmed(r), plain_label(r), r.get("threads") or 16)].append(r)
+            c["rows"][(r["kind"], host_steps(r), plain_label(r), r.get("threads") or 16)].append(r)
     out = ["# Live balancer ablation (folded by bench/ablation.py)", "",
            "tok/s: median (min-max) over the repeats of each row; vs static: median of each run against the "
            "static rows (16 threads, no host warm-up) of its own call; "
@@ -83,7 +91,8 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
            "Bound: the row's placement at its own GPU share (docs/benchmarking.md); efficiency = bound / measured "
            "(median row). Every row: teacher-forced text drifting topic every 64 tokens, 16 compute threads unless "
            "given, reloads by the gather kernel. Warm-up: the host threads read the next layer's predicted rows "
-           "while they wait for the device (kx-warm.cpp).", ""]
+           "while they wait for the device (kx-warm.cpp); each then starts on its own share. Stealing: a thread "
+           "whose share is done takes chunks from the back of other shares (kx-ffn-rows.c).", ""]
     for cfg, c in sorted(by_cfg.items(), key=lambda kv: kv[1]["budget"]):
         ref = llama_cpp_best(offload_dir, cfg, c["budget"]) if offload_dir else None
         out += [f"## {cfg} @ {c['budget']:g} GiB", "", "Sources: " + ", ".join(c["src"]) +
@@ -92,7 +101,7 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
                 "reload MiB / token | late loads | bound ms/tok | efficiency |",
                 "|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
         order = list(STEPS)
-        for (kind, warm, label, threads), rs in sorted(c["rows"].items(), key=lambda kv: (order.index(kv[0][0]),
+        for (kind, host, label, threads), rs in sorted(c["rows"].items(), key=lambda kv: (order.index(kv[0][0]),
                                                                                           kv[0][1], kv[0][3], kv[0][2])):
             tok = sorted(r["tok_s"] for r in rs)
             med = statistics.median(tok)
@@ -105,7 +114,7 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
             late = statistics.mean(r.get("late_loads") or 0 for r in rs)
             rng = f"{med:.2f}" + (f" ({tok[0]:.2f}-{tok[-1]:.2f})" if len(tok) > 1 else "")
             vs = [r["tok_s"] / r["static_here"] for r in rs if r["static_here"]]
-            step = STEPS[kind] + (", host warm-up" if warm else "")
+            step = STEPS[kind] + host
             out.append(f"| {step} | {label} | {threads} | {len(rs)} | {rng} | "
                        + (f"{statistics.median(vs):.2f}x | " if vs else "- | ")
                        + (f"{med / ref:.2f}x | " if ref else "- | ")

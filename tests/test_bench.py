@@ -151,20 +151,26 @@ def test_ablation_compares_each_row_with_its_own_calls_static(tmp_path: Path) ->
 
     # the host warm-up is read from the counters, not the label: a default "static" row that
     # warmed is shown apart from one with KX_WARM=0, and only the unwarmed static is the base
-    def warm(r: dict, kib: float, env: dict | None = None) -> dict:
-        return {**r, "layer_us": {"warm_kib": kib} if kib else {}, **({"env": env} if env else {}),
+    # (stealing likewise: a warmed row whose threads took chunks is a step of its own)
+    def warm(r: dict, kib: float, env: dict | None = None, stolen: float = 0.0) -> dict:
+        lu = ({"warm_kib": kib} if kib else {}) | ({"stolen": stolen} if stolen else {})
+        return {**r, "layer_us": lu, **({"env": env} if env else {}),
                 "row": r["row"] + (" [" + " ".join(f"{k}={v}" for k, v in env.items()) + "]" if env else "")}
     f = tmp_path / "w.json"
     f.write_text(json.dumps({"config": "KB-7B", "budget_gib": 7.0, "commit": "abcdef0",
                              "rows": [warm(row("static", 40), 0, {"KX_WARM": "0"}), warm(row("static", 50), 900),
                                       warm(row("static", 30), 0, {"KX_WARM": "0", "KX_FFN_STATIC_CHUNKS": "1"}),
-                                      warm(row("adaptive", 44), 800)]}))
+                                      warm(row("adaptive", 44), 800), warm(row("static", 56), 900, None, 7.5),
+                                      warm(row("static", 36), 900, {"KX_FFN_NO_STEAL": "1"})]}))
     lines = [[c.strip() for c in ln.split("|")] for ln in ab.fold([f], None) if ln.startswith("| static split")
              or ln.startswith("| between")]
     got = {(c[1], c[2]): (c[5], c[6]) for c in lines}
     assert got == {("static split (profiled hot neurons in the slots)", "static"): ("40.00", "1.00x"),
                    ("static split (profiled hot neurons in the slots)", "static [KX_FFN_STATIC_CHUNKS=1]"): ("30.00", "0.75x"),
                    ("static split (profiled hot neurons in the slots), host warm-up", "static"): ("50.00", "1.25x"),
+                   ("static split (profiled hot neurons in the slots), host warm-up, stealing", "static"): ("56.00", "1.40x"),
+                   ("static split (profiled hot neurons in the slots), host warm-up", "static [KX_FFN_NO_STEAL=1]"):
+                       ("36.00", "0.90x"),
                    ("between decodes, TAM adaptive λ, host warm-up", "adaptive"): ("44.00", "1.10x")}, got
 
 
