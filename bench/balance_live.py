@@ -103,6 +103,12 @@ def host_op_us(res: dict) -> dict | None:
         us.update(warm_kib=w["bytes"] / calls / 1024, warm_lists=w["lists"] / w["calls"])
     if c.get("ffn_stolen") is not None:  # own shares: chunks taken from another thread's share
         us.update(stolen=c["ffn_stolen"] / calls)
+    bd = c.get("boundary") or {}
+    if bd.get("steps") and sc.get("cpu_splits"):  # the balancer's boundary after each decode (in outside)
+        n = sc["cpu_splits"]
+        us.update(boundary=bd["ns"] / n / 1e3,
+                  boundary_phases={k[:-3]: bd[k] / n / 1e3 for k in ("sync_ns", "snap_ns", "wait_ns", "fetch_ns",
+                                                                    "apply_ns", "launch_ns")})
     return us
 
 
@@ -206,12 +212,13 @@ def main() -> int:
                  "slowest and mean thread's neuron loop (the rest of the span: x conversion, barriers, sums); "
                  "per CPU split (scheduler counters): its compute (the op with thread start and join), the wait for "
                  "the device's results before it, the device launches and input copies queued, and the token's "
-                 "time outside the split loop (graph build, allocation, output, driver) spread over the layers.",
+                 "time outside the split loop (graph build, allocation, output, driver) spread over the layers; "
+                 "of that, the balancer's boundary after each decode (kx_balance_stats; phases in the JSON).",
                  "",
                  "| row | threads | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
                  "stalls io / cpu / none | worst reload wait µs | late loads | decision µs / token | hold µs / token | "
                  "λ at end | bound ms/tok (limit) | efficiency | µs per layer: step / host op / loop max / mean | "
-                 "µs per layer: CPU split / device wait / launches / copies / outside |",
+                 "µs per layer: CPU split / device wait / launches / copies / outside (boundary) |",
                  "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
         for r in results:
             st = r["stalls"] or {}
@@ -227,7 +234,8 @@ def main() -> int:
                 + (f"{bd['seconds'] * 1e3:.2f} ({bd['limit']}) | {r['efficiency']:.2f} |" if bd else "- | - |")
                 + (" {step:.0f} / {op:.0f} / {loop_max:.0f} / {loop_mean:.0f} |".format(**lu)
                    if (lu := r.get("layer_us")) else " - |")
-                + (" {cpu_split:.0f} / {device_wait:.0f} / {launch:.0f} / {copy:.0f} / {outside:.0f} |".format(**lu)
+                + (" {cpu_split:.0f} / {device_wait:.0f} / {launch:.0f} / {copy:.0f} / {outside:.0f}".format(**lu)
+                   + (f" ({lu['boundary']:.0f}) |" if "boundary" in lu else " |")
                    if lu and "cpu_split" in lu else " - |")
                 if base else f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} |")
         if trace:

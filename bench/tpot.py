@@ -107,7 +107,7 @@ def main() -> int:
                            pipeline=args.pipeline and args.balancer != "static")
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
-        from kairox._native import sched_counters, sparse_counters, warm_counters
+        from kairox._native import balance_counters, sched_counters, sparse_counters, warm_counters
     t0 = time.perf_counter()
     llm.eval(toks[:args.prompt_len])
     prefill = time.perf_counter() - t0
@@ -115,6 +115,7 @@ def main() -> int:
         sparse_counters(reset=True)  # count the decode only
         sched_counters(reset=True)
         warm_counters(reset=True)
+        balance_counters(reset=True)
     times = []
     for t in toks[args.prompt_len:]:
         t0 = time.perf_counter()
@@ -122,7 +123,8 @@ def main() -> int:
         times.append(time.perf_counter() - t0)
     if sparse:
         c = sparse_counters(reset=True)
-        counters = {**dataclasses.asdict(c), "sched": sched_counters(reset=True), "warm": warm_counters(reset=True)}
+        counters = {**dataclasses.asdict(c), "sched": sched_counters(reset=True), "warm": warm_counters(reset=True),
+                    "boundary": balance_counters(reset=True)}
     balance = None
     if hybrid:  # the prompt is one batch of > 8 tokens (dense, not a step): every record is a decode's
         from kairox.report import summary, write_trace

@@ -57,9 +57,16 @@ def test_live_balancing_keeps_the_output(synth_model: Path, mode: str, gpu: bool
     from kairox._native import has_gpu
     if gpu and not has_gpu():
         pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    from kairox._native import balance_counters
     want_toks, want, _ = run(synth_model, sparse=mode)
+    balance_counters(reset=True)
     toks, got, trace, llm = run_live(synth_model, mode, fast_config(), gpu=gpu)
     llm.close()
+    # the boundary's clock: one per decode call, its phases within its total
+    bc = balance_counters(reset=True)
+    assert bc["steps"] == N_GEN + 1, bc
+    phases = sum(v for k, v in bc.items() if k not in ("steps", "ns"))
+    assert 0 < phases <= bc["ns"] and bc["snap_ns"] > 0 and bc["apply_ns"] > 0, bc
     assert toks == want_toks
     tol = 1e-3 if gpu else 1e-5  # CUDA kernels vs the CPU's: rounding
     assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max())

@@ -412,10 +412,11 @@ static void * kx_reload_tam_new(void * p, const kx_tam_config * cfg, int32_t n_l
     return ggml_cuda_kx_tam_batch_new(cfg, n_layers, n, capacity, initial);
 }
 
-static int32_t kx_reload_tam_launch(void * p, void * t, const uint8_t * active, const int32_t * stalls) {
+static int32_t kx_reload_tam_launch(void * p, void * t, const int32_t * const * active, const int32_t * n_active,
+                                    const int32_t * stalls) {
     auto * r = (kx_cuda_reload *) p;
     KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
-    if (ggml_cuda_kx_tam_batch_launch(t, r->stream, active, stalls)) {
+    if (ggml_cuda_kx_tam_batch_launch(t, r->stream, active, n_active, stalls)) {
         return 3;
     }
     KX_RELOAD_CHECK(cudaEventRecord(r->done, r->stream), 4);

@@ -136,8 +136,46 @@ static __global__ void kx_tam_step_kernel(kx_tam_config cfg, kx_tam_state * st, 
 // ---------------------------------------------------------------- every layer in one launch
 // The live balancer decides all hybrid layers of a step at once: one block per layer (layers
 // are independent), so a step costs about one layer's time (tens of µs) whatever the depth,
-// on the reload stream, beside the decode. Inputs (active masks, stalls) and outputs
-// (admit/evict masks, λ, counts) move through page-locked staging.
+// on the reload stream, beside the decode. The inputs move as id lists (each layer's active
+// neurons, thousands of a layer's tens of thousands) through page-locked staging, and each
+// block builds its layer's mask on the device; the loads and evictions (tens per layer) are
+// written as ascending id lists straight into mapped page-locked memory. Why: as masks of
+// every neuron (in, and both out) they cost the host a fill, copies and a scan per neuron and
+// decode: 2.3 M neurons on KB-70B.
+
+// the ids i in [0, n) with flag(i), ascending, into out; their count. Every thread of the
+// block calls it (blockDim.x a multiple of 32); a chunk of blockDim.x ids at a time, each
+// thread's place from its warp's ballot and the warps' counts before it.
+template <typename Flag>
+static __device__ int kx_tam_compact(int n, Flag flag, int32_t * out, int * warp_n, int * total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    int base = 0;
+    for (int c = 0; c < n; c += blockDim.x) {
+        const int i = c + threadIdx.x;
+        const bool f = i < n && flag(i);
+        const unsigned int ballot = __ballot_sync(0xffffffffu, f);
+        if (lane == 0) {
+            warp_n[warp] = __popc(ballot);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int s = 0;
+            for (int w = 0; w < n_warps; ++w) {
+                const int k = warp_n[w];
+                warp_n[w] = s;
+                s += k;
+            }
+            *total = s;
+        }
+        __syncthreads();
+        if (f) {
+            out[base + warp_n[warp] + __popc(ballot & ((1u << lane) - 1u))] = i;
+        }
+        base += *total;
+        __syncthreads(); // warp_n and total are read before the next chunk writes them
+    }
+    return base;
+}
 
 struct kx_tam_layer_dev {
     int64_t off;      // the layer's first group in the concatenated arrays
@@ -152,10 +190,13 @@ struct kx_cuda_tam_batch {
     kx_tam_layer_dev * d_layers = nullptr;
     kx_tam_state * d_st = nullptr;
     float * d_score = nullptr;
-    uint8_t * d_res = nullptr, * d_act = nullptr, * d_adm = nullptr, * d_ev = nullptr;
+    uint8_t * d_res = nullptr, * d_act = nullptr, * d_adm = nullptr, * d_ev = nullptr; // masks [n_total]
+    int32_t * d_ids = nullptr;       // the active ids of a step [n_total at most]
     int32_t * d_counts = nullptr;
-    // page-locked staging: active in; stalls in (read by the kernel in place); results out
-    uint8_t * h_act = nullptr, * h_adm = nullptr, * h_ev = nullptr;
+    // page-locked staging: active ids in (copied); [2 n_layers] (first id, count) and stalls in,
+    // the loads' and evictions' ids out [2 n_total] (mapped: the kernel reads and writes them
+    // in place); counts and states out (copied)
+    int32_t * h_ids = nullptr, * h_span = nullptr, * h_out = nullptr;
     int32_t * h_stall = nullptr, * h_counts = nullptr;
     kx_tam_state * h_st = nullptr;
     cudaEvent_t e0 = nullptr, e1 = nullptr;
@@ -163,14 +204,34 @@ struct kx_cuda_tam_batch {
 };
 
 static __global__ void kx_tam_layers_kernel(kx_tam_config cfg, const kx_tam_layer_dev * layers, kx_tam_state * st,
-                                            float * score, uint8_t * res, const uint8_t * active,
-                                            const int32_t * stall, uint8_t * admit, uint8_t * evict,
-                                            int32_t * counts) {
+                                            float * score, uint8_t * res, uint8_t * active, const int32_t * ids,
+                                            const int32_t * span, const int32_t * stall, uint8_t * admit,
+                                            uint8_t * evict, int32_t * counts, int32_t * out) {
     __shared__ kx_tam_shared sh;
+    __shared__ int warp_n[KX_TAM_THREADS / 32];
+    __shared__ int total;
     const int l = blockIdx.x;
     const kx_tam_layer_dev L = layers[l];
-    kx_tam_step_block(cfg, st + l, score + L.off, res + L.off, L.n, L.capacity, active + L.off, stall[l],
+    // the layer's active mask from its ids
+    uint8_t * act = active + L.off;
+    for (int i = threadIdx.x; i < L.n; i += blockDim.x) {
+        act[i] = 0;
+    }
+    __syncthreads();
+    const int32_t first = span[2 * l], n_ids = span[2 * l + 1];
+    for (int j = threadIdx.x; j < n_ids; j += blockDim.x) {
+        const int32_t i = ids[first + j];
+        if (i >= 0 && i < L.n) { // the host's lists are the graph's: never trusted with a store
+            act[i] = 1;
+        }
+    }
+    __syncthreads();
+    kx_tam_step_block(cfg, st + l, score + L.off, res + L.off, L.n, L.capacity, act, stall[l],
                       admit + L.off, evict + L.off, counts + 2 * l, sh);
+    __syncthreads(); // the masks are complete
+    const uint8_t * adm = admit + L.off, * ev = evict + L.off;
+    kx_tam_compact(L.n, [&](int i) { return adm[i] != 0; }, out + 2 * L.off, warp_n, &total);
+    kx_tam_compact(L.n, [&](int i) { return ev[i] != 0; }, out + 2 * L.off + L.n, warp_n, &total);
 }
 
 void ggml_cuda_kx_tam_batch_free(void * p) {
@@ -185,10 +246,11 @@ void ggml_cuda_kx_tam_batch_free(void * p) {
     cudaFree(t->d_act);
     cudaFree(t->d_adm);
     cudaFree(t->d_ev);
+    cudaFree(t->d_ids);
     cudaFree(t->d_counts);
-    cudaFreeHost(t->h_act);
-    cudaFreeHost(t->h_adm);
-    cudaFreeHost(t->h_ev);
+    cudaFreeHost(t->h_ids);
+    cudaFreeHost(t->h_span);
+    cudaFreeHost(t->h_out);
     cudaFreeHost(t->h_stall);
     cudaFreeHost(t->h_counts);
     cudaFreeHost(t->h_st);
@@ -217,9 +279,11 @@ void * ggml_cuda_kx_tam_batch_new(const kx_tam_config * cfg, int32_t n_layers, c
               cudaMalloc(&t->d_score, N * sizeof(float)) == cudaSuccess &&
               cudaMalloc(&t->d_res, N) == cudaSuccess && cudaMalloc(&t->d_act, N) == cudaSuccess &&
               cudaMalloc(&t->d_adm, N) == cudaSuccess && cudaMalloc(&t->d_ev, N) == cudaSuccess &&
+              cudaMalloc(&t->d_ids, N * sizeof(int32_t)) == cudaSuccess &&
               cudaMalloc(&t->d_counts, 2 * L * sizeof(int32_t)) == cudaSuccess &&
-              cudaMallocHost(&t->h_act, N) == cudaSuccess && cudaMallocHost(&t->h_adm, N) == cudaSuccess &&
-              cudaMallocHost(&t->h_ev, N) == cudaSuccess &&
+              cudaMallocHost(&t->h_ids, N * sizeof(int32_t)) == cudaSuccess &&
+              cudaHostAlloc(&t->h_span, 2 * L * sizeof(int32_t), cudaHostAllocMapped) == cudaSuccess &&
+              cudaHostAlloc(&t->h_out, 2 * N * sizeof(int32_t), cudaHostAllocMapped) == cudaSuccess &&
               cudaMallocHost(&t->h_stall, L * sizeof(int32_t)) == cudaSuccess &&
               cudaMallocHost(&t->h_counts, 2 * L * sizeof(int32_t)) == cudaSuccess &&
               cudaMallocHost(&t->h_st, L * sizeof(kx_tam_state)) == cudaSuccess &&
@@ -236,24 +300,36 @@ void * ggml_cuda_kx_tam_batch_new(const kx_tam_config * cfg, int32_t n_layers, c
     return t;
 }
 
-// queues one step of every layer on `stream`: active [n_total] masks, stalls [n_layers]
-int32_t ggml_cuda_kx_tam_batch_launch(void * p, cudaStream_t stream, const uint8_t * active, const int32_t * stalls) {
+// queues one step of every layer on `stream`: layer l's active ids at active[l] (n_active[l]),
+// stalls [n_layers]
+int32_t ggml_cuda_kx_tam_batch_launch(void * p, cudaStream_t stream, const int32_t * const * active,
+                                      const int32_t * n_active, const int32_t * stalls) {
     auto * t = (kx_cuda_tam_batch *) p;
-    const size_t N = (size_t) t->n_total, L = (size_t) t->n_layers;
-    memcpy(t->h_act, active, N);
+    const size_t L = (size_t) t->n_layers;
+    int64_t n_ids = 0;
+    for (size_t l = 0; l < L; ++l) {
+        if (n_active[l] < 0 || n_ids + n_active[l] > t->n_total) {
+            return 1;
+        }
+        memcpy(t->h_ids + n_ids, active[l], (size_t) n_active[l] * sizeof(int32_t));
+        t->h_span[2 * l] = (int32_t) n_ids;
+        t->h_span[2 * l + 1] = n_active[l];
+        n_ids += n_active[l];
+    }
     memcpy(t->h_stall, stalls, L * sizeof(int32_t));
-    int32_t * d_stall = nullptr;
+    int32_t * d_stall = nullptr, * d_span = nullptr, * d_out = nullptr;
     if (cudaHostGetDevicePointer((void **) &d_stall, t->h_stall, 0) != cudaSuccess ||
-        cudaMemcpyAsync(t->d_act, t->h_act, N, cudaMemcpyHostToDevice, stream) != cudaSuccess ||
+        cudaHostGetDevicePointer((void **) &d_span, t->h_span, 0) != cudaSuccess ||
+        cudaHostGetDevicePointer((void **) &d_out, t->h_out, 0) != cudaSuccess ||
+        (n_ids > 0 && cudaMemcpyAsync(t->d_ids, t->h_ids, (size_t) n_ids * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                      stream) != cudaSuccess) ||
         cudaEventRecord(t->e0, stream) != cudaSuccess) {
         return 1;
     }
     kx_tam_layers_kernel<<<t->n_layers, KX_TAM_THREADS, 0, stream>>>(t->cfg, t->d_layers, t->d_st, t->d_score,
-                                                                       t->d_res, t->d_act, d_stall, t->d_adm,
-                                                                       t->d_ev, t->d_counts);
+                                                                       t->d_res, t->d_act, t->d_ids, d_span, d_stall,
+                                                                       t->d_adm, t->d_ev, t->d_counts, d_out);
     if (cudaGetLastError() != cudaSuccess || cudaEventRecord(t->e1, stream) != cudaSuccess ||
-        cudaMemcpyAsync(t->h_adm, t->d_adm, N, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
-        cudaMemcpyAsync(t->h_ev, t->d_ev, N, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
         cudaMemcpyAsync(t->h_counts, t->d_counts, 2 * L * sizeof(int32_t), cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
         cudaMemcpyAsync(t->h_st, t->d_st, L * sizeof(kx_tam_state), cudaMemcpyDeviceToHost, stream) != cudaSuccess) {
         return 2;
@@ -262,17 +338,16 @@ int32_t ggml_cuda_kx_tam_batch_launch(void * p, cudaStream_t stream, const uint8
     return 0;
 }
 
-// the last launch's results (the caller has waited for the stream): masks [n_total] into
-// admit / evict, λ [n_layers], counts [2 n_layers] (loads, evictions), the kernel's time
-int32_t ggml_cuda_kx_tam_batch_fetch(void * p, uint8_t * admit, uint8_t * evict, float * lam, int32_t * counts,
-                                     float * kernel_us) {
+// the last launch's results (the caller has waited for the stream): the loads' and
+// evictions' ids (*ids, include/kx-reload.h), λ [n_layers], counts [2 n_layers] (loads,
+// evictions), the kernel's time
+int32_t ggml_cuda_kx_tam_batch_fetch(void * p, const int32_t ** ids, float * lam, int32_t * counts, float * kernel_us) {
     auto * t = (kx_cuda_tam_batch *) p;
     if (!t->launched) {
         return 1;
     }
-    const size_t N = (size_t) t->n_total, L = (size_t) t->n_layers;
-    memcpy(admit, t->h_adm, N);
-    memcpy(evict, t->h_ev, N);
+    const size_t L = (size_t) t->n_layers;
+    *ids = t->h_out;
     memcpy(counts, t->h_counts, 2 * L * sizeof(int32_t));
     for (size_t l = 0; l < L; ++l) {
         lam[l] = t->h_st[l].lam;

@@ -226,6 +226,13 @@ LLAMA_API ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned);
 // list, rows read ahead, bytes read ahead.
 LLAMA_API void    kx_warm_stats(int64_t * out, bool reset);
 
+// The live balancer's boundary (kx_context_balance), host time by phase since the last reset
+// (llama/kx-balance.cpp). out: 8 values (may be NULL, to reset only): boundaries, ns in
+// kx_context_balance, ns of it synchronizing the context, taking the decode's active lists
+// and GPU hits, waiting for the reload stream (or the host decision), reading the device
+// decision, applying the last one (maps, copies queued), starting the next one.
+LLAMA_API void    kx_balance_stats(int64_t * out, bool reset);
+
 #ifdef __cplusplus
 }
 #endif

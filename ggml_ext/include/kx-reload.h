@@ -56,14 +56,21 @@ struct kx_reload_iface {
 
     // The balancer's decision for every hybrid layer on the device (NULL where the engine has
     // none: the host decides). tam_new: n [n_layers] groups and capacity per layer, initial
-    // [Σn] residency. tam_launch queues one step behind the queued copies (active [Σn] masks,
-    // stalls [n_layers]); tam_fetch, after wait(), gives its admit / evict masks [Σn],
-    // λ [n_layers], counts [2 n_layers] (loads, evictions) and the kernel's time in µs.
+    // [Σn] residency. tam_launch queues one step behind the queued copies: layer l's active
+    // ids (ascending or not, each < n[l]) at active[l], n_active[l] of them, and stalls
+    // [n_layers]. tam_fetch, after wait(), gives λ [n_layers], counts [2 n_layers] (loads,
+    // evictions), the kernel's time in µs, and *ids: layer l's loads, ascending, from
+    // (*ids)[2 off_l] and its evictions from (*ids)[2 off_l + n[l]] (off_l = n[0] + ... +
+    // n[l-1]), valid until the next launch.
+    // Why ids, not masks: a mask of every neuron each way cost the host a fill, a copy and a
+    // scan per neuron and decode (KB-70B: 2.3 M neurons, 3 masks), where the lists hold
+    // thousands (active) and tens (loads, evictions) per layer.
     void *  (*tam_new)(void * r, const struct kx_tam_config * cfg, int32_t n_layers, const int32_t * n,
                        const int32_t * capacity, const uint8_t * initial);
     void    (*tam_free)(void * t);
-    int32_t (*tam_launch)(void * r, void * t, const uint8_t * active, const int32_t * stalls);
-    int32_t (*tam_fetch)(void * t, uint8_t * admit, uint8_t * evict, float * lam, int32_t * counts, float * kernel_us);
+    int32_t (*tam_launch)(void * r, void * t, const int32_t * const * active, const int32_t * n_active,
+                          const int32_t * stalls);
+    int32_t (*tam_fetch)(void * t, const int32_t ** ids, float * lam, int32_t * counts, float * kernel_us);
 
     // The one-layer-ahead pipeline (llama/kx-balance.cpp): a layer's reloads are queued while
     // the previous layer computes and must not wait on other layers' batches. tag_copy

@@ -8,6 +8,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -43,18 +44,44 @@ static const kx_reload_iface kx_host_reload = {
     nullptr, nullptr, // host memory needs no locking for the host engine
 };
 
+// ---------------------------------------------------------------- counters
+static std::atomic<int64_t> kx_balance_stat[KX_BAL_N_STATS];
+
+void kx_balance_stat_add(int32_t i, int64_t v) {
+    kx_balance_stat[i].fetch_add(v, std::memory_order_relaxed);
+}
+
+void kx_balance_stats(int64_t * out, bool reset) {
+    for (int32_t i = 0; i < KX_BAL_N_STATS; ++i) {
+        if (out) {
+            out[i] = kx_balance_stat[i].load();
+        }
+        if (reset) {
+            kx_balance_stat[i].store(0);
+        }
+    }
+}
+
+// ns from t to now, and t moved to now (one phase ends where the next begins)
+static int64_t kx_lap_ns(std::chrono::steady_clock::time_point & t) {
+    const auto now = std::chrono::steady_clock::now();
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now - t).count();
+    t = now;
+    return ns;
+}
+
 // ---------------------------------------------------------------- decision
 
 static double kx_seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// the ids of the set bytes of mask [0, n), ascending, appended to out; a word at a time.
-// Why: the between-decode rows spent ~2-2.5 ns more per neuron and decode outside the split
-// loop than the static split (H200: KB-7B ~26 µs per layer step, KB-70B 57-78 µs of
-// 82-101, bench/results/balance-live/kb70b-warm/), a per-neuron cost, and this scan of both
-// masks (KB-70B: 2.3 M bytes each, ~32 set per layer) was the host's one branch per byte;
-// the others (the active mask's fill, the staging copies) run at memcpy speed
+// the ids of the set bytes of mask [0, n), ascending, appended to out; a word at a time (the
+// host decision's masks; the device decision returns id lists, kx-tam.cu). Why: the
+// between-decode rows spent ~2-2.5 ns more per neuron and decode outside the split loop than
+// the static split (H200: KB-7B ~26 µs per layer step, KB-70B 57-78 µs of 82-101,
+// bench/results/balance-live/kb70b-warm/), and a scan of a byte at a time was one branch per
+// neuron (KB-70B: 28672 a layer, ~32 set)
 static void kx_mask_ids(const uint8_t * mask, int64_t n, std::vector<int32_t> & out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -281,18 +308,19 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
     }
     if (params.decide == KX_DECIDE_AUTO && b->io->tam_new) {
         std::vector<int32_t> n, cap;
+        std::vector<uint8_t> initial; // every layer's residency, concatenated
         for (const kx_balance_layer & L : b->layers) {
-            b->tam_off.push_back((int64_t) b->tam_act.size());
+            b->tam_off.push_back((int64_t) initial.size());
             n.push_back((int32_t) L.decided.size());
             cap.push_back(L.cap);
-            b->tam_act.insert(b->tam_act.end(), L.decided.begin(), L.decided.end());
+            initial.insert(initial.end(), L.decided.begin(), L.decided.end());
         }
-        b->tam = b->io->tam_new(b->engine, &c, (int32_t) b->layers.size(), n.data(), cap.data(), b->tam_act.data());
+        b->tam = b->io->tam_new(b->engine, &c, (int32_t) b->layers.size(), n.data(), cap.data(), initial.data());
         if (!b->tam) {
             throw std::runtime_error(kx_fmt("balancer: cannot set up the decision on %s", slots.device.c_str()));
         }
-        b->tam_adm.resize(b->tam_act.size());
-        b->tam_ev.resize(b->tam_act.size());
+        b->tam_ids.resize(b->layers.size());
+        b->tam_n_ids.resize(b->layers.size());
         b->tam_stall.resize(b->layers.size());
         b->tam_counts.resize(2 * b->layers.size());
         b->tam_lam.resize(b->layers.size());
@@ -360,17 +388,21 @@ void kx_balance_fetch(kx_balancer & b) {
         return;
     }
     float kernel_us = 0.0f;
-    if (b.io->tam_fetch(b.tam, b.tam_adm.data(), b.tam_ev.data(), b.tam_lam.data(), b.tam_counts.data(), &kernel_us)) {
+    const int32_t * ids = nullptr;
+    if (b.io->tam_fetch(b.tam, &ids, b.tam_lam.data(), b.tam_counts.data(), &kernel_us)) {
         throw std::runtime_error("balancer: reading the device decision failed");
     }
     b.tam_pending = false;
     for (size_t l = 0; l < b.layers.size(); ++l) {
         kx_balance_layer & L = b.layers[l];
-        const int64_t off = b.tam_off[l], n = (int64_t) L.decided.size();
-        L.admit.clear();
-        L.evict.clear();
-        kx_mask_ids(b.tam_adm.data() + off, n, L.admit);
-        kx_mask_ids(b.tam_ev.data() + off, n, L.evict);
+        const int64_t n = (int64_t) L.decided.size();
+        const int32_t n_load = b.tam_counts[2 * l], n_evict = b.tam_counts[2 * l + 1];
+        if (n_load < 0 || n_load > n || n_evict < 0 || n_evict > n) {
+            throw std::runtime_error("balancer: the device decision's counts are out of range");
+        }
+        const int32_t * adm = ids + 2 * b.tam_off[l];
+        L.admit.assign(adm, adm + n_load);
+        L.evict.assign(adm + n, adm + n + n_evict);
         kx_balance_record & r = b.trace[b.tam_rec + l];
         r.n_load = b.tam_counts[2 * l];
         r.n_evict = b.tam_counts[2 * l + 1];
@@ -388,9 +420,11 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
         kx_pipe_boundary(b);
         return;
     }
+    auto lap = std::chrono::steady_clock::now();
     // the worker's running decision reads the snapshots that step 1 overwrites (found with a
     // loaded machine: a slow worker decided from half of the next decode's list)
     kx_balance_drain_decision(b);
+    kx_balance_stat_add(KX_BAL_WAIT_NS, kx_lap_ns(lap));
     // 1. decode k's activity (count -1: the last decode recorded none, e.g. a prompt batch)
     bool fresh = true;
     for (kx_balance_layer & L : b.layers) {
@@ -412,6 +446,7 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
             hits[l] += b.layers[l].slot_of[i] >= 0; // the maps decode k ran with
         }
     }
+    kx_balance_stat_add(KX_BAL_SNAP_NS, kx_lap_ns(lap));
     if (b.params.observe) {
         for (size_t l = 0; fresh && l < b.layers.size(); ++l) {
             kx_balance_record r = {};
@@ -433,8 +468,11 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
     if (waited < 0) {
         throw std::runtime_error("balancer: a slot reload failed");
     }
+    kx_balance_stat_add(KX_BAL_WAIT_NS, kx_lap_ns(lap));
     kx_balance_fetch(b);
+    kx_balance_stat_add(KX_BAL_FETCH_NS, kx_lap_ns(lap));
     kx_balance_apply(b, slots, pack, model);
+    kx_balance_stat_add(KX_BAL_APPLY_NS, kx_lap_ns(lap));
     if (!fresh) {
         return;
     }
@@ -462,31 +500,27 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
     ++b.step;
     if (b.tam) {
         for (size_t l = 0; l < b.layers.size(); ++l) {
-            uint8_t * act = b.tam_act.data() + b.tam_off[l];
-            std::fill(act, act + b.layers[l].decided.size(), 0);
-            for (int32_t i : b.layers[l].snap) {
-                act[i] = 1;
-            }
+            b.tam_ids[l] = b.layers[l].snap.data();
+            b.tam_n_ids[l] = (int32_t) b.layers[l].snap.size();
             b.tam_stall[l] = b.layers[l].stall;
         }
-        if (b.io->tam_launch(b.engine, b.tam, b.tam_act.data(), b.tam_stall.data())) {
+        if (b.io->tam_launch(b.engine, b.tam, b.tam_ids.data(), b.tam_n_ids.data(), b.tam_stall.data())) {
             throw std::runtime_error("balancer: launching the device decision failed");
         }
         b.tam_pending = true;
         b.tam_rec = rec;
-        return;
-    }
-    if (!b.worker.joinable()) {
+    } else if (!b.worker.joinable()) {
         kx_balance_decide(b, rec);
-        return;
+    } else {
+        {
+            std::lock_guard<std::mutex> lk(b.mu);
+            b.job_rec = rec;
+            b.job = true;
+            b.busy = true;
+        }
+        b.cv.notify_all();
     }
-    {
-        std::lock_guard<std::mutex> lk(b.mu);
-        b.job_rec = rec;
-        b.job = true;
-        b.busy = true;
-    }
-    b.cv.notify_all();
+    kx_balance_stat_add(KX_BAL_LAUNCH_NS, kx_lap_ns(lap));
 }
 
 void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {

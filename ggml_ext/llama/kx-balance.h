@@ -115,9 +115,9 @@ struct kx_balancer {
     void * tam = nullptr;
     bool tam_pending = false;
     size_t tam_rec = 0;                     // first trace record of the pending device decision
-    std::vector<int64_t> tam_off;           // each layer's first group in the concatenated masks
-    std::vector<uint8_t> tam_act, tam_adm, tam_ev;
-    std::vector<int32_t> tam_stall, tam_counts;
+    std::vector<int64_t> tam_off;           // each layer's first group in the concatenated arrays
+    std::vector<const int32_t *> tam_ids;   // each layer's active ids (its snapshot) for a launch
+    std::vector<int32_t> tam_n_ids, tam_stall, tam_counts;
     std::vector<float> tam_lam;
 
     // the worker thread deciding while the next decode runs; with the pipeline (decide =
@@ -131,6 +131,14 @@ struct kx_balancer {
 
     ~kx_balancer();
 };
+
+// The boundary's host time by phase, summed over boundaries (kx_balance_stats, kairox.h):
+// boundaries, ns in kx_context_balance, of which synchronizing the context, taking decode k's
+// lists and hits (step 1), waiting for the reload stream (2), reading the device decision,
+// applying (3-5: maps, copies queued), starting the next decision (6)
+enum { KX_BAL_STEPS, KX_BAL_NS, KX_BAL_SYNC_NS, KX_BAL_SNAP_NS, KX_BAL_WAIT_NS, KX_BAL_FETCH_NS, KX_BAL_APPLY_NS,
+       KX_BAL_LAUNCH_NS, KX_BAL_N_STATS };
+void kx_balance_stat_add(int32_t i, int64_t v);
 
 // The engine that moves rows into (and maps host rows for) the slots of ggml device `device`,
 // and that device's index for its create(); the host engine for "CPU". Throws std::runtime_error.
