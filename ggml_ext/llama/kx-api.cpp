@@ -3,6 +3,7 @@
 #include "kx-balance.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
+#include "kx-stats.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -207,17 +208,16 @@ int32_t kx_context_balance(llama_context * ctx, char * err, size_t err_size) {
     if (!b) {
         return 0;
     }
-    const auto t0 = std::chrono::steady_clock::now();
+    auto lap = std::chrono::steady_clock::now();
     ctx->synchronize(); // the decode's graph has finished reading the maps and slots
-    const auto t1 = std::chrono::steady_clock::now();
+    const int64_t sync_ns = kx_lap_ns(lap);
     if (ctx->kx_get_sparse() != KX_SPARSE_DENSE) {
         ctx->kx_set_sparse(ctx->kx_get_sparse(), model.kx_pack_ptr.get()); // the slots' graph_gen
     }
     const int32_t rc = kx_guard(err, err_size, [&] { kx_balance_step(*b, *model.kx_pack_ptr->slots, model, *model.kx_pack_ptr); });
-    const auto ns = [](auto d) { return (int64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
     kx_balance_stat_add(KX_BAL_STEPS, 1);
-    kx_balance_stat_add(KX_BAL_SYNC_NS, ns(t1 - t0));
-    kx_balance_stat_add(KX_BAL_NS, ns(std::chrono::steady_clock::now() - t0));
+    kx_balance_stat_add(KX_BAL_SYNC_NS, sync_ns);
+    kx_balance_stat_add(KX_BAL_NS, sync_ns + kx_lap_ns(lap));
     return rc;
 }
 

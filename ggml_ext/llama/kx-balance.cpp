@@ -3,12 +3,12 @@
 #include "kx-balance.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
+#include "kx-stats.h"
 
 #include "ggml-backend.h"
 #include "llama-model.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -52,22 +52,7 @@ void kx_balance_stat_add(int32_t i, int64_t v) {
 }
 
 void kx_balance_stats(int64_t * out, bool reset) {
-    for (int32_t i = 0; i < KX_BAL_N_STATS; ++i) {
-        if (out) {
-            out[i] = kx_balance_stat[i].load();
-        }
-        if (reset) {
-            kx_balance_stat[i].store(0);
-        }
-    }
-}
-
-// ns from t to now, and t moved to now (one phase ends where the next begins)
-static int64_t kx_lap_ns(std::chrono::steady_clock::time_point & t) {
-    const auto now = std::chrono::steady_clock::now();
-    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now - t).count();
-    t = now;
-    return ns;
+    kx_stats_read(kx_balance_stat, out, reset);
 }
 
 // ---------------------------------------------------------------- decision
@@ -404,8 +389,8 @@ void kx_balance_fetch(kx_balancer & b) {
         L.admit.assign(adm, adm + n_load);
         L.evict.assign(adm + n, adm + n + n_evict);
         kx_balance_record & r = b.trace[b.tam_rec + l];
-        r.n_load = b.tam_counts[2 * l];
-        r.n_evict = b.tam_counts[2 * l + 1];
+        r.n_load = n_load;
+        r.n_evict = n_evict;
         r.lam = b.tam_lam[l];
         r.reload_bytes = (int64_t) r.n_load * L.row_bytes;
         r.decide_us = kernel_us / (float) b.layers.size(); // one launch for every layer: its share

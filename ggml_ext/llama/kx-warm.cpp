@@ -28,6 +28,7 @@
 // decode 1.05-1.20x (KB-7B), 1.03-1.28x (KB-13B). On by default, KX_WARM=0 turns it off.
 #include "kx-warm.h"
 #include "kx-slots.h"
+#include "kx-stats.h"
 
 #include "kairox.h"
 
@@ -41,14 +42,7 @@ enum { KX_WARM_CALLS, KX_WARM_LISTS, KX_WARM_ROWS, KX_WARM_BYTES, KX_WARM_N_STAT
 static std::atomic<int64_t> kx_warm_stat[KX_WARM_N_STATS];
 
 void kx_warm_stats(int64_t * out, bool reset) {
-    for (int i = 0; i < KX_WARM_N_STATS; ++i) {
-        if (out) {
-            out[i] = kx_warm_stat[i].load();
-        }
-        if (reset) {
-            kx_warm_stat[i].store(0);
-        }
-    }
+    kx_stats_read(kx_warm_stat, out, reset);
 }
 
 // reads one word per cache line of a row: the loads are independent, so the core keeps
