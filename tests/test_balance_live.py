@@ -104,14 +104,24 @@ def test_live_decisions_equal_the_reference(synth_model: Path, decide: str, gpu:
             lb = LayerBalancer(N_FF, cap, cfg, initial=initial[il])
             recs = [r for r in trace if r["layer"] == il]
             assert [r["step"] for r in recs] == list(range(N_GEN + 1))
+            # the residents decode k ran with: boundary k commits step k-2's loads (copied since
+            # boundary k-1), then drops step k-1's evictions (and queues its loads)
+            ran_with, loads, evicts = set(initial[il]), [], []
             for r in recs:
+                k = r["step"]
+                ids = llm.balance_activity(k, il)
                 act = np.zeros(N_FF, bool)
-                act[llm.balance_activity(r["step"], il)] = True
+                act[ids] = True
                 assert int(act.sum()) == r["n_active"]
+                assert r["n_hit"] == len(ran_with.intersection(ids)), r
                 d = lb.step(act, r["stall"])
                 assert (len(d.admit), len(d.evict)) == (r["n_load"], r["n_evict"]), r
                 assert np.float32(d.lam) == np.float32(r["lam"])
                 moved += len(d.admit)
+                loads.append(list(d.admit))
+                evicts.append(list(d.evict))
+                ran_with |= set(loads[k - 2]) if k >= 2 else set()
+                ran_with -= set(evicts[k - 1]) if k >= 1 else set()
             assert sorted(llm.slot_residents(il)) == lb.residents()
         assert moved > N_GEN
         if not gpu:  # the host engine never waits for a reload

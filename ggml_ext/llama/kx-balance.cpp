@@ -13,6 +13,27 @@
 #include <cstring>
 #include <stdexcept>
 
+// ---------------------------------------------------------------- residency
+// the committed residency: slot_of and its bit map change together
+static void kx_balance_layer_set_slot(kx_balance_layer & L, int32_t i, int32_t s) {
+    L.slot_of[i] = s;
+    const uint64_t bit = 1ull << (i & 63);
+    L.hot_bits[i >> 6] = s >= 0 ? L.hot_bits[i >> 6] | bit : L.hot_bits[i >> 6] & ~bit;
+}
+
+static bool kx_balance_layer_hot(const kx_balance_layer & L, int32_t i) {
+    return (L.hot_bits[i >> 6] >> (i & 63)) & 1;
+}
+
+// how many of n listed neurons are resident
+static int32_t kx_balance_layer_hits(const kx_balance_layer & L, const int32_t * ids, int32_t n) {
+    int32_t hits = 0;
+    for (int32_t k = 0; k < n; ++k) {
+        hits += (int32_t) kx_balance_layer_hot(L, ids[k]);
+    }
+    return hits;
+}
+
 // ---------------------------------------------------------------- host engine
 // CPU-device slots live in host memory: copies are done when queued. It keeps the balancer's
 // ordering (commit at the next boundary), so CPU-device tests walk the same states.
@@ -256,10 +277,11 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         L.admit_mask.assign(n_ff, 0);
         L.evict_mask.assign(n_ff, 0);
         L.slot_of.assign(n_ff, -1);
+        L.hot_bits.assign((n_ff + 63) / 64, 0);
         for (int64_t s = 0; s < S.n_slots; ++s) {
             const int32_t i = S.resident[s];
             if (i >= 0) {
-                L.slot_of[i] = (int32_t) s;
+                kx_balance_layer_set_slot(L, i, (int32_t) s);
                 L.decided[i] = 1;
             } else {
                 L.free_slots.push_back((int32_t) s);
@@ -330,7 +352,7 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
         for (const auto & [i, s] : L.inflight) {
             writes.push_back({ slotmap + i, s, 0 });
             coldmap[i] = colddown[i] = -1;
-            L.slot_of[i] = s;
+            kx_balance_layer_set_slot(L, i, s);
             S.resident[s] = i;
         }
         L.inflight.clear();
@@ -339,7 +361,7 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
             GGML_ASSERT(s >= 0 && "balancer: evicting a neuron that is not resident");
             writes.push_back({ slotmap + i, -1, 0 });
             kx_slot_to_host(S, pack.layers[L.il], i);
-            L.slot_of[i] = -1;
+            kx_balance_layer_set_slot(L, i, -1);
             S.resident[s] = -1;
             L.free_slots.push_back(s);
         }
@@ -427,9 +449,8 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
     }
     std::vector<int32_t> hits(b.layers.size(), 0);
     for (size_t l = 0; fresh && l < b.layers.size(); ++l) {
-        for (int32_t i : b.layers[l].snap) {
-            hits[l] += b.layers[l].slot_of[i] >= 0; // the maps decode k ran with
-        }
+        const kx_balance_layer & L = b.layers[l];
+        hits[l] = kx_balance_layer_hits(L, L.snap.data(), (int32_t) L.snap.size()); // the maps decode k ran with
     }
     kx_balance_stat_add(KX_BAL_SNAP_NS, kx_lap_ns(lap));
     if (b.params.observe) {
@@ -569,10 +590,7 @@ static void kx_pipe_observe(kx_balancer & b, kx_balance_layer & L, int64_t step)
     seen[0] = -1;
     kx_balance_record & r = kx_pipe_record(b, L, step, false);
     r.n_active = (int32_t) L.snap.size();
-    r.n_hit = 0;
-    for (int32_t i : L.snap) {
-        r.n_hit += L.slot_of[i] >= 0;
-    }
+    r.n_hit = kx_balance_layer_hits(L, L.snap.data(), (int32_t) L.snap.size());
 }
 
 static bool kx_pipe_landed(kx_balancer & b, kx_balance_layer & L) {
@@ -594,7 +612,7 @@ static void kx_pipe_commit(kx_balancer & b, kx_balance_layer & L) {
     for (const auto & [i, s] : L.pend) {
         L.writes.push_back({ slotmap + i, s, 0 });
         ((int32_t *) S.coldmap->data)[i] = ((int32_t *) S.colddown->data)[i] = -1;
-        L.slot_of[i] = s;
+        kx_balance_layer_set_slot(L, i, s);
         S.resident[s] = i;
     }
     L.pend.clear();
@@ -613,10 +631,7 @@ static void kx_pipe_begin(kx_balancer & b, kx_balance_layer & L, const int32_t *
     if (b.params.record) {
         b.activity[L.rec].assign(list, list + n);
     }
-    int32_t hits = 0;
-    for (int32_t k = 0; k < n; ++k) {
-        hits += L.slot_of[list[k]] >= 0;
-    }
+    const int32_t hits = kx_balance_layer_hits(L, list, n);
     L.skip = false;
     if (!L.pend.empty()) {
         if (kx_pipe_landed(b, L)) {
@@ -665,7 +680,7 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
     const int32_t * lo = std::lower_bound(L.list, L.list + L.n_list, (int32_t) f0);
     const int32_t * hi = std::lower_bound(L.list, L.list + L.n_list, (int32_t) f1);
     for (const int32_t * p = lo; p < hi; ++p) {
-        if (L.slot_of[*p] < 0 && L.score[*p] > tau) {
+        if (!kx_balance_layer_hot(L, *p) && L.score[*p] > tau) {
             cand.push_back(kx_tam_key(L.score[*p], 0, *p));
         }
     }
@@ -749,7 +764,7 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
             s = L.slot_of[v];
             L.writes.push_back({ slotmap + v, -1, 0 });
             kx_slot_to_host(S, pl, v);
-            L.slot_of[v] = -1;
+            kx_balance_layer_set_slot(L, v, -1);
             S.resident[s] = -1;
             ++ne;
         }
