@@ -291,3 +291,27 @@ def test_kernel_profile_groups_kernels_per_layer_step(tmp_path):
     text = "\n".join(summarize(two))
     assert "2 whole layer steps" in text and "17.0 µs of kernel time per step" in text
     assert "| kx_select_write_kernel | 1.00 | 4.0 | 4.0 |" in text
+
+
+@pytest.mark.parametrize("probe", ["snap_probe", "apply_probe"])
+def test_boundary_probes_build_and_run(tmp_path: Path, probe: str) -> None:
+    """bench/snap_probe.cpp and bench/apply_probe.cpp (the balancer's boundary phases alone)
+    compile and print their JSON; the snapshot probe exits non-zero when its bit map counts other
+    hits than the neuron -> slot map."""
+    import json
+    import shutil
+    import subprocess
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path / probe
+    subprocess.run([cxx, "-O2", "-std=c++17", "-pthread", str(ROOT / "bench" / f"{probe}.cpp"), "-o", str(exe)],
+                   check=True)
+    out = subprocess.run([str(exe), "1", "1"], check=True, capture_output=True, text=True).stdout
+    res = json.loads(out)
+    assert res["threads"] == 1 and res["reps"] == 1
+    timed = {k: v for k, v in res.items() if isinstance(v, dict)}
+    assert len(timed) == (8 if probe == "snap_probe" else 2)
+    assert all(0 < v["min_us"] <= v["median_us"] for v in timed.values())
+    if probe == "snap_probe":
+        assert res["hits_per_token"] > 0
