@@ -107,8 +107,7 @@ def host_op_us(res: dict) -> dict | None:
     if bd.get("steps") and sc.get("cpu_splits"):  # the balancer's boundary after each decode (in outside)
         n = sc["cpu_splits"]
         us.update(boundary=bd["ns"] / n / 1e3,
-                  boundary_phases={k[:-3]: bd[k] / n / 1e3 for k in ("sync_ns", "snap_ns", "wait_ns", "fetch_ns",
-                                                                    "apply_ns", "launch_ns")})
+                  boundary_phases={k[:-3]: v / n / 1e3 for k, v in bd.items() if k.endswith("_ns")})
     return us
 
 

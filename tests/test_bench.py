@@ -119,11 +119,12 @@ def test_balance_live_rows_and_their_bound() -> None:
     assert lu["outside"] == pytest.approx(50.0) and "boundary" not in lu
     # with the balancer's boundary counters: 0.1 ms of the outside time, by phase
     res["counters"]["boundary"] = {"steps": 2, "ns": 100_000, "sync_ns": 4_000, "snap_ns": 8_000, "wait_ns": 0,
-                                   "fetch_ns": 12_000, "apply_ns": 16_000, "launch_ns": 20_000}
+                                   "fetch_ns": 12_000, "apply_ns": 16_000, "launch_ns": 20_000, "store_ns": 2_000,
+                                   "queue_ns": 6_000}
     lu = bl.host_op_us(res)
     assert lu["boundary"] == pytest.approx(25.0)
     assert lu["boundary_phases"] == pytest.approx({"sync": 1.0, "snap": 2.0, "wait": 0.0, "fetch": 3.0,
-                                                   "apply": 4.0, "launch": 5.0})
+                                                   "apply": 4.0, "launch": 5.0, "store": 0.5, "queue": 1.5})
     # a gate row of 400 B known: the host reads it for each listed neuron, up and down (600 B)
     # only for the 4 of 10 per token that fired
     relu = SimpleNamespace(per_neuron=1000.0, pred=300.0, n_ff=10, gate_row=400)

@@ -230,7 +230,9 @@ LLAMA_API void    kx_warm_stats(int64_t * out, bool reset);
 // (llama/kx-balance.cpp). out: 8 values (may be NULL, to reset only): boundaries, ns in
 // kx_context_balance, ns of it synchronizing the context, taking the decode's active lists
 // and GPU hits, waiting for the reload stream (or the host decision), reading the device
-// decision, applying the last one (maps, copies queued), starting the next one.
+// decision, applying the last one (the host's maps and copy list), starting the next one; then,
+// of applying, its device calls: storing the slot-map entries, queueing the copies.
+// out holds 10 values.
 LLAMA_API void    kx_balance_stats(int64_t * out, bool reset);
 
 #ifdef __cplusplus

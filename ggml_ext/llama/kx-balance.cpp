@@ -338,11 +338,18 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
 }
 
 // steps 3-5 of a boundary: finish (or wait for) the last reloads, commit them, apply the
-// decision's evictions, queue its loads
-static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & pack, const llama_model & model) {
+// decision's evictions, queue its loads; timed by phase from *lap when given (a boundary's)
+static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & pack, const llama_model & model,
+                             std::chrono::steady_clock::time_point * lap = nullptr) {
+    auto phase = [lap](int32_t stat) {
+        if (lap) {
+            kx_balance_stat_add(stat, kx_lap_ns(*lap));
+        }
+    };
     if (b.io->wait(b.engine) < 0) {
         throw std::runtime_error("balancer: a slot reload failed");
     }
+    phase(KX_BAL_WAIT_NS);
     std::vector<kx_i32_write> writes;
     for (kx_balance_layer & L : b.layers) {
         kx_slot_layer & S = slots.layers[L.il];
@@ -367,9 +374,11 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
         }
         L.evict.clear();
     }
+    phase(KX_BAL_APPLY_NS);
     if (b.io->write_i32(b.engine, writes.data(), (int64_t) writes.size())) {
         throw std::runtime_error("balancer: slot map update failed");
     }
+    phase(KX_BAL_STORE_NS);
     std::vector<kx_row_copy> copies;
     for (kx_balance_layer & L : b.layers) {
         kx_slot_layer & S = slots.layers[L.il];
@@ -385,9 +394,11 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
         }
         L.admit.clear();
     }
+    phase(KX_BAL_APPLY_NS);
     if (b.io->copy(b.engine, copies.data(), (int64_t) copies.size())) {
         throw std::runtime_error("balancer: queueing slot reloads failed");
     }
+    phase(KX_BAL_QUEUE_NS);
 }
 
 void kx_balance_fetch(kx_balancer & b) {
@@ -477,8 +488,7 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
     kx_balance_stat_add(KX_BAL_WAIT_NS, kx_lap_ns(lap));
     kx_balance_fetch(b);
     kx_balance_stat_add(KX_BAL_FETCH_NS, kx_lap_ns(lap));
-    kx_balance_apply(b, slots, pack, model);
-    kx_balance_stat_add(KX_BAL_APPLY_NS, kx_lap_ns(lap));
+    kx_balance_apply(b, slots, pack, model, &lap);
     if (!fresh) {
         return;
     }

@@ -139,9 +139,11 @@ struct kx_balancer {
 // The boundary's host time by phase, summed over boundaries (kx_balance_stats, kairox.h):
 // boundaries, ns in kx_context_balance, of which synchronizing the context, taking decode k's
 // lists and hits (step 1), waiting for the reload stream (2), reading the device decision,
-// applying (3-5: maps, copies queued), starting the next decision (6)
+// applying (3-5: the host's maps and the copy list), starting the next decision (6), and of
+// applying's device calls apart: storing the slot-map entries, queueing the copies (the host
+// loops alone are 1.5 of apply's 7-9 µs per KB-70B layer, bench/apply_probe.cpp)
 enum { KX_BAL_STEPS, KX_BAL_NS, KX_BAL_SYNC_NS, KX_BAL_SNAP_NS, KX_BAL_WAIT_NS, KX_BAL_FETCH_NS, KX_BAL_APPLY_NS,
-       KX_BAL_LAUNCH_NS, KX_BAL_N_STATS };
+       KX_BAL_LAUNCH_NS, KX_BAL_STORE_NS, KX_BAL_QUEUE_NS, KX_BAL_N_STATS };
 void kx_balance_stat_add(int32_t i, int64_t v);
 
 // The engine that moves rows into (and maps host rows for) the slots of ggml device `device`,

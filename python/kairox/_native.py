@@ -192,14 +192,16 @@ def warm_counters(reset: bool = False) -> dict[str, int]:
     return dict(zip(WARM_STATS, (int(v) for v in vals)))
 
 
-BALANCE_STATS = ("steps", "ns", "sync_ns", "snap_ns", "wait_ns", "fetch_ns", "apply_ns", "launch_ns")
+BALANCE_STATS = ("steps", "ns", "sync_ns", "snap_ns", "wait_ns", "fetch_ns", "apply_ns", "launch_ns", "store_ns",
+                 "queue_ns")
 
 
 def balance_counters(reset: bool = False) -> dict[str, int]:
     """The live balancer's boundary (kx_context_balance) by phase since the last reset
     (kx_balance_stats, kairox.h): boundaries, ns in all, and ns synchronizing the context,
     taking the decode's lists and hits, waiting for the reload stream (or the host decision),
-    reading the device decision, applying the last one, starting the next."""
+    reading the device decision, applying the last one (host maps), starting the next, and
+    applying's device calls: storing slot-map entries, queueing copies."""
     lib = load_llama_cpp().llama_cpp._lib
     vals = (ctypes.c_int64 * len(BALANCE_STATS))()
     lib.kx_balance_stats(vals, ctypes.c_bool(reset))
