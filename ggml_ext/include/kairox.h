@@ -227,12 +227,11 @@ LLAMA_API ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned);
 LLAMA_API void    kx_warm_stats(int64_t * out, bool reset);
 
 // The live balancer's boundary (kx_context_balance), host time by phase since the last reset
-// (llama/kx-balance.cpp). out: 8 values (may be NULL, to reset only): boundaries, ns in
+// (llama/kx-balance.cpp). out: 10 values (may be NULL, to reset only): boundaries, ns in
 // kx_context_balance, ns of it synchronizing the context, taking the decode's active lists
 // and GPU hits, waiting for the reload stream (or the host decision), reading the device
-// decision, applying the last one (the host's maps and copy list), starting the next one; then,
-// of applying, its device calls: storing the slot-map entries, queueing the copies.
-// out holds 10 values.
+// decision, applying the last one (the host's maps and copy list), starting the next one, and
+// applying's device calls: storing the slot-map entries, queueing the copies.
 LLAMA_API void    kx_balance_stats(int64_t * out, bool reset);
 
 #ifdef __cplusplus
