@@ -165,6 +165,13 @@ def gpu_memory() -> tuple[int, int] | None:
     return int(free.value), int(total.value)
 
 
+def _read_stats(lib: ctypes.CDLL, fn: str, names: tuple[str, ...], reset: bool) -> dict[str, int]:
+    """A kx_*_stats(int64_t * out, bool reset) call: len(names) counters by name."""
+    vals = (ctypes.c_int64 * len(names))()
+    getattr(lib, fn)(vals, ctypes.c_bool(reset))
+    return dict(zip(names, (int(v) for v in vals)))
+
+
 SCHED_STATS = ("graphs", "splits_ns", "cpu_splits", "cpu_ns", "launches", "launch_ns", "copy_ns", "drain_ns",
                "deferred")
 
@@ -174,10 +181,7 @@ def sched_counters(reset: bool = False) -> dict[str, int]:
     graphs computed, ns in the split loop, CPU splits and ns computing them, device split
     launches and ns queueing them, ns issuing input copies, ns a CPU split waited for the
     device's read-backs (the device still computing what it needs)."""
-    lib = ggml_library("ggml-base")
-    vals = (ctypes.c_int64 * len(SCHED_STATS))()
-    lib.kx_sched_stats(vals, ctypes.c_bool(reset))
-    return dict(zip(SCHED_STATS, (int(v) for v in vals)))
+    return _read_stats(ggml_library("ggml-base"), "kx_sched_stats", SCHED_STATS, reset)
 
 
 WARM_STATS = ("calls", "lists", "rows", "bytes")
@@ -186,10 +190,7 @@ WARM_STATS = ("calls", "lists", "rows", "bytes")
 def warm_counters(reset: bool = False) -> dict[str, int]:
     """The host-cache warm-up's counters since the last reset (kx_warm_stats, kairox.h): warm
     nodes run, those that found a predicted list, rows and bytes read ahead."""
-    lib = load_llama_cpp().llama_cpp._lib
-    vals = (ctypes.c_int64 * len(WARM_STATS))()
-    lib.kx_warm_stats(vals, ctypes.c_bool(reset))
-    return dict(zip(WARM_STATS, (int(v) for v in vals)))
+    return _read_stats(load_llama_cpp().llama_cpp._lib, "kx_warm_stats", WARM_STATS, reset)
 
 
 BALANCE_STATS = ("steps", "ns", "sync_ns", "snap_ns", "wait_ns", "fetch_ns", "apply_ns", "launch_ns", "store_ns",
@@ -202,10 +203,7 @@ def balance_counters(reset: bool = False) -> dict[str, int]:
     taking the decode's lists and hits, waiting for the reload stream (or the host decision),
     reading the device decision, applying the last one (host maps), starting the next, and
     applying's device calls: storing slot-map entries, queueing copies."""
-    lib = load_llama_cpp().llama_cpp._lib
-    vals = (ctypes.c_int64 * len(BALANCE_STATS))()
-    lib.kx_balance_stats(vals, ctypes.c_bool(reset))
-    return dict(zip(BALANCE_STATS, (int(v) for v in vals)))
+    return _read_stats(load_llama_cpp().llama_cpp._lib, "kx_balance_stats", BALANCE_STATS, reset)
 
 
 def sparse_counters(reset: bool = False) -> SparseCounters:
