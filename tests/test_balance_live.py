@@ -64,7 +64,7 @@ def test_live_balancing_keeps_the_output(synth_model: Path, mode: str, gpu: bool
     llm.close()
     # the boundary's clock: one per decode call, its phases within its total
     bc = balance_counters(reset=True)
-    assert bc["steps"] == N_GEN + 1, bc
+    assert bc["steps"] == N_GEN + len(PROMPT), bc  # one per decode: n_batch=1, the prompt a token a decode
     phases = sum(v for k, v in bc.items() if k not in ("steps", "ns"))
     assert 0 < phases <= bc["ns"], bc
     assert all(bc[k] > 0 for k in ("snap_ns", "apply_ns", "store_ns", "queue_ns")), bc
@@ -72,7 +72,7 @@ def test_live_balancing_keeps_the_output(synth_model: Path, mode: str, gpu: bool
     tol = 1e-3 if gpu else 1e-5  # CUDA kernels vs the CPU's: rounding
     assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max())
     # one record per decode after the prompt and per hybrid layer; neurons really moved
-    assert len(trace) == (N_GEN + 1) * len(SLOTS)  # the prompt (one token per decode) is a step
+    assert len(trace) == (N_GEN + len(PROMPT)) * len(SLOTS)  # every decode is a step, the prompt's too
     assert sum(r["n_load"] for r in trace) > N_GEN
     assert sum(r["n_evict"] for r in trace) > 0
     # hits are counted from what ran: never more than listed
@@ -104,7 +104,7 @@ def test_live_decisions_equal_the_reference(synth_model: Path, decide: str, gpu:
         for il, cap in enumerate(SLOTS):
             lb = LayerBalancer(N_FF, cap, cfg, initial=initial[il])
             recs = [r for r in trace if r["layer"] == il]
-            assert [r["step"] for r in recs] == list(range(N_GEN + 1))
+            assert [r["step"] for r in recs] == list(range(N_GEN + len(PROMPT)))
             # the residents decode k ran with: boundary k commits step k-2's loads (copied since
             # boundary k-1), then drops step k-1's evictions (and queues its loads)
             ran_with, loads, evicts = set(initial[il]), [], []
@@ -164,7 +164,7 @@ def test_balancer_arguments_are_checked(synth_model: Path) -> None:
 
 
 def test_balancer_option_starts_it(synth_model: Path) -> None:
-    """Llama(balancer=...) starts the balancer at load; every eval() then balances."""
+    """Llama(balancer=...) starts the balancer at load; the runtime then balances after every decode."""
     import kairox
     llm = kairox.Llama(str(synth_model), n_ctx=64, n_batch=1, n_ubatch=1, sparse="predicted", gpu_slots=SLOTS,
                        slots_device="CPU", balancer=fast_config(), verbose=False)
@@ -173,7 +173,7 @@ def test_balancer_option_starts_it(synth_model: Path) -> None:
         for t in topic_tokens(10):
             llm.eval([t])
         tr = llm.balance_trace()
-        assert len(tr) == 11 * len(SLOTS) and {r["layer"] for r in tr} == {0, 1}
+        assert len(tr) == (len(PROMPT) + 10) * len(SLOTS) and {r["layer"] for r in tr} == {0, 1}  # a step a decode
     finally:
         llm.close()
 
@@ -186,10 +186,10 @@ def test_trace_report_draws_and_summarizes(synth_model: Path, tmp_path: Path, ca
     path = tmp_path / "t.jsonl"
     write_trace(path, trace)
     s = summary(read_trace(path))
-    assert s["steps"] == N_GEN + 1 and s["layers"] == len(SLOTS)
+    assert s["steps"] == N_GEN + len(PROMPT) and s["layers"] == len(SLOTS)
     act = sum(r["n_active"] for r in trace)
     assert s["hit_rate"] == pytest.approx(sum(r["n_hit"] for r in trace) / act)
-    assert s["loads_per_step"] == pytest.approx(sum(r["n_load"] for r in trace) / (N_GEN + 1))
+    assert s["loads_per_step"] == pytest.approx(sum(r["n_load"] for r in trace) / (N_GEN + len(PROMPT)))
     png = tmp_path / "t.png"
     assert main(["report", str(path), "--png", str(png)]) == 0
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
@@ -216,7 +216,7 @@ def test_observing_records_the_static_split(synth_model: Path) -> None:
         for t in topic_tokens(10):
             llm.eval([t])
         tr = llm.balance_trace()
-        assert len(tr) == 11 * len(SLOTS)
+        assert len(tr) == (len(PROMPT) + 10) * len(SLOTS)  # a step a decode
         assert all(r["n_load"] == 0 and r["n_evict"] == 0 for r in tr)
         assert sum(r["n_hit"] for r in tr) > 0
         assert [llm.slot_residents(il) for il in range(len(SLOTS))] == before

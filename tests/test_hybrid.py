@@ -216,8 +216,8 @@ def test_gpu_hybrid_matches_the_cpu(synth_model: Path, mode: str) -> None:
     assert abs(listed - c0.rows) <= 0.01 * c0.rows  # GPU vs CPU predictor rounding may flip a few
 
 
-def test_gpu_warm_up_keeps_the_output(synth_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The warm-up on a GPU (the default; KX_WARM=0 turns it off): layer 0 predicts layer 1's
+def test_gpu_warm_up_keeps_the_output(synth_model: Path) -> None:
+    """The warm-up on a GPU (the default; warm=False turns it off): layer 0 predicts layer 1's
     list beside its CPU part and the device writes it to the host; layer 1's CPU split starts
     before the device's results have landed, its first node reading that list's rows while
     thread 0 waits (kx-warm.cpp, patch 0008). The
@@ -227,12 +227,10 @@ def test_gpu_warm_up_keeps_the_output(synth_model: Path, monkeypatch: pytest.Mon
     from kairox._native import has_gpu, sched_counters, warm_counters
     if not has_gpu():
         pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
-    monkeypatch.setenv("KX_WARM", "0")
     sched_counters(reset=True)
     warm_counters(reset=True)
-    want_toks, want, _ = run(synth_model, sparse="predicted", gpu_slots=100, n_gpu_layers=-1)
+    want_toks, want, _ = run(synth_model, sparse="predicted", gpu_slots=100, n_gpu_layers=-1, warm=False)
     off, woff = sched_counters(reset=True), warm_counters(reset=True)
-    monkeypatch.delenv("KX_WARM")  # the default: on
     toks, got, _ = run(synth_model, sparse="predicted", gpu_slots=100, n_gpu_layers=-1)
     on, won = sched_counters(reset=True), warm_counters(reset=True)
     assert off["deferred"] == 0 and woff["calls"] == 0

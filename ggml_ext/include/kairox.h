@@ -46,6 +46,8 @@ LLAMA_API int32_t kx_context_get_sparse(const struct llama_context * ctx);
 // Returns 0, or nonzero with err filled (the model then has no slots and runs as before).
 LLAMA_API int32_t kx_model_set_slots(struct llama_model * model, const int64_t * n_slots, int32_t n_layer,
                                      const char * device, char * err, size_t err_size);
+// name of the ggml device holding the slots (NULL without slots)
+LLAMA_API const char * kx_model_slots_device(const struct llama_model * model);
 // device bytes the slots hold (0 without slots)
 LLAMA_API int64_t kx_model_slots_bytes(const struct llama_model * model);
 // neuron ids resident in layer il's slots, in slot order: copies up to capacity into dst
@@ -131,8 +133,9 @@ struct kx_balance_record {
 // Starts (params non-NULL) or stops the balancer on the model's slots. 0, or 1 with err set.
 LLAMA_API int32_t kx_model_balancer_start(struct llama_model * model, const struct kx_balance_params * params,
                                           char * err, size_t err_size);
-// One boundary: call after each decode of a context using the model (0, or 1 with err set;
-// 0 and nothing done without a balancer). Synchronizes the context first.
+// One boundary (0, or 1 with err set; 0 and nothing done without a balancer). libllama runs
+// it by itself after every successful decode of a context whose model has a balancer
+// (llama_decode, llama_process); a call of one's own adds a boundary. Synchronizes the context first.
 LLAMA_API int32_t kx_context_balance(struct llama_context * ctx, char * err, size_t err_size);
 // Applies and lands everything decided so far (the slots then hold the decided residents).
 LLAMA_API int32_t kx_model_balance_drain(struct llama_model * model, char * err, size_t err_size);
@@ -142,6 +145,101 @@ LLAMA_API int64_t kx_model_balance_trace(struct llama_model * model, struct kx_b
 LLAMA_API int64_t kx_model_balance_activity(struct llama_model * model, int64_t step, int32_t il, int32_t * dst,
                                             int64_t capacity);
 // The CUDA reload benchmark (libggml-cuda, cuda/kx-reload.cu; by dlsym): kx_cuda_reload_bench.
+
+// ---------------------------------------------------------------- one parameter set
+// Every runtime choice of kairox, set on a model and context by two calls (any libllama
+// client: the common tools through --sparse/--vram-budget/..., kairox.Llama from Python):
+//   struct kx_params kp = kx_params_default();  kp.vram_budget = 7ll << 30;  ...
+//   kx_model_params_apply(&kp, &mparams, ...);   // before llama_model_load_from_file
+//   model = llama_model_load_from_file(path, mparams); ctx = llama_init_from_model(model, cparams);
+//   kx_context_apply(ctx, path, &kp, ...);       // pack, slots, mode, balancer, trace
+// From then on libllama runs the balancer's boundary after every decode of ctx by itself
+// (llama_decode / llama_process): no client code runs between tokens.
+// Defaults reproduce llama.cpp: no pack, dense FFN, nothing moved.
+
+#define KX_SPARSE_AUTO (-1) // dense unless a pack or a hybrid placement is asked for; then
+                            // predicted when the pack has a predictor, else exact
+
+enum kx_balancer_mode {
+    KX_BALANCER_OFF      = 0, // the static split: the slots keep the pack's hottest neurons
+    KX_BALANCER_FIXED    = 1, // TAM admission with a fixed λ
+    KX_BALANCER_ADAPTIVE = 2, // TAM admission, λ adapted from each step's stall type
+};
+
+enum kx_status {
+    KX_OK         = 0,
+    KX_ERR_PARAMS = 1, // a bad or contradictory parameter; nothing was changed
+    KX_ERR_PACK   = 2, // the pack (or the mode it needs) cannot be used: the model runs dense
+    KX_ERR_BUDGET = 3, // the model cannot run within the VRAM budget (or the hybrid it needs is unavailable)
+    KX_ERR_FAILED = 4, // the runtime failed (allocation, device): err says where
+};
+
+struct kx_params {
+    int32_t         sparse;            // enum kx_sparse_mode or KX_SPARSE_AUTO (default)
+    const char *    sparse_pack;       // NULL: MODEL.kxpack.gguf next to the model
+    // the hybrid FFN: each layer's hottest neurons in GPU slots, the rest computed by the CPU
+    // at the same time; asked for by any of vram_budget, gpu_slots (or per layer) and plan
+    int64_t         vram_budget;       // bytes everything on the GPU must stay under (weights, slots,
+                                       // predictors, KV cache, compute buffers); 0: no budget
+    int64_t         gpu_slots;         // neurons per layer in the slots; < 0: none given (default)
+    const int64_t * gpu_slots_layers;  // or one count per layer (n_gpu_slots_layers values)
+    int32_t         n_gpu_slots_layers;
+    const char *    plan;              // a `kairox plan` file: dense tensors kept on the CPU, slots per layer
+    const char *    slots_device;      // ggml device of the slots; NULL: the first GPU; "CPU": host memory
+                                       // (the same split on machines without a GPU: tests)
+    bool            pinned;            // hybrid: host-side weights page-locked, read not mapped (default true)
+    bool            warm;              // hybrid: warm the host caches with the next layer's rows (default true)
+    float           mapped_share;      // hybrid: share of the host side the GPU reads over PCIe, [0, 1)
+    int32_t         balancer;          // enum kx_balancer_mode (default off)
+    struct kx_balance_params balance;  // the balancer's settings (balance.tam.adaptive follows `balancer`)
+    const char *    trace;             // balancer records as JSON lines, appended as the run goes; NULL: none
+    // filled by kx_model_params_apply, not by the caller: free bytes of the slots' device before
+    // the model loads (the budget's zero; the CUDA context is not counted), -1 unknown
+    int64_t         vram_free_at_load;
+};
+
+// what a budgeted context measured on its device (bytes)
+struct kx_vram_report {
+    int64_t budget;
+    int64_t base;      // after load: dense tensors, KV cache, compute buffers
+    int64_t slots;     // the slot buffers
+    int64_t used;      // after a warm-up batch: everything
+    int64_t n_slots;   // neurons in slots, all layers
+};
+
+LLAMA_API struct kx_params kx_params_default(void);
+// true when kp asks for the hybrid placement (budget, slot counts or a plan)
+LLAMA_API bool    kx_params_hybrid(const struct kx_params * kp);
+// Adjusts model parameters for kp before the model loads: FFN weights (and a plan's CPU
+// tensors) in host memory without repacking, page-locked and read rather than mapped when
+// kp->pinned; the budget's zero is read here. The override patterns live as long as the
+// process. Returns enum kx_status (err filled unless KX_OK).
+LLAMA_API int32_t kx_model_params_apply(struct kx_params * kp, struct llama_model_params * mp, char * err,
+                                        size_t err_size);
+// Applies kp to a context of a model loaded with kx_model_params_apply's parameters: loads
+// the pack, places the slots (counts given, from the plan, or filling the VRAM budget,
+// measured around a warm-up batch), selects the sparse mode, sets the mapped share, starts
+// the balancer and its trace. Returns enum kx_status; on KX_ERR_PACK the context runs dense
+// and err says why; on other errors the caller should not use the context.
+LLAMA_API int32_t kx_context_apply(struct llama_context * ctx, const char * model_path, const struct kx_params * kp,
+                                   char * err, size_t err_size);
+// the budget's measurements (false when the context has no budget)
+LLAMA_API bool    kx_context_vram(const struct llama_context * ctx, struct kx_vram_report * out);
+
+// The budget's arithmetic (python/kairox/budget.py is the reference; tests compare them).
+// A layer's slot costs: per_neuron bytes (gate + up + down rows), pred bytes of all the GPU
+// predictors and maps, n_layer, n_ff. margin: bytes kept free for what the hybrid graph
+// allocates after the base reading.
+LLAMA_API int64_t kx_budget_margin(int64_t budget);
+// slots per layer that fill what the budget leaves after base, or -1 with err set
+LLAMA_API int64_t kx_budget_auto_slots(int64_t budget, int64_t base, int64_t per_neuron, int64_t pred,
+                                       int64_t n_layer, int64_t n_ff, char * err, size_t err_size);
+// 0 when counts fit beside base, else 1 with err set
+LLAMA_API int32_t kx_budget_check_slots(int64_t budget, int64_t base, int64_t per_neuron, int64_t pred,
+                                        int64_t n_ff, const int64_t * counts, int32_t n_layer,
+                                        char * err, size_t err_size);
+// counts lowered as evenly as the layers allow until at least `over` bytes are given back
+LLAMA_API void    kx_budget_shrink(int64_t * counts, int32_t n_layer, int64_t over, int64_t per_neuron);
 
 // name of the buffer type holding the model tensor `name` ("CPU", "CUDA0", "CUDA_Host", ...),
 // NULL when the model has no such tensor: where a placement put each weight
@@ -220,7 +318,7 @@ LLAMA_API void    kx_collect_hist_range(double * lo_log10, double * hi_log10);
 LLAMA_API ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned);
 
 // Warming the host's caches with the next layer's rows during the device's serial part
-// (llama/kx-warm.cpp; on unless KX_WARM=0 when graphs are built; hybrid layers after the
+// (llama/kx-warm.cpp; on unless kx_params::warm is false; hybrid layers after the
 // first with the predictor on the slots' device, not with the balancer's pipeline).
 // out: 4 values (may be NULL, to reset only): warm nodes run, those that had a predicted
 // list, rows read ahead, bytes read ahead.

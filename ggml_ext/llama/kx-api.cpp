@@ -84,6 +84,10 @@ int32_t kx_model_set_slots(llama_model * model, const int64_t * n_slots, int32_t
     return 0;
 }
 
+const char * kx_model_slots_device(const llama_model * model) {
+    return model && model->kx_pack_ptr && model->kx_pack_ptr->slots ? model->kx_pack_ptr->slots->device.c_str() : nullptr;
+}
+
 int64_t kx_model_slots_bytes(const llama_model * model) {
     return model && model->kx_pack_ptr && model->kx_pack_ptr->slots ? (int64_t) model->kx_pack_ptr->slots->bytes_dev : 0;
 }
@@ -235,10 +239,7 @@ int64_t kx_model_balance_trace(llama_model * model, kx_balance_record * dst, int
     if (!b) {
         return 0;
     }
-    kx_balance_drain_decision(*b); // the running decision fills the newest records
-    if (b->tam_pending && b->io->wait(b->engine) >= 0) {
-        kx_balance_fetch(*b);     // so does the device's
-    }
+    kx_balance_settle(*b);
     const int64_t n = (int64_t) b->trace.size();
     if (dst) {
         std::copy(b->trace.begin(), b->trace.begin() + std::min(n, capacity), dst);

@@ -166,6 +166,13 @@ double kx_balance_drain_decision(kx_balancer & b) {
     return kx_seconds_since(t0);
 }
 
+void kx_balance_settle(kx_balancer & b) {
+    kx_balance_drain_decision(b); // the running decision fills the newest records
+    if (b.tam_pending && b.io->wait(b.engine) >= 0) {
+        kx_balance_fetch(b);     // so does the device's
+    }
+}
+
 kx_balancer::~kx_balancer() {
     if (worker.joinable()) {
         {

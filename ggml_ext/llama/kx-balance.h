@@ -163,6 +163,8 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
 double kx_balance_drain_decision(kx_balancer & b);
 // Reads the device decision's results once its stream has finished (nothing if none is pending).
 void kx_balance_fetch(kx_balancer & b);
+// Waits for the running decision, on the host or the device, so every trace record is complete.
+void kx_balance_settle(kx_balancer & b);
 
 // The pipeline's graph nodes (kx-ffn.cpp): prefetch for hybrid layer il from its predicted
 // list (I32 [count, ids...]) in three phases (0 and 2 on one thread, 1 on thread ith of nth;

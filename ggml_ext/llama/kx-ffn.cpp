@@ -78,18 +78,13 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
 }
 
 // Hybrid layers warm the host's caches with their rows while the CPU waits for the device
-// (kx-warm.cpp). On by default: KB-7B 1.05-1.20x, KB-13B 1.03-1.28x in every interleaved pair
-// on the H200 (bench/results/balance-live/warm/); beside a mapped share it neither gains nor
-// loses. KX_WARM=0 turns it off; read at each graph build (a test compares both in one process).
-static bool kx_warm_enabled() {
-    const char * e = getenv("KX_WARM");
-    return !(e && strcmp(e, "0") == 0);
-}
-
+// (kx-warm.cpp). On by default (kx_params::warm): KB-7B 1.05-1.20x, KB-13B 1.03-1.28x in every
+// interleaved pair on the H200 (bench/results/balance-live/warm/); beside a mapped share it
+// neither gains nor loses.
 // layer il of these slots warms up: a predicted hybrid layer whose list the layer before can
 // write to the host (not with the pipeline, whose ahead nodes sit in the same splits)
 static bool kx_warm_layer(const kx_slots & slots, const kx_pack & pack, int32_t mode, int il) {
-    return kx_warm_enabled() && mode != 1 && !slots.pipeline && il > 0 && il < pack.n_layer &&
+    return slots.warm_on && mode != 1 && !slots.pipeline && il > 0 && il < pack.n_layer &&
            slots.layers[il].n_slots > 0 && slots.layers[il].ahead && slots.layers[il].pred_a &&
            (size_t) il < slots.warm.size();
 }

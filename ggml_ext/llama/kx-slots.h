@@ -80,6 +80,8 @@ struct kx_slots {
     bool     pipeline   = false;      // graphs carry the one-layer-ahead nodes (kx-balance.h)
     bool     pipe_worker = false;     // ... and the balancer's thread decides (one node, not three)
     uint32_t graph_gen  = 0;          // changes when they start or stop carrying them (graph reuse compares it)
+    bool     warm_on    = true;       // hybrid layers warm the host caches with the next layer's rows
+                                      // (kx-warm.h; kx_params::warm), read at each graph build
     ggml_context *        ctx_dev  = nullptr;
     ggml_context *        ctx_host = nullptr;
     ggml_backend_buffer_t buf_dev  = nullptr;

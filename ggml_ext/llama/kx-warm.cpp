@@ -25,7 +25,7 @@
 // about half of the listed ones). Measured (H200, bench/results/balance-live/warm/): KB-7B's
 // slowest host loop 110-113 -> 82 µs per layer with own shares, but 117-126 µs when any free
 // thread took the next chunk (lines another core pulled in read slower than DRAM there); the
-// decode 1.05-1.20x (KB-7B), 1.03-1.28x (KB-13B). On by default, KX_WARM=0 turns it off.
+// decode 1.05-1.20x (KB-7B), 1.03-1.28x (KB-13B). On by default; kx_params::warm = false turns it off.
 #include "kx-warm.h"
 #include "kx-slots.h"
 #include "kx-stats.h"

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-STALLS = ("none", "io", "cpu")
+from .capi import STALLS  # enum kx_tam_stall
 
 
 @dataclass(frozen=True)

@@ -68,10 +68,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                     if not args.pipeline:
                         raise ValueError("--balancer-thread is a mode of --pipeline")
                     hybrid["balancer_decide"] = "worker"
+                if args.kx_trace:
+                    hybrid["trace"] = args.kx_trace
             elif args.kx_trace or args.pipeline or args.balancer_thread:
                 flag = "--kx-trace" if args.kx_trace else "--pipeline" if args.pipeline else "--balancer-thread"
                 raise ValueError(f"{flag} needs the live balancer: "
                                  "add --balancer")
+            if not args.warm:
+                hybrid["warm"] = False
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
                 hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
             llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
@@ -102,15 +106,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"kairox: prompt {n_p} tokens at {pp:.1f} tokens/s, generated {n_e + 1} tokens, decode "
           f"{tg:.1f} tokens/s ({wall:.2f} s wall)", file=sys.stderr)
     if args.balancer:
-        from .report import summary, write_trace
+        from .report import summary
         records = llm.balance_trace()
         if records:
             s = summary(records)
             print(f"kairox: balancer: GPU hit rate {s['hit_rate']:.3f}, {s['loads_per_step']:.0f} neurons "
                   f"reloaded per token, λ {s['lam_first']:.2f} -> {s['lam_last']:.2f}", file=sys.stderr)
         if args.kx_trace:
-            write_trace(args.kx_trace, records)
-            print(f"kairox: balancer trace ({len(records)} records) in {args.kx_trace}", file=sys.stderr)
+            print(f"kairox: balancer trace in {args.kx_trace} (`kairox report {args.kx_trace}`)", file=sys.stderr)
     return 0
 
 
@@ -206,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pinned", dest="pinned", action="store_false",
                    help="hybrid: map the host-side weights from the file instead of page-locking them "
                    "(less RAM pinned; prompts offloaded to the GPU then copy them more slowly)")
+    p.add_argument("--no-kx-warm", dest="warm", action="store_false",
+                   help="hybrid: do not warm the host caches with the next layer's predicted rows while the GPU works")
     p.add_argument("--mapped-share", type=float, default=0.0, metavar="F",
                    help="hybrid: the GPU also computes this share (0-1, by activation frequency) of the "
                    "host-side neurons, reading their rows from the page-locked host weights over PCIe "

@@ -26,9 +26,10 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
+from . import capi
 from ._native import load_llama_cpp
 from .budget import VramBudgetError, VramReport
-from .tam import _Config as _TamConfig
+from .capi import DECIDE, RELOAD_METHODS, SPARSE_MODES, BalanceRecord
 
 llama_cpp = load_llama_cpp()
 _C = llama_cpp.llama_cpp
@@ -36,11 +37,6 @@ _C = llama_cpp.llama_cpp
 _BASE_KWARGS = frozenset(
     p.name for p in inspect.signature(llama_cpp.Llama.__init__).parameters.values()
     if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
-SPARSE_MODES = ("dense", "exact", "predicted")
-RELOAD_METHODS = ("gather", "memcpy", "batch")  # enum kx_reload_method
-DECIDE = ("auto", "worker", "inline")             # enum kx_balance_decide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +77,10 @@ class KairoxOptions:
     # prefetch while the CPU part of the layer before computes, and wants a core of its own);
     # inline (the calling thread, or with the pipeline the compute threads)
     balancer_decide: str = "auto"
+    # hybrid: warm the host caches with the next layer's predicted rows while the GPU works
+    warm: bool = True
+    # the balancer's records, appended as JSON lines while running (`kairox report FILE`)
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         self._check_sparse()
@@ -117,8 +117,11 @@ class KairoxOptions:
         if self.mapped_share > 0 and self.balancer:
             raise ValueError("mapped_share and the balancer do not mix: the balancer moves neurons between the "
                              "GPU slots and the CPU only")
-        if not isinstance(self.pinned, bool):
-            raise TypeError(f"pinned must be True or False, not {self.pinned!r}")
+        for name in ("pinned", "warm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if self.trace is not None and not self.balancer:
+            raise ValueError("trace records the live balancer's steps: give balancer= too")
         if self.plan is not None and not isinstance(self.plan, (str, os.PathLike)):
             raise TypeError(f"plan must be a path, not {type(self.plan).__name__}")
         if self.plan is not None and self.gpu_slots is not None:
@@ -146,13 +149,41 @@ class KairoxOptions:
         return (self.sparse not in (None, "dense") or (self.sparse is None and self.sparse_pack is not None)
                 or self.wants_slots)
 
-    def slots_for(self, n_layer: int) -> list[int]:
+    def to_params(self) -> tuple[capi.Params, list[Any]]:
+        """The struct kx_params these options make, and the buffers its pointers point into
+        (keep them alive as long as the struct)."""
+        kp = _lib.kx_params_default()
+        keep: list[Any] = []
+
+        def text(v: Any) -> bytes | None:
+            if v is None:
+                return None
+            b = os.fsencode(v)
+            keep.append(b)
+            return b
+        if self.sparse is not None:
+            kp.sparse = SPARSE_MODES.index(self.sparse)
+        kp.sparse_pack = text(self.sparse_pack)
+        kp.vram_budget = self.vram_budget or 0
         if isinstance(self.gpu_slots, int):
-            return [self.gpu_slots] * n_layer
-        vals = list(self.gpu_slots or [])
-        if len(vals) != n_layer:
-            raise ValueError(f"gpu_slots has {len(vals)} values, the model has {n_layer} layers")
-        return vals
+            kp.gpu_slots = self.gpu_slots
+        elif self.gpu_slots is not None:
+            arr = (ctypes.c_int64 * len(self.gpu_slots))(*self.gpu_slots)
+            keep.append(arr)
+            kp.gpu_slots_layers, kp.n_gpu_slots_layers = arr, len(self.gpu_slots)
+        kp.plan = text(self.plan)
+        kp.slots_device = text(self.slots_device)
+        kp.pinned, kp.warm, kp.mapped_share = self.pinned, self.warm, float(self.mapped_share)
+        if self.balancer:
+            from .tam import native_config
+            kp.balancer = capi.BALANCER_MODES.index("adaptive" if self.balancer.adaptive else "fixed")
+            kp.balance.tam = native_config(self.balancer)
+            kp.balance.method = RELOAD_METHODS.index(self.reload_method)
+            kp.balance.decide = DECIDE.index(self.balancer_decide)
+            kp.balance.record = int(self.balancer_record)
+            kp.balance.pipeline = int(self.balancer_pipeline)
+        kp.trace = text(self.trace)
+        return kp, keep
 
 
 class SparsePackWarning(UserWarning):
@@ -211,113 +242,10 @@ class _ErrorLog:
 
 _errors = _ErrorLog()
 
-_lib = _C._lib
-_lib.kx_model_load_pack.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
-                                    ctypes.c_char_p, ctypes.c_size_t]
-_lib.kx_model_load_pack.restype = ctypes.c_int32
-_lib.kx_model_has_pack.argtypes = [ctypes.c_void_p]
-_lib.kx_model_has_pack.restype = ctypes.c_bool
-_lib.kx_model_pack_has_predictor.argtypes = [ctypes.c_void_p]
-_lib.kx_model_pack_has_predictor.restype = ctypes.c_bool
-_lib.kx_context_set_sparse.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
-_lib.kx_context_set_sparse.restype = ctypes.c_int32
-_lib.kx_context_get_sparse.argtypes = [ctypes.c_void_p]
-_lib.kx_context_get_sparse.restype = ctypes.c_int32
-_lib.kx_model_set_slots.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32,
-                                    ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
-_lib.kx_model_set_slots.restype = ctypes.c_int32
-_lib.kx_model_slots_bytes.argtypes = [ctypes.c_void_p]
-_lib.kx_model_slots_bytes.restype = ctypes.c_int64
-_lib.kx_model_slots_resident.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
-_lib.kx_model_slots_resident.restype = ctypes.c_int64
+_lib = capi.declare(_C._lib)
 
-_lib.kx_context_set_mapped_share.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_char_p, ctypes.c_size_t]
-_lib.kx_context_set_mapped_share.restype = ctypes.c_int32
-_lib.kx_model_slots_mapped.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-_lib.kx_model_slots_mapped.restype = ctypes.c_int64
-
-_lib.kx_model_slots_swap.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
-                                     ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
-_lib.kx_model_slots_swap.restype = ctypes.c_int32
-
-
-class _BalanceParams(ctypes.Structure):  # struct kx_balance_params
-    _fields_ = [("tam", _TamConfig), ("cpu_gbs", ctypes.c_double), ("gpu_gbs", ctypes.c_double),
-                ("method", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("decide", ctypes.c_int32),
-                ("record", ctypes.c_int32), ("observe", ctypes.c_int32), ("pipeline", ctypes.c_int32),
-                ("late_every", ctypes.c_int32)]
-
-
-class BalanceRecord(ctypes.Structure):  # struct kx_balance_record
-    _fields_ = [("step", ctypes.c_int32), ("layer", ctypes.c_int32), ("n_active", ctypes.c_int32),
-                ("n_hit", ctypes.c_int32), ("n_load", ctypes.c_int32), ("n_evict", ctypes.c_int32),
-                ("stall", ctypes.c_int32), ("lam", ctypes.c_float), ("wait_us", ctypes.c_float),
-                ("decide_us", ctypes.c_float), ("reload_bytes", ctypes.c_int64), ("late", ctypes.c_int32),
-                ("decided", ctypes.c_int32), ("hold_us", ctypes.c_float), ("pad", ctypes.c_int32)]
-
-
-_lib.kx_model_balancer_start.argtypes = [ctypes.c_void_p, ctypes.POINTER(_BalanceParams), ctypes.c_char_p,
-                                         ctypes.c_size_t]
-_lib.kx_model_balancer_start.restype = ctypes.c_int32
-_lib.kx_context_balance.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
-_lib.kx_context_balance.restype = ctypes.c_int32
-_lib.kx_model_balance_drain.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
-_lib.kx_model_balance_drain.restype = ctypes.c_int32
-_lib.kx_model_balance_trace.argtypes = [ctypes.c_void_p, ctypes.POINTER(BalanceRecord), ctypes.c_int64]
-_lib.kx_model_balance_trace.restype = ctypes.c_int64
-_lib.kx_model_balance_activity.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
-                                           ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
-_lib.kx_model_balance_activity.restype = ctypes.c_int64
-_lib.kx_model_tensor_buffer_type.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_lib.kx_model_tensor_buffer_type.restype = ctypes.c_char_p
-_lib.kx_host_buffer_type.argtypes = [ctypes.c_bool]
-_lib.kx_host_buffer_type.restype = ctypes.c_void_p
-
-
-class _BuftOverride(ctypes.Structure):
-    # llama.h: struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-# hybrid layers compute their FFN on the CPU from host weights (and copy the hot rows to
-# the GPU slots): the FFN tensors stay in host memory whatever -ngl offloads
-_FFN_ON_CPU = rb"blk\.\d+\.ffn_(gate|up|down)\.weight"
-
-
-def _cpu_overrides(names: Sequence[str] = (), pinned: bool = True) -> tuple[ctypes.Array, list[bytes]]:
-    """tensor_buft_overrides keeping the FFN tensors, and the named dense tensors (a plan's
-    CPU side), in host memory. One pattern per tensor kind (blk.(3|7).attn_q.weight, dots escaped)
-    keeps llama.cpp's per-tensor regex matching short. Returns the array and the pattern
-    bytes, which must outlive the load.
-
-    pinned: in kairox's host buffer type (page-locked and mapped for the GPU, in 2 MiB
-    pages: the host op's scattered row reads then miss the TLB far less, kx-host.cpp), which
-    batches the scheduler offloads to the GPU (prefill) copy from at full PCIe speed, and
-    slot reloads and the mapped share read. llama.cpp honours it only for a model loaded
-    without mmap (mapped models keep pageable CPU buffers). Otherwise: plain CPU buffers."""
-    import re
-    from ._native import ggml_library
-    base = ggml_library("ggml-base")
-    base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
-    kinds: dict[str, list[str]] = {}
-    other: list[str] = []
-    for n in names:
-        m = re.fullmatch(r"blk\.(\d+)\.(.+)", n)
-        if m:
-            kinds.setdefault(m.group(2), []).append(m.group(1))
-        else:
-            other.append(n)
-    pats = [_FFN_ON_CPU] + [rf"^blk\.({'|'.join(ls)})\.{re.escape(k)}$".encode() for k, ls in kinds.items()]
-    pats += [f"^{re.escape(n)}$".encode() for n in other]
-    arr = (_BuftOverride * (len(pats) + 1))()
-    cpu = _lib.kx_host_buffer_type(True) if pinned else base.ggml_backend_cpu_buffer_type()
-    for i, pat in enumerate(pats):
-        arr[i].pattern, arr[i].buft = pat, cpu
-    arr[len(pats)].pattern, arr[len(pats)].buft = None, None
-    return arr, pats
-
-# llama.cpp reads model params once, inside the base constructor; sparse mode needs CPU
-# weights without repacking (repacked rows are interleaved; row gathers cannot read them)
+# llama.cpp reads model params once, inside the base constructor; kairox's placement adjusts
+# them there (kx_model_params_apply), so the base class's params come from a patched default
 _params_lock = threading.Lock()
 
 
@@ -333,16 +261,15 @@ class Llama(llama_cpp.Llama):
         self.kx_options = KairoxOptions(**{k: kwargs.pop(k) for k in _KX_KWARGS if k in kwargs})
         self.sparse = "dense"
         self.sparse_error: str | None = None
+        self.vram: VramReport | None = None
         _errors.take()
         opts = self.kx_options
-        self._kx_plan = None
         if opts.plan is not None:
             from .plan import Plan
-            self._kx_plan = Plan.read(opts.plan)
-            if self._kx_plan.model != Path(model_path).name:
-                raise ValueError(f"the plan {opts.plan} was made for {self._kx_plan.model}, not {Path(model_path).name}")
-        self._kx_free0: int | None = None
-        self.vram: VramReport | None = None
+            plan = Plan.read(opts.plan)  # a readable error before anything loads
+            if plan.model != Path(model_path).name:
+                raise ValueError(f"the plan {opts.plan} was made for {plan.model}, not {Path(model_path).name}")
+        self._kx_params, self._kx_keep = opts.to_params()
         pinned = opts.wants_slots and opts.pinned and (opts.slots_device or "").upper() != "CPU"
         if opts.wants_slots:
             # hybrid placement: every layer's dense part on the GPU unless the caller says
@@ -354,30 +281,22 @@ class Llama(llama_cpp.Llama):
                 # H200, KB-7B). F16 KV cache only, which the CUDA kernel reads.
                 kwargs.setdefault("flash_attn", True)
             if pinned:
-                # llama.cpp keeps mapped weights in pageable CPU buffers whatever the override
-                # asks (llama-model-loader: no host buffer with mmap), so pinned host weights
-                # are read, not mapped; an explicit use_mmap=True keeps them mapped (pageable)
+                # the base class sets the load mode from use_mmap after the default params:
+                # page-locked host weights are read, not mapped (an explicit use_mmap=True keeps
+                # them mapped, pageable)
                 kwargs.setdefault("use_mmap", False)
-            if opts.vram_budget is not None and opts.slots_device is None:
-                from ._native import gpu_memory
-                mem = gpu_memory()
-                self._kx_free0 = mem[0] if mem else None
+        err = ctypes.create_string_buffer(1024)
         with _params_lock:
             default_params = _C.llama_model_default_params
-            if opts.wants_sparse:
-                overrides = None
-                if opts.wants_slots:
-                    overrides, self._kx_patterns = _cpu_overrides(
-                        self._kx_plan.dense_cpu if self._kx_plan else (), pinned=pinned)
-                self._kx_overrides = overrides  # the struct must outlive the load
+            failed: list[tuple[int, str]] = []
 
-                def no_repack():
-                    p = default_params()
-                    p.use_extra_bufts = False
-                    if overrides is not None:
-                        p.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
-                    return p
-                _C.llama_model_default_params = no_repack
+            def kx_default_params():
+                p = default_params()
+                rc = _lib.kx_model_params_apply(ctypes.byref(self._kx_params), ctypes.addressof(p), err, len(err))
+                if rc:
+                    failed.append((rc, err.value.decode("utf-8", "replace")))
+                return p
+            _C.llama_model_default_params = kx_default_params
             try:
                 super().__init__(model_path, *args, **kwargs)
             except ValueError as e:
@@ -387,109 +306,40 @@ class Llama(llama_cpp.Llama):
                 raise
             finally:
                 _C.llama_model_default_params = default_params
-        if opts.wants_sparse:
-            try:
-                self._kx_attach(model_path)
-            except VramBudgetError:
-                self.close()
-                raise
+        if failed:
+            self.close()
+            raise ValueError(failed[0][1])
+        self._kx_apply(model_path)
 
-    def _kx_attach(self, model_path: str) -> None:
-        from .pack import pack_path_for
-        opts = self.kx_options
-        pack = Path(opts.sparse_pack or pack_path_for(model_path))
+    def _kx_apply(self, model_path: str) -> None:
+        """Pack, slots, sparse mode, mapped share, balancer and trace, by the runtime
+        (kx_context_apply): what every llama.cpp tool does with the same options."""
         err = ctypes.create_string_buffer(1024)
-        if _lib.kx_model_load_pack(self._model.model, os.fsencode(model_path), os.fsencode(pack), err, 1024):
-            self._kx_refuse(err.value.decode("utf-8", "replace"))
-            return
-        mode = self.kx_options.sparse or ("predicted" if self.pack_has_predictor else "exact")
-        if opts.wants_slots:
-            n_layer = _C.llama_model_n_layer(self._model.model)
-            if opts.gpu_slots is not None:
-                counts = opts.slots_for(n_layer)
-            elif self._kx_plan is not None:
-                counts = list(self._kx_plan.slot_neurons)
-                if len(counts) != n_layer:
-                    raise ValueError(f"the plan {opts.plan} has {len(counts)} layers, the model {n_layer}")
-            else:
-                counts = None  # from the budget
-            budgeted = self._kx_free0 is not None
-            if budgeted:
-                from . import budget
-                from ._native import gpu_memory
-                from .plan import slot_costs
-                costs = slot_costs(model_path, pack)
-                base = self._kx_free0 - gpu_memory()[0]
-                b = opts.vram_budget
-                if counts is None:
-                    counts = [budget.auto_slots(b, base, costs)] * n_layer
-                else:
-                    budget.check_slots(b, base, costs, counts)
-            elif counts is None:
-                counts = [0] * n_layer  # a budget without a GPU to hold anything
-            if not self._kx_set_slots(counts, mode):
-                return
-            if opts.balancer:
-                self.start_balancer(opts.balancer, pipeline=opts.balancer_pipeline, decide=opts.balancer_decide)
-            if budgeted:
-                used = self._kx_warm_used()
-                if used > b and opts.gpu_slots is None and self._kx_plan is None:
-                    # the hybrid graph took more than the margin: give the overflow back once
-                    counts = budget.shrink(counts, used - b + budget.margin_for(b), costs)
-                    if not self._kx_set_slots(counts, mode):
-                        return
-                    used = self._kx_warm_used()
-                self.vram = VramReport(b, base, self.slots_bytes, used, counts)
-                if used > b:
-                    raise VramBudgetError(f"over the VRAM budget after a warm-up batch: {self.vram.text()}")
-            return
-        try:
-            self.set_sparse(mode)
-        except ValueError as e:
-            self._kx_refuse(str(e))
-
-    def _kx_set_slots(self, counts: list[int], mode: str) -> bool:
-        n_layer = len(counts)
-        err = ctypes.create_string_buffer(1024)
-        arr = (ctypes.c_int64 * n_layer)(*counts)
-        dev = self.kx_options.slots_device
-        if _lib.kx_model_set_slots(self._model.model, arr, n_layer, dev and dev.encode(), err, 1024):
-            self._kx_refuse("neuron slots: " + err.value.decode("utf-8", "replace"))
-            return False
-        try:
-            self.set_sparse(mode)  # (re)builds the graph on these slots
-            if self.kx_options.mapped_share:
-                self.set_mapped_share(self.kx_options.mapped_share)
-        except ValueError as e:
-            self._kx_refuse(str(e))
-            return False
-        return True
-
-    def _kx_warm_used(self) -> int:
-        """GPU memory in use after one full batch (the largest graph) and one decode step."""
-        from ._native import gpu_memory
-        n = max(1, min(self.context_params.n_ubatch, self.n_ctx() - 2))
-        tok = max(self.token_bos(), 0)
-        self.eval([tok] * n)
-        self.eval([tok])
-        self.reset()
-        return self._kx_free0 - gpu_memory()[0]
+        rc = capi.Status(_lib.kx_context_apply(self._ctx.ctx, os.fsencode(model_path), ctypes.byref(self._kx_params),
+                                               err, len(err)))
+        why = err.value.decode("utf-8", "replace")
+        _errors.take()  # the runtime's error lines, now in `why`
+        if rc == capi.Status.PACK:
+            self.sparse_error = why
+            warnings.warn(SparsePackWarning(f"kairox: sparse mode unavailable, running dense: {why}"), stacklevel=3)
+        elif rc != capi.Status.OK:
+            self.close()
+            raise (VramBudgetError if rc == capi.Status.BUDGET else RuntimeError if rc == capi.Status.FAILED
+                   else ValueError)(why)
+        self.sparse = SPARSE_MODES[_lib.kx_context_get_sparse(self._ctx.ctx)]
+        v = capi.VramReport()
+        if _lib.kx_context_vram(self._ctx.ctx, ctypes.byref(v)):
+            counts = [len(self.slot_residents(il)) for il in range(_C.llama_model_n_layer(self._model.model))]
+            self.vram = VramReport(v.budget, v.base, v.slots, v.used, counts)
 
     def vram_used(self) -> int | None:
         """GPU memory this model took so far (bytes, measured now), when it runs under a budget."""
-        if self._kx_free0 is None:
+        free0 = self._kx_params.vram_free_at_load
+        if free0 < 0:
             return None
         from ._native import gpu_memory
-        return self._kx_free0 - gpu_memory()[0]
+        return free0 - gpu_memory()[0]
 
-    def _kx_refuse(self, why: str) -> None:
-        if self._kx_free0 is not None:
-            # running dense with every layer on the GPU would break the budget
-            raise VramBudgetError(f"vram_budget needs kairox's hybrid FFN, which is unavailable: {why}")
-        self.sparse_error = why
-        warnings.warn(SparsePackWarning(f"kairox: sparse mode unavailable, running dense: {why}"),
-                      stacklevel=3)
-        _errors.take()
 
     @property
     def slots_bytes(self) -> int:
@@ -543,8 +393,8 @@ class Llama(llama_cpp.Llama):
                        max_blocks: int = 32, cpu_gbs: float = 0.0, gpu_gbs: float = 0.0,
                        pipeline: bool = False, late_every: int = 0) -> None:
         """Starts the live balancer on this model's slots (a BalancerConfig, True for the
-        defaults, None to stop it): from the next decode on, every eval() ends with a
-        balancing step. ValueError without slots or with a bad configuration.
+        defaults, None to stop it): from the next decode on, the runtime ends every decode
+        with a balancing step. ValueError without slots or with a bad configuration.
         decide: where the TAM step runs: auto (one kernel for every layer on the slots' GPU,
         else a host worker thread), worker, inline (the calling thread); observe: record what
         ran (hits) and move nothing, the static split's figures; cpu_gbs / gpu_gbs: matvec
@@ -560,16 +410,14 @@ class Llama(llama_cpp.Llama):
         err = ctypes.create_string_buffer(1024)
         if config is None or config is False:
             _lib.kx_model_balancer_start(self._model.model, None, err, 1024)
-            self._kx_balancing = False
             self._kx_refresh_graph()
             return
         cfg = BalancerConfig() if config is True else config
-        p = _BalanceParams(native_config(cfg), cpu_gbs, gpu_gbs, RELOAD_METHODS.index(self.kx_options.reload_method),
-                           max_blocks, DECIDE.index(decide), int(self.kx_options.balancer_record), int(observe),
-                           int(pipeline), late_every)
+        p = capi.BalanceParams(native_config(cfg), cpu_gbs, gpu_gbs,
+                               RELOAD_METHODS.index(self.kx_options.reload_method), max_blocks, DECIDE.index(decide),
+                               int(self.kx_options.balancer_record), int(observe), int(pipeline), late_every)
         if _lib.kx_model_balancer_start(self._model.model, ctypes.byref(p), err, 1024):
             raise ValueError(err.value.decode("utf-8", "replace"))
-        self._kx_balancing = True
         self._kx_refresh_graph()
 
     def _kx_refresh_graph(self) -> None:
@@ -577,13 +425,8 @@ class Llama(llama_cpp.Llama):
         err = ctypes.create_string_buffer(256)
         _lib.kx_context_set_sparse(self._ctx.ctx, _lib.kx_context_get_sparse(self._ctx.ctx), err, 256)
 
-    def eval(self, tokens: Sequence[int]) -> None:
-        super().eval(tokens)
-        if getattr(self, "_kx_balancing", False):
-            self.balance()
-
     def balance(self) -> None:
-        """One balancing step (eval() calls it after each decode while a balancer runs)."""
+        """One more balancing step (the runtime makes one after every decode by itself)."""
         err = self._kx_err = getattr(self, "_kx_err", None) or ctypes.create_string_buffer(1024)  # per token: reused
         if _lib.kx_context_balance(self._ctx.ctx, err, 1024):
             raise RuntimeError(err.value.decode("utf-8", "replace"))

@@ -14,16 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .balancer import STALLS, BalancerConfig
+from .capi import TamConfig
 
 
-class _Config(ctypes.Structure):  # struct kx_tam_config
-    _fields_ = [("lam", ctypes.c_float), ("eps", ctypes.c_float), ("alpha", ctypes.c_float),
-                ("alpha_min", ctypes.c_float), ("lam_min", ctypes.c_float), ("lam_max", ctypes.c_float),
-                ("adaptive", ctypes.c_int32), ("max_admit", ctypes.c_int32)]
-
-
-def native_config(c: BalancerConfig) -> _Config:
-    return _Config(c.lam, c.eps, c.alpha, c.alpha_min, c.lam_min, c.lam_max, int(c.adaptive),
+def native_config(c: BalancerConfig) -> TamConfig:
+    return TamConfig(c.lam, c.eps, c.alpha, c.alpha_min, c.lam_min, c.lam_max, int(c.adaptive),
                    -1 if c.max_admit is None else c.max_admit)
 
 
@@ -37,7 +32,7 @@ class NativeReplay:
 
 def _replay_fn(device: str):
     u8p, i32 = ctypes.POINTER(ctypes.c_uint8), ctypes.c_int32
-    args = [ctypes.POINTER(_Config), i32, i32, u8p, i32, u8p, ctypes.POINTER(i32), u8p, u8p,
+    args = [ctypes.POINTER(TamConfig), i32, i32, u8p, i32, u8p, ctypes.POINTER(i32), u8p, u8p,
             ctypes.POINTER(ctypes.c_float)]
     if device == "cpu":
         from .llama import _C

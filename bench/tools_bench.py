@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""The hybrid measured as users run it, through the binaries: kairox-bench (llama-bench with
+kairox's flags) against `kairox run` on the same model and VRAM budget, beside llama.cpp's
+best-fitting dense placement from the same build, in one table.
+
+Rows are interleaved (each round runs every row once) and reported as medians with their
+spread. Writes raw results (JSON with the exact commands and the commit) and a Markdown table.
+
+    python3 bench/tools_bench.py --model KB-7B-f16.gguf --budget 7GiB --ngl 17 --bin BUILD/bin --out OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type made books "
+          "cheaper to produce, and")
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("KX_COMMIT", "unknown")
+
+
+def bench_row(exe: Path, model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[str], float]:
+    cmd = [str(exe), "-m", model, "-p", "0", "-n", str(gen), "-r", "1", "-t", str(threads), "-o", "json", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")
+    rows = json.loads(r.stdout)
+    return cmd, float(rows[0]["avg_ts"])
+
+
+def run_row(model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[str], float]:
+    cmd = [sys.executable, "-m", "kairox", "run", "-m", model, "-n", str(gen), "-t", str(threads), "-p", PROMPT,
+           *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    m = re.search(r"decode ([0-9.]+) tokens/s", r.stderr)
+    if r.returncode != 0 or not m:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")
+    return cmd, float(m.group(1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--budget", default="7GiB", help="VRAM budget of the hybrid rows (default: %(default)s)")
+    ap.add_argument("--ngl", type=int, required=True,
+                    help="llama.cpp's best -ngl that fits the budget (bench/offload.py searches it)")
+    ap.add_argument("--sparse", default="predicted")
+    ap.add_argument("--bin", required=True, help="folder with kairox's llama-bench")
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--name", default=None, help="results file stem (default: tools-bench-MODEL)")
+    args = ap.parse_args()
+    exe = Path(args.bin) / "llama-bench"
+    hybrid = ["--vram-budget", args.budget, "--sparse", args.sparse]
+    rows: dict[str, dict] = {
+        f"llama.cpp dense -ngl {args.ngl} -fa 1 (kairox-bench)": {"kind": "bench", "extra": ["-ngl", str(args.ngl), "-fa", "1"]},
+        f"kairox-bench {' '.join(hybrid)}": {"kind": "bench", "extra": hybrid},
+        f"kairox run {' '.join(hybrid)}": {"kind": "run", "extra": hybrid},
+    }
+    for r in rows.values():
+        r["tok_s"], r["cmd"] = [], None
+    t0 = time.time()
+    for k in range(args.rounds):
+        for label, r in rows.items():
+            if r["kind"] == "bench":
+                r["cmd"], ts = bench_row(exe, args.model, args.gen, args.threads, r["extra"])
+            else:
+                r["cmd"], ts = run_row(args.model, args.gen, args.threads, r["extra"])
+            r["tok_s"].append(ts)
+            print(f"round {k + 1}: {label}: {ts:.2f} tok/s ({time.time() - t0:.0f} s)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"tools-bench-{Path(args.model).stem}"
+    res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": Path(args.model).name,
+           "budget": args.budget, "gen": args.gen, "threads": args.threads,
+           "rows": [{"row": label, "command": " ".join(r["cmd"]), "tok_s": r["tok_s"]} for label, r in rows.items()]}
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    base = statistics.median(rows[next(iter(rows))]["tok_s"])
+    run_med = statistics.median(rows[f"kairox run {' '.join(hybrid)}"]["tok_s"])
+    lines = [f"# {Path(args.model).name} at a {args.budget} VRAM budget, through the binaries",
+             "", f"decode of {args.gen} tokens, {args.threads} threads, {args.rounds} interleaved rounds; "
+             f"commit {res['commit']}", "",
+             "| row | decode tok/s median | spread | vs llama.cpp | vs kairox run |", "|---|---:|---:|---:|---:|"]
+    for label, r in rows.items():
+        med = statistics.median(r["tok_s"])
+        lines.append(f"| {label} | {med:.2f} | {min(r['tok_s']):.2f}-{max(r['tok_s']):.2f} | {med / base:.2f}x | "
+                     f"{med / run_med:.3f} |")
+    lines += ["", "Commands:", "", "```", *[" ".join(r["cmd"]) for r in rows.values()], "```", ""]
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

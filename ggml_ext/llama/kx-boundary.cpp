@@ -1,0 +1,117 @@
+// The runtime's per-token boundary: libllama itself runs the balancer's step after every
+// decode (patch 0009 calls kx_context_after_decode from llama_decode and llama_process), so
+// every client of libllama (the common tools, llama-server, llama-cpp-python's own Llama) gets
+// the live balancer without running code of its own between tokens. The trace of balancer
+// records is appended here as the run goes, and finished when the context is freed.
+#include "kx-context.h"
+#include "kx-balance.h"
+#include "kx-pack.h"
+#include "kx-slots.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <mutex>
+#include <unordered_map>
+
+static std::mutex kx_ctx_mu;
+static std::unordered_map<const llama_context *, kx_ctx_state> kx_ctx_table;
+
+kx_ctx_state & kx_ctx_state_of(const llama_context * ctx) {
+    std::lock_guard<std::mutex> lk(kx_ctx_mu);
+    return kx_ctx_table[ctx]; // references stay valid: unordered_map never moves its nodes
+}
+
+kx_ctx_state * kx_ctx_state_find(const llama_context * ctx) {
+    std::lock_guard<std::mutex> lk(kx_ctx_mu);
+    auto it = kx_ctx_table.find(ctx);
+    return it == kx_ctx_table.end() ? nullptr : &it->second;
+}
+
+static kx_balancer * kx_ctx_balancer(const llama_context * ctx) {
+    const llama_model & model = ctx->get_model();
+    kx_slots * slots = model.kx_pack_ptr ? model.kx_pack_ptr->slots.get() : nullptr;
+    return slots ? slots->balancer.get() : nullptr;
+}
+
+static const char * kx_stall_name(int32_t s) {
+    switch (s) {
+        case KX_TAM_STALL_IO:  return "io";
+        case KX_TAM_STALL_CPU: return "cpu";
+        default:               return "none";
+    }
+}
+
+// one record as `kairox report` reads it (python/kairox/report.py: the struct's fields, stall by name)
+static void kx_trace_write(FILE * f, const kx_balance_record & r) {
+    std::fprintf(f, "{\"step\": %d, \"layer\": %d, \"n_active\": %d, \"n_hit\": %d, \"n_load\": %d, \"n_evict\": %d, "
+                 "\"stall\": \"%s\", \"lam\": %.9g, \"wait_us\": %.9g, \"decide_us\": %.9g, \"reload_bytes\": %lld, "
+                 "\"late\": %d, \"decided\": %d, \"hold_us\": %.9g}\n",
+                 r.step, r.layer, r.n_active, r.n_hit, r.n_load, r.n_evict, kx_stall_name(r.stall), (double) r.lam,
+                 (double) r.wait_us, (double) r.decide_us, (long long) r.reload_bytes, r.late, r.decided,
+                 (double) r.hold_us);
+}
+
+// records [written, upto) of b's trace to the context's file
+static void kx_trace_write_upto(kx_ctx_state & st, const kx_balancer & b, size_t upto) {
+    if (!st.trace) {
+        return;
+    }
+    upto = std::min(upto, b.trace.size());
+    for (; st.written < upto; ++st.written) {
+        kx_trace_write(st.trace, b.trace[st.written]);
+    }
+    std::fflush(st.trace); // a server stopped by a signal keeps what it wrote
+}
+
+void kx_context_trace_flush(llama_context * ctx, bool all) {
+    kx_ctx_state * st = kx_ctx_state_find(ctx);
+    kx_balancer * b = kx_ctx_balancer(ctx);
+    if (!st || !st->trace || !b) {
+        return;
+    }
+    if (all) {
+        kx_balance_settle(*b);
+    }
+    kx_trace_write_upto(*st, *b, b->trace.size());
+}
+
+int32_t kx_context_after_decode(llama_context * ctx, int32_t ret) {
+    if (ret != 0 || !ctx) {
+        return ret;
+    }
+    kx_balancer * b = kx_ctx_balancer(ctx);
+    if (!b) {
+        return 0;
+    }
+    // records made before this boundary are complete once its step has waited for their
+    // decision (kx_balance_step); the step's own fill in later
+    const size_t done = b->trace.size();
+    char err[512];
+    if (kx_context_balance(ctx, err, sizeof(err)) != 0) {
+        // the decode's outputs are right whatever the balancer did: a neuron enters the slot
+        // map only after its rows landed. Its moves stop; the split stays as it is.
+        LLAMA_LOG_ERROR("kairox: the balancer failed and stops (the FFN split stays as it is): %s\n", err);
+        kx_context_trace_flush(ctx, false);
+        kx_model_balancer_start(const_cast<llama_model *>(&ctx->get_model()), nullptr, err, sizeof(err));
+        return 0;
+    }
+    if (kx_ctx_state * st = kx_ctx_state_find(ctx)) {
+        kx_trace_write_upto(*st, *b, done);
+    }
+    return 0;
+}
+
+void kx_context_on_free(llama_context * ctx) {
+    if (!kx_ctx_state_find(ctx)) {
+        return;
+    }
+    kx_context_trace_flush(ctx, true);
+    std::lock_guard<std::mutex> lk(kx_ctx_mu);
+    auto it = kx_ctx_table.find(ctx);
+    if (it->second.trace) {
+        std::fclose(it->second.trace);
+    }
+    kx_ctx_table.erase(it);
+}

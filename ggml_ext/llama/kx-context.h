@@ -1,0 +1,31 @@
+// What kairox keeps per llama_context beside libllama's own state: the budget's readings and
+// the balancer trace being written (kx-params.cpp sets them up, kx-boundary.cpp runs them).
+// Kept in a table of ours, so llama_context's layout does not change.
+#pragma once
+
+#include "kairox.h"
+
+#include <cstdio>
+#include <string>
+
+struct kx_ctx_state {
+    bool           has_vram = false;
+    kx_vram_report vram     = {};
+    std::string    trace_path;
+    FILE *         trace    = nullptr;
+    size_t         written  = 0;     // balancer records written so far
+};
+
+// the context's state, made on first use
+kx_ctx_state & kx_ctx_state_of(const llama_context * ctx);
+// nullptr when the context has none
+kx_ctx_state * kx_ctx_state_find(const llama_context * ctx);
+
+// The runtime's boundary (patch 0009 calls these from llama_decode, llama_process and
+// llama_free): after a successful decode, the balancer's step and the trace's new records;
+// at free, the rest of the trace.
+int32_t kx_context_after_decode(llama_context * ctx, int32_t ret);
+void    kx_context_on_free(llama_context * ctx);
+// writes the balancer records of ctx's model that are complete; all of them (waiting for a
+// running decision) when `all`
+void    kx_context_trace_flush(llama_context * ctx, bool all);

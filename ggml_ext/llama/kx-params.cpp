@@ -1,0 +1,515 @@
+// One parameter set for the whole runtime (include/kairox.h: struct kx_params): the model
+// parameters a hybrid placement needs, and everything set on a context after it is made
+// (pack, slots under a VRAM budget or from a plan, sparse mode, mapped share, balancer,
+// trace). The common tools and kairox.Llama both come here, so a choice means the same in
+// every client.
+#include "kairox.h"
+#include "kx-context.h"
+#include "kx-pack.h"
+#include "kx-slots.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <regex>
+#include <string>
+#include <vector>
+
+struct kx_params kx_params_default(void) {
+    kx_params kp = {};
+    kp.sparse = KX_SPARSE_AUTO;
+    kp.gpu_slots = -1;
+    kp.pinned = true;
+    kp.warm = true;
+    kp.balancer = KX_BALANCER_OFF;
+    // the balancer's defaults (python/kairox/balancer.py: BalancerConfig)
+    kp.balance.tam = { 0.5f, 0.01f, 0.05f, 0.005f, 0.05f, 0.95f, 1, -1 };
+    kp.balance.max_blocks = 32;
+    kp.vram_free_at_load = -1;
+    return kp;
+}
+
+bool kx_params_hybrid(const kx_params * kp) {
+    return kp && (kp->vram_budget > 0 || kp->gpu_slots >= 0 || kp->n_gpu_slots_layers > 0 || (kp->plan && *kp->plan));
+}
+
+static int32_t kx_fail(char * err, size_t err_size, int32_t code, const std::string & msg) {
+    if (err && err_size > 0) {
+        std::snprintf(err, err_size, "%s", msg.c_str());
+    }
+    return code;
+}
+
+static bool kx_slots_on_host(const kx_params * kp) {
+    return kp->slots_device && strcasecmp(kp->slots_device, "CPU") == 0;
+}
+
+// the device the slots (and so the budget) live on; nullptr without one
+static ggml_backend_dev_t kx_params_device(const kx_params * kp) {
+    if (kp->slots_device && *kp->slots_device) {
+        return ggml_backend_dev_by_name(kp->slots_device);
+    }
+    return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+}
+
+static int64_t kx_dev_free(ggml_backend_dev_t dev) {
+    size_t free = 0, total = 0;
+    ggml_backend_dev_memory(dev, &free, &total);
+    return (int64_t) free;
+}
+
+// ---------------------------------------------------------------- plan files
+// What the runtime reads of a `kairox plan` file (python/kairox/plan.py: Plan)
+struct kx_plan {
+    std::string model;                  // the model file's name it was made for
+    std::vector<int64_t> slot_neurons;  // per layer
+    std::vector<std::string> dense_cpu; // dense tensors kept in host memory
+};
+
+static kx_plan kx_plan_read(const std::string & path) {
+    std::ifstream f(path);
+    if (!f) {
+        throw std::runtime_error(kx_fmt("cannot read the plan %s: %s", path.c_str(), std::strerror(errno)));
+    }
+    kx_plan p;
+    try {
+        const nlohmann::json j = nlohmann::json::parse(f);
+        p.model = j.at("model").get<std::string>();
+        p.dense_cpu = j.at("dense_cpu").get<std::vector<std::string>>();
+        p.slot_neurons = j.at("slot_neurons").get<std::vector<int64_t>>();
+        if (p.slot_neurons.size() != j.at("slots").size()) {
+            throw std::runtime_error("no per-layer slot counts");
+        }
+    } catch (const std::exception & e) {
+        throw std::runtime_error(kx_fmt("%s is not a kairox plan file (%s); write one with `kairox plan`",
+                                        path.c_str(), e.what()));
+    }
+    return p;
+}
+
+static std::string kx_basename(const std::string & path) {
+    const size_t s = path.find_last_of('/');
+    return s == std::string::npos ? path : path.substr(s + 1);
+}
+
+// ---------------------------------------------------------------- model parameters
+// Patterns and override arrays handed to llama_model_params: they must outlive the load, and
+// a process loads few models, so they live as long as the process.
+static std::mutex kx_override_mu;
+static std::deque<std::vector<std::string>> kx_override_patterns;
+static std::deque<std::vector<llama_model_tensor_buft_override>> kx_override_arrays;
+
+// A regex per tensor kind (^blk\.(3|7)\.attn_q\.weight$), so llama.cpp's per-tensor matching stays short
+static std::vector<std::string> kx_cpu_patterns(const std::vector<std::string> & names) {
+    // hybrid layers compute their FFN on the CPU from host weights (and copy the hot rows to
+    // the GPU slots): the FFN tensors stay in host memory whatever -ngl offloads
+    std::vector<std::string> pats = { "blk\\.\\d+\\.ffn_(gate|up|down)\\.weight" };
+    std::map<std::string, std::vector<std::string>> kinds;
+    std::vector<std::string> other;
+    static const std::regex blk("blk\\.(\\d+)\\.(.+)");
+    auto esc = [](const std::string & s) {
+        static const std::regex special("[.^$|()\\[\\]{}*+?\\\\]");
+        return std::regex_replace(s, special, "\\$&");
+    };
+    std::vector<std::string> order;
+    for (const std::string & n : names) {
+        std::smatch m;
+        if (std::regex_match(n, m, blk)) {
+            if (!kinds.count(m[2])) {
+                order.push_back(m[2]);
+            }
+            kinds[m[2]].push_back(m[1]);
+        } else {
+            other.push_back(n);
+        }
+    }
+    for (const std::string & k : order) {
+        std::string ids;
+        for (const std::string & i : kinds[k]) {
+            ids += (ids.empty() ? "" : "|") + i;
+        }
+        pats.push_back("^blk\\.(" + ids + ")\\." + esc(k) + "$");
+    }
+    for (const std::string & n : other) {
+        pats.push_back("^" + esc(n) + "$");
+    }
+    return pats;
+}
+
+int32_t kx_model_params_apply(kx_params * kp, llama_model_params * mp, char * err, size_t err_size) {
+    if (!kp || !mp) {
+        return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_model_params_apply: kp and mp are required");
+    }
+    kp->vram_free_at_load = -1;
+    if (!kx_params_hybrid(kp)) {
+        if (kp->sparse == KX_SPARSE_EXACT || kp->sparse == KX_SPARSE_PREDICTED ||
+            (kp->sparse == KX_SPARSE_AUTO && kp->sparse_pack && *kp->sparse_pack)) {
+            mp->use_extra_bufts = false; // repacked rows are interleaved: row gathers cannot read them
+        }
+        return kx_fail(err, err_size, KX_OK, "");
+    }
+    std::vector<std::string> dense_cpu;
+    if (kp->plan && *kp->plan) {
+        try {
+            dense_cpu = kx_plan_read(kp->plan).dense_cpu;
+        } catch (const std::exception & e) {
+            return kx_fail(err, err_size, KX_ERR_PARAMS, e.what());
+        }
+    }
+    const bool pinned = kp->pinned && !kx_slots_on_host(kp);
+    if (kp->vram_budget > 0) {
+        ggml_backend_dev_t dev = kx_slots_on_host(kp) ? nullptr : kx_params_device(kp);
+        if (!dev || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) {
+            return kx_fail(err, err_size, KX_ERR_PARAMS,
+                           "a VRAM budget needs a GPU, and this build or machine has none; give a slot count "
+                           "(--gpu-slots) with the slots on the CPU to run the split without one");
+        }
+        kp->vram_free_at_load = kx_dev_free(dev);
+    }
+    ggml_backend_buffer_type_t host = pinned ? kx_host_buffer_type(true)
+        : ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
+    std::lock_guard<std::mutex> lk(kx_override_mu);
+    std::vector<std::string> & pats = kx_override_patterns.emplace_back(kx_cpu_patterns(dense_cpu));
+    std::vector<llama_model_tensor_buft_override> & arr = kx_override_arrays.emplace_back();
+    for (const std::string & p : pats) {
+        arr.push_back({ p.c_str(), host });
+    }
+    // the caller's own overrides after ours: the FFN must be in host memory for the split
+    for (const llama_model_tensor_buft_override * o = mp->tensor_buft_overrides; o && o->pattern; ++o) {
+        arr.push_back(*o);
+    }
+    arr.push_back({ nullptr, nullptr });
+    mp->tensor_buft_overrides = arr.data();
+    mp->use_extra_bufts = false;
+    if (pinned) {
+        // llama.cpp keeps mapped weights in pageable CPU buffers whatever an override asks
+        // (no host buffer with mmap): page-locked host weights are read, not mapped
+        switch (mp->load_mode) {
+            case LLAMA_LOAD_MODE_MMAP_MLOCK: mp->load_mode = LLAMA_LOAD_MODE_MLOCK; break;
+            case LLAMA_LOAD_MODE_MLOCK:
+            case LLAMA_LOAD_MODE_DIRECT_IO:  break;
+            default:                         mp->load_mode = LLAMA_LOAD_MODE_NONE; break;
+        }
+    }
+    return kx_fail(err, err_size, KX_OK, "");
+}
+
+// ---------------------------------------------------------------- the context
+static std::string kx_pack_path_for(const std::string & model_path) {
+    const size_t slash = model_path.find_last_of('/');
+    const size_t start = slash == std::string::npos ? 0 : slash + 1;
+    std::string stem = model_path;
+    if (stem.size() - start > 5 && strcasecmp(stem.c_str() + stem.size() - 5, ".gguf") == 0) {
+        stem.resize(stem.size() - 5);
+    }
+    return stem + ".kxpack.gguf";
+}
+
+// bytes one slot holds (gate + up + down rows) and the GPU predictors with their maps (python: plan.slot_costs)
+struct kx_slot_costs {
+    int64_t per_neuron = 0;
+    int64_t pred = 0;
+    int64_t n_ff = 0;
+};
+
+static kx_slot_costs kx_slot_costs_of(const llama_model & model, const kx_pack & pack) {
+    kx_slot_costs c;
+    const llama_layer & l0 = model.layers.at(0);
+    if (!l0.ffn_gate || !l0.ffn_up || pack.layers.empty() || !pack.layers[0].down_t) {
+        throw std::runtime_error("this model has no gated FFN with a pack down projection; it cannot have neuron slots");
+    }
+    c.n_ff = pack.n_ff;
+    c.per_neuron = (int64_t) (l0.ffn_gate->nb[1] + l0.ffn_up->nb[1] + pack.layers[0].down_t->nb[1]);
+    for (const kx_pack_layer & pl : pack.layers) {
+        for (const ggml_tensor * t : { pl.pred_a, pl.pred_b, pl.pred_c }) {
+            c.pred += t ? (int64_t) ggml_nbytes(t) : 0;
+        }
+    }
+    c.pred += pack.n_layer * 4 * pack.n_ff;
+    return c;
+}
+
+static std::string kx_vram_text(const kx_vram_report & v) {
+    auto mib = [](int64_t b) { return kx_fmt("%.0f MiB", (double) b / (1 << 20)); };
+    return kx_fmt("VRAM %s of %s: base %s (dense tensors, KV cache, compute buffers), slots %s (%lld neurons), "
+                  "rest %s (predictors, maps, workspaces)", mib(v.used).c_str(), mib(v.budget).c_str(),
+                  mib(v.base).c_str(), mib(v.slots).c_str(), (long long) v.n_slots,
+                  mib(v.used - v.base - v.slots).c_str());
+}
+
+// device memory in use after one full batch (the largest graph) and one decode step; the
+// context is left empty (memory cleared, timings reset)
+static int64_t kx_warm_used(llama_context * ctx, ggml_backend_dev_t dev, int64_t free0) {
+    const llama_vocab * vocab = llama_model_get_vocab(&ctx->get_model());
+    llama_token tok = llama_vocab_bos(vocab);
+    if (tok == LLAMA_TOKEN_NULL) {
+        tok = 0;
+    }
+    const int32_t n = std::max<int32_t>(1, std::min<int32_t>((int32_t) llama_n_ubatch(ctx), (int32_t) llama_n_ctx(ctx) - 2));
+    std::vector<llama_token> toks((size_t) n, tok);
+    if (llama_decode(ctx, llama_batch_get_one(toks.data(), n)) != 0 || llama_decode(ctx, llama_batch_get_one(&tok, 1)) != 0) {
+        throw std::runtime_error("the warm-up batch of the VRAM budget failed to decode");
+    }
+    llama_synchronize(ctx);
+    const int64_t used = free0 - kx_dev_free(dev);
+    llama_memory_clear(llama_get_memory(ctx), true);
+    llama_perf_context_reset(ctx);
+    return used;
+}
+
+namespace {
+// a failure with its kx_status
+struct kx_apply_error : std::runtime_error {
+    int32_t code;
+    kx_apply_error(int32_t c, const std::string & m) : std::runtime_error(m), code(c) {}
+};
+}
+
+static void kx_check(int32_t rc, int32_t code, const char * what, const char * err) {
+    if (rc != 0) {
+        throw kx_apply_error(code, std::string(what) + err);
+    }
+}
+
+static void kx_params_validate(const kx_params * kp, bool hybrid) {
+    auto bad = [](const std::string & m) { throw kx_apply_error(KX_ERR_PARAMS, m); };
+    if (kp->sparse < KX_SPARSE_AUTO || kp->sparse > KX_SPARSE_PREDICTED) {
+        bad(kx_fmt("unknown sparse mode %d (-1 auto, 0 dense, 1 exact, 2 predicted)", kp->sparse));
+    }
+    if (kp->vram_budget < 0) {
+        bad("the VRAM budget must be a size > 0");
+    }
+    if (!(kp->mapped_share >= 0.0f && kp->mapped_share < 1.0f)) {
+        bad(kx_fmt("the mapped share must be in [0, 1), not %g", (double) kp->mapped_share));
+    }
+    if (kp->balancer < KX_BALANCER_OFF || kp->balancer > KX_BALANCER_ADAPTIVE) {
+        bad(kx_fmt("unknown balancer mode %d (0 off, 1 fixed, 2 adaptive)", kp->balancer));
+    }
+    const kx_tam_config & t = kp->balance.tam;
+    if (kp->balancer != KX_BALANCER_OFF && !(0 < t.lam_min && t.lam_min <= t.lam && t.lam <= t.lam_max && t.lam_max < 1)) {
+        bad(kx_fmt("the balancer's lambda must lie in [%g, %g], not %g", (double) t.lam_min, (double) t.lam_max, (double) t.lam));
+    }
+    if (hybrid && kp->sparse == KX_SPARSE_DENSE) {
+        bad("GPU slots, a VRAM budget and a plan place FFN neurons on the GPU: they need a sparse mode "
+            "(exact or predicted), not dense");
+    }
+    if (kp->gpu_slots >= 0 && kp->n_gpu_slots_layers > 0) {
+        bad("give one slot count for every layer or one per layer, not both");
+    }
+    if ((kp->gpu_slots >= 0 || kp->n_gpu_slots_layers > 0) && kp->plan && *kp->plan) {
+        bad("give either GPU slot counts or a plan (the plan holds the slot counts), not both");
+    }
+    if (kp->balancer != KX_BALANCER_OFF && !hybrid) {
+        bad("the balancer moves neurons between GPU slots and the CPU: give GPU slots, a VRAM budget or a plan");
+    }
+    if (kp->balance.pipeline && kp->balancer == KX_BALANCER_OFF) {
+        bad("the balancer's pipeline is a mode of the live balancer: turn the balancer on too");
+    }
+    if (kp->mapped_share > 0.0f && !hybrid) {
+        bad("a mapped share splits the host side of the hybrid FFN: give GPU slots, a VRAM budget or a plan");
+    }
+    if (kp->mapped_share > 0.0f && kp->balancer != KX_BALANCER_OFF) {
+        bad("a mapped share and the balancer do not mix: the balancer moves neurons between the GPU slots and the CPU only");
+    }
+    if (kp->trace && *kp->trace && kp->balancer == KX_BALANCER_OFF) {
+        bad("a balancer trace needs the balancer: turn it on (fixed or adaptive)");
+    }
+}
+
+static void kx_start_balancer(llama_model * model, const kx_params * kp) {
+    if (kp->balancer == KX_BALANCER_OFF) {
+        return;
+    }
+    kx_balance_params bp = kp->balance;
+    bp.tam.adaptive = kp->balancer == KX_BALANCER_ADAPTIVE;
+    char e[1024];
+    kx_check(kx_model_balancer_start(model, &bp, e, sizeof(e)), KX_ERR_PARAMS, "the balancer: ", e);
+}
+
+// slots, mode, share, balancer: the hybrid on these counts
+static void kx_place(llama_context * ctx, llama_model * model, const kx_params * kp, const std::vector<int64_t> & counts,
+                     int32_t mode, int32_t refuse) {
+    char e[1024];
+    kx_check(kx_model_set_slots(model, counts.data(), (int32_t) counts.size(), kp->slots_device, e, sizeof(e)),
+             refuse, "neuron slots: ", e);
+    model->kx_pack_ptr->slots->warm_on = kp->warm;
+    kx_check(kx_context_set_sparse(ctx, mode, e, sizeof(e)), refuse, "", e);
+    if (kp->mapped_share > 0.0f) {
+        kx_check(kx_context_set_mapped_share(ctx, kp->mapped_share, e, sizeof(e)), KX_ERR_PARAMS, "", e);
+    }
+    kx_start_balancer(model, kp);
+}
+
+static void kx_apply(llama_context * ctx, const std::string & model_path, const kx_params * kp) {
+    const bool hybrid = kx_params_hybrid(kp);
+    kx_params_validate(kp, hybrid);
+    const bool has_pack_name = kp->sparse_pack && *kp->sparse_pack;
+    const bool wants_sparse = kp->sparse == KX_SPARSE_EXACT || kp->sparse == KX_SPARSE_PREDICTED ||
+                              (kp->sparse == KX_SPARSE_AUTO && (has_pack_name || hybrid));
+    if (!wants_sparse) {
+        return;
+    }
+    llama_model * model = const_cast<llama_model *>(&ctx->get_model());
+    const bool budgeted = kp->vram_budget > 0;
+    // without the hybrid, a budget would leave every layer on the GPU, dense
+    const int32_t refuse = budgeted ? KX_ERR_BUDGET : KX_ERR_PACK;
+    const char * why = budgeted ? "the VRAM budget needs kairox's hybrid FFN, which is unavailable: " : "";
+    const std::string pack = has_pack_name ? kp->sparse_pack : kx_pack_path_for(model_path);
+    char e[1024];
+    if (model->kx_pack_ptr && model->kx_pack_ptr->slots) {
+        // a model applied to again (llama-bench reuses one across rows): its old slots go
+        // first, so neither the budget's base nor the retired pack keeps their device memory
+        kx_model_set_slots(model, nullptr, 0, nullptr, e, sizeof(e));
+    }
+    kx_check(kx_model_load_pack(model, model_path.c_str(), pack.c_str(), e, sizeof(e)), refuse, why, e);
+    const int32_t mode = kp->sparse != KX_SPARSE_AUTO ? kp->sparse
+                       : kx_model_pack_has_predictor(model) ? KX_SPARSE_PREDICTED : KX_SPARSE_EXACT;
+    if (!hybrid) {
+        kx_check(kx_context_set_sparse(ctx, mode, e, sizeof(e)), KX_ERR_PACK, "", e);
+        return;
+    }
+    const int32_t n_layer = (int32_t) model->hparams.n_layer();
+    std::vector<int64_t> counts;
+    bool automatic = false;
+    if (kp->n_gpu_slots_layers > 0) {
+        if (!kp->gpu_slots_layers || kp->n_gpu_slots_layers != n_layer) {
+            throw kx_apply_error(KX_ERR_PARAMS, kx_fmt("the GPU slot counts have %d values, the model has %d layers",
+                                                       kp->n_gpu_slots_layers, n_layer));
+        }
+        counts.assign(kp->gpu_slots_layers, kp->gpu_slots_layers + n_layer);
+        for (int64_t c : counts) {
+            if (c < 0) {
+                throw kx_apply_error(KX_ERR_PARAMS, "GPU slot counts must be >= 0");
+            }
+        }
+    } else if (kp->gpu_slots >= 0) {
+        counts.assign((size_t) n_layer, kp->gpu_slots);
+    } else if (kp->plan && *kp->plan) {
+        kx_plan plan;
+        try {
+            plan = kx_plan_read(kp->plan);
+        } catch (const std::exception & ex) {
+            throw kx_apply_error(KX_ERR_PARAMS, ex.what());
+        }
+        if (plan.model != kx_basename(model_path)) {
+            throw kx_apply_error(KX_ERR_PARAMS, kx_fmt("the plan %s was made for %s, not %s", kp->plan,
+                                                       plan.model.c_str(), kx_basename(model_path).c_str()));
+        }
+        if ((int32_t) plan.slot_neurons.size() != n_layer) {
+            throw kx_apply_error(KX_ERR_PARAMS, kx_fmt("the plan %s has %zu layers, the model %d", kp->plan,
+                                                       plan.slot_neurons.size(), n_layer));
+        }
+        counts = plan.slot_neurons;
+    } else {
+        automatic = true; // from the budget
+    }
+    kx_vram_report v = {};
+    ggml_backend_dev_t dev = nullptr;
+    kx_slot_costs costs;
+    if (budgeted) {
+        dev = kx_params_device(kp);
+        if (!dev || kp->vram_free_at_load < 0) {
+            throw kx_apply_error(KX_ERR_PARAMS, "a VRAM budget is measured from before the model loads: load it with "
+                                                "parameters from kx_model_params_apply");
+        }
+        try {
+            costs = kx_slot_costs_of(*model, *model->kx_pack_ptr);
+        } catch (const std::exception & ex) {
+            throw kx_apply_error(KX_ERR_BUDGET, std::string(why) + ex.what());
+        }
+        v.budget = kp->vram_budget;
+        v.base = kp->vram_free_at_load - kx_dev_free(dev);
+        if (automatic) {
+            const int64_t s = kx_budget_auto_slots(v.budget, v.base, costs.per_neuron, costs.pred, n_layer, costs.n_ff,
+                                                   e, sizeof(e));
+            if (s < 0) {
+                throw kx_apply_error(KX_ERR_BUDGET, e);
+            }
+            counts.assign((size_t) n_layer, s);
+        } else if (kx_budget_check_slots(v.budget, v.base, costs.per_neuron, costs.pred, costs.n_ff, counts.data(),
+                                         n_layer, e, sizeof(e))) {
+            throw kx_apply_error(KX_ERR_BUDGET, e);
+        }
+    }
+    kx_place(ctx, model, kp, counts, mode, refuse);
+    if (budgeted) {
+        v.used = kx_warm_used(ctx, dev, kp->vram_free_at_load);
+        if (v.used > v.budget && automatic) {
+            // the hybrid graph took more than the margin: give the overflow back once
+            kx_budget_shrink(counts.data(), n_layer, v.used - v.budget + kx_budget_margin(v.budget), costs.per_neuron);
+            kx_place(ctx, model, kp, counts, mode, refuse);
+            v.used = kx_warm_used(ctx, dev, kp->vram_free_at_load);
+        }
+        v.slots = kx_model_slots_bytes(model);
+        for (int64_t c : counts) {
+            v.n_slots += std::min(c, costs.n_ff);
+        }
+        kx_ctx_state & st = kx_ctx_state_of(ctx);
+        st.vram = v;
+        st.has_vram = true;
+        if (v.used > v.budget) {
+            throw kx_apply_error(KX_ERR_BUDGET, "over the VRAM budget after a warm-up batch: " + kx_vram_text(v));
+        }
+        LLAMA_LOG_INFO("kairox: %s\n", kx_vram_text(v).c_str());
+        kx_start_balancer(model, kp); // afresh: the warm-up's steps are not the run's
+    }
+    if (kp->trace && *kp->trace) {
+        kx_ctx_state & st = kx_ctx_state_of(ctx);
+        FILE * f = std::fopen(kp->trace, "w");
+        if (!f) {
+            throw kx_apply_error(KX_ERR_PARAMS, kx_fmt("cannot write the balancer trace %s: %s", kp->trace,
+                                                       std::strerror(errno)));
+        }
+        if (st.trace) {
+            std::fclose(st.trace);
+        }
+        st.trace = f;
+        st.trace_path = kp->trace;
+        st.written = 0;
+    }
+}
+
+int32_t kx_context_apply(llama_context * ctx, const char * model_path, const kx_params * kp, char * err,
+                         size_t err_size) {
+    if (!ctx || !model_path || !kp) {
+        return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_context_apply: ctx, model_path and kp are required");
+    }
+    try {
+        kx_apply(ctx, model_path, kp);
+    } catch (const kx_apply_error & e) {
+        if (e.code == KX_ERR_PACK || e.code == KX_ERR_BUDGET) {
+            // whatever was placed goes: the context runs dense, as llama.cpp would
+            llama_model * model = const_cast<llama_model *>(&ctx->get_model());
+            char e2[256];
+            kx_context_set_sparse(ctx, KX_SPARSE_DENSE, e2, sizeof(e2));
+            if (model->kx_pack_ptr) {
+                kx_model_set_slots(model, nullptr, 0, nullptr, e2, sizeof(e2));
+            }
+        }
+        return kx_fail(err, err_size, e.code, e.what());
+    } catch (const std::exception & e) {
+        return kx_fail(err, err_size, KX_ERR_FAILED, e.what());
+    }
+    return kx_fail(err, err_size, KX_OK, "");
+}
+
+bool kx_context_vram(const llama_context * ctx, kx_vram_report * out) {
+    const kx_ctx_state * st = ctx ? kx_ctx_state_find(ctx) : nullptr;
+    if (!st || !st->has_vram) {
+        return false;
+    }
+    if (out) {
+        *out = st->vram;
+    }
+    return true;
+}

@@ -1,0 +1,156 @@
+"""kairox's parameters through llama.cpp's own tools (patch 0005: common/arg.cpp) and through
+a plain libllama client: the hybrid split, the balancer run by the runtime's own per-decode
+boundary (patch 0009), its trace, the environment-variable forms, and refused values.
+
+Runs on the CPU: the slots live in host memory (--kx-slots-device CPU), which exercises the
+same split, maps and balancer as a GPU run, without a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from test_hybrid import synth_model  # noqa: F401  (KB-tiny with a pack: a pytest fixture)
+from test_sparse import same_text
+
+CPU_SLOTS = ("--kx-slots-device", "CPU")
+
+
+def tool(native: Path, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    exe = native.parent / "bin" / name
+    if not exe.exists():
+        pytest.skip(f"{exe} is not built")
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, env=full_env)
+
+
+def complete(native: Path, model: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return tool(native, "llama-completion", "-m", str(model), "-p", "Once upon a time", "-n", "48", "--temp", "0",
+                "-no-cnv", "-t", "2", "--no-warmup", *extra, env=env)
+
+
+@pytest.fixture(scope="module")
+def dense_text(native: Path, synth_model: Path) -> str:  # noqa: F811
+    r = complete(native, synth_model)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_hybrid_split_in_the_completion_tool(native: Path, synth_model: Path, dense_text: str) -> None:  # noqa: F811
+    """--gpu-slots places each layer's hottest neurons in slots; exact mode over the split
+    computes every active neuron once, so the text is dense's (a ReLU model)."""
+    r = complete(native, synth_model, "--sparse", "exact", "--gpu-slots", "24", *CPU_SLOTS)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "neurons in slots on CPU" in r.stderr and "FFN mode exact" in r.stderr
+    assert same_text(r.stdout, dense_text), (r.stdout, dense_text)
+
+
+def test_the_runtime_runs_the_balancer_for_a_plain_tool(native: Path, synth_model: Path, dense_text: str,  # noqa: F811
+                                                        tmp_path: Path) -> None:
+    """llama-completion has no code of kairox's between tokens: the balancer's steps and
+    its trace come from libllama's own boundary. Output stays dense's (exact mode)."""
+    trace = tmp_path / "trace.jsonl"
+    r = complete(native, synth_model, "--sparse", "exact", "--gpu-slots", "8,40", *CPU_SLOTS,
+                 "--balancer", "adaptive", "--balancer-lambda", "0.3", "--kx-trace", str(trace))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert same_text(r.stdout, dense_text), (r.stdout, dense_text)
+    from kairox.report import read_trace
+    recs = read_trace(trace)
+    steps = {x["step"] for x in recs}
+    # one step per decode after the prompt's (48 tokens generated: the prompt pass and 47 decodes)
+    assert len(steps) >= 40, len(steps)
+    assert {x["layer"] for x in recs} == {0, 1}
+    assert any(x["n_load"] > 0 for x in recs)  # the balancer moved neurons
+    assert recs[0]["lam"] != 0.5                  # --balancer-lambda reached it (adapted from 0.3)
+
+
+def test_environment_names(native: Path, synth_model: Path, dense_text: str, tmp_path: Path) -> None:  # noqa: F811
+    trace = tmp_path / "env-trace.jsonl"
+    env = {"LLAMA_ARG_SPARSE": "exact", "LLAMA_ARG_GPU_SLOTS": "16", "LLAMA_ARG_KX_SLOTS_DEVICE": "CPU",
+           "LLAMA_ARG_BALANCER": "fixed", "LLAMA_ARG_KX_TRACE": str(trace)}
+    r = complete(native, synth_model, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "neurons in slots on CPU" in r.stderr
+    assert same_text(r.stdout, dense_text)
+    lines = trace.read_text().splitlines()
+    assert lines and all(json.loads(x)["stall"] in ("none", "io", "cpu") for x in lines)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--vram-budget", "lots"), "--vram-budget must be a size > 0 such as 7GiB"),
+    (("--vram-budget", "0"), "--vram-budget must be a size > 0"),
+    (("--gpu-slots", "-3"), "--gpu-slots must be a whole number >= 0"),
+    (("--gpu-slots", "8,x"), "--gpu-slots must be a whole number >= 0, not 'x'"),
+    (("--mapped-share", "1.5"), "--mapped-share must be a number in [0, 1)"),
+    (("--balancer", "sometimes"), "--balancer must be off, fixed or adaptive"),
+    (("--balancer-lambda", "2"), "--balancer-lambda must be a number in [0.05, 0.95]"),
+    (("--balancer-max-admit", "many"), "--balancer-max-admit must be a whole number"),
+    (("--sparse", "fast"), "--sparse must be dense, exact or predicted"),
+])
+def test_bad_values_are_refused_with_a_sentence(native: Path, synth_model: Path, args: tuple[str, ...],  # noqa: F811
+                                                message: str) -> None:
+    r = complete(native, synth_model, *args)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr[-1500:]
+
+
+def test_bad_environment_value_is_refused(native: Path, synth_model: Path) -> None:  # noqa: F811
+    r = complete(native, synth_model, env={"LLAMA_ARG_VRAM_BUDGET": "seven"})
+    assert r.returncode != 0
+    assert "LLAMA_ARG_VRAM_BUDGET" in r.stderr and "must be a size" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--balancer", "fixed"), "the balancer moves neurons between GPU slots and the CPU"),
+    (("--gpu-slots", "8", *CPU_SLOTS, "--kx-trace", "t.jsonl"), "a balancer trace needs the balancer"),
+    (("--gpu-slots", "8", *CPU_SLOTS, "--sparse", "dense"), "need a sparse mode"),
+    (("--gpu-slots", "8", *CPU_SLOTS, "--mapped-share", "0.5", "--balancer", "fixed"), "do not mix"),
+])
+def test_contradictory_settings_stop_the_tool(native: Path, synth_model: Path, args: tuple[str, ...],  # noqa: F811
+                                              message: str, tmp_path: Path) -> None:
+    r = complete(native, synth_model, *args)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr[-1500:]
+
+
+def test_a_budget_without_a_gpu_is_an_error(native: Path, synth_model: Path) -> None:  # noqa: F811
+    from kairox._native import has_gpu
+    if has_gpu():
+        pytest.skip("this machine has a GPU")
+    r = complete(native, synth_model, "--vram-budget", "1GiB")
+    assert r.returncode != 0
+    assert "a VRAM budget needs a GPU" in r.stderr
+
+
+def test_help_lists_the_options(native: Path) -> None:
+    r = tool(native, "llama-completion", "--help")
+    for flag in ("--vram-budget", "--gpu-slots", "--kx-plan", "--mapped-share", "--balancer ", "--balancer-lambda",
+                 "--balancer-pipeline", "--kx-trace", "--sparse-pack", "LLAMA_ARG_VRAM_BUDGET"):
+        assert flag in r.stdout, flag
+
+
+def test_llama_cpp_python_own_llama_gets_the_boundary(native: Path, synth_model: Path) -> None:  # noqa: F811
+    """A libllama client that is not kairox's (llama-cpp-python's own Llama) applies the
+    parameters once; the runtime then balances after each of its decodes."""
+    from kairox import capi
+    from kairox.llama import _lib, llama_cpp
+    llm = llama_cpp.Llama(str(synth_model), n_ctx=128, n_threads=2, verbose=False)
+    try:
+        kp = _lib.kx_params_default()
+        kp.sparse, kp.gpu_slots, kp.slots_device = 1, 16, b"CPU"
+        kp.balancer = capi.BALANCER_MODES.index("fixed")
+        err = ctypes.create_string_buffer(512)
+        assert _lib.kx_context_apply(llm._ctx.ctx, os.fsencode(synth_model), ctypes.byref(kp), err, 512) == 0, err.value
+        out = llm("Once upon a time", max_tokens=12, temperature=0.0)
+        assert out["choices"][0]["text"]
+        n = _lib.kx_model_balance_trace(llm._model.model, None, 0)
+        recs = (capi.BalanceRecord * max(n, 1))()
+        n = _lib.kx_model_balance_trace(llm._model.model, recs, n)
+        assert len({r.step for r in recs[:n]}) >= 10  # a step per decode, with no call of ours
+    finally:
+        llm.close()

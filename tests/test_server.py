@@ -1,0 +1,190 @@
+"""The servers with the hybrid FFN, through the official `openai` client: llama.cpp's
+llama-server (kairox-server) with kairox's flags, and `python -m kairox.server`
+(llama-cpp-python's server on kairox.Llama).
+
+Both run on the CPU here: the slots live in host memory (--kx-slots-device CPU), the same
+split, maps and balancer as on a GPU. Exact mode over the split computes every active neuron
+once, so greedy completions must equal the dense server's. Traffic stays on 127.0.0.1; every
+request has a timeout and every server is stopped at the end of its fixture.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from test_hybrid import synth_model  # noqa: F401  (KB-tiny with a pack: a pytest fixture)
+
+openai = pytest.importorskip("openai", reason="the openai client is installed by scripts/setup.sh --test")
+
+HYBRID = ("--sparse", "exact", "--gpu-slots", "24", "--kx-slots-device", "CPU")
+PROMPT = "Once upon a time"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
+        self.port, self.log = port, log
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited ({self.proc.returncode}): {log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.3)
+        else:
+            self.stop()
+            raise AssertionError(f"server did not come up: {log.read_text()[-3000:]}")
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def _llama_server(native: Path, model: Path, tmp: Path, name: str, *extra: str) -> Server:
+    exe = native.parent / "bin" / "llama-server"
+    if not exe.exists():
+        pytest.skip(f"{exe} is not built")
+    port = _free_port()
+    return Server([str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", "1024",
+                   "--parallel", "2", "--no-warmup", "--no-webui", *extra], port, tmp / f"{name}.log")
+
+
+@pytest.fixture(scope="module")
+def dense_server(native: Path, synth_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # noqa: F811
+    s = _llama_server(native, synth_model, tmp_path_factory.mktemp("srv"), "dense")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(native: Path, synth_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # noqa: F811
+    tmp = tmp_path_factory.mktemp("srv")
+    s = _llama_server(native, synth_model, tmp, "hybrid", *HYBRID, "--balancer", "fixed",
+                      "--kx-trace", str(tmp / "trace.jsonl"))
+    s.trace = tmp / "trace.jsonl"
+    yield s
+    s.stop()
+
+
+def _complete(s: Server, prompt: str = PROMPT, n: int = 24, **kw) -> str:
+    r = s.client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=0, **kw)
+    return r.choices[0].text
+
+
+def test_completion_equals_the_dense_server(dense_server: Server, hybrid_server: Server) -> None:
+    want = _complete(dense_server)
+    assert len(want) > 20
+    assert _complete(hybrid_server) == want
+    log = hybrid_server.log.read_text()
+    assert "neurons in slots on CPU" in log and "FFN mode exact" in log
+
+
+def test_stream_and_stop(dense_server: Server, hybrid_server: Server) -> None:
+    want = _complete(dense_server, n=32)
+    parts = [c.choices[0].text for c in hybrid_server.client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=32, temperature=0, stream=True)]
+    assert len(parts) > 3 and "".join(parts) == want
+    stop = want[10:14]
+    got = _complete(hybrid_server, n=32, stop=[stop])
+    assert got == want[:want.index(stop)], (got, want, stop)
+
+
+def test_chat(dense_server: Server, hybrid_server: Server) -> None:
+    msgs = [{"role": "user", "content": "Say something."}]
+    want = dense_server.client.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0)
+    got = hybrid_server.client.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+
+
+def test_two_concurrent_requests(dense_server: Server, hybrid_server: Server) -> None:
+    prompts = [PROMPT, "The meaning of life is"]
+    want = [_complete(dense_server, p, n=40) for p in prompts]
+    got: list[str | None] = [None, None]
+
+    def one(i: int) -> None:
+        got[i] = _complete(hybrid_server, prompts[i], n=40)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    # two slots decode in one batch (2 tokens: within the sparse path's limit)
+    assert got == want
+
+
+def test_a_cancelled_stream_then_a_new_request(dense_server: Server, hybrid_server: Server) -> None:
+    want = _complete(dense_server, n=24)
+    stream = hybrid_server.client.completions.create(model="m", prompt="Far away", max_tokens=400, temperature=0,
+                                                     stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the client goes away mid-stream
+    assert _complete(hybrid_server, n=24) == want
+    assert hybrid_server.proc.poll() is None
+
+
+def test_the_server_runs_the_balancer(hybrid_server: Server) -> None:
+    """llama-server has no code of kairox's between tokens: the runtime's boundary runs the
+    balancer, and its trace (written as it goes) is `kairox report`'s input."""
+    _complete(hybrid_server, n=16)
+    from kairox.report import read_trace
+    recs = read_trace(hybrid_server.trace)
+    assert len({r["step"] for r in recs}) >= 10
+
+
+# --------------------------------------------------------------- python -m kairox.server
+
+
+@pytest.fixture(scope="module")
+def py_server(native: Path, synth_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # noqa: F811
+    pytest.importorskip("uvicorn", reason="the server packages are installed by scripts/setup.sh")
+    port = _free_port()
+    root = Path(__file__).resolve().parent.parent
+    env = {"PYTHONPATH": os.pathsep.join([str(root / "python"), os.environ.get("PYTHONPATH", "")])}
+    s = Server([sys.executable, "-m", "kairox.server", "--model", str(synth_model), "--host", "127.0.0.1",
+                "--port", str(port), "--n_ctx", "512", "--n_threads", "2", "--sparse", "exact", "--gpu_slots", "24",
+                "--kx_slots_device", "CPU", "--balancer", "adaptive"],
+               port, tmp_path_factory.mktemp("pysrv") / "py.log", env=env)
+    yield s
+    s.stop()
+
+
+def test_python_server_answers_the_same_client(dense_server: Server, py_server: Server) -> None:
+    want = _complete(dense_server, n=24)
+    assert _complete(py_server, n=24) == want
+    parts = [c.choices[0].text for c in py_server.client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=24, temperature=0, stream=True)]
+    assert "".join(parts) == want
+
+
+def test_python_server_refuses_bad_options(synth_model: Path) -> None:  # noqa: F811
+    pytest.importorskip("uvicorn")
+    from kairox import server
+    assert server.main(["--model", str(synth_model), "--balancer", "sometimes"]) == 2
+    assert server.main(["--model", "/nonexistent.gguf"]) == 2
