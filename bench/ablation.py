@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from offload import result_name  # noqa: E402
 
-# the ablation's steps, in order (kind -> what the row adds)
+# the ablation's steps, in order (kind -> what the row adds); static-split and static-sync are
+# rows of older results only (bench/results/balance-live/fused/), their switches retired
 STEPS = {"static-split": "static split, CPU part as four nodes (gate rows, up rows, GLU, axpy)",
          "static-sync": "static split, the scheduler's stock synchronous hand-off copies",
          "static": "static split (profiled hot neurons in the slots)",

@@ -31,15 +31,11 @@ from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 # pipe*: one layer ahead within each token; pipe-thread: its prefetch made by the balancer's
 # own thread beside the CPU part (give it a core: a row thread count below the cores);
 # mapped:F: the static split with the GPU computing share F of the host side over PCIe
-# (kairox.Llama mapped_share; F in the λ position);
-# static-split / static-sync: the static split with the CPU part as four graph nodes
-# (KX_FFN_SPLIT=1, the form before the fused kx_ffn_rows op) / with the scheduler's stock
-# synchronous hand-off copies (KX_SYNC_COPIES=1, patch 0008)
-ROWS = ("static-split", "static-sync", "static", "mapped", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
-POLICY = {"mapped": "static", "pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive", "static-split": "static",
-          "static-sync": "static"}
+# (kairox.Llama mapped_share; F in the λ position). Older results also hold static-split and
+# static-sync rows, whose switches are retired (docs/benchmarking.md, "Switches retired").
+ROWS = ("static", "mapped", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
+POLICY = {"mapped": "static", "pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive"}
 PIPELINED = ("pipe", "pipe-fixed", "pipe-thread")
-ROW_ENV = {"static-split": {"KX_FFN_SPLIT": "1"}, "static-sync": {"KX_SYNC_COPIES": "1"}}
 
 
 def parse_row(spec: str, lam: float, max_admit: int | None,
@@ -55,8 +51,8 @@ def parse_row(spec: str, lam: float, max_admit: int | None,
 
 
 def split_env(spec: str) -> tuple[str, dict[str, str]]:
-    """ROW[@VAR=VAL...] -> (ROW, {VAR: VAL}): a row run with extra environment (an A/B switch
-    such as KX_FFN_PREFETCH=0); a VAR starting with -- is an argument of bench/tpot.py
+    """ROW[@VAR=VAL...] -> (ROW, {VAR: VAL}): a row run with extra environment (such as
+    GGML_CUDA_DISABLE_GRAPHS=1); a VAR starting with -- is an argument of bench/tpot.py
     (@--flash-attn=off)."""
     head, *pairs = spec.split("@")
     env = {}
@@ -195,8 +191,7 @@ def main() -> int:
     traced = traced_pipe = False
 
     def write() -> None:
-        base = next((r["tok_s"] for r in results if r["row"] == "static"), None) or \
-            next((r["tok_s"] for r in results if r["row"] == "static-split"), None)
+        base = next((r["tok_s"] for r in results if r["row"] == "static"), None)
         lines = [f"# Live balancer: {args.config} at {budget:g} GiB, text drifting every {args.switch_every} tokens",
                  "",
                  f"{args.gen} decoded tokens (teacher-forced, after a {PROMPT}-token prompt), {args.threads} threads, "
@@ -262,7 +257,7 @@ def main() -> int:
             extra += ["--balance-trace", str(out / f"{name}-pipe.jsonl")]
             traced_pipe = True
         extra += ["--decide", "worker" if kind == "pipe-thread" else "auto" if kind in PIPELINED else args.decide]
-        row_env = {**ROW_ENV.get(kind, {}), **{k: v for k, v in renv.items() if not k.startswith("--")}}
+        row_env = {k: v for k, v in renv.items() if not k.startswith("--")}
         extra += [a for k, v in renv.items() if k.startswith("--") for a in (k, v)]
         res = tpot_run("kairox", "predicted", model, tokens, 999, threads, {**env, **row_env}, extra)
         if row_env:

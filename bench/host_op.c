@@ -155,11 +155,10 @@ int main(int argc, char ** argv) {
     }
     const double fired = (double) (listed_all - skipped_all) / reps / layers;
     const double bytes = (double) listed * w_row + fired * (w_row + d_row); // per layer
-    const char * rows1 = getenv("KX_FFN_ROWS1"); // the op's row-by-row switch, recorded
-    printf("{\"types\": \"%s\", \"act\": \"%s\", \"rows1\": %d, \"pages\": \"%s\", \"threads\": %d, \"layers\": %d, \"listed\": %d, \"fired\": %.1f, \"n_ff\": %lld, "
+    printf("{\"types\": \"%s\", \"act\": \"%s\", \"pages\": \"%s\", \"threads\": %d, \"layers\": %d, \"listed\": %d, \"fired\": %.1f, \"n_ff\": %lld, "
            "\"k\": %lld, \"mb_per_layer\": %.2f, \"us_per_layer_best\": %.1f, \"us_per_layer_mean\": %.1f, "
            "\"gbs_best\": %.2f, \"gbs_mean\": %.2f}\n",
-           f16 ? "f16" : "q4", silu ? "silu" : "relu", rows1 ? atoi(rows1) : 0, huge ? "2M" : "4k", nth, layers, listed, fired, (long long) n_ff, (long long) k, bytes / 1e6,
+           f16 ? "f16" : "q4", silu ? "silu" : "relu", huge ? "2M" : "4k", nth, layers, listed, fired, (long long) n_ff, (long long) k, bytes / 1e6,
            best / layers * 1e6, sum / reps / layers * 1e6, bytes * layers / best / 1e9, bytes * layers * reps / sum / 1e9);
     ggml_threadpool_free(tp);
     ggml_free(ctx);

@@ -349,11 +349,6 @@ def run_config(args: argparse.Namespace) -> int:
                          "command": res.pop("command")})
         add_hybrid("static hybrid", tpot_run("kairox", "predicted", model, tokens_file, 999, threads, kx_env,
                                              budget_arg + ["--pp", str(PP)]))
-        # A/B: the same run with the scheduler's CPU/GPU overlap off (stock split order); the
-        # same context (--pp), so the runtime picks the same slots
-        add_hybrid("static hybrid, no overlap", tpot_run("kairox", "predicted", model, tokens_file, 999, threads,
-                                                         {**kx_env, "KX_NO_OVERLAP": "1"},
-                                                         budget_arg + ["--pp", str(PP)]))
         if args.ab_pageable:  # A/B: host weights mapped from the file instead of page-locked
             add_hybrid("static hybrid, pageable host weights",
                        tpot_run("kairox", "predicted", model, tokens_file, 999, threads, kx_env,

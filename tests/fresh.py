@@ -1,6 +1,6 @@
-"""Run test code in a fresh Python process (test helper): the native library reads its
-switches (KX_FFN_*, KX_HOST_PAGES) once per process, so a test that sets one needs a
-process of its own. The child sees this process's import path plus the tests folder."""
+"""Run test code in a fresh Python process (test helper): a probe of the process's own memory
+(/proc/self/smaps) then sees only what it allocated, and an environment set for it stays
+out of the test process. The child sees this process's import path plus the tests folder."""
 from __future__ import annotations
 
 import os

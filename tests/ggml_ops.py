@@ -52,6 +52,7 @@ class GGML:
         b.ggml_kx_mul_mat_rows_gated.argtypes, b.ggml_kx_mul_mat_rows_gated.restype = [P, P, P, P, P, P], P
         b.ggml_kx_axpy_rows.argtypes, b.ggml_kx_axpy_rows.restype = [P, P, P, P, P], P
         b.ggml_kx_ffn_rows.argtypes, b.ggml_kx_ffn_rows.restype = [P, P, P, P, P, P, P, P, P, C.c_int], P
+        b.ggml_kx_ffn_rows_own_shares.argtypes = [P]
         for glu in ("ggml_reglu_split", "ggml_swiglu_split", "ggml_geglu_split"):
             getattr(b, glu).argtypes, getattr(b, glu).restype = [P, P, P], P
         c.ggml_graph_plan.argtypes, c.ggml_graph_plan.restype = [P, C.c_int, P], _CPlan
@@ -163,10 +164,12 @@ class GGML:
                  down_raw: bytes, down_type: str, n_down: int, m: int, x: np.ndarray, sel: np.ndarray, n: int,
                  act: str, rowmap: np.ndarray | None = None, downmap: np.ndarray | None = None,
                  gate_pre: np.ndarray | None = None, split: bool = False, n_threads: int = 1,
-                 use_ref: bool = False) -> np.ndarray:
+                 use_ref: bool = False, own_shares: bool = False) -> np.ndarray:
         """A sparse FFN over sel: gate/up [n_rows, k], down_t [n_down, m] (ggml bytes), x [T, k]
         -> [T, m]. split=True runs the four-node form instead of ggml_kx_ffn_rows (gate rows,
-        up rows, the stock GLU, axpy rows): the composition the fused op replaces."""
+        up rows, the stock GLU, axpy rows): the composition the fused op replaces. own_shares:
+        ReLU's chunks by each thread's own share first (ggml_kx_ffn_rows_own_shares, as after
+        the host-cache warm-up) instead of by a shared counter."""
         T = x.shape[0]
         ctx = self._ctx(len(gate_raw) + len(up_raw) + len(down_raw) + x.nbytes + 16 * n * T)
         try:
@@ -187,6 +190,8 @@ class GGML:
                 out = b.ggml_kx_axpy_rows(ctx, dw, h, st, dm)
             else:
                 out = self.base.ggml_kx_ffn_rows(ctx, gw, uw, dw, xt, st, rm, dm, gp, KX_SELECT_ACT[act])
+                if own_shares:
+                    self.base.ggml_kx_ffn_rows_own_shares(out)
             return self._run(ctx, out, n_threads, use_ref, (T, m), np.float32).copy()
         finally:
             self.base.ggml_free(ctx)

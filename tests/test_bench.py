@@ -85,12 +85,14 @@ def test_balance_live_rows_and_their_bound() -> None:
     assert bl.parse_row("static", 0.5, None, 16) == ("static", 0.5, None, 16)
     assert bl.parse_row("pipe-thread:0.9:32:15", 0.5, None, 16) == ("pipe-thread", 0.9, 32, 15)
     assert bl.parse_row("pipe::8", 0.5, None, 16) == ("pipe", 0.5, 8, 16)
-    assert bl.split_env("static@KX_FFN_PREFETCH=0@A=b") == ("static", {"KX_FFN_PREFETCH": "0", "A": "b"})
+    assert bl.split_env("static@GGML_CUDA_DISABLE_GRAPHS=1@A=b") == ("static", {"GGML_CUDA_DISABLE_GRAPHS": "1",
+                                                                                 "A": "b"})
     assert bl.split_env("pipe:0.9") == ("pipe:0.9", {})
     for bad in ("static@X", "static@=1"):
         with pytest.raises(ValueError):
             bl.split_env(bad)
-    for bad in ("pipes", "pipe:0.9:32:15:1"):
+    # static-split and static-sync: rows of older results, their switches retired
+    for bad in ("pipes", "pipe:0.9:32:15:1", "static-split", "static-sync"):
         with pytest.raises(ValueError):
             bl.parse_row(bad, 0.5, None, 16)
     # 2 layers of 10 neurons (1000 B each): 30 listed rows per token, 20 on the GPU
@@ -159,7 +161,9 @@ def test_ablation_compares_each_row_with_its_own_calls_static(tmp_path: Path) ->
 
     # the host warm-up is read from the counters, not the label: a default "static" row that
     # warmed is shown apart from one with KX_WARM=0, and only the unwarmed static is the base
-    # (stealing likewise: a warmed row whose threads took chunks is a step of its own)
+    # (stealing likewise: a warmed row whose threads took chunks is a step of its own). The
+    # rows with KX_FFN_STATIC_CHUNKS and KX_FFN_NO_STEAL are as older results hold them (the
+    # switches are retired; their rows are still folded)
     def warm(r: dict, kib: float, env: dict | None = None, stolen: float = 0.0) -> dict:
         lu = ({"warm_kib": kib} if kib else {}) | ({"stolen": stolen} if stolen else {})
         return {**r, "layer_us": lu, **({"env": env} if env else {}),

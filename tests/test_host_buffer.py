@@ -1,6 +1,6 @@
 """kairox's host buffer type (ggml_ext/llama/kx-host.cpp): weights the CPU reads row by row in
-2 MiB pages (KX_HOST_PAGES=4k: 4 KiB pages), freed with their mapping. The pack's tensors
-live in it (every sparse test reads them); the pinned form is checked on the GPU machine
+2 MiB pages, freed with their mapping. The pack's tensors live in it (every sparse test reads
+them); the pinned form is checked on the GPU machine
 (tests/test_hybrid.py::test_gpu_host_weights_are_pinned)."""
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ HUGE = 2 << 20
 
 # allocates SIZE bytes of the buffer type, writes every byte, prints the base's offset in
 # its 2 MiB page, the type's name, the mapping's Rss and AnonHugePages (kB), the first and
-# last byte read back, and whether the mapping is gone after the free
+# last byte read back, whether the mapping is gone after the free, and the AnonHugePages of
+# a plain anonymous mapping of the same size, written the same way (not advised: the control)
 _PROBE = r"""
-import ctypes as C, sys
+import ctypes as C, mmap, sys
 from kairox.llama import _lib
 from kairox._native import ggml_library
 b = ggml_library("ggml-base")
@@ -33,7 +34,7 @@ p = b.ggml_backend_buffer_get_base(buf)
 C.memset(p, 7, size)
 data = (C.c_uint8 * size).from_address(p)
 first, last = data[0], data[size - 1]
-def mapping():
+def mapping(p):
     lines = open("/proc/self/smaps").read().split("\n")
     for i, ln in enumerate(lines):
         lo, _, hi = ln.split(" ")[0].partition("-")
@@ -46,16 +47,21 @@ def mapping():
                 kv[k] = v
             return int(kv["Rss"].split()[0]), int(kv["AnonHugePages"].split()[0])
     return None
-rss, huge = mapping()
+rss, huge = mapping(p)
 b.ggml_backend_buffer_free(buf)
-print(p % (2 << 20), b.ggml_backend_buft_name(t).decode(), rss, huge, first, last, mapping() is None)
+gone = mapping(p) is None
+plain = mmap.mmap(-1, size)
+q = C.addressof(C.c_char.from_buffer(plain))
+C.memset(q, 7, size)
+_, plain_huge = mapping(q)
+print(p % (2 << 20), b.ggml_backend_buft_name(t).decode(), rss, huge, first, last, gone, plain_huge)
 """
 
 
-def probe(native: Path, size: int, pinned: bool, env: dict[str, str]) -> tuple[int, str, int, int, int, int, bool]:
-    off, name, rss, huge, first, last, gone = run_fresh(native, _PROBE, str(size), "1" if pinned else "0",
-                                                        env=env).split()
-    return int(off), name, int(rss), int(huge), int(first), int(last), gone == "True"
+def probe(native: Path, size: int, pinned: bool) -> tuple[int, str, int, int, int, int, bool, int]:
+    off, name, rss, huge, first, last, gone, plain_huge = run_fresh(native, _PROBE, str(size),
+                                                                    "1" if pinned else "0").split()
+    return int(off), name, int(rss), int(huge), int(first), int(last), gone == "True", int(plain_huge)
 
 
 def thp_mode() -> str:
@@ -71,7 +77,7 @@ def test_host_buffer_is_aligned_host_memory_freed_with_its_mapping(native: Path,
     """Base on a 2 MiB boundary, host memory, every byte writable and read back, the whole
     mapping gone after the free. Pinned without a GPU is the same memory, left pageable."""
     size = 5 * HUGE + 12345  # not a whole number of huge pages: the tail is mapped too
-    off, name, rss, _, first, last, gone = probe(native, size, pinned, {})
+    off, name, rss, _, first, last, gone, _ = probe(native, size, pinned)
     assert off == 0
     assert name == ("KX_Host_Pinned" if pinned else "KX_Host")
     assert rss * 1024 >= size
@@ -79,14 +85,16 @@ def test_host_buffer_is_aligned_host_memory_freed_with_its_mapping(native: Path,
     assert gone
 
 
-def test_host_buffer_pages_are_huge_unless_asked_small(native: Path):
+def test_host_buffer_pages_are_huge(native: Path):
     """Where the kernel gives transparent huge pages on request (enabled: madvise or always),
-    the buffer's pages are huge; KX_HOST_PAGES=4k gives 4 KiB pages whatever the mode."""
-    size = 16 * HUGE
-    *_, huge_small, _, _, _ = probe(native, size, False, {"KX_HOST_PAGES": "4k"})
-    assert huge_small == 0
-    if thp_mode() == "never":
+    the buffer's pages are huge. Under madvise a plain anonymous mapping of the same size,
+    which does not ask, gets none: the pages come from the buffer type's advice."""
+    mode = thp_mode()
+    if mode == "never":
         pytest.skip("transparent huge pages are off on this machine")
-    *_, huge, _, _, _ = probe(native, size, False, {})
+    size = 16 * HUGE
+    *_, huge, _, _, _, plain_huge = probe(native, size, False)
     # most of it: the kernel may fall back to small pages where it finds no free 2 MiB page
     assert huge * 1024 >= size // 2, huge
+    if mode == "madvise":
+        assert plain_huge == 0, plain_huge

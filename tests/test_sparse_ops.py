@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import gguf
 import numpy as np
 import pytest
 
-from fresh import run_fresh
 from ggml_ops import GGML
 
 THREADS = (1, 2, 3)
@@ -390,9 +388,10 @@ class ReluRows:
     digest: str      # the output's bytes, hashed: equal digests are equal bits
 
 
-def hot_first_relu_rows(g: GGML, n_threads: int, sel: np.ndarray | None = None) -> ReluRows:
+def hot_first_relu_rows(g: GGML, n_threads: int, sel: np.ndarray | None = None, own_shares: bool = False) -> ReluRows:
     """The ReLU op over a list in hotness order (the first quarter fires, the rest does not),
-    with n_threads. sel: the list (default: all 64)."""
+    with n_threads. sel: the list (default: all 64); own_shares: each thread starts on its own
+    chunks (ggml_kx_ffn_rows_own_shares)."""
     rng = np.random.default_rng(17)
     n, k, m = 64, 64, 32
     x = rng.uniform(0.5, 1.5, (1, k)).astype(np.float32)
@@ -407,34 +406,26 @@ def hot_first_relu_rows(g: GGML, n_threads: int, sel: np.ndarray | None = None) 
     from kairox._native import sparse_counters
     sparse_counters(reset=True)
     out = g.ffn_rows(g.quantize(gate, "f32"), g.quantize(up, "f32"), "f32", n, k, g.quantize(down, "f32"), "f32",
-                     n, m, x, sel, n, act="relu", n_threads=n_threads)
+                     n, m, x, sel, n, act="relu", n_threads=n_threads, own_shares=own_shares)
     c = sparse_counters(reset=True)
     nonzero = int((h[:, sel] != 0).sum())
     return ReluRows(c.ffn_rows_max, c.ffn_rows_mean, float(np.abs(out - want).max()), c.nonzero - nonzero,
                     c.ffn_stolen, hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest())
 
 
-def relu_rows_in_process(native: Path, env: dict[str, str], n_threads: int, repeat: int = 1) -> list[ReluRows]:
-    """hot_first_relu_rows, repeat times, in a fresh process with env set (the op reads its
-    switches once)."""
-    code = ("import dataclasses, json, sys; from ggml_ops import GGML; from test_sparse_ops import hot_first_relu_rows; "
-            "g = GGML(); print(json.dumps([dataclasses.asdict(hot_first_relu_rows(g, int(sys.argv[1]))) "
-            "for _ in range(int(sys.argv[2]))]))")
-    return [ReluRows(**r) for r in json.loads(run_fresh(native, code, str(n_threads), str(repeat), env=env))]
-
-
-def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
+def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML):
     """ReLU runs in two passes (gates over the listed neurons, then up and down rows over those
     that fired), each in 4 chunks per thread. On a hot-first list (64 neurons, 16 fire: 96
-    rows) with 4 threads, fixed chunks without stealing (KX_FFN_STATIC_CHUNKS=1,
-    KX_FFN_NO_STEAL=1) give every thread 16 gate + 4 up + 4 down rows; the one-pass form
-    (KX_FFN_ONE_PASS=1) gives the first thread all 16 firing neurons, 48 rows against a mean
-    of 24. By default a free thread takes the next chunk, so the rows follow each thread's
-    speed: the total is the same and so is the output."""
-    r, = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1", "KX_FFN_NO_STEAL": "1"}, 4)
-    assert (r.rows_max, r.rows_mean, r.miss, r.stolen) == (24, 24, 0, 0) and r.err < 1e-4
-    r, = relu_rows_in_process(native, {"KX_FFN_ONE_PASS": "1"}, 4)
-    assert (r.rows_max, r.rows_mean, r.miss, r.stolen) == (48, 24, 0, 0) and r.err < 1e-4
+    rows) with 4 threads on their own shares (as after the warm-up), a run in which no thread
+    took another's chunk gives every thread 16 gate + 4 up + 4 down rows (with fewer free cores
+    than threads every run may steal); an even split of the neurons would give the first thread
+    all 16 firing neurons, 48 rows against a mean of 24.
+    By default a free thread takes the next chunk, so the rows follow each thread's speed: the
+    total is the same and so is the output."""
+    runs = [hot_first_relu_rows(g, 4, own_shares=True) for _ in range(20)]
+    for r in runs:
+        assert r.rows_mean == 24 and r.miss == 0 and r.err < 1e-4, r
+        assert r.rows_max == 24 or r.stolen > 0, r
     # uneven splits, more threads than firing neurons, more threads than listed neurons (80:
     # a thread may compute no gate and still take fired neurons, and count them)
     for nt in (1, 3, 4, 7, 16, 80):
@@ -444,63 +435,62 @@ def test_ffn_rows_relu_splits_rows_not_neurons(g: GGML, native: Path):
     # 6 listed, 4 fire, 16 threads
     r = hot_first_relu_rows(g, 16, sel=np.r_[0:4, 40:42])
     assert r.err < 1e-4 and r.miss == 0, r
-    # fixed chunks over 80 threads (most take no chunk of one pass or the other)
-    r, = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1", "KX_FFN_NO_STEAL": "1"}, 80)
-    assert r.err < 1e-4 and r.miss == 0 and r.rows_mean == 96 // 80 and r.stolen == 0
 
 
-def test_ffn_rows_own_shares_steal_and_keep_the_bits(native: Path):
-    """Own shares (KX_FFN_STATIC_CHUNKS=1, as after the warm-up): a thread whose share is done
-    takes another's chunks from the back. Over 80 threads (64 of them own no pass-b chunk)
+def test_ffn_rows_own_shares_steal_and_keep_the_bits(g: GGML):
+    """Own shares (ggml_kx_ffn_rows_own_shares, as after the warm-up): a thread whose share is
+    done takes another's chunks from the back. Over 80 threads (64 of them own no pass-b chunk)
     chunks are stolen, every chunk is still computed exactly once (the error, the rows read,
-    the nonzero count) and the output has the same bits as without stealing, run after run."""
-    plain, = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1", "KX_FFN_NO_STEAL": "1"}, 80)
+    the nonzero count) and the output has the same bits as with chunks taken from the shared
+    counter (the same chunks, each into its own accumulator), run after run."""
     for nt in (4, 80):
-        runs = relu_rows_in_process(native, {"KX_FFN_STATIC_CHUNKS": "1"}, nt, repeat=20)
+        shared = hot_first_relu_rows(g, nt)
+        runs = [hot_first_relu_rows(g, nt, own_shares=True) for _ in range(20)]
         for r in runs:
             assert r.err < 1e-4 and r.miss == 0 and r.rows_mean == 96 // nt, (nt, r)
-            if nt == 80:
-                assert r.digest == plain.digest, r
+            assert r.digest == shared.digest, (nt, r)
         if nt == 80:
             assert sum(r.stolen for r in runs) > 0, runs
 
 
-def rows4_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8_0", act: str = "relu") -> np.ndarray:
+def rows4_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8_0", act: str = "relu",
+                  tokens: int = 1) -> np.ndarray:
     """The fused op (act: ReLU's two passes, or SiLU/GELU's one) on wtype gate/up and dtype
-    down rows, one token, over lists of 1-90 neurons
-    (every remainder of groups of four), stacked. F16 rows are 296 wide (past ggml's 64-wide
-    steps: its double-precision tail) and F16 down rows 101 (past the 16-wide vectors)."""
+    down rows over lists of 1-90 neurons (every remainder of groups of four), stacked: [list,
+    token, m]. Every token is the same x (tokens > 1: the op goes row by row). F16 rows are 296
+    wide (past ggml's 64-wide steps: its double-precision tail) and F16 down rows 101 (past the
+    16-wide vectors)."""
     rng = np.random.default_rng(29)
     n = 90
     k = 256 if wtype == "q4_0" else 296
     m = 96 if dtype == "q8_0" else 101
     gate, up = (rng.standard_normal((2, n, k)) / math.sqrt(k)).astype(np.float32)
     down = rng.standard_normal((n, m)).astype(np.float32)
-    x = rng.standard_normal((1, k)).astype(np.float32)
+    x = np.repeat(rng.standard_normal((1, k)).astype(np.float32), tokens, axis=0)
     graw, uraw, draw = g.quantize(gate, wtype), g.quantize(up, wtype), g.quantize(down, dtype)
     outs = []
     for size in (1, 2, 3, 5, 6, 7, 33, 90):
         sel = np.sort(rng.choice(n, size, replace=False)).astype(np.int32)
         outs.append(g.ffn_rows(graw, uraw, wtype, n, k, draw, dtype, n, m, x, sel, n, act=act,
-                               n_threads=n_threads)[0])
+                               n_threads=n_threads))
     return np.stack(outs)
 
 
 @pytest.mark.parametrize("act", ["relu", "silu", "gelu"])
 @pytest.mark.parametrize("wtype,dtype", [("q4_0", "q8_0"), ("f16", "f16")])
-def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(native: Path, wtype: str, dtype: str, act: str):
+def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(g: GGML, wtype: str, dtype: str, act: str):
     """Gate and up rows four at a time (kx-dot.h: Q4_0, F16; ReLU in pass a and at pass b's
     flush, SiLU/GELU both at the block's flush) and down rows four at a time (kx_axpy_rows:
-    Q8_0, F16) give the very bits of ggml's vec_dot and the row-by-row axpy (KX_FFN_ROWS1=1),
-    at every group remainder and thread count."""
-    code = ("import sys; import numpy as np; from ggml_ops import GGML; from test_sparse_ops import rows4_outputs; "
-            f"g = GGML(); sys.stdout.write(np.stack([rows4_outputs(g, t, {wtype!r}, {dtype!r}, {act!r}) "
-            "for t in (1, 3, 8)]).tobytes().hex())")
-    got = {flag: np.frombuffer(bytes.fromhex(run_fresh(native, code, env={"KX_FFN_ROWS1": flag})), np.float32)
-           for flag in ("0", "1")}
+    Q8_0, F16), which one token takes, give the very bits of ggml's vec_dot and the row-by-row
+    axpy, which several tokens take: one token against the same token twice, at every group
+    remainder and thread count."""
     m = 96 if dtype == "q8_0" else 101
-    assert got["0"].size == 3 * 8 * m and np.abs(got["0"]).max() > 0
-    np.testing.assert_array_equal(got["0"], got["1"])
+    for t in (1, 3, 8):
+        one = rows4_outputs(g, t, wtype, dtype, act)
+        two = rows4_outputs(g, t, wtype, dtype, act, tokens=2)
+        assert one.shape == (8, 1, m) and two.shape == (8, 2, m) and np.abs(one).max() > 0
+        for tok in range(2):
+            np.testing.assert_array_equal(one[:, 0], two[:, tok], err_msg=f"threads {t}, token {tok}")
 
 
 def test_ffn_rows_exact_gate_and_counters(g: GGML):

@@ -14,21 +14,10 @@ gcc -O2 -march=native -Wall bench/host_op.c -I vendor/llama.cpp/ggml/include -I 
     -L "$L" -lggml-base -lggml-cpu -Wl,-rpath,"$L" -o "$W/host_op" || exit 1
 gcc -O3 -march=native -fopenmp -Wall bench/host_pages.c -o "$W/host_pages" || exit 1
 cat /sys/kernel/mm/transparent_hugepage/enabled > "$OUT/thp.txt"
-# KX_HOST_OP_AB=1: instead, four rows at a time against row by row (KX_FFN_ROWS1), 2 MiB pages,
-# KB-70B's Q4_0/Q8_0 shapes and KB-7B's F16 ones, interleaved
 {
-    if [ -n "${KX_HOST_OP_AB:-}" ]; then
-        for rep in 1 2; do
-            for r1 in 0 1; do
-                KX_FFN_ROWS1=$r1 "$W/host_op" 2M "$(nproc)" 8 1305 20
-                KX_FFN_ROWS1=$r1 "$W/host_op" 2M "$(nproc)" 8 1100 20 11008 4096 f16
-            done
-        done
-    else
-        for rep in 1 2; do
-            for pg in 4k 2M; do "$W/host_op" $pg "$(nproc)" ${KX_HOST_OP_ARGS:-8 1305 20}; done
-        done
-    fi
+    for rep in 1 2; do
+        for pg in 4k 2M; do "$W/host_op" $pg "$(nproc)" ${KX_HOST_OP_ARGS:-8 1305 20}; done
+    done
     "$W/host_pages" 32 4608 2400 512
     "$W/host_pages" 32 8704 700 512
 } | tee "$OUT/host-op.jsonl"

@@ -12,10 +12,10 @@
 // a private accumulator; one barrier later the threads add the accumulators column-wise.
 //
 // Determinism: each accumulator's neurons depend only on the list, the map and the thread
-// count (one pass: a thread's even split of the neurons present in this weight, counted per
-// static slice of the list before the first barrier; two passes: a chunk's, whichever
-// thread takes it), and the column sums add the accumulators in order, so a graph gives
-// the same bits every time it runs with the same threads.
+// count (one pass, SiLU/GELU: a thread's even split of the neurons present in this weight,
+// counted per static slice of the list before the first barrier; two passes, ReLU: a
+// chunk's, whichever thread takes it), and the column sums add the accumulators in order,
+// so a graph gives the same bits every time it runs with the same threads.
 //
 // The activation is ggml's own vector GLU on blocks of KX_FFN_BLK neurons: element-wise,
 // so each neuron gets what the dense path's GLU op computes for it.
@@ -31,8 +31,7 @@
 // split of the neurons left the slowest thread's loop 25% (KB-7B) to 27% (KB-13B) above
 // the mean one's (H200, 16 threads, kx_cpu_ffn_stats). Pass a: the gates, split evenly
 // over the present neurons, written to a shared array with the ids; one barrier; pass b:
-// the up and down rows, split evenly over the neurons that fired. KX_FFN_ONE_PASS=1 keeps
-// the single pass, for measurement.
+// the up and down rows, split evenly over the neurons that fired.
 //
 // Each pass runs in KX_FFN_CHUNKS chunks per thread, and a thread that is free takes the
 // next one (a shared counter); a pass-b chunk sums into its own accumulator. Why: with the
@@ -40,9 +39,9 @@
 // bench/results/balance-live/two-pass/), so what was left was per-thread speed, not work.
 // Measured (chunks/): the spread fell to 9-11%, but the slowest loop did not shorten. Kept:
 // it is not slower there, and a thread slowed for other reasons (a small core, a preempted
-// one) no longer holds up the layer. KX_FFN_STATIC_CHUNKS=1 gives each thread its own
-// contiguous chunks (an even split), and so does op param 1 (ggml_kx_ffn_rows_own_shares):
-// after the warm-up (kx-warm.cpp) each core's rows are in its own L2.
+// one) no longer holds up the layer. Op param 1 (ggml_kx_ffn_rows_own_shares) gives each
+// thread its own contiguous chunks (an even split) instead: after the warm-up (kx-warm.cpp)
+// each core's rows are in its own L2.
 //
 // Own shares, then stealing: a thread takes its own chunks from the front, and when they
 // are done it takes another thread's chunks from the back (the part the warm-up reached
@@ -51,7 +50,7 @@
 // taken by any free thread (H200, 3d4750e, bench/results/balance-live/kb70b-warm/): an even
 // split of the rows is not an even split of the time. The sums stay the same bits: a pass-a
 // chunk writes its gates by rank, a pass-b chunk into its own accumulator, whichever thread
-// takes it. KX_FFN_NO_STEAL=1 keeps each thread on its own share, for measurement.
+// takes it.
 //
 // One token (decode) with Q4_0 or F16 gate/up and Q8_0 or F16 down rows: four rows at a
 // time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result; in one pass (SiLU,
@@ -61,7 +60,8 @@
 // thread walking one row at a time keeps too few reads in flight. Four rows walked
 // together are four prefetch streams and four independent chains (development VM, 2
 // threads: 8.6-9.7 -> 11.8 GB/s; H200, KB-70B: the decode 1.18-1.27x,
-// bench/results/balance-live/kb70b-rows4/). KX_FFN_ROWS1=1 goes row by row, for measurement.
+// bench/results/balance-live/kb70b-rows4/). Several tokens, and the reference path, go row
+// by row.
 //
 // No software prefetch: requesting the next neuron's gate/up rows and the block's down rows
 // whole into L2 ran 6% slower on the H200 host (KB-7B, 16 threads, interleaved A/B rows,
@@ -75,7 +75,6 @@
 #include "vec.h"
 
 #include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -178,25 +177,6 @@ static int64_t kx_ffn_now_ns(void) {
 #endif
 }
 
-// A/B switches for measurement, set and not "0" (as KX_FFN_SPLIT in kx-ffn.cpp), read once
-// per process
-static bool kx_ffn_env_flag(const char * name, int * cached) {
-    if (*cached < 0) {
-        const char * e = getenv(name);
-        *cached = e != NULL && *e && strcmp(e, "0") != 0;
-    }
-    return *cached == 1;
-}
-
-#define KX_FFN_FLAG(fn, name) \
-    static bool fn(void) { static int v = -1; return kx_ffn_env_flag(name, &v); }
-
-KX_FFN_FLAG(kx_ffn_up_all,        "KX_FFN_UP_ALL")        // every listed neuron's up row (before the ReLU skip)
-KX_FFN_FLAG(kx_ffn_one_pass,      "KX_FFN_ONE_PASS")      // ReLU in one pass split by neurons (before the two)
-KX_FFN_FLAG(kx_ffn_static_chunks, "KX_FFN_STATIC_CHUNKS") // each thread its own contiguous chunks
-KX_FFN_FLAG(kx_ffn_rows1,         "KX_FFN_ROWS1")         // rows one at a time (before kx-dot.h)
-KX_FFN_FLAG(kx_ffn_no_steal,      "KX_FFN_NO_STEAL")      // own shares without stealing (before it)
-
 // own shares: thread s owns chunks [nck*s/nth, nck*(s+1)/nth) of a pass; taken[s] (in its
 // cache line, zeroed before the first barrier) packs how many were taken from the front (low
 // 32 bits, the owner) and from the back (high 32 bits, other threads)
@@ -231,7 +211,7 @@ static int64_t kx_ffn_claim(const struct kx_ffn_work * w, int word, int64_t nck,
     }
     const int64_t cs = KX_CACHE_LINE / sizeof(int64_t);
     int64_t c = kx_ffn_take((atomic_int_fast64_t *) (w->cnt + ith*cs + word), nck, ith, nth, true);
-    for (int d = 1; c < 0 && d < nth && !kx_ffn_no_steal(); ++d) {
+    for (int d = 1; c < 0 && d < nth; ++d) {
         const int s = (ith + d) % nth;
         c = kx_ffn_take((atomic_int_fast64_t *) (w->cnt + s*cs + word), nck, s, nth, false);
         if (c >= 0) {
@@ -403,8 +383,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     const int  ith = params->ith;
     const int  nth = params->nth;
     const bool ref = params->use_ref;
-    const bool skip_up = act == KX_SELECT_RELU && !kx_ffn_up_all();
-    const bool two_pass = skip_up && !kx_ffn_one_pass();
+    // ReLU: two passes, the up rows only of neurons whose gate fired; SiLU/GELU: one pass
+    const bool two_pass = act == KX_SELECT_RELU;
 
     const int64_t k  = gate->ne[0];
     const int64_t m  = dst->ne[0];
@@ -476,7 +456,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                             .down = down, .dmap = dmap, .ref = ref, .xq = xq };
     // one token: gate rows (pass a) and up rows (pass b, at each block's flush) four at a
     // time where kx-dot.h has a path for their type, the down rows where kx-axpy.h has
-    const bool rows4 = !ref && nt == 1 && !kx_ffn_rows1();
+    const bool rows4 = !ref && nt == 1;
     const bool gate4 = rows4 && kx_dot_rows_ok(gate->type) && !gpre;
     const struct ggml_tensor * up4 = rows4 && kx_dot_rows_ok(up->type) ? up : NULL;
     B.down4 = rows4;
@@ -485,10 +465,10 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     int64_t present = r1 - r0; // present neurons this thread computed
     int64_t nacc = 0;          // two passes: pass-b chunks, one accumulator each
     if (!two_pass) {
-        // without the ReLU skip every up row is read, so gates and ups can both wait for the
-        // block's flush and go four at a time (SiLU/GELU: the models most users run)
-        B.gate4 = gate4 && !skip_up ? gate : NULL;
-        B.up4   = skip_up ? NULL : up4;
+        // every up row is read, so gates and ups can both wait for the block's flush and go
+        // four at a time (SiLU/GELU: the models most users run)
+        B.gate4 = gate4 ? gate : NULL;
+        B.up4   = up4;
         while (rank < r1) {
             // gather the next block of present neurons, computing their g and u
             for (; j < count && rank < r1 && B.nb < KX_FFN_BLK; ++j) {
@@ -502,21 +482,17 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                 }
                 const char * grow = (const char *) gate->data + r*gate->nb[1];
                 const char * urow = (const char *) up->data + r*up->nb[1];
-                bool need_up = !skip_up;
                 B.grow[B.nb] = grow; // B.gate4, B.up4 (one token): their dots at the flush
                 B.urow[B.nb] = urow;
                 for (int64_t t = 0; t < nt && !B.gate4; ++t) {
                     const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
-                    const float g = kx_ffn_gate(gpre, i, t, gate, grow, xq + t*xrow, xf, scr, ref);
-                    gb[t*KX_FFN_BLK + B.nb] = g;
-                    need_up |= g > 0.0f;   // a NaN gate is no reason either: ReLU maps it to 0
+                    gb[t*KX_FFN_BLK + B.nb] = kx_ffn_gate(gpre, i, t, gate, grow, xq + t*xrow, xf, scr, ref);
                 }
                 for (int64_t t = 0; t < nt && !B.up4; ++t) {
                     const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
-                    ub[t*KX_FFN_BLK + B.nb] = need_up ? kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref) : 0.0f;
+                    ub[t*KX_FFN_BLK + B.nb] = kx_ffn_dot(up, urow, xq + t*xrow, xf, scr, ref);
                 }
-                up_skipped += !need_up;
-                rows += (gpre == NULL) + need_up;
+                rows += (gpre == NULL) + 1;
                 B.ids[B.nb++] = (int32_t) i;
             }
             kx_ffn_blk_flush(&B);
@@ -524,7 +500,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     } else {
         // pass a: chunks of ranks [q0, q1) of the present neurons, their gates into the
         // shared array, the fired ones counted per chunk
-        const bool dyn = !kx_ffn_static_chunks() && ggml_get_op_params_i32(dst, 1) == 0;
+        const bool dyn = ggml_get_op_params_i32(dst, 1) == 0;
         const int64_t nca = total < KX_FFN_CHUNKS*nth ? total : KX_FFN_CHUNKS*nth;
         int64_t gates = 0;
         for (int64_t c; (c = kx_ffn_claim(&w, KX_FFN_TAKEN_A, nca, ith, nth, dyn)) >= 0; ) {
@@ -560,7 +536,7 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
                     const float * xf = (const float *) ((const char *) x->data + t*x->nb[1]);
                     const float g = kx_ffn_gate(gpre, i, t, gate, grow, xq + t*xrow, xf, scr, ref);
                     w.gs[qi*nt + t] = g;
-                    on |= g > 0.0f;
+                    on |= g > 0.0f;   // a NaN gate is no reason either: ReLU maps it to 0
                 }
                 fired += on;
             }

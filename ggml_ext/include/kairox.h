@@ -312,9 +312,9 @@ LLAMA_API int32_t kx_collect_hist_bins(void);
 LLAMA_API void    kx_collect_hist_range(double * lo_log10, double * hi_log10);
 
 // Host memory for weights the CPU reads row by row (llama/kx-host.cpp): buffers in 2 MiB pages
-// (transparent huge pages; KX_HOST_PAGES=4k: 4 KiB pages) and, when pinned, page-locked and
-// mapped for the GPUs (left pageable, with a message, where locking fails). For
-// tensor_buft_overrides of a hybrid's host-side weights, loaded without mmap.
+// (transparent huge pages) and, when pinned, page-locked and mapped for the GPUs (left
+// pageable, with a message, where locking fails). For tensor_buft_overrides of a hybrid's
+// host-side weights, loaded without mmap.
 LLAMA_API ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned);
 
 // Warming the host's caches with the next layer's rows during the device's serial part

@@ -12,7 +12,7 @@
 // Rows outside sel are 0 in g (predicted) and u, so h is 0 there and glu needs no mask.
 // On the CPU the last three (and the predicted path's gate rows) run as one node,
 // kx_ffn_rows (cpu/kx-ffn-rows.c: one barrier instead of three, each thread streaming its
-// own neurons' rows); KX_FFN_SPLIT=1 keeps the separate nodes, for measurement.
+// own neurons' rows; KB-7B's static split 1.26x faster on the H200, docs/benchmarking.md).
 //
 // Hybrid layers (neuron slots, kx-slots.h) split every step above over one active list:
 //   GPU: g, u, h, y_gpu over the slot buffers through slotmap (resident neurons only)
@@ -49,31 +49,18 @@ static constexpr int64_t kx_sparse_max_tokens = 8;
 // then cost what the dense matvec costs); it bounds the worst case of a bad prediction.
 static constexpr float   kx_max_density = 0.6f;
 
-// KX_FFN_SPLIT=1: the CPU part as four nodes (gate rows, up rows, GLU, axpy), the form
-// before kx_ffn_rows; read once per process
-static bool kx_ffn_split() {
-    static const bool split = [] {
-        const char * e = getenv("KX_FFN_SPLIT");
-        return e && *e && strcmp(e, "0") != 0;
-    }();
-    return split;
-}
-
 static bool kx_host_plain(const ggml_tensor * w) {
     // repacked CPU weights (extra buffer types) are not host buffers: their rows are
     // interleaved, so a row gather cannot read them
     return w && w->buffer && ggml_backend_buffer_is_host(w->buffer);
 }
 
-// act(g) * u with the dense path's own op; *name: the dense path's name for that node
-static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor * uv, llm_ffn_op_type type_op,
-                            const char ** name = nullptr) {
-    const char * unused;
-    const char ** nm = name ? name : &unused;
+// act(g) * u with the dense path's own op
+static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor * uv, llm_ffn_op_type type_op) {
     switch (type_op) {
-        case LLM_FFN_RELU: *nm = "ffn_reglu";  return ggml_reglu_split(ctx0, gv, uv);
-        case LLM_FFN_SILU: *nm = "ffn_swiglu"; return ggml_swiglu_split(ctx0, gv, uv);
-        default:           *nm = "ffn_geglu";  return ggml_geglu_split(ctx0, gv, uv);
+        case LLM_FFN_RELU: return ggml_reglu_split(ctx0, gv, uv);
+        case LLM_FFN_SILU: return ggml_swiglu_split(ctx0, gv, uv);
+        default:           return ggml_geglu_split(ctx0, gv, uv);
     }
 }
 
@@ -196,19 +183,9 @@ static ggml_tensor * kx_build_ffn_hybrid(
     }
 
     // host part (neurons not resident): coldmap sends the resident ones to -1
-    ggml_tensor * yc;
-    if (kx_ffn_split()) {
-        ggml_tensor * gc = g_all ? g_all : on_cpu(ggml_kx_mul_mat_rows(ctx0, gate, cur, sel, H.coldmap));
-        ggml_tensor * uc = on_cpu(ggml_kx_mul_mat_rows(ctx0, up, cur, sel, H.coldmap));
-        g.cb(uc, "ffn_up_cpu", il);
-        ggml_tensor * hc = on_cpu(kx_glu(ctx0, gc, uc, type_op));
-        g.cb(hc, "ffn_act_cpu", il);
-        yc = on_cpu(ggml_kx_axpy_rows(ctx0, L.down_t, hc, sel, H.colddown));
-    } else {
-        yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all, act));
-        if (warm) {
-            ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
-        }
+    ggml_tensor * yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all, act));
+    if (warm) {
+        ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
     }
     g.cb(yc, "ffn_out_cpu", il);
     if (warm_next) {
@@ -324,23 +301,8 @@ ggml_tensor * kx_build_ffn_sparse(
         sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
     g.cb(sel, "kx_sel", il);
-    if (!kx_ffn_split()) {
-        ggml_tensor * y = ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, nullptr, L.rowmap,
-                                           mode == 1 ? gv : nullptr, act);
-        g.cb(y, "ffn_out", il);
-        return y;
-    }
-    if (mode != 1) {
-        gv = ggml_kx_mul_mat_rows(ctx0, gate, cur, sel, nullptr);
-        g.cb(gv, "ffn_gate", il);
-    }
-    ggml_tensor * uv = ggml_kx_mul_mat_rows(ctx0, up, cur, sel, nullptr);
-    g.cb(uv, "ffn_up", il);
-
-    const char * hname;
-    ggml_tensor * h = kx_glu(ctx0, gv, uv, type_op, &hname);
-    g.cb(h, hname, il);
-    ggml_tensor * y = ggml_kx_axpy_rows(ctx0, L.down_t, h, sel, L.rowmap);
+    ggml_tensor * y = ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, nullptr, L.rowmap,
+                                       mode == 1 ? gv : nullptr, act);
     g.cb(y, "ffn_out", il);
     return y;
 }

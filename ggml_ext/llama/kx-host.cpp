@@ -12,8 +12,8 @@
 // buffer, AVX-512 reads, 2 threads): 4608-byte rows 13.4-14.1 GB/s with 4 KiB pages and
 // 17.9-18.9 GB/s with 2 MiB pages; 8704-byte rows 17.8-18.8 against 21.6-22.2 GB/s.
 //
-// KX_HOST_PAGES=4k asks for small pages (MADV_NOHUGEPAGE) instead: the A/B switch. Where
-// the kernel gives no huge pages (transparent_hugepage "never") the memory is simply small-paged.
+// Where the kernel gives no huge pages (transparent_hugepage "never") the memory is simply
+// small-paged.
 #include "kairox.h"
 #include "kx-reload.h"
 
@@ -23,8 +23,6 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 
 namespace {
@@ -34,14 +32,6 @@ constexpr size_t KX_HOST_ALIGN = 64;       // tensor alignment (ggml_aligned_mal
 
 size_t kx_host_len(size_t size) {
     return (size + KX_HOST_PAGE - 1) / KX_HOST_PAGE * KX_HOST_PAGE;
-}
-
-bool kx_host_small_pages() {
-    static const bool small = [] {
-        const char * v = std::getenv("KX_HOST_PAGES");
-        return v && std::strcmp(v, "4k") == 0;
-    }();
-    return small;
 }
 
 // the first GPU backend's page-locking functions (CUDA: cuda/kx-reload.cu), or NULL
@@ -59,7 +49,7 @@ const kx_reload_iface * kx_host_locker() {
     return nullptr;
 }
 
-// 2 MiB-aligned anonymous memory of kx_host_len(size) bytes, advised for its page size
+// 2 MiB-aligned anonymous memory of kx_host_len(size) bytes, advised to come in huge pages
 void * kx_host_map(size_t size) {
     const size_t len = kx_host_len(size);
     // over-map by one huge page, then trim both ends: the kept range starts on a 2 MiB boundary
@@ -76,8 +66,7 @@ void * kx_host_map(size_t size) {
         munmap((void *) (p + len), r + len + KX_HOST_PAGE - (p + len));
     }
     // before the first touch: the pages are chosen when they fault in
-    if (madvise((void *) p, len, kx_host_small_pages() ? MADV_NOHUGEPAGE : MADV_HUGEPAGE) != 0 &&
-        !kx_host_small_pages()) {
+    if (madvise((void *) p, len, MADV_HUGEPAGE) != 0) {
         static std::once_flag once;
         std::call_once(once, [] { fprintf(stderr, "kairox: no transparent huge pages here: host weights in 4 KiB pages\n"); });
     }
