@@ -63,11 +63,12 @@ def host_steps(r: dict) -> str:
 
 
 def plain_label(r: dict) -> str:
-    """The row's label without KX_WARM (what warmed() says is shown apart)."""
+    """The row's label without the warm-up switch (KX_WARM in older results, --warm now: what
+    warmed() says is shown apart)."""
     label = r["row"]
     if "[" in label:
         head, _, env = label.partition(" [")
-        rest = [e for e in env.rstrip("]").split() if not e.startswith("KX_WARM=")]
+        rest = [e for e in env.rstrip("]").split() if not e.startswith(("KX_WARM=", "--warm="))]
         label = head + (f" [{' '.join(rest)}]" if rest else "")
     return label
 
@@ -81,7 +82,7 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
         # each row against the static rows of its own call (the machine's spread between calls
         # is larger than most differences between rows)
         own = [r["tok_s"] for r in d["rows"] if r["kind"] == "static" and not warmed(r) and
-               set(r.get("env") or {}) <= {"KX_WARM"} and (r.get("threads") or 16) == 16]
+               set(r.get("env") or {}) <= {"KX_WARM", "--warm"} and (r.get("threads") or 16) == 16]
         for r in d["rows"]:
             r = {**r, "static_here": statistics.median(own) if own else None}
             c["rows"][(r["kind"], host_steps(r), plain_label(r), r.get("threads") or 16)].append(r)

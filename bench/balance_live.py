@@ -95,7 +95,7 @@ def host_op_us(res: dict) -> dict | None:
                   launch=sc["launch_ns"] / n / 1e3, copy=sc["copy_ns"] / n / 1e3,
                   outside=(1e9 * sum(res["tpot_s"]) - sc["splits_ns"]) / n / 1e3)
     w = c.get("warm") or {}
-    if w.get("calls"):  # the host-cache warm-up (on unless KX_WARM=0): per layer step, KiB read ahead
+    if w.get("calls"):  # the host-cache warm-up (on unless --warm=off): per layer step, KiB read ahead
         us.update(warm_kib=w["bytes"] / calls / 1024, warm_lists=w["lists"] / w["calls"])
     if c.get("ffn_stolen") is not None:  # own shares: chunks taken from another thread's share
         us.update(stolen=c["ffn_stolen"] / calls)

@@ -64,6 +64,8 @@ def main() -> int:
     ap.add_argument("--pipeline", action="store_true",
                     help="balancer: decide one layer ahead within each token instead of between tokens")
     ap.add_argument("--balance-trace", help="balancer: write its per-step records here (JSON lines)")
+    ap.add_argument("--warm", choices=["on", "off"], default="on",
+                    help="kairox hybrid: the host-cache warm-up (kx_params.warm; rows: static@--warm=off)")
     args = ap.parse_args()
 
     # The library is loaded before numpy (on the GPU machine, numpy first makes the CUDA
@@ -80,6 +82,8 @@ def main() -> int:
             extra["pinned"] = False
         if args.mapped_share:
             extra["mapped_share"] = args.mapped_share
+        if args.warm == "off":
+            extra["warm"] = False
         if args.balancer != "static":
             extra["reload_method"] = args.reload_method
     else:

@@ -6,6 +6,8 @@
 # trace drawn by `kairox report` (bench/server_streams.py). Results to $OUT.
 #
 #   bash bench/device/tools.sh          # repo root; carry vendor/llama.cpp and .whl
+#   KX_TESTS="tests/..." ...            # first these tests on the GPU (pytest)
+#   KX_TOOLS_ONLY_BUILD=1 ...           # build, model and tests only (a first call; the next one finds them)
 #   KX_TOOLS_SKIP_BENCH=1 ...           # only the server rows
 set -uo pipefail
 . bench/device/env.sh
@@ -21,6 +23,12 @@ B=$W/build-kx/bin
 export KAIROX_LIB_DIR=$B KAIROX_BIN_DIR=$B
 while pgrep -f "kairox synth --preset KB-7B" > /dev/null; do sleep 2; done
 echo "model ready ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/synth.log" 2>/dev/null)"
+if [ -n "${KX_TESTS:-}" ]; then
+    cmake --build "$W/build-kx" -j "$(nproc)" --target llama-completion > "$W/kx-build2.log" 2>&1 || tail -20 "$W/kx-build2.log"
+    timeout "${KX_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider $KX_TESTS 2>&1 | tee "$OUT/pytest.log" | tail -15
+    echo "tests done ($(( $(date +%s) - t0 )) s)"
+fi
+[ -n "${KX_TOOLS_ONLY_BUILD:-}" ] && exit 0
 if [ -z "${KX_TOOLS_SKIP_BENCH:-}" ]; then
     python3 bench/tools_bench.py --model "$M" --budget 7GiB --ngl 17 --bin "$B" --out "$OUT" \
         --rounds "${KX_ROUNDS:-3}" --gen 128 --threads 16 || echo "tools_bench FAILED"
