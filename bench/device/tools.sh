@@ -8,12 +8,13 @@
 #   bash bench/device/tools.sh          # repo root; carry vendor/llama.cpp and .whl
 #   KX_TESTS="tests/..." ...            # first these tests on the GPU (pytest)
 #   KX_TOOLS_ONLY_BUILD=1 ...           # build, model and tests only (a first call; the next one finds them)
+#   KX_ROUNDS=3 ...                     # interleaved rounds of the binaries' rows
 #   KX_TOOLS_SKIP_BENCH=1 ...           # only the server rows
+#   KX_TOOLS_SKIP_SERVER=1 ...          # only the binaries' rows
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
 M=/tmp/kxbench/KB-7B-f16.gguf
-[ -f "$M" ] || (nice python3 -m kairox synth --preset KB-7B -o "$M" --pack -q > "$OUT/synth.log" 2>&1 &)
 cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON \
     -DKAIROX_CUDA_ARCHITECTURES=90 > "$W/kx-configure.log" || exit 1
 cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench llama-server > "$W/kx-build.log" 2>&1 \
@@ -21,6 +22,8 @@ cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench llama-serve
 echo "build done ($(( $(date +%s) - t0 )) s)"
 B=$W/build-kx/bin
 export KAIROX_LIB_DIR=$B KAIROX_BIN_DIR=$B
+# the synthetic model and its pack (the pack's predictor runs on the native library)
+[ -f "${M%.gguf}.kxpack.gguf" ] || python3 -m kairox synth --preset KB-7B -o "$M" --pack -q > "$OUT/synth.log" 2>&1 &
 while pgrep -f "kairox synth --preset KB-7B" > /dev/null; do sleep 2; done
 echo "model ready ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/synth.log" 2>/dev/null)"
 if [ -n "${KX_TESTS:-}" ]; then
@@ -33,6 +36,7 @@ if [ -z "${KX_TOOLS_SKIP_BENCH:-}" ]; then
     python3 bench/tools_bench.py --model "$M" --budget 7GiB --ngl 17 --bin "$B" --out "$OUT" \
         --rounds "${KX_ROUNDS:-3}" --gen 128 --threads 16 || echo "tools_bench FAILED"
 fi
+[ -n "${KX_TOOLS_SKIP_SERVER:-}" ] && exit 0
 python3 bench/server_streams.py --bin "$B" --model "$M" --streams 4 --tokens 128 --out "$OUT" -- \
     --vram-budget 7GiB --sparse predicted --balancer adaptive --kx-trace "$OUT/server-trace.jsonl" \
     || echo "server_streams FAILED"
