@@ -25,6 +25,8 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 
 def commit() -> str:
+    if os.environ.get("KX_COMMIT"):
+        return os.environ["KX_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -39,6 +41,18 @@ def bench_row(exe: Path, model: str, gen: int, threads: int, extra: list[str]) -
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")
     rows = json.loads(r.stdout)
     return cmd, float(rows[0]["avg_ts"])
+
+
+def completion_row(exe: Path, model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[str], float]:
+    """llama-completion (kairox-completion): the same prompt and free generation as `kairox run`,
+    from C++; its decode rate is common_perf_print's eval line."""
+    cmd = [str(exe), "-m", model, "-p", PROMPT, "-n", str(gen), "-t", str(threads), "--temp", "0", "-no-cnv",
+           "--ignore-eos", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    m = re.search(r"eval time =.*?([0-9.]+) tokens per second", r.stderr.split("prompt eval time")[-1])
+    if r.returncode != 0 or not m:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")
+    return cmd, float(m.group(1))
 
 
 def run_row(model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[str], float]:
@@ -70,6 +84,7 @@ def main() -> int:
     rows: dict[str, dict] = {
         f"llama.cpp dense -ngl {args.ngl} -fa 1 (kairox-bench)": {"kind": "bench", "extra": ["-ngl", str(args.ngl), "-fa", "1"]},
         f"kairox-bench {' '.join(hybrid)}": {"kind": "bench", "extra": hybrid},
+        f"kairox-completion {' '.join(hybrid)}": {"kind": "completion", "extra": hybrid},
         f"kairox run {' '.join(hybrid)}": {"kind": "run", "extra": hybrid},
     }
     for r in rows.values():
@@ -79,6 +94,9 @@ def main() -> int:
         for label, r in rows.items():
             if r["kind"] == "bench":
                 r["cmd"], ts = bench_row(exe, args.model, args.gen, args.threads, r["extra"])
+            elif r["kind"] == "completion":
+                r["cmd"], ts = completion_row(exe.parent / "llama-completion", args.model, args.gen, args.threads,
+                                              r["extra"])
             else:
                 r["cmd"], ts = run_row(args.model, args.gen, args.threads, r["extra"])
             r["tok_s"].append(ts)

@@ -17,7 +17,7 @@ mkdir -p /tmp/kxbench
 M=/tmp/kxbench/KB-7B-f16.gguf
 cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON \
     -DKAIROX_CUDA_ARCHITECTURES=90 > "$W/kx-configure.log" || exit 1
-cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench llama-server > "$W/kx-build.log" 2>&1 \
+cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench llama-server llama-completion > "$W/kx-build.log" 2>&1 \
     || { tail -30 "$W/kx-build.log"; exit 1; }
 echo "build done ($(( $(date +%s) - t0 )) s)"
 B=$W/build-kx/bin
