@@ -34,7 +34,7 @@ def free_port() -> int:
 
 def stream(port: int, prompt: str, n: int, out: dict) -> None:
     body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-                       "ignore_eos": True}).encode()
+                       "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
     times: list[float] = []
     t0 = time.perf_counter()
@@ -47,9 +47,13 @@ def stream(port: int, prompt: str, n: int, out: dict) -> None:
                 d = json.loads(line[6:])
                 if d.get("choices") and d["choices"][0].get("text"):
                     times.append(time.perf_counter())
-        out["tokens"] = len(times)
+                if d.get("usage"):
+                    out["tokens"] = d["usage"]["completion_tokens"]
+        # a chunk carries the text of one or more tokens (a character split over tokens waits)
+        out["chunks"] = len(times)
         out["ttft_s"] = times[0] - t0 if times else None
-        out["decode_tok_s"] = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None
+        n_tok = out.get("tokens", len(times))
+        out["decode_tok_s"] = (n_tok - 1) / (times[-1] - times[0]) if len(times) > 1 else None
     except Exception as e:  # noqa: BLE001 (reported, never hidden)
         out["error"] = repr(e)
 
@@ -61,7 +65,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=16)
-    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--ctx", type=int, default=1024,
+                    help="total context of the server's slots (its KV cache counts against a VRAM budget)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", default="server-streams")
     ap.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: kairox-server's own flags")

@@ -48,7 +48,8 @@ def completion_row(exe: Path, model: str, gen: int, threads: int, extra: list[st
     from C++; its decode rate is common_perf_print's eval line."""
     cmd = [str(exe), "-m", model, "-p", PROMPT, "-n", str(gen), "-t", str(threads), "--temp", "0", "-no-cnv",
            "--ignore-eos", *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # a random model's text need not be valid UTF-8
+    r = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=600)
     m = re.search(r"eval time =.*?([0-9.]+) tokens per second", r.stderr.split("prompt eval time")[-1])
     if r.returncode != 0 or not m:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")
@@ -58,7 +59,7 @@ def completion_row(exe: Path, model: str, gen: int, threads: int, extra: list[st
 def run_row(model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[str], float]:
     cmd = [sys.executable, "-m", "kairox", "run", "-m", model, "-n", str(gen), "-t", str(threads), "-p", PROMPT,
            *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=600)
     m = re.search(r"decode ([0-9.]+) tokens/s", r.stderr)
     if r.returncode != 0 or not m:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")
