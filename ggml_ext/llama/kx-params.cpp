@@ -255,7 +255,8 @@ static int64_t kx_warm_used(llama_context * ctx, ggml_backend_dev_t dev, int64_t
     if (tok == LLAMA_TOKEN_NULL) {
         tok = 0;
     }
-    const int32_t n = std::max<int32_t>(1, std::min<int32_t>((int32_t) llama_n_ubatch(ctx), (int32_t) llama_n_ctx(ctx) - 2));
+    // one sequence's context bounds the batch (a server's slots split the context between them)
+    const int32_t n = std::max<int32_t>(1, std::min<int32_t>((int32_t) llama_n_ubatch(ctx), (int32_t) llama_n_ctx_seq(ctx) - 2));
     std::vector<llama_token> toks((size_t) n, tok);
     if (llama_decode(ctx, llama_batch_get_one(toks.data(), n)) != 0 || llama_decode(ctx, llama_batch_get_one(&tok, 1)) != 0) {
         throw std::runtime_error("the warm-up batch of the VRAM budget failed to decode");
