@@ -24,6 +24,11 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "cheaper to produce, and")
 
 
+# The context of the text rows: its KV cache counts against the budget, so every row keeps it
+# small, as llama-bench's own (prompt + generated tokens) is
+CTX = 256
+
+
 def commit() -> str:
     if os.environ.get("KX_COMMIT"):
         return os.environ["KX_COMMIT"]
@@ -47,7 +52,7 @@ def completion_row(exe: Path, model: str, gen: int, threads: int, extra: list[st
     """llama-completion (kairox-completion): the same prompt and free generation as `kairox run`,
     from C++; its decode rate is common_perf_print's eval line."""
     cmd = [str(exe), "-m", model, "-p", PROMPT, "-n", str(gen), "-t", str(threads), "--temp", "0", "-no-cnv",
-           "--ignore-eos", *extra]
+           "--ignore-eos", "-c", str(CTX), *extra]
     # a random model's text need not be valid UTF-8
     r = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=600)
     m = re.search(r"eval time =.*?([0-9.]+) tokens per second", r.stderr.split("prompt eval time")[-1])
@@ -58,7 +63,7 @@ def completion_row(exe: Path, model: str, gen: int, threads: int, extra: list[st
 
 def run_row(model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[str], float]:
     cmd = [sys.executable, "-m", "kairox", "run", "-m", model, "-n", str(gen), "-t", str(threads), "-p", PROMPT,
-           *extra]
+           "-c", str(CTX), *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=600)
     m = re.search(r"decode ([0-9.]+) tokens/s", r.stderr)
     if r.returncode != 0 or not m:
