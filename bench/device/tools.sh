@@ -11,6 +11,7 @@
 #   KX_ROUNDS=3 ...                     # interleaved rounds of the binaries' rows
 #   KX_TOOLS_SKIP_BENCH=1 ...           # only the server rows
 #   KX_TOOLS_SKIP_SERVER=1 ...          # only the binaries' rows
+#   KX_SERVER_ARGS="..." KX_SERVER_NAME=N  # the server's kairox flags (default: 7 GiB, predicted, adaptive, trace)
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -37,8 +38,10 @@ if [ -z "${KX_TOOLS_SKIP_BENCH:-}" ]; then
         --rounds "${KX_ROUNDS:-3}" --gen 128 --threads 16 || echo "tools_bench FAILED"
 fi
 [ -n "${KX_TOOLS_SKIP_SERVER:-}" ] && exit 0
-python3 bench/server_streams.py --bin "$B" --model "$M" --streams 4 --tokens 128 --out "$OUT" -- \
-    --vram-budget 7GiB --sparse predicted --balancer adaptive --kx-trace "$OUT/server-trace.jsonl" \
+python3 bench/server_streams.py --bin "$B" --model "$M" --streams 4 --tokens 128 --out "$OUT" \
+    --name "${KX_SERVER_NAME:-server-streams}" -- \
+    ${KX_SERVER_ARGS:---vram-budget 7GiB --sparse predicted --balancer adaptive --kx-trace $OUT/server-trace.jsonl} \
     || echo "server_streams FAILED"
+[ -f "$OUT/server-trace.jsonl" ] || exit 0
 python3 -m kairox report "$OUT/server-trace.jsonl" --png "$OUT/server-trace.png" || echo "report FAILED"
 echo "all done ($(( $(date +%s) - t0 )) s)"
