@@ -154,3 +154,43 @@ def test_llama_cpp_python_own_llama_gets_the_boundary(native: Path, synth_model:
         assert len({r.step for r in recs[:n]}) >= 10  # a step per decode, with no call of ours
     finally:
         llm.close()
+
+
+def test_llama_bench_lists_and_columns(native: Path, synth_model: Path) -> None:  # noqa: F811
+    """kairox-bench takes kairox's options as lists like -ngl: every combination is a row, and
+    each row carries what it ran (the columns of dense placement and the hybrid side by side)."""
+    r = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "4", "-r", "1", "-t", "2", "-o", "json",
+             "--gpu-slots", "-,16", "--sparse", "auto", "--kx-slots-device", "CPU")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    assert [(x["gpu_slots"], x["sparse"], x["vram_budget"], x["balancer"]) for x in rows] == \
+        [(-1, "auto", "-", "off"), (16, "auto", "-", "off")]
+    assert all(x["avg_ts"] > 0 for x in rows)
+    md = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", "-r", "1", "-t", "2",
+              "--gpu-slots", "8", "--sparse", "exact", "--balancer", "off,fixed", "--kx-slots-device", "CPU")
+    assert md.returncode == 0, md.stderr[-2000:]
+    header = next(ln for ln in md.stdout.splitlines() if ln.startswith("| model"))
+    for col in ("gpu_slots", "sparse", "balancer"):
+        assert col in header, header
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--vram-budget", "lots"), "--vram-budget must be a size > 0"),
+    (("--sparse", "fast"), "--sparse must be auto, dense, exact or predicted"),
+    (("--balancer", "sometimes"), "--balancer must be off, fixed or adaptive"),
+    (("--gpu-slots", "x"), "--gpu-slots must be a whole number >= 0"),
+])
+def test_llama_bench_refuses_bad_values(native: Path, synth_model: Path, args: tuple[str, ...],  # noqa: F811
+                                        message: str) -> None:
+    r = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", *args)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr[-1500:]
+
+
+def test_llama_bench_row_that_cannot_run_fails(native: Path, synth_model: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A row naming a pack that cannot be used fails rather than running dense under its name."""
+    bad = tmp_path / "bad.kxpack.gguf"
+    bad.write_bytes(b"not a pack")
+    r = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", "-r", "1", "--sparse", "exact",
+             "--sparse-pack", str(bad))
+    assert r.returncode != 0 and "kairox:" in r.stderr

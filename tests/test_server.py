@@ -45,7 +45,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited ({self.proc.returncode}): {log.read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
                     if r.status == 200:
                         break
             except OSError:
@@ -165,12 +165,10 @@ def test_the_server_runs_the_balancer(hybrid_server: Server) -> None:
 def py_server(native: Path, synth_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # noqa: F811
     pytest.importorskip("uvicorn", reason="the server packages are installed by scripts/setup.sh")
     port = _free_port()
-    root = Path(__file__).resolve().parent.parent
-    env = {"PYTHONPATH": os.pathsep.join([str(root / "python"), os.environ.get("PYTHONPATH", "")])}
     s = Server([sys.executable, "-m", "kairox.server", "--model", str(synth_model), "--host", "127.0.0.1",
                 "--port", str(port), "--n_ctx", "512", "--n_threads", "2", "--sparse", "exact", "--gpu_slots", "24",
                 "--kx_slots_device", "CPU", "--balancer", "adaptive"],
-               port, tmp_path_factory.mktemp("pysrv") / "py.log", env=env)
+               port, tmp_path_factory.mktemp("pysrv") / "py.log")
     yield s
     s.stop()
 

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any, Literal, Optional
 
-from .llama import Llama, llama_cpp
+from .llama import _BASE_KWARGS, Llama, llama_cpp
 
 try:
     import uvicorn
@@ -76,6 +76,13 @@ class KairoxProxy(LlamaProxy):
         hybrid = any(k in kx for k in ("vram_budget", "gpu_slots", "plan"))
 
         def make(**kw: Any) -> Llama:
+            # the base loader passes settings this llama_cpp.Llama no longer takes (mul_mat_q,
+            # rpc_servers), which it ignores; kairox.Llama refuses unknown keywords, so they go here
+            for k in [k for k in kw if k not in _BASE_KWARGS and k != "model_path"]:
+                v = kw.pop(k)
+                if v not in (None, True, False):
+                    print(f"kairox.server: warning: {k}={v!r} has no effect with this llama-cpp-python",
+                          file=sys.stderr)
             if hybrid:
                 # the base settings' defaults (no GPU layers, mapped weights, no flash attention)
                 # would undo the hybrid placement's own: dense tensors on the GPU, page-locked
