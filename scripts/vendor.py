@@ -38,6 +38,7 @@ KEEP = (
     "ggml/src/ggml-cpu/", "ggml/src/ggml-cuda/",
     "tools/CMakeLists.txt", "tools/llama-bench/", "tools/completion/", "tools/perplexity/",
     "tools/quantize/", "tools/cli/", "tools/server/", "tools/ui/", "tools/mtmd/",
+    "ggml/src/ggml-rpc/", "tools/rpc/",     # ggml's RPC backend and its server: a model over machines
     "scripts/ui-assets.cmake",
     "tests/",                               # test-backend-ops for the GPU kernels
     "models/ggml-vocab-llama-spm.gguf",     # vocab of the tiny test models
@@ -170,6 +171,7 @@ def wanted_stamp(lock: dict) -> dict:
     return {
         "sdist_sha256": lock["llama_cpp_python"]["sha256"],
         "patches": [[p.name, sha256_file(p)] for p in patch_list()],
+        "keep": [*KEEP, "-", *DROP],  # a tree trimmed otherwise is laid out again
     }
 
 

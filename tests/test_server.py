@@ -158,6 +158,32 @@ def test_the_server_runs_the_balancer(hybrid_server: Server) -> None:
     assert len({r["step"] for r in recs}) >= 10
 
 
+def test_speculative_decoding_with_a_hybrid_target(native: Path, synth_model: Path, dense_server: Server,  # noqa: F811
+                                                   tmp_path: Path) -> None:
+    """--spec-draft-model with the hybrid target: the target verifies each draft (4 tokens:
+    within the sparse path's batch limit) on the split, the draft runs as llama.cpp runs it
+    (kairox's parameters are the target's), and greedy output is the run's without a draft."""
+    import json
+    s = _llama_server(native, synth_model, tmp_path, "spec", *HYBRID, "--spec-draft-model", str(synth_model))
+
+    def native_completion(srv: Server) -> dict:
+        body = json.dumps({"prompt": PROMPT, "n_predict": 40, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/completion", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+    try:
+        want = native_completion(dense_server)
+        got = native_completion(s)
+        assert got["content"] == want["content"]
+        t = got["timings"]
+        assert t.get("draft_n", 0) > 0 and t.get("draft_n_accepted", 0) > 0, t  # drafts were made and verified
+        log = s.log.read_text()
+        assert log.count("kairox: hybrid FFN:") == 1, log[-3000:]  # the target's split only: the draft runs plain
+    finally:
+        s.stop()
+
+
 # --------------------------------------------------------------- python -m kairox.server
 
 

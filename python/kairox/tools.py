@@ -18,6 +18,7 @@ TOOLS = {
     "kairox-perplexity": "llama-perplexity",
     "kairox-completion": "llama-completion",
     "kairox-quantize": "llama-quantize",
+    "kairox-rpc-server": "ggml-rpc-server",
 }
 
 
@@ -44,3 +45,4 @@ bench = _entry("kairox-bench")
 perplexity = _entry("kairox-perplexity")
 completion = _entry("kairox-completion")
 quantize = _entry("kairox-quantize")
+rpc_server = _entry("kairox-rpc-server")
