@@ -63,7 +63,7 @@ def rpc_endpoint(native: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def test_remote_layers_print_what_the_local_run_prints(native: Path, synth_model: Path,  # noqa: F811
                                                        dense_text: str, rpc_endpoint: str,  # noqa: F811
                                                        extra: tuple[str, ...]) -> None:
-    r = complete(native, synth_model, "--rpc", rpc_endpoint, "-ngl", "99", *extra)
+    r = complete(native, synth_model, "--rpc", rpc_endpoint, "-ngl", "99", "-v", *extra)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "RPC" in r.stderr  # the layers went to the remote device
+    assert "layer   1 assigned to device RPC0" in r.stderr  # the layers went to the remote device
     assert same_text(r.stdout, dense_text), (r.stdout, dense_text)

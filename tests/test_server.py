@@ -164,7 +164,8 @@ def test_speculative_decoding_with_a_hybrid_target(native: Path, synth_model: Pa
     within the sparse path's batch limit) on the split, the draft runs as llama.cpp runs it
     (kairox's parameters are the target's), and greedy output is the run's without a draft."""
     import json
-    s = _llama_server(native, synth_model, tmp_path, "spec", *HYBRID, "--spec-draft-model", str(synth_model))
+    s = _llama_server(native, synth_model, tmp_path, "spec", *HYBRID, "--spec-type", "draft-simple",
+                      "--spec-draft-model", str(synth_model))
 
     def native_completion(srv: Server) -> dict:
         body = json.dumps({"prompt": PROMPT, "n_predict": 40, "temperature": 0}).encode()
