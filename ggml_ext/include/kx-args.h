@@ -10,7 +10,8 @@
 #include <stdexcept>
 #include <string>
 
-// "7GiB", "7G", "512MiB", "1.5GB", "1048576": bytes (K/M/G/T are binary, as llama.cpp's sizes)
+// a size such as 7GiB, 7G, 512MiB or 1.5GB, or a plain number of bytes (K/M/G/T are binary,
+// as llama.cpp's sizes are)
 static inline int64_t kx_parse_size(const std::string & text, const char * flag = "--vram-budget") {
     size_t i = 0;
     while (i < text.size() && (std::isdigit((unsigned char) text[i]) || text[i] == '.')) {

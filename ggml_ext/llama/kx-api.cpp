@@ -13,12 +13,6 @@
 #include <chrono>
 #include <cstring>
 
-static void kx_set_err(char * err, size_t err_size, const std::string & msg) {
-    if (err && err_size > 0) {
-        std::snprintf(err, err_size, "%s", msg.c_str());
-    }
-}
-
 int32_t kx_model_load_pack(llama_model * model, const char * model_path, const char * pack_path,
                            char * err, size_t err_size) {
     if (!model || !model_path || !pack_path) {

@@ -18,12 +18,6 @@ static std::string kx_mib_str(int64_t b) {
     return kx_fmt("%.0f MiB", (double) b / kx_mib);
 }
 
-static void kx_budget_err(char * err, size_t err_size, const std::string & msg) {
-    if (err && err_size > 0) {
-        std::snprintf(err, err_size, "%s", msg.c_str());
-    }
-}
-
 // 3%, at least 64 MiB: on the GPU machine KB-7B's hybrid took 6953 MiB of buffers under a
 // 7168 MiB budget with 3% kept free
 int64_t kx_budget_margin(int64_t budget) {
@@ -36,14 +30,14 @@ int64_t kx_budget_auto_slots(int64_t budget, int64_t base, int64_t per_neuron, i
     const int64_t left   = budget - margin - base - pred;
     const std::string least = kx_mib_str(base + pred + margin); // the smallest budget that holds 0 slots
     if (budget < base) {
-        kx_budget_err(err, err_size, kx_fmt(
+        kx_set_err(err, err_size, kx_fmt(
             "a VRAM budget of %s is too small: the dense tensors, KV cache and compute buffers alone took %s on "
             "the GPU. Give at least %s, or lower n_ctx / n_ubatch, or keep some dense tensors on the CPU with a "
             "`kairox plan` file", kx_mib_str(budget).c_str(), kx_mib_str(base).c_str(), least.c_str()));
         return -1;
     }
     if (left < 0) {
-        kx_budget_err(err, err_size, kx_fmt(
+        kx_set_err(err, err_size, kx_fmt(
             "a VRAM budget of %s leaves %s after the dense tensors, KV cache and compute buffers (%s); the GPU "
             "predictors need %s and a margin of %s: give at least %s", kx_mib_str(budget).c_str(),
             kx_mib_str(budget - base).c_str(), kx_mib_str(base).c_str(), kx_mib_str(pred).c_str(),
@@ -51,7 +45,7 @@ int64_t kx_budget_auto_slots(int64_t budget, int64_t base, int64_t per_neuron, i
         return -1;
     }
     if (per_neuron <= 0 || n_layer <= 0) {
-        kx_budget_err(err, err_size, "kx_budget_auto_slots: per_neuron and n_layer must be positive");
+        kx_set_err(err, err_size, "kx_budget_auto_slots: per_neuron and n_layer must be positive");
         return -1;
     }
     return std::max<int64_t>(0, std::min(n_ff, left / (per_neuron * n_layer)));
@@ -68,7 +62,7 @@ int32_t kx_budget_check_slots(int64_t budget, int64_t base, int64_t per_neuron, 
     if (base + need + margin <= budget) {
         return 0;
     }
-    kx_budget_err(err, err_size, kx_fmt(
+    kx_set_err(err, err_size, kx_fmt(
         "the neuron slots asked for need %s (with the GPU predictors) beside the %s the dense tensors, KV cache and "
         "compute buffers took: %s with a margin of %s, over the budget of %s. Use fewer slots, or re-plan with "
         "`kairox plan --reserve %lldMiB` (the measured base)", kx_mib_str(need).c_str(), kx_mib_str(base).c_str(),

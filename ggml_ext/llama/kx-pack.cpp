@@ -179,6 +179,12 @@ void check_tensor(const ggml_tensor * t, const std::string & path, std::initiali
 
 } // namespace
 
+void kx_set_err(char * err, size_t err_size, const std::string & msg) {
+    if (err && err_size > 0) {
+        std::snprintf(err, err_size, "%s", msg.c_str());
+    }
+}
+
 std::string kx_fmt(const char * format, ...) {
     char buf[1024];
     va_list ap;

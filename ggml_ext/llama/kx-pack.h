@@ -42,6 +42,8 @@ struct kx_pack {
 
 // printf into a std::string (the messages of kx_pack_error and the slot errors)
 std::string kx_fmt(const char * format, ...);
+// the C API's error out-parameter: msg into err (when err_size > 0), always terminated
+void kx_set_err(char * err, size_t err_size, const std::string & msg);
 
 // Thrown with one sentence saying which check failed.
 struct kx_pack_error : std::runtime_error {

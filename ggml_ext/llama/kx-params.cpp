@@ -44,9 +44,7 @@ bool kx_params_hybrid(const kx_params * kp) {
 }
 
 static int32_t kx_fail(char * err, size_t err_size, int32_t code, const std::string & msg) {
-    if (err && err_size > 0) {
-        std::snprintf(err, err_size, "%s", msg.c_str());
-    }
+    kx_set_err(err, err_size, msg);
     return code;
 }
 
