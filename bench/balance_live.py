@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--decide", default="auto", choices=["auto", "worker", "inline"],
                     help="where the TAM step runs (auto: one kernel on the GPU for every layer)")
     ap.add_argument("--trace", action="store_true",
-                    help="after the rows, one static run with the scheduler trace (KX_TRACE): per-layer CPU, "
+                    help="after the rows, one static run with the scheduler trace (--sched-trace): per-layer CPU, "
                          "GPU and hand-off times, trace-<config>-live.png / .jsonl")
     ap.add_argument("--cpu-gbs", type=float, default=117.0,
                     help="CPU read roof for the bound (GB/s; the run's own probe where it measures more)")

@@ -404,13 +404,13 @@ def hybrid_slots(kxbench: str, model: Path, lay: Layout, budget_mib: float, thre
 
 def hybrid_trace(out: Path, name: str, model: Path, tokens: Path, threads: int, env: dict,
                  extra: list[str]) -> dict:
-    """One more static-hybrid run with the scheduler trace on (KX_TRACE; stamps cost a few
+    """One more static-hybrid run with the scheduler trace on (tpot.py --sched-trace; stamps cost a few
     µs each, so it is not a timing run): the overlap figures, a typical step's timeline
     (trace-NAME.png) and that step's records with its neighbours (trace-NAME.jsonl)."""
     from kairox import trace as kxtrace
     raw = out / f"trace-{name}.full.jsonl"
     tpot_run("kairox", "predicted", model, tokens, 999, threads,
-             {**env, "KX_TRACE": str(raw), "KX_TRACE_MAX": "1000000"}, extra)
+             env, [*extra, "--sched-trace", str(raw), "--sched-trace-max", "1000000"])
     recs, dropped = kxtrace.read_trace(raw)
     summary = kxtrace.summarize(recs)
     g = kxtrace.pick_graph(recs)
@@ -493,7 +493,7 @@ def summary_lines(r: dict) -> list[str]:
     t = r.get("trace")
     if t:
         from kairox.trace import summary_text
-        lines += ["", f"Overlap trace (KX_TRACE, one more run; [{t['png']}]({t['png']}), records {t['records']}):", "",
+        lines += ["", f"Overlap trace (the scheduler trace, one more run; [{t['png']}]({t['png']}), records {t['records']}):", "",
                   *[f"    {ln}" for ln in summary_text(t).splitlines()]]
     return lines
 

@@ -64,6 +64,8 @@ def main() -> int:
     ap.add_argument("--pipeline", action="store_true",
                     help="balancer: decide one layer ahead within each token instead of between tokens")
     ap.add_argument("--balance-trace", help="balancer: write its per-step records here (JSON lines)")
+    ap.add_argument("--sched-trace", help="kairox: the scheduler's split trace to this file (kairox trace FILE)")
+    ap.add_argument("--sched-trace-max", type=int, default=0, help="kairox: records the trace keeps (0: 131072)")
     ap.add_argument("--warm", choices=["on", "off"], default="on",
                     help="kairox hybrid: the host-cache warm-up (kx_params.warm; rows: static@--warm=off)")
     args = ap.parse_args()
@@ -84,6 +86,8 @@ def main() -> int:
             extra["mapped_share"] = args.mapped_share
         if args.warm == "off":
             extra["warm"] = False
+        if args.sched_trace:
+            extra["sched_trace"], extra["sched_trace_max"] = args.sched_trace, args.sched_trace_max
         if args.balancer != "static":
             extra["reload_method"] = args.reload_method
     else:

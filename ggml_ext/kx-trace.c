@@ -12,8 +12,8 @@ static struct kx_trace_rec * kx_recs;
 static int64_t               kx_cap;
 static atomic_llong          kx_n;       // records handed out (may pass kx_cap: dropped)
 static atomic_int            kx_graph = -1;
-static const char *          kx_path;
-static int                   kx_state;   // 0 unknown, 1 on, 2 off
+static char *                kx_path;
+static atomic_int            kx_state;   // 0 off, 1 on
 
 static void kx_trace_atexit(void) {
     if (kx_trace_dump(kx_path) < 0) {
@@ -21,22 +21,31 @@ static void kx_trace_atexit(void) {
     }
 }
 
-bool kx_trace_enabled(void) {
-    // first called by the scheduler from one thread, before any record is added
-    if (kx_state == 0) {
-        kx_path = getenv("KX_TRACE");
-        kx_state = 2;
-        if (kx_path && *kx_path) {
-            const char * m = getenv("KX_TRACE_MAX");
-            kx_cap  = m ? atoll(m) : 131072;
-            kx_recs = kx_cap > 0 ? (struct kx_trace_rec *) calloc((size_t) kx_cap, sizeof(*kx_recs)) : NULL;
-            if (kx_recs) {
-                kx_state = 1;
-                atexit(kx_trace_atexit);
-            }
-        }
+int32_t kx_trace_start(const char * path, int64_t max_records) {
+    // called while loading, before any graph runs (kx_model_params_apply)
+    if (!path || !*path) {
+        return 1;
     }
-    return kx_state == 1;
+    if (atomic_load(&kx_state) == 1) {
+        return strcmp(kx_path, path) == 0 ? 0 : 1;
+    }
+    kx_cap  = max_records > 0 ? max_records : 131072;
+    kx_recs = (struct kx_trace_rec *) calloc((size_t) kx_cap, sizeof(*kx_recs));
+    kx_path = strdup(path);
+    if (!kx_recs || !kx_path) {
+        free(kx_recs);
+        free(kx_path);
+        kx_recs = NULL;
+        kx_path = NULL;
+        return 1;
+    }
+    atexit(kx_trace_atexit);
+    atomic_store(&kx_state, 1);
+    return 0;
+}
+
+bool kx_trace_enabled(void) {
+    return atomic_load_explicit(&kx_state, memory_order_relaxed) == 1;
 }
 
 void kx_trace_next_graph(void) {

@@ -127,10 +127,25 @@ def test_a_budget_without_a_gpu_is_an_error(native: Path, synth_model: Path) -> 
     assert "a VRAM budget needs a GPU" in r.stderr
 
 
+def test_the_scheduler_trace_from_a_tool(native: Path, synth_model: Path, tmp_path: Path) -> None:  # noqa: F811
+    """--kx-sched-trace records every split of every graph, written at exit (kairox trace reads it)."""
+    from kairox import trace as kt
+    out = tmp_path / "sched.jsonl"
+    r = complete(native, synth_model, "-n", "4", "--kx-sched-trace", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs, dropped = kt.read_trace(out)
+    assert recs and dropped == 0 and len({x.graph for x in recs}) >= 4  # the prompt and the decodes
+    small = tmp_path / "small.jsonl"
+    r = complete(native, synth_model, "-n", "4", "--kx-sched-trace", str(small), "--kx-sched-trace-max", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs, dropped = kt.read_trace(small)
+    assert len(recs) == 2 and dropped > 0
+
+
 def test_help_lists_the_options(native: Path) -> None:
     r = tool(native, "llama-completion", "--help")
     for flag in ("--vram-budget", "--gpu-slots", "--kx-plan", "--mapped-share", "--balancer ", "--balancer-lambda",
-                 "--balancer-pipeline", "--kx-trace", "--sparse-pack", "LLAMA_ARG_VRAM_BUDGET"):
+                 "--balancer-pipeline", "--kx-trace", "--kx-sched-trace", "--sparse-pack", "LLAMA_ARG_VRAM_BUDGET"):
         assert flag in r.stdout, flag
 
 

@@ -1,4 +1,4 @@
-"""The scheduler trace (KX_TRACE): its analysis on known intervals, and a real run writing it."""
+"""The scheduler trace (kx_params.sched_trace): its analysis on known intervals, and a real run writing it."""
 from __future__ import annotations
 
 import json
@@ -65,16 +65,16 @@ def test_overlap_of_known_intervals(tmp_path: Path) -> None:
 
 
 def test_a_run_writes_its_trace(tmp_path: Path, synth_model: Path, native: Path) -> None:
-    """KX_TRACE on a hybrid run (slots on the CPU device here): one graph per decode, every
+    """sched_trace= on a hybrid run (slots on the CPU device here): one graph per decode, every
     split stamped; `kairox trace` reads it. (The GPU machine's run has the CPU and GPU
     splits: bench/device/hybrid.sh.)"""
     out = tmp_path / "run.jsonl"
     code = (f"import kairox; llm = kairox.Llama({str(synth_model)!r}, sparse='predicted', gpu_slots=64, "
-            f"slots_device='CPU', n_ctx=64, verbose=False); llm.eval([1, 2, 3]); llm.eval([4]); llm.eval([5])")
+            f"slots_device='CPU', n_ctx=64, verbose=False, sched_trace={str(out)!r}); llm.eval([1, 2, 3]); llm.eval([4]); llm.eval([5])")
     import kairox
     # the child imports the same kairox package (source tree or installed) and library
     pkg_parent = str(Path(kairox.__file__).resolve().parent.parent)
-    env = {**os.environ, "KX_TRACE": str(out), "KAIROX_LIB_DIR": str(native),
+    env = {**os.environ, "KAIROX_LIB_DIR": str(native),
            "PYTHONPATH": f"{pkg_parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     recs, dropped = kt.read_trace(out)

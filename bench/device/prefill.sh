@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine, after hybrid.sh built kairox and kept a model (KX_KEEP=1): where a
-# 512-token prefill's time goes, traced (KX_TRACE): llama.cpp's own placement at -ngl (the
+# 512-token prefill's time goes, traced (--sched-trace): llama.cpp's own placement at -ngl (the
 # dense path of kairox's build, llama.cpp's code) against the static hybrid at the same
 # budget with page-locked and with pageable host weights. Results to $OUT/pp-*.json, each
 # with its command, commit and machine.
@@ -9,7 +9,7 @@
 set -uo pipefail
 . bench/device/env.sh
 B=$W/build-kx/bin
-export KAIROX_LIB_DIR=$B KX_TRACE_MAX=1000000
+export KAIROX_LIB_DIR=$B
 M=$KX_MODEL
 toks=/tmp/kxbench/$(basename "${M%.gguf}").tokens.json
 stamp() {  # FILE COMMAND...: the raw result gets its command, commit and machine
@@ -25,15 +25,18 @@ for mmp in 1 0; do
     stamp "$OUT/pp-ngl-mmp$mmp-bench.json" "${cmd[@]}"
     echo "llama.cpp placement, -ngl $KX_NGL -mmp $mmp, untraced: $(tok_s "$OUT/pp-ngl-mmp$mmp-bench.json") tok/s"
 done
-cmd=("$B/llama-bench" -m "$M" -ngl "$KX_NGL" -p 512 -n 0 -r 1 -t "$(nproc)")
-KX_TRACE=/tmp/pp-ngl.jsonl "${cmd[@]}" > /dev/null 2>&1
+# llama.cpp's placement traced: kairox dense at the same -ngl (the same graph and scheduler)
+cmd=(python3 bench/tpot.py --impl kairox --mode dense --model "$M" --tokens "$toks" --ngl "$KX_NGL" --pp 512
+     --sched-trace /tmp/pp-ngl.jsonl --sched-trace-max 1000000)
+"${cmd[@]}" > /dev/null 2>&1
 python3 -m kairox trace /tmp/pp-ngl.jsonl --breakdown --json "$OUT/pp-ngl.json"
-stamp "$OUT/pp-ngl.json" KX_TRACE=/tmp/pp-ngl.jsonl "${cmd[@]}" "&&" kairox trace /tmp/pp-ngl.jsonl --breakdown
+stamp "$OUT/pp-ngl.json" "${cmd[@]}" "&&" kairox trace /tmp/pp-ngl.jsonl --breakdown
 for pin in pinned pageable; do
     cmd=(python3 bench/tpot.py --impl kairox --mode predicted --model "$M" --tokens "$toks" --ngl 999
-         --vram-budget "$KX_BUDGET" --pp 512 $([ $pin = pageable ] && echo --no-pinned))
-    KX_TRACE=/tmp/pp-$pin.jsonl "${cmd[@]}" > "$OUT/pp-$pin-tpot.json"
-    stamp "$OUT/pp-$pin-tpot.json" KX_TRACE=/tmp/pp-$pin.jsonl "${cmd[@]}"
+         --vram-budget "$KX_BUDGET" --pp 512 $([ $pin = pageable ] && echo --no-pinned)
+         --sched-trace /tmp/pp-$pin.jsonl --sched-trace-max 1000000)
+    "${cmd[@]}" > "$OUT/pp-$pin-tpot.json"
+    stamp "$OUT/pp-$pin-tpot.json" "${cmd[@]}"
     echo "hybrid, $pin host weights, traced: $(tok_s "$OUT/pp-$pin-tpot.json") tok/s"
     python3 -m kairox trace /tmp/pp-$pin.jsonl --breakdown --json "$OUT/pp-$pin.json"
     stamp "$OUT/pp-$pin.json" kairox trace /tmp/pp-$pin.jsonl --breakdown "(the run of pp-$pin-tpot.json)"

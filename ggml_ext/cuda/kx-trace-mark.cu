@@ -3,7 +3,7 @@
 // The CUDA backend's stamp for the scheduler trace (include/kx-trace.h): a host function
 // queued on the backend's stream writes the time when the stream reaches it, i.e. when
 // the work queued before it has finished on the GPU. Returned by the CUDA registry as
-// "kx_backend_trace_mark" (patches/0006); only called while KX_TRACE is set.
+// "kx_backend_trace_mark" (patches/0006); only called while the scheduler trace records (kx_trace_start).
 #include "kx-ops-cuda.cuh"
 #include "ggml-backend-impl.h"
 

@@ -193,6 +193,9 @@ struct kx_params {
     int32_t         balancer;          // enum kx_balancer_mode (default off)
     struct kx_balance_params balance;  // the balancer's settings (balance.tam.adaptive follows `balancer`)
     const char *    trace;             // balancer records as JSON lines, appended as the run goes; NULL: none
+    const char *    sched_trace;       // the scheduler's split trace (include/kx-trace.h), for the whole
+                                       // process, written at exit (`kairox trace FILE`); NULL: none
+    int64_t         sched_trace_max;   // records it keeps (<= 0: 131072)
     // filled by kx_model_params_apply, not by the caller: free bytes of the slots' device before
     // the model loads (the budget's zero; the CUDA context is not counted), -1 unknown
     int64_t         vram_free_at_load;

@@ -1,6 +1,7 @@
 // kairox scheduler trace: when each backend ran which part of a graph.
 //
-// KX_TRACE=FILE turns it on. Every split the scheduler computes becomes one interval, in
+// kx_trace_start(FILE, MAX) turns it on (kx_params.sched_trace: --kx-sched-trace FILE in the
+// tools, sched_trace= in kairox.Llama). Every split the scheduler computes becomes one interval, in
 // ggml_time_us() (CLOCK_MONOTONIC, µs) on one clock for all backends:
 //  - CPU splits: host time around the (synchronous) compute;
 //  - GPU splits: stamps written by the device's stream itself when it reaches the start and
@@ -9,7 +10,7 @@
 //    worked, not when work was queued;
 //  - input hand-offs: host time the scheduler spent copying a split's inputs (this includes
 //    waiting for the producer).
-// Records go to a fixed array (KX_TRACE_MAX, default 131072) and are written as JSON lines
+// Records go to a fixed array (MAX, default 131072) and are written as JSON lines
 // at exit or by kx_trace_dump(). Off by default: each GPU stamp costs a few µs.
 #pragma once
 
@@ -43,6 +44,10 @@ struct kx_trace_rec {
 // where a GPU backend stamps the time when its stream reaches this point
 typedef void (*kx_backend_trace_mark_t)(ggml_backend_t backend, int64_t * t_us);
 
+// Starts recording for the rest of the process, written to path at exit. max_records <= 0:
+// 131072. 0 on success or when already recording to the same path; 1 when recording to
+// another path already, or the array cannot be allocated.
+GGML_API int32_t               kx_trace_start(const char * path, int64_t max_records);
 GGML_API bool                  kx_trace_enabled(void);
 // start the next graph's records (the scheduler calls it once per graph)
 GGML_API void                  kx_trace_next_graph(void);
@@ -54,7 +59,7 @@ GGML_API struct kx_trace_rec * kx_trace_add(int32_t split, const char * backend,
 GGML_API int64_t               kx_trace_dump(const char * path);
 
 // Scheduler counters (always on, host clock, ns summed since the last reset; not counted for
-// splits a KX_TRACE run records): where the host spends a graph's computation.
+// splits a traced run records): where the host spends a graph's computation.
 enum kx_sched_stat {
     KX_SCHED_GRAPHS,     // graph computations (ggml_backend_sched_graph_compute calls)
     KX_SCHED_SPLITS_NS,  // in the split loop, first split's inputs to last split queued

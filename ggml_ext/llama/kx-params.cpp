@@ -7,6 +7,7 @@
 #include "kx-context.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
+#include "kx-trace.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -149,6 +150,10 @@ int32_t kx_model_params_apply(kx_params * kp, llama_model_params * mp, char * er
         return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_model_params_apply: kp and mp are required");
     }
     kp->vram_free_at_load = -1;
+    if (kp->sched_trace && *kp->sched_trace && kx_trace_start(kp->sched_trace, kp->sched_trace_max) != 0) {
+        return kx_fail(err, err_size, KX_ERR_PARAMS, kx_fmt("cannot record the scheduler trace to %s (one file per "
+                                                            "process, and its records must fit in memory)", kp->sched_trace));
+    }
     if (!kx_params_hybrid(kp)) {
         if (kp->sparse == KX_SPARSE_EXACT || kp->sparse == KX_SPARSE_PREDICTED ||
             (kp->sparse == KX_SPARSE_AUTO && kp->sparse_pack && *kp->sparse_pack)) {

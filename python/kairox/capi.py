@@ -72,6 +72,7 @@ class Params(ctypes.Structure):  # struct kx_params
                 ("n_gpu_slots_layers", ctypes.c_int32), ("plan", ctypes.c_char_p), ("slots_device", ctypes.c_char_p),
                 ("pinned", ctypes.c_bool), ("warm", ctypes.c_bool), ("mapped_share", ctypes.c_float),
                 ("balancer", ctypes.c_int32), ("balance", BalanceParams), ("trace", ctypes.c_char_p),
+                ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),
                 ("vram_free_at_load", ctypes.c_int64)]
 
 

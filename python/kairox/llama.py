@@ -81,6 +81,10 @@ class KairoxOptions:
     warm: bool = True
     # the balancer's records, appended as JSON lines while running (`kairox report FILE`)
     trace: str | None = None
+    # the scheduler's split trace for the whole process, written at exit (`kairox trace FILE`),
+    # and how many records it keeps (0: 131072)
+    sched_trace: str | None = None
+    sched_trace_max: int = 0
 
     def __post_init__(self) -> None:
         self._check_sparse()
@@ -183,6 +187,7 @@ class KairoxOptions:
             kp.balance.record = int(self.balancer_record)
             kp.balance.pipeline = int(self.balancer_pipeline)
         kp.trace = text(self.trace)
+        kp.sched_trace, kp.sched_trace_max = text(self.sched_trace), self.sched_trace_max
         return kp, keep
 
 

@@ -1,6 +1,7 @@
 """Scheduler traces: when the CPU and the GPU worked, layer by layer.
 
-Run anything kairox runs with `KX_TRACE=FILE` set (the native library reads it once):
+Run anything kairox runs with the scheduler trace on (`--kx-sched-trace FILE` in the tools,
+`sched_trace=FILE` in kairox.Llama, `bench/tpot.py --sched-trace FILE`):
 every split the scheduler computes is written as one JSON line with its backend, its
 first and last node names (which carry the layer number, "ffn_out-12") and its interval
 in µs on one monotonic clock. GPU intervals are stamped by the GPU's stream itself when it
@@ -252,7 +253,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         s = summarize(recs)
         print(summary_text(s))
         if dropped:
-            print(f"kairox trace: {dropped} records were dropped (raise KX_TRACE_MAX)")
+            print(f"kairox trace: {dropped} records were dropped (raise --kx-sched-trace-max / sched_trace_max)")
         if args.breakdown:
             b = breakdown(recs, args.graph if args.graph is not None else longest_graph(recs))
             print(breakdown_text(b))
@@ -270,9 +271,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("trace", help="read a scheduler trace (KX_TRACE=FILE): CPU/GPU overlap per layer, timeline",
+    p = sub.add_parser("trace", help="read a scheduler trace (--kx-sched-trace FILE): CPU/GPU overlap per layer, timeline",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", help="trace file written by a run with KX_TRACE=FILE")
+    p.add_argument("trace", help="trace file written by a run with --kx-sched-trace FILE (sched_trace= in Python)")
     p.add_argument("--png", help="draw one step's timeline to this PNG")
     p.add_argument("--graph", type=int, help="which graph to draw (default: a typical overlapped step)")
     p.add_argument("--json", help="write the summary figures to this JSON file")
