@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+from kairox.bench import LocalServer, free_port  # noqa: E402
+
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a steam engine works.",
            "List ten uses for a paperclip.", "Describe the water cycle to a child.",
            "Summarize the plot of a detective novel.", "What makes bread rise?",
            "Give advice for a first job interview.", "Tell me about the history of maps."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream(port: int, prompt: str, n: int, out: dict) -> None:
@@ -77,19 +72,7 @@ def main() -> int:
     port = free_port()
     cmd = [str(Path(args.bin) / "llama-server"), "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
            "-t", str(args.threads), "-c", str(args.ctx), "--parallel", str(args.streams), "--no-webui", *extra]
-    log = (out / f"{args.name}-server.log").open("w")
-    srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if srv.poll() is not None:
-                raise SystemExit(f"server exited ({srv.returncode}); log {log.name}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+    with LocalServer(cmd, port, out / f"{args.name}-server.log"):
         results = [dict(stream=i, prompt=PROMPTS[i % len(PROMPTS)]) for i in range(args.streams)]
         threads = [threading.Thread(target=stream, args=(port, r["prompt"], args.tokens, r)) for r in results]
         t0 = time.perf_counter()
@@ -98,12 +81,6 @@ def main() -> int:
         for t in threads:
             t.join(timeout=600)
         wall = time.perf_counter() - t0
-    finally:
-        srv.terminate()
-        try:
-            srv.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            srv.kill()
     errors = [r for r in results if "error" in r or r.get("tokens") != args.tokens]
     rates = [r["decode_tok_s"] for r in results if r.get("decode_tok_s")]
     res = {"command": " ".join(cmd), "streams": args.streams, "tokens": args.tokens, "wall_s": wall,

@@ -18,15 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from kairox.bench import free_port
 from test_hybrid import synth_model  # noqa: F401  (KB-tiny with a pack: a pytest fixture)
 from test_kx_args import complete, dense_text  # noqa: F401  (dense_text: a pytest fixture)
 from test_sparse import same_text
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +29,7 @@ def rpc_endpoint(native: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     exe = native.parent / "bin" / "ggml-rpc-server"
     if not exe.exists():
         pytest.skip(f"{exe} is not built (KAIROX_RPC=OFF)")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("rpc") / "rpc.log"
     proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port), "-t", "2"], stdout=log.open("w"),
                             stderr=subprocess.STDOUT)

@@ -10,8 +10,6 @@ request has a timeout and every server is stopped at the end of its fixture.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from kairox.bench import LocalServer, free_port
 from test_hybrid import synth_model  # noqa: F401  (KB-tiny with a pack: a pytest fixture)
 
 openai = pytest.importorskip("openai", reason="the openai client is installed by scripts/setup.sh --test")
@@ -29,47 +28,22 @@ HYBRID = ("--sparse", "exact", "--gpu-slots", "24", "--kx-slots-device", "CPU")
 PROMPT = "Once upon a time"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(LocalServer):
+    """A server under test with an OpenAI client; a start failure fails the test."""
 
-
-class Server:
     def __init__(self, cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
-        self.port, self.log = port, log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited ({self.proc.returncode}): {log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.3)
-        else:
-            self.stop()
-            raise AssertionError(f"server did not come up: {log.read_text()[-3000:]}")
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
-
-    def stop(self) -> None:
-        self.proc.terminate()
         try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+            super().__init__(cmd, port, log, env, timeout=120, ready_path="/v1/models")
+        except RuntimeError as e:
+            raise AssertionError(str(e)) from None
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
 
 
 def _llama_server(native: Path, model: Path, tmp: Path, name: str, *extra: str) -> Server:
     exe = native.parent / "bin" / "llama-server"
     if not exe.exists():
         pytest.skip(f"{exe} is not built")
-    port = _free_port()
+    port = free_port()
     return Server([str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", "1024",
                    "--parallel", "2", "--no-warmup", "--no-webui", *extra], port, tmp / f"{name}.log")
 
@@ -191,7 +165,7 @@ def test_speculative_decoding_with_a_hybrid_target(native: Path, synth_model: Pa
 @pytest.fixture(scope="module")
 def py_server(native: Path, synth_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # noqa: F811
     pytest.importorskip("uvicorn", reason="the server packages are installed by scripts/setup.sh")
-    port = _free_port()
+    port = free_port()
     s = Server([sys.executable, "-m", "kairox.server", "--model", str(synth_model), "--host", "127.0.0.1",
                 "--port", str(port), "--n_ctx", "512", "--n_threads", "2", "--sparse", "exact", "--gpu_slots", "24",
                 "--kx_slots_device", "CPU", "--balancer", "adaptive"],

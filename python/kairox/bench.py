@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -75,6 +78,55 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     stamp_result(a.file, a.command, a.commit, json.loads(a.machine) if a.machine else None)
     return 0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """An HTTP server process on 127.0.0.1 (llama-server, kairox.server), up once `ready_path`
+    answers 200, its output in `log`. Raises RuntimeError with the log's tail when it exits
+    or does not come up within `timeout` seconds; stop() terminates it (then kills)."""
+
+    def __init__(self, cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None,
+                 timeout: float = 300, ready_path: str = "/health") -> None:
+        self.cmd, self.port, self.log = cmd, port, Path(log)
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}): {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{ready_path}", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server did not come up in {timeout:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def __enter__(self) -> "LocalServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def counters_per_mode(llm, tokens, modes=("exact", "predicted")) -> dict:
