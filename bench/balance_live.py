@@ -137,7 +137,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--budget", type=float, help="VRAM budget in GiB (default: the configuration's)")
     ap.add_argument("--gen", type=int, default=256, help="decoded tokens per row")
-    ap.add_argument("--switch-every", type=int, default=64, help="tokens per topic")
+    ap.add_argument("--switch-every", type=int, default=64,
+                    help="tokens per topic; with --session, tokens per request")
+    ap.add_argument("--session", metavar="DOMAINS",
+                    help="a session workload instead: requests of --switch-every tokens whose domains follow "
+                         "this comma-separated list (code,prose,dialogue,math; cycled to fill the tokens), "
+                         "e.g. code,prose,dialogue,code (drifting) or code (stationary)")
     ap.add_argument("--rows", default=",".join(ROWS),
                     help=f"comma-separated KIND[:LAM[:MAX_ADMIT[:THREADS]]][@VAR=VAL...], KIND one of "
                          f"{', '.join(ROWS)}; @VAR=VAL runs that row with extra environment")
@@ -172,12 +177,22 @@ def main() -> int:
     if not model.exists() or not pack_path_for(model).exists():
         run([sys.executable, "-m", "kairox", "synth", "--preset", preset, "-o", str(model), "--pack", "-q"],
             timeout=3600)
-    toks = topic_prompts(model, 1, PROMPT + args.gen, seed=2, switch_every=args.switch_every)[0]
-    tokens = work / f"{model.stem}.drift{args.switch_every}.tokens.json"
+    if args.session:
+        order = args.session.split(",")
+        n_req = -(-(PROMPT + args.gen) // args.switch_every)
+        doms = [order[i % len(order)] for i in range(n_req)]
+        toks = [t for req in topic_prompts(model, n_req, args.switch_every, seed=2, domains=doms) for t in req]
+        toks = toks[:PROMPT + args.gen]
+        tokens = work / f"{model.stem}.session-{'-'.join(order)}-{args.switch_every}.tokens.json"
+        workload = f"a session of {args.switch_every}-token requests in domains {','.join(order)}"
+    else:
+        toks = topic_prompts(model, 1, PROMPT + args.gen, seed=2, switch_every=args.switch_every)[0]
+        tokens = work / f"{model.stem}.drift{args.switch_every}.tokens.json"
+        workload = f"text drifting every {args.switch_every} tokens"
     tokens.write_text(json.dumps(toks))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"balance-live-{args.config}"
+    name = f"balance-live-{args.config}" + (f"-session-{'-'.join(args.session.split(','))}" if args.session else "")
     env = {"KAIROX_LIB_DIR": os.environ.get("KAIROX_LIB_DIR", "")}
     from offload import Layout
     from kairox.hw import measure_bandwidths
@@ -192,7 +207,7 @@ def main() -> int:
 
     def write() -> None:
         base = next((r["tok_s"] for r in results if r["row"] == "static"), None)
-        lines = [f"# Live balancer: {args.config} at {budget:g} GiB, text drifting every {args.switch_every} tokens",
+        lines = [f"# Live balancer: {args.config} at {budget:g} GiB, {workload}",
                  "",
                  f"{args.gen} decoded tokens (teacher-forced, after a {PROMPT}-token prompt), {args.threads} threads, "
                  f"reloads by {args.reload_method}; commit {git_commit()[:10]}. GPU share: listed neurons computed from "
@@ -240,7 +255,7 @@ def main() -> int:
         cmd = shlex.join([sys.executable] + sys.argv)
         write_results(out / name, {"command": cmd, "commit": git_commit(), "machine": machine_facts(), "bandwidths": bw,
                                    "config": args.config, "budget_gib": budget, "gen": args.gen,
-                                   "switch_every": args.switch_every, "rows": results, "trace": trace or None}, lines)
+                                   "switch_every": args.switch_every, "session": args.session, "rows": results, "trace": trace or None}, lines)
 
     for kind, lam, max_admit, threads, renv in rows:
         policy = POLICY.get(kind, kind)

@@ -216,7 +216,7 @@ def test_firing_rates_mean_and_spread() -> None:
 
 def test_topics_shape_the_embedding(tmp_path: Path, small_vocab: Path) -> None:
     m = synth(tmp_path / "t.gguf", SMALL_SHAPE, vocab_gguf=small_vocab, quiet=True, seed=5,
-              sparse=SparseFFN(topics=4, topic_share=0.5))
+              sparse=SparseFFN(topics=4, topic_share=0.5, domains=0))
     hdr = scan_header(m)
     assert hdr.kv["kairox.synth.topics"] == 4 and hdr.kv["kairox.synth.seed"] == 5
     e = read_model_tensor(hdr, "token_embd.weight")[:, 1:]
@@ -233,12 +233,30 @@ def test_topics_shape_the_embedding(tmp_path: Path, small_vocab: Path) -> None:
     ef = read_model_tensor(scan_header(flat), "token_embd.weight")[:, 1:]
     ef = ef / np.linalg.norm(ef, axis=1, keepdims=True)
     assert abs((ef @ ef.T)[off].mean()) < 0.02
+    # domains: topics 1, 3 in domain 0, topics 2, 4 in domain 1; a token's cos with another
+    # token of its domain ≈ ρ_d (+ ρ_t when the topic is the same), 0 across domains
+    dm = synth(tmp_path / "d.gguf", SMALL_SHAPE, vocab_gguf=small_vocab, quiet=True, seed=5,
+               sparse=SparseFFN(topics=4, topic_share=0.1, domains=2, domain_share=0.4))
+    assert scan_header(dm).kv["kairox.synth.domains"] == 2
+    ed = read_model_tensor(scan_header(dm), "token_embd.weight")[:, 1:]
+    ed = ed / np.linalg.norm(ed, axis=1, keepdims=True)
+    cd = ed @ ed.T
+    dom = np.where(topic > 0, (topic - 1) % 2, -1)
+    same_dom = (dom[:, None] == dom[None, :]) & (dom[:, None] >= 0)
+    assert abs(cd[same & off & (topic[:, None] > 0)].mean() - 0.5) < 0.05
+    assert abs(cd[same_dom & ~same].mean() - 0.4) < 0.05, cd[same_dom & ~same].mean()
+    assert abs(cd[~same_dom & ~same].mean()) < 0.02
+    with pytest.raises(SynthError, match="domains must be"):
+        SparseFFN(topics=4, domains=3).check()
+    with pytest.raises(SynthError, match="domain share"):
+        SparseFFN(topic_share=0.5, domain_share=0.5).check()
 
 
 def test_topic_prompts(tmp_path: Path, vocab_gguf: Path) -> None:
-    m = synth(tmp_path / "m.gguf", Shape(1, 64, 128, 4, 4, "f32"), quiet=True, seed=2)
+    m = synth(tmp_path / "m.gguf", Shape(1, 64, 128, 4, 4, "f32"), quiet=True, seed=2,
+              sparse=SparseFFN(domains=0))
     topic = token_topics(2, 32000, 32)
-    p = topic_prompts(m, 3, 400, seed=1)
+    p = topic_prompts(m, 3, 400, seed=1, common=0.3)
     assert len(p) == 3 and all(len(x) == 400 for x in p)
     for toks in p:
         t = topic[np.array(toks)]
@@ -246,12 +264,37 @@ def test_topic_prompts(tmp_path: Path, vocab_gguf: Path) -> None:
         main_topic = np.bincount(t[t > 0]).argmax()
         assert set(t) == {0, main_topic}  # common words and one topic
         assert abs(np.mean(t == 0) - 0.3) < 0.07
-    assert topic_prompts(m, 3, 400, seed=1) == p != topic_prompts(m, 3, 400, seed=2)
+    assert topic_prompts(m, 3, 400, seed=1, common=0.3) == p != topic_prompts(m, 3, 400, seed=2, common=0.3)
     drift = topic_prompts(m, 1, 400, switch_every=100, seed=3)[0]
     stretches = [set(topic[np.array(drift[i:i + 100])]) - {0} for i in range(0, 400, 100)]
     assert all(len(s) == 1 for s in stretches) and len(set().union(*stretches)) > 1
     with pytest.raises(SynthError, match="not a kairox synthetic model"):
         topic_prompts(vocab_gguf, 1, 10)
+    with pytest.raises(SynthError, match="no domains"):
+        topic_prompts(m, 1, 10, domains=["code"])
+
+
+def test_session_prompts_change_domain(tmp_path: Path) -> None:
+    """The default model has 4 domains: a session's requests use their domain's common
+    words and topics only, in the order asked."""
+    from kairox.synth import DOMAIN_NAMES, topic_domains
+    m = synth(tmp_path / "m.gguf", Shape(1, 64, 128, 4, 4, "f32"), quiet=True, seed=2)
+    topic = token_topics(2, 32000, 32)
+    order = ["code", "prose", "dialogue", "code", 3]
+    p = topic_prompts(m, 5, 300, seed=1, domains=order)
+    for toks, d in zip(p, order):
+        want = DOMAIN_NAMES.index(d) if isinstance(d, str) else d
+        t = topic[np.array(toks)]
+        assert 0 not in t  # the shared common words stay out: each domain has its own
+        assert set(topic_domains(t, 4)) == {want}
+        assert abs(np.mean(t == want + 1) - 0.5) < 0.08  # half the words: the domain's common words
+    drift = topic_prompts(m, 1, 400, seed=3, domains=[1], switch_every=100)[0]
+    t = topic[np.array(drift)]
+    assert set(topic_domains(t, 4)) == {1} and len(set(t)) > 2  # topics change, the domain stays
+    with pytest.raises(SynthError, match="unknown domain"):
+        topic_prompts(m, 1, 10, domains=["poetry"])
+    with pytest.raises(SynthError, match="domains for"):
+        topic_prompts(m, 2, 10, domains=["code"])
 
 
 def test_q4_0_model(tmp_path: Path, small_vocab: Path) -> None:

@@ -13,6 +13,7 @@
 #   KX_TEST_TIMEOUT=300 ...      # stop pytest after that many seconds (a hang must not eat the call)
 #   KX_RELOAD=1 ...              # the reload transfer methods (bench/reload.py)
 #   KX_LIVE="KB-7B" ...          # the live balancer ablation (bench/balance_live.py) of those configs
+#   KX_LIVE_SESSIONS="code,prose,dialogue,code code" ...  # ... on these session workloads (one run each)
 #   KX_NCU="KB-7B" ...           # after the rows: every kernel's time over a few decoded tokens of the
 #                                static split (Nsight Compute, bench/kernel_profile.py; KX_NCU_ARGS: tpot.py's)
 set -uo pipefail
@@ -81,9 +82,11 @@ done
 [ -n "${KX_RELOAD:-}" ] && { python3 bench/reload.py --out "$OUT" ${KX_RELOAD_ARGS:-} > "$OUT/reload.log" 2>&1 \
     || echo "reload bench FAILED"; tail -40 "$OUT/reload.log"; echo "reload bench done at $(( $(date +%s) - t0 )) s"; }
 for cfg in ${KX_LIVE:-}; do
+  for sess in ${KX_LIVE_SESSIONS:-none}; do
     python3 bench/balance_live.py --config "$cfg" --work /tmp/kxbench --out "$OUT" ${KX_LIVE_ARGS:-} \
-        || echo "live $cfg FAILED"
-    for t in "$OUT/balance-live-$cfg" "$OUT/balance-live-$cfg-pipe"; do
+        $([ "$sess" = none ] || echo "--session $sess") || echo "live $cfg $sess FAILED"
+  done
+    for t in $(ls "$OUT"/balance-live-"$cfg"*.jsonl 2>/dev/null | sed "s/\.jsonl$//"); do
         [ -f "$t.jsonl" ] && python3 -m kairox report "$t.jsonl" --png "$t.png" && gzip -f "$t.jsonl"
     done
     echo "live $cfg done at $(( $(date +%s) - t0 )) s"

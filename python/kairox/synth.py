@@ -34,18 +34,24 @@ the model carries its own (as kairox.tiny does):
   σ = --rate-spread, rescaled to mean 1 − S, clipped to [1e-4, 0.95]) and z_i = Φ⁻¹(1 − p_i)
   in the bias column instead of one z: a minority of neurons fires on most tokens and
   carries most of the activations, as in real ReLU models (PowerInfer's hot neurons).
-* Topics. Every token belongs to one of --topics topics or to the common words
-  (topic 0), by a seeded assignment (`token_topics`); the token channels of its
-  embedding are sqrt(ρ)·T[topic] + sqrt(1 − ρ)·ε_token, T and ε Gaussian with the
-  pool's std, ρ = --topic-share. Tokens of one topic share part of their gate
-  pre-activations, so text that stays on a topic keeps reusing neurons (temporal
-  locality) and two texts on different topics use different ones (cross-prompt
-  distance); `topic_prompts` writes such text. Random tokens (llama-bench) change topic
-  at every token and see the rates alone.
+* Topics and domains. Every token belongs to one of --topics topics or to the common
+  words (topic 0), by a seeded assignment (`token_topics`). With --domains D, topic k ≥ 1
+  lies in domain (k − 1) mod D, and topic d + 1 holds domain d's own common words (code's
+  brackets, prose's articles). The token channels of a token's embedding are
+  sqrt(ρ_t)·T[topic] + sqrt(ρ_d)·V[domain] + sqrt(1 − ρ_t − ρ_d)·ε_token (topic 0: no
+  domain part, its share goes to ε), T, V and ε Gaussian with the pool's std, ρ_t =
+  --topic-share, ρ_d = --domain-share. Tokens of one domain share part of their gate
+  pre-activations, so text that stays in a domain keeps reusing neurons (temporal
+  locality) and texts of different domains use different ones (cross-prompt distance);
+  `topic_prompts` writes such text, a list of domains gives a session that changes
+  domain from request to request. Random tokens (llama-bench) change domain at every
+  token and see the rates alone.
 
 Norm weights are 1; q, k and the output head are pool slices as in the dense model. The
-parameters (rate spread 1.6, 32 topics, share 0.45, common words 30% of a prompt's
-tokens) were fitted to the papers' statistics on a Gaussian simulation of this gate and
+parameters (rate spread 1.2, 32 topics in 4 domains, domain share 0.35, topic share 0.05,
+a prompt's words half its domain's common words) were fitted to the papers' statistics
+(density 0.11, 20-40% of neurons carrying 80% of activations, adjacent-token distance
+0.70-0.75, cross-prompt distance 0.53-0.57) on a Gaussian simulation of this gate and
 then measured on the real forward pass (docs/benchmarking.md, bench/results/synth-stats-*).
 
 Types: f32, f16, and q4_0 (KB-70B), quantized while streaming: the pools are quantized
@@ -106,13 +112,17 @@ UPDATE_RATIO = 0.01
 # Dense noise on the gate, relative to the low-rank part's entries.
 GATE_NOISE = 0.1
 # Realistic-statistics defaults (module docstring).
-DEFAULT_RATE_SPREAD = 1.6
+DEFAULT_RATE_SPREAD = 1.2
 DEFAULT_TOPICS = 32
-DEFAULT_TOPIC_SHARE = 0.45
-DEFAULT_COMMON = 0.3
+DEFAULT_TOPIC_SHARE = 0.05
+DEFAULT_DOMAINS = 4
+DEFAULT_DOMAIN_SHARE = 0.35
+DEFAULT_COMMON = 0.5
 RATE_CLIP = (1e-4, 0.95)
-# Metadata written into synthetic models: how to rebuild the token topics.
-K_SEED, K_TOPICS = "kairox.synth.seed", "kairox.synth.topics"
+# Metadata written into synthetic models: how to rebuild the token topics and domains.
+K_SEED, K_TOPICS, K_DOMAINS = "kairox.synth.seed", "kairox.synth.topics", "kairox.synth.domains"
+# The session workload's domains by name (topic_prompts' `domains`), in domain order.
+DOMAIN_NAMES = ("code", "prose", "dialogue", "math")
 
 
 class SynthError(ValueError):
@@ -126,7 +136,9 @@ class SparseFFN:
     gate_rank: int | None = None        # rank of the gate incl. the bias channel; None: n_embd // 16
     rate_spread: float = DEFAULT_RATE_SPREAD  # σ of log firing rate across neurons; 0: equal rates
     topics: int = DEFAULT_TOPICS              # token topics in the embedding; 0: none
-    topic_share: float = DEFAULT_TOPIC_SHARE  # ρ: share of a token channel's variance from its topic
+    topic_share: float = DEFAULT_TOPIC_SHARE  # ρ_t: share of a token channel's variance from its topic
+    domains: int = DEFAULT_DOMAINS            # topic domains (topic k in domain (k − 1) mod D); 0: none
+    domain_share: float = DEFAULT_DOMAIN_SHARE  # ρ_d: share from its domain
 
     def rank_for(self, shape: Shape) -> int:
         limit = min(shape.n_ff, shape.n_embd)
@@ -146,6 +158,14 @@ class SparseFFN:
             raise SynthError(f"topics must be an integer in 0..255, got {self.topics!r}")
         if not (isinstance(self.topic_share, (int, float)) and 0 <= self.topic_share < 1):
             raise SynthError(f"topic share must be in [0, 1), got {self.topic_share!r}")
+        if isinstance(self.domains, bool) or not isinstance(self.domains, int) or not (
+                self.domains == 0 or self.topics == 0 or 2 * self.domains <= self.topics):
+            raise SynthError(f"domains must be 0 or an integer up to topics / 2 (each domain needs its common "
+                             f"words and a topic), got {self.domains!r} with {self.topics} topics")
+        share = self.topic_share + (self.domain_share if self.domains and self.topics else 0)
+        if not (isinstance(self.domain_share, (int, float)) and 0 <= self.domain_share < 1) or share >= 1:
+            raise SynthError(f"domain share must be in [0, 1) and with the topic share below 1, got "
+                             f"{self.domain_share!r} + {self.topic_share!r}")
         if 1 - self.sparsity > RATE_CLIP[1]:
             raise SynthError(f"sparsity {self.sparsity} leaves a mean firing rate above {RATE_CLIP[1]}")
 
@@ -168,6 +188,13 @@ def token_topics(seed: int, n_vocab: int, topics: int) -> np.ndarray:
     if topics == 0:
         return np.zeros(n_vocab, np.int64)
     return np.random.default_rng([seed, 0x70]).integers(0, topics + 1, n_vocab)
+
+
+def topic_domains(topic: np.ndarray, domains: int) -> np.ndarray:
+    """Domain of each topic id (topic k ≥ 1 in domain (k − 1) mod D; 0, the shared common
+    words, and every topic when there are no domains: 0, which is then unused)."""
+    topic = np.asarray(topic)
+    return np.where(topic > 0, (topic - 1) % max(domains, 1), 0)
 
 
 def sparse_gate(rng: np.random.Generator, noise: np.ndarray, rank: int, rates: np.ndarray) -> np.ndarray:
@@ -312,12 +339,17 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
         topic = token_topics(seed, n_vocab, sparse.topics)
         topic_vecs = np.random.default_rng([seed, 0x7e]).standard_normal(
             (sparse.topics + 1, n), dtype=np.float32) * POOL_STD
+        n_dom = sparse.domains if sparse.topics else 0
+        domain_vecs = np.random.default_rng([seed, 0xd0]).standard_normal((max(n_dom, 1), n), dtype=np.float32) * POOL_STD
 
         def embd() -> np.ndarray:
             rho = sparse.topic_share if sparse.topics else 0.0
-            e = rand((n_vocab, n)).astype(np.float32) * np.float32(math.sqrt(1 - rho))
+            rho_d = np.where(topic > 0, sparse.domain_share if n_dom else 0.0, 0.0).astype(np.float32)
+            e = rand((n_vocab, n)).astype(np.float32) * np.sqrt(1 - rho - rho_d)[:, None]
             if rho:
                 e += np.float32(math.sqrt(rho)) * topic_vecs[topic]
+            if n_dom:
+                e += np.sqrt(rho_d)[:, None] * domain_vecs[topic_domains(topic, n_dom)]
             e[:, 0] = POOL_STD * math.sqrt((n - 1) / 3)  # the bias channel
             return encode(e)
 
@@ -361,9 +393,12 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
     if act == "relu":
         name += (f" sparsity {sparse.sparsity:g} gate rank {gate_rank} rate spread "
                  f"{sparse.rate_spread:g} topics {sparse.topics} share {sparse.topic_share:g}")
+        if sparse.domains and sparse.topics:
+            name += f" domains {sparse.domains} share {sparse.domain_share:g}"
     add_hparams(w, cfg, act, name, shape.ftype)
     w.add_uint32(K_SEED, seed & 0xFFFFFFFF)
     w.add_uint32(K_TOPICS, sparse.topics if act == "relu" else 0)
+    w.add_uint32(K_DOMAINS, sparse.domains if act == "relu" and sparse.topics else 0)
     copy_tokenizer_fields(w, vocab_gguf, n_vocab)
     for tname, shp, make in tensors:
         if make is None:
@@ -384,11 +419,16 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
 
 
 def topic_prompts(model_path: str | Path, n_prompts: int, length: int, *, seed: int = 0,
-                  common: float = DEFAULT_COMMON, switch_every: int | None = None) -> list[list[int]]:
-    """Token streams for a synthetic model that read like text on topics: each prompt picks
-    a topic; each token is a common word with probability `common`, else a word of the
-    prompt's topic (uniform among that topic's normal tokens). With `switch_every`, the
-    topic changes every that many tokens (a drifting conversation). No BOS is added."""
+                  common: float = DEFAULT_COMMON, switch_every: int | None = None,
+                  domains: list[int | str] | None = None) -> list[list[int]]:
+    """Token streams for a synthetic model that read like text on topics. Without domains
+    in the model: each prompt picks a topic; each token is a common word (topic 0) with
+    probability `common`, else a word of the prompt's topic. With domains: each prompt
+    picks a domain (or takes `domains[i]`, an index or a DOMAIN_NAMES name: a session whose
+    requests change domain), its common words are the domain's own, its topic one of the
+    domain's. Words are uniform among a topic's normal tokens. With `switch_every`, the
+    topic changes every that many tokens (a drifting conversation; within the domain when
+    there is one). No BOS is added."""
     import gguf
 
     from .gguf_header import scan_header
@@ -397,6 +437,20 @@ def topic_prompts(model_path: str | Path, n_prompts: int, length: int, *, seed: 
     if K_TOPICS not in hdr.kv:
         raise SynthError(f"{model_path} is not a kairox synthetic model (no {K_TOPICS})")
     topics = int(hdr.kv[K_TOPICS])
+    n_dom = int(hdr.kv.get(K_DOMAINS, 0))
+    if domains is not None:
+        if not n_dom:
+            raise SynthError(f"{model_path} has no domains (synthesize it with --domains)")
+        if len(domains) != n_prompts:
+            raise SynthError(f"{len(domains)} domains for {n_prompts} prompts")
+        names = DOMAIN_NAMES[:n_dom]
+        try:
+            domains = [names.index(d) if isinstance(d, str) else int(d) for d in domains]
+        except ValueError:
+            raise SynthError(f"unknown domain in {domains!r}: this model's are {', '.join(names)} "
+                             f"or 0..{n_dom - 1}") from None
+        if any(not 0 <= d < n_dom for d in domains):
+            raise SynthError(f"domains must be in 0..{n_dom - 1}, got {domains!r}")
     field = gguf.GGUFReader(str(model_path)).get_field("tokenizer.ggml.token_type")
     types = np.array([int(field.parts[i][0]) for i in field.data])
     topic = token_topics(int(hdr.kv[K_SEED]), types.size, topics)
@@ -406,12 +460,17 @@ def topic_prompts(model_path: str | Path, n_prompts: int, length: int, *, seed: 
         raise SynthError(f"{model_path}: a topic has no normal tokens (vocabulary too small for {topics} topics)")
     rng = np.random.default_rng([seed, 0x9e])
     out = []
-    for _ in range(n_prompts):
+    for i in range(n_prompts):
         k = np.zeros(length, np.int64)
-        starts = range(0, length, switch_every or length)
-        for st in starts:  # one topic per stretch; 0 (common only) when the model has none
-            k[st:st + (switch_every or length)] = rng.integers(1, topics + 1) if topics else 0
-        k[rng.random(length) < common] = 0
+        if n_dom:
+            d = domains[i] if domains is not None else int(rng.integers(n_dom))
+            own = np.arange(d + 1 + n_dom, topics + 1, n_dom)  # the domain's topics, its common words apart
+            common_topic = d + 1
+        else:
+            own, common_topic = np.arange(1, topics + 1), 0
+        for st in range(0, length, switch_every or length):  # one topic per stretch (0 if the model has none)
+            k[st:st + (switch_every or length)] = rng.choice(own) if topics else 0
+        k[rng.random(length) < common] = common_topic
         out.append([int(words[kk][rng.integers(words[kk].size)]) for kk in k])
     return out
 
@@ -435,13 +494,14 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.type:
         shape = dataclasses.replace(shape, ftype=args.type)
     sparse = None
-    given = {k: v for k in ("sparsity", "gate_rank", "rate_spread", "topics", "topic_share")
+    given = {k: v for k in ("sparsity", "gate_rank", "rate_spread", "topics", "topic_share", "domains",
+                            "domain_share")
              if (v := getattr(args, k)) is not None}
     if args.act == "relu":
         sparse = SparseFFN(**given)
     elif given:
-        return fail("--sparsity, --gate-rank, --rate-spread, --topics and --topic-share apply "
-                    "only to --act relu (a SiLU model is dense)")
+        return fail("--sparsity, --gate-rank, --rate-spread, --topics, --topic-share, --domains and "
+                    "--domain-share apply only to --act relu (a SiLU model is dense)")
     out = Path(args.outfile or f"{args.preset}-{shape.ftype}.gguf")
     if args.pack_only:
         # the model was written by an earlier run (same preset and options): its pack only
@@ -513,6 +573,11 @@ def register(sub) -> None:
                    help=f"ReLU only: token topics in the embedding, 0 for none (default: {DEFAULT_TOPICS})")
     p.add_argument("--topic-share", type=float, metavar="RHO",
                    help=f"ReLU only: share of a token's embedding from its topic (default: {DEFAULT_TOPIC_SHARE})")
+    p.add_argument("--domains", type=int, metavar="D",
+                   help=f"ReLU only: topic domains (each with its own common words), 0 for none "
+                        f"(default: {DEFAULT_DOMAINS}: {', '.join(DOMAIN_NAMES)})")
+    p.add_argument("--domain-share", type=float, metavar="RHO",
+                   help=f"ReLU only: share of a token's embedding from its domain (default: {DEFAULT_DOMAIN_SHARE})")
     p.add_argument("--profile", type=int, default=2048, metavar="TOKENS",
                    help="with --pack: measure each neuron's activation frequency on this many tokens "
                         "of topic text and store it in the pack (static placement ranks neurons by it); "
