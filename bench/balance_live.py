@@ -224,18 +224,26 @@ def main() -> int:
                  "time outside the split loop (graph build, allocation, output, driver) spread over the layers; "
                  "of that, the balancer's boundary after each decode (kx_balance_stats; phases in the JSON).",
                  "",
-                 "| row | threads | tok/s | vs static | TPOT p50 / p99 ms | GPU share | loads / token | reload MiB / token | "
+                 "Thresholds (rows with --error-budget): mean grid points of θ_g / θ_c (5: static), CPU neurons vs "
+                 "the static thresholds', calibrated error vs static; output: top-1 agreement and mean KL of the "
+                 "teacher-forced next-token distributions against the static row.",
+                 "",
+                 "| row | threads | tok/s | vs static | TPOT p50 / p99 ms | thresholds θ_g / θ_c, CPU neurons, error | "
+                 "top-1 / KL vs static | GPU share | loads / token | reload MiB / token | "
                  "stalls io / cpu / none | worst reload wait µs | late loads | decision µs / token | hold µs / token | "
                  "λ at end | bound ms/tok (limit) | efficiency | µs per layer: step / host op / loop max / mean | "
                  "µs per layer: CPU split / device wait / launches / copies / outside (boundary) |",
-                 "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
+                 "|---|---:|---:|---:|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
         for r in results:
             st = r["stalls"] or {}
             bd = r["bound"]
             lines.append(
                 f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | "
                 f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
-                f"{r['gpu_share'] or 0:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
+                + (f"{t['kg_mean']:.1f} / {t['kc_mean']:.1f}, {t['cpu_neurons_vs_static']:.2f}, "
+                   f"{t['err_ratio_mean']:.2f} | " if (t := r.get("thresholds")) else "- | ")
+                + (f"{r['top1_vs_static']:.3f} / {r['kl_vs_static']:.2g} | " if "top1_vs_static" in r else "- | ")
+                + f"{r['gpu_share'] or 0:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
                 f"{st.get('io', 0)} / {st.get('cpu', 0)} / {st.get('none', 0)} | "
                 f"{(r['wait_us_max'] or 0):.0f} | {r.get('late_loads') or 0} | {(r['decide_us_per_step'] or 0):.0f} | "
                 f"{(r['hold_us_per_step'] or 0):.0f} | "
@@ -274,6 +282,8 @@ def main() -> int:
         extra += ["--decide", "worker" if kind == "pipe-thread" else "auto" if kind in PIPELINED else args.decide]
         row_env = {k: v for k, v in renv.items() if not k.startswith("--")}
         extra += [a for k, v in renv.items() if k.startswith("--") for a in (k, v)]
+        logits = work / f"{name}.row{len(results)}.logits.npy"
+        extra += ["--logits-out", str(logits)]
         res = tpot_run("kairox", "predicted", model, tokens, 999, threads, {**env, **row_env}, extra)
         if row_env:
             res["command"] = " ".join(f"{k}={v}" for k, v in row_env.items()) + " " + res["command"]
@@ -282,6 +292,10 @@ def main() -> int:
             reload = (res.get("balance") or {}).get("reload_mib_per_step", 0.0) * 2**20
             bd = row_bound(lay, costs, res["counters"], args.gen, reload, kind in PIPELINED, bw)
         results.append(row_of(kind, lam, max_admit, threads, res, bd))
+        results[-1]["thresholds"] = res.get("thresholds")
+        ref = next((i for i, r in enumerate(results) if r["row"] == "static"), None)
+        if ref is not None:
+            results[-1].update(output_error(work / f"{name}.row{ref}.logits.npy", logits))
         if renv:
             results[-1]["row"] += " [" + " ".join(f"{k}={v}" for k, v in renv.items()) + "]"
             results[-1]["env"] = renv
@@ -293,6 +307,22 @@ def main() -> int:
                                   ["--vram-budget", f"{budget:g}GiB", "--balancer", "static"]))
         write()
     return 0
+
+
+def output_error(ref_path: Path, path: Path) -> dict:
+    """A row's teacher-forced logits against the static row's: the share of positions with
+    the same top token, and the mean KL(static || row) of the next-token distributions."""
+    import numpy as np
+    a = np.load(ref_path).astype(np.float64)
+    b = np.load(path).astype(np.float64)
+    n = min(len(a), len(b))
+    a, b = a[:n], b[:n]
+    la = a - a.max(axis=1, keepdims=True)
+    la -= np.log(np.exp(la).sum(axis=1, keepdims=True))
+    lb = b - b.max(axis=1, keepdims=True)
+    lb -= np.log(np.exp(lb).sum(axis=1, keepdims=True))
+    kl = (np.exp(la) * (la - lb)).sum(axis=1)
+    return {"top1_vs_static": float((a.argmax(1) == b.argmax(1)).mean()), "kl_vs_static": float(kl.mean())}
 
 
 def gpu_hbm_known(bw: dict) -> bool:

@@ -68,6 +68,10 @@ def main() -> int:
     ap.add_argument("--sched-trace-max", type=int, default=0, help="kairox: records the trace keeps (0: 131072)")
     ap.add_argument("--warm", choices=["on", "off"], default="on",
                     help="kairox hybrid: the host-cache warm-up (kx_params.warm; rows: static@--warm=off)")
+    ap.add_argument("--error-budget", type=float, default=0.0,
+                    help="kairox hybrid, predicted: load-aware thresholds under this multiple of the static "
+                         "threshold's error (0: off)")
+    ap.add_argument("--logits-out", help="save each decoded position's logits (float16 .npy, after timing)")
     args = ap.parse_args()
 
     # The library is loaded before numpy (on the GPU machine, numpy first makes the CUDA
@@ -86,6 +90,8 @@ def main() -> int:
             extra["mapped_share"] = args.mapped_share
         if args.warm == "off":
             extra["warm"] = False
+        if args.error_budget:
+            extra["error_budget"] = args.error_budget
         if args.sched_trace:
             extra["sched_trace"], extra["sched_trace_max"] = args.sched_trace, args.sched_trace_max
         if args.balancer != "static":
@@ -125,10 +131,13 @@ def main() -> int:
         warm_counters(reset=True)
         balance_counters(reset=True)
     times = []
+    logits = []
     for t in toks[args.prompt_len:]:
         t0 = time.perf_counter()
         llm.eval([t])
         times.append(time.perf_counter() - t0)
+        if args.logits_out:
+            logits.append(llm.scores[llm.n_tokens - 1].astype("float16"))
     if sparse:
         c = sparse_counters(reset=True)
         counters = {**dataclasses.asdict(c), "sched": sched_counters(reset=True), "warm": warm_counters(reset=True),
@@ -148,6 +157,20 @@ def main() -> int:
             t0 = time.perf_counter()
             llm.eval(batch)
             pp_s = min(pp_s or 1e30, time.perf_counter() - t0)
+    if args.logits_out:
+        import numpy as np
+        np.save(args.logits_out, np.stack(logits))
+    thr = None
+    if hasattr(llm, "thresholds"):
+        from kairox.llama import _C
+        layers = [i for il in range(_C.llama_model_n_layer(llm._model.model)) if (i := llm.thresholds(il))]
+        if layers:
+            mean = lambda k: sum(i[k] for i in layers) / len(layers)  # noqa: E731
+            thr = {"layers": len(layers), "kg_mean": mean("kg"), "kc_mean": mean("kc"),
+                   "err_ratio_mean": mean("err_ratio"), "cpu_neurons_vs_static":
+                   sum(i["n_cpu"] for i in layers) / max(1e-9, sum(i["n_cpu_static"] for i in layers)),
+                   "t_cpu_ns": layers[0]["t_cpu_ns"], "o_cpu_ns": layers[0]["o_cpu_ns"],
+                   "solves": layers[0]["solves"]}
     mem1 = gpu_used_mib()
     mode = getattr(llm, "sparse", "dense")
     slots_bytes = getattr(llm, "slots_bytes", 0)
@@ -155,7 +178,7 @@ def main() -> int:
     vram = None if vram is None else {**dataclasses.asdict(vram), "used_after_run": llm.vram_used()}
     llm.close()
     print(json.dumps({"prefill_s": prefill, "tpot_s": times, "counters": counters, "mode_used": mode,
-                      "slots_bytes": slots_bytes, "vram": vram, "balance": balance,
+                      "slots_bytes": slots_bytes, "vram": vram, "balance": balance, "thresholds": thr,
                       "pp_tok_s": args.pp / pp_s if pp_s else None,
                       "gpu_mem_mib": None if mem0 is None or mem1 is None else mem1 - mem0}))
     return 0

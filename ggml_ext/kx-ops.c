@@ -38,6 +38,21 @@ struct ggml_tensor * ggml_kx_select_to_host(
     return result;
 }
 
+struct ggml_tensor * ggml_kx_select_split(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * scores,
+        float                 threshold,
+        float                 max_density,
+        struct ggml_tensor  * rowmap,
+        struct ggml_tensor  * off) {
+    GGML_ASSERT(rowmap->type == GGML_TYPE_I32 && ggml_is_contiguous(rowmap) && ggml_nelements(rowmap) == scores->ne[0]);
+    GGML_ASSERT(off->type == GGML_TYPE_F32 && ggml_is_contiguous(off) && ggml_nelements(off) == 2);
+    struct ggml_tensor * result = ggml_kx_select(ctx, scores, threshold, max_density, KX_SELECT_SCORE);
+    result->src[1] = rowmap;
+    result->src[2] = off;
+    return result;
+}
+
 static void kx_check_sel(const struct ggml_tensor * sel, int64_t n) {
     GGML_ASSERT(sel->type == GGML_TYPE_I32);
     GGML_ASSERT(ggml_is_contiguous(sel));

@@ -46,6 +46,8 @@ class GGML:
         b.ggml_row_size.argtypes, b.ggml_row_size.restype = [C.c_int, C.c_int64], C.c_size_t
         b.ggml_kx_select.argtypes = [P, P, C.c_float, C.c_float, C.c_int]
         b.ggml_kx_select.restype = P
+        b.ggml_kx_select_split.argtypes = [P, P, C.c_float, C.c_float, P, P]
+        b.ggml_kx_select_split.restype = P
         b.ggml_kx_select_to_host.argtypes = [P, P, C.c_float, C.c_float, C.c_int, P]
         b.ggml_kx_select_to_host.restype = P
         b.ggml_kx_mul_mat_rows.argtypes, b.ggml_kx_mul_mat_rows.restype = [P, P, P, P, P], P
@@ -113,6 +115,20 @@ class GGML:
                 assert host.dtype == np.int32 and host.size >= n + 2 and host.ctypes.data % 16 == 0
                 out = self.base.ggml_kx_select_to_host(ctx, s, threshold, max_density, KX_SELECT_ACT[act],
                                                        host.ctypes.data)
+            return self._run(ctx, out, n_threads, use_ref, (n + 1,), np.int32).copy()
+        finally:
+            self.base.ggml_free(ctx)
+
+    def select_split(self, scores: np.ndarray, threshold: float, max_density: float, rowmap: np.ndarray,
+                     off: tuple[float, float], n_threads: int = 1, use_ref: bool = False) -> np.ndarray:
+        """ggml_kx_select_split: scores [T, n], rowmap int32 [n], off (resident, others)."""
+        T, n = scores.shape
+        ctx = self._ctx(scores.nbytes + 8 * n)
+        try:
+            s = self._tensor(ctx, "f32", (n, T), scores.astype(np.float32))
+            rm = self._tensor(ctx, "i32", (n,), rowmap.astype(np.int32))
+            ot = self._tensor(ctx, "f32", (2,), np.asarray(off, np.float32))
+            out = self.base.ggml_kx_select_split(ctx, s, threshold, max_density, rm, ot)
             return self._run(ctx, out, n_threads, use_ref, (n + 1,), np.int32).copy()
         finally:
             self.base.ggml_free(ctx)

@@ -91,6 +91,7 @@ def test_environment_names(native: Path, synth_model: Path, dense_text: str, tmp
     (("--balancer-lambda", "2"), "--balancer-lambda must be a number in [0.05, 0.95]"),
     (("--balancer-max-admit", "many"), "--balancer-max-admit must be a whole number"),
     (("--sparse", "fast"), "--sparse must be dense, exact or predicted"),
+    (("--kx-error-budget", "-1"), "--kx-error-budget must be a number in [0, 1e+06]"),
 ])
 def test_bad_values_are_refused_with_a_sentence(native: Path, synth_model: Path, args: tuple[str, ...],  # noqa: F811
                                                 message: str) -> None:
@@ -145,7 +146,7 @@ def test_the_scheduler_trace_from_a_tool(native: Path, synth_model: Path, tmp_pa
 def test_help_lists_the_options(native: Path) -> None:
     r = tool(native, "llama-completion", "--help")
     for flag in ("--vram-budget", "--gpu-slots", "--kx-plan", "--mapped-share", "--balancer ", "--balancer-lambda",
-                 "--balancer-pipeline", "--kx-trace", "--kx-sched-trace", "--sparse-pack", "LLAMA_ARG_VRAM_BUDGET"):
+                 "--balancer-pipeline", "--kx-error-budget", "--kx-trace", "--kx-sched-trace", "--sparse-pack", "LLAMA_ARG_VRAM_BUDGET"):
         assert flag in r.stdout, flag
 
 

@@ -65,6 +65,25 @@ def test_select_matches_numpy(g: GGML, act: str, T: int, use_ref: bool):
         np.testing.assert_array_equal(out[1:1 + out[0]], want)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("use_ref", [False, True])
+def test_select_split_applies_each_sides_threshold(g: GGML, T: int, use_ref: bool):
+    """ggml_kx_select_split: resident neurons (rowmap >= 0) against threshold + off[0], the
+    others against threshold + off[1]; off = (0, 0) is the plain select's list."""
+    rng = np.random.default_rng(2)
+    n = 1037
+    scores = (rng.standard_normal((T, n)) - 0.8).astype(np.float32)
+    rowmap = np.where(rng.random(n) < 0.4, np.arange(n), -1).astype(np.int32)
+    for thr, off in ((0.0, (0.0, 0.0)), (0.0, (-0.5, 0.7)), (0.3, (0.2, -0.4)), (0.0, (-9.0, 9.0))):
+        out = g.select_split(scores, thr, 1.0, rowmap, off, use_ref=use_ref)
+        t = np.where(rowmap >= 0, thr + np.float32(off[0]), thr + np.float32(off[1])).astype(np.float32)
+        want = np.flatnonzero((scores > t).any(axis=0))
+        assert out[0] == len(want), (thr, off)
+        np.testing.assert_array_equal(out[1:1 + out[0]], want)
+        if off == (0.0, 0.0):
+            np.testing.assert_array_equal(out, g.select(scores, thr, 1.0, "score", use_ref=use_ref))
+
+
 def test_select_empty_full_and_density_fallback(g: GGML):
     n = 300
     neg = np.full((1, n), -1.0, np.float32)

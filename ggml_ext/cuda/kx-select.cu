@@ -24,8 +24,10 @@ static __device__ __forceinline__ bool kx_on(float v, float thr, int32_t act) {
 
 // masks[c] = ballot of chunk c (neurons 32c .. 32c+31): bit l is set when any token's score of
 // neuron 32c+l passes the rule
+// (split: rowmap non-NULL, the threshold of a neuron is thr + off[0] where rowmap >= 0, thr + off[1] elsewhere)
 static __global__ void kx_select_ballot_kernel(const float * s, uint32_t * masks, int64_t n, int64_t nt,
-                                               int64_t nb1, float thr, int32_t act) {
+                                               int64_t nb1, float thr, int32_t act, const int32_t * rowmap,
+                                               const float * off) {
     const int     lane = threadIdx.x % WARP_SIZE;
     const int64_t nc   = (n + WARP_SIZE - 1) / WARP_SIZE;
     const int64_t c0   = ((int64_t) blockIdx.x*KX_SELECT_BALLOT_WARPS + threadIdx.x/WARP_SIZE)*KX_SELECT_BATCH;
@@ -33,6 +35,12 @@ static __global__ void kx_select_ballot_kernel(const float * s, uint32_t * masks
         return; // whole warp: the ballots below stay full-warp
     }
     bool on[KX_SELECT_BATCH] = {false};
+    float th[KX_SELECT_BATCH];
+#pragma unroll
+    for (int b = 0; b < KX_SELECT_BATCH; ++b) {
+        const int64_t i = (c0 + b)*WARP_SIZE + lane;
+        th[b] = rowmap && i < n ? thr + (rowmap[i] >= 0 ? off[0] : off[1]) : thr;
+    }
     for (int64_t t = 0; t < nt; ++t) {
         const float * st = (const float *) ((const char *) s + t*nb1);
         float v[KX_SELECT_BATCH];
@@ -44,7 +52,7 @@ static __global__ void kx_select_ballot_kernel(const float * s, uint32_t * masks
 #pragma unroll
         for (int b = 0; b < KX_SELECT_BATCH; ++b) {
             const int64_t i = (c0 + b)*WARP_SIZE + lane;
-            on[b] = on[b] || (i < n && kx_on(v[b], thr, act));
+            on[b] = on[b] || (i < n && kx_on(v[b], th[b], act));
         }
     }
     uint32_t mine = 0; // lane b keeps chunk c0 + b's ballot: one coalesced store
@@ -158,12 +166,13 @@ static __global__ void kx_select_to_host_kernel(const int32_t * out, int32_t * h
 
 // both launches on `stream`; masks: (n + 31)/32 words of scratch
 static void kx_select_launch(const float * s, int32_t * out, uint32_t * masks, int64_t n, int64_t nt, int64_t nb1,
-                             float thr, float max_density, int32_t act, cudaStream_t stream) {
+                             float thr, float max_density, int32_t act, const int32_t * rowmap, const float * off,
+                             cudaStream_t stream) {
     const int64_t nc     = (n + WARP_SIZE - 1) / WARP_SIZE;
     const int64_t warps  = (nc + KX_SELECT_BATCH - 1) / KX_SELECT_BATCH;
     const int64_t blocks = (warps + KX_SELECT_BALLOT_WARPS - 1) / KX_SELECT_BALLOT_WARPS;
     kx_select_ballot_kernel<<<(unsigned) blocks, KX_SELECT_BALLOT_WARPS*WARP_SIZE, 0, stream>>>(
-        s, masks, n, nt, nb1, thr, act);
+        s, masks, n, nt, nb1, thr, act, rowmap, off);
     kx_select_write_kernel<<<1, KX_SELECT_THREADS, 0, stream>>>(masks, out, n, max_density);
 }
 
@@ -176,7 +185,9 @@ void ggml_cuda_kx_select(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int64_t n           = src->ne[0];
     ggml_cuda_pool_alloc<uint32_t> masks(ctx.pool(), (n + WARP_SIZE - 1) / WARP_SIZE);
     kx_select_launch((const float *) src->data, (int32_t *) dst->data, masks.get(), n, src->ne[1], src->nb[1],
-                     thr, max_density, act, ctx.stream());
+                     thr, max_density, act,
+                     dst->src[1] ? (const int32_t *) dst->src[1]->data : nullptr,
+                     dst->src[2] ? (const float *) dst->src[2]->data : nullptr, ctx.stream());
     if (int32_t * host = kx_select_host(dst)) {
         kx_select_to_host_kernel<<<1, KX_SELECT_THREADS, 0, ctx.stream()>>>((const int32_t *) dst->data, host);
     }

@@ -78,6 +78,20 @@ GGML_API struct ggml_tensor * ggml_kx_select_to_host(
         enum kx_select_act    act,
         int32_t             * host);
 
+// ggml_kx_select with two thresholds, one per side of a hybrid layer (the load-aware
+// thresholds, kx-thresholds.h): neuron i passes when its score > threshold + off[0] if
+// rowmap[i] >= 0 (resident in the device's slots) and > threshold + off[1] otherwise.
+// rowmap: I32 [n] (the slot map); off: F32 [2], a tensor so that the offsets change between
+// decodes without rebuilding the graph. off = {0, 0} gives ggml_kx_select's list exactly.
+// KX_SELECT_SCORE only (the predictor's scores).
+GGML_API struct ggml_tensor * ggml_kx_select_split(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * scores,
+        float                 threshold,
+        float                 max_density,
+        struct ggml_tensor  * rowmap,
+        struct ggml_tensor  * off);
+
 // the host copy of a select node (NULL: none); the byte offset of the pointer in op params
 #define KX_SELECT_HOST_PARAM 16
 static inline int32_t * kx_select_host(const struct ggml_tensor * sel) {

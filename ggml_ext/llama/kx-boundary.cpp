@@ -7,6 +7,7 @@
 #include "kx-balance.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
+#include "kx-thresholds.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -77,10 +78,23 @@ void kx_context_trace_flush(llama_context * ctx, bool all) {
     kx_trace_write_upto(*st, *b, b->trace.size());
 }
 
+// the load-aware thresholds' turn (kx-thresholds.h): a solve every few decodes
+static void kx_context_thresholds(llama_context * ctx) {
+    const llama_model & model = ctx->get_model();
+    kx_pack * pack = model.kx_pack_ptr.get();
+    kx_slots * slots = pack ? pack->slots.get() : nullptr;
+    if (!slots || !slots->thr || ctx->kx_get_sparse() != KX_SPARSE_PREDICTED || !kx_thresholds_tick(*slots->thr)) {
+        return;
+    }
+    ctx->synchronize(); // no graph reads the offsets while they change
+    kx_thresholds_solve_all(*slots, *pack);
+}
+
 int32_t kx_context_after_decode(llama_context * ctx, int32_t ret) {
     if (ret != 0 || !ctx) {
         return ret;
     }
+    kx_context_thresholds(ctx);
     kx_balancer * b = kx_ctx_balancer(ctx);
     if (!b) {
         return 0;

@@ -32,6 +32,7 @@
 #include "kx-balance.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
+#include "kx-thresholds.h"
 #include "kx-warm.h"
 
 #include "kx-ops.h"
@@ -141,7 +142,9 @@ static ggml_tensor * kx_build_ffn_hybrid(
     } else {
         ggml_tensor * s = kx_predict(ctx0, cur, L, &H);
         g.cb(s, "kx_pred", il);
-        sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
+        // load-aware thresholds (kx-thresholds.h): one offset per side, read from the slots' device
+        sel = pack.slots->thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, H.slotmap, H.thr_off)
+                              : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
     g.cb(sel, "kx_sel", il);
     kx_slots & slots = *pack.slots;

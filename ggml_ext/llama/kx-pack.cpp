@@ -361,6 +361,20 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     }
     ggml_tensor * thr = need("kx_threshold");
     check_tensor(thr, path, { GGML_TYPE_F32 }, n_layer, 1);
+    // the load-aware thresholds' calibration: every layer's two tables and the grid, or none
+    std::vector<ggml_tensor *> thr_sel(n_layer), thr_err(n_layer);
+    ggml_tensor * thr_grid = nullptr;
+    if (names.count("kx_thr_grid")) {
+        thr_grid = need("kx_thr_grid");
+        check_tensor(thr_grid, path, { GGML_TYPE_F32 }, KX_THR_K, n_layer);
+        for (int64_t il = 0; il < n_layer; ++il) {
+            const std::string p = "blk." + std::to_string(il) + ".";
+            thr_sel[il] = need(p + "kx_thr_sel");
+            thr_err[il] = need(p + "kx_thr_err");
+            check_tensor(thr_sel[il], path, { GGML_TYPE_F32 }, KX_THR_K, n_ff);
+            check_tensor(thr_err[il], path, { GGML_TYPE_F32 }, KX_THR_K, n_ff);
+        }
+    }
     for (const auto & name : names) {
         if (!expected.count(name)) {
             throw kx_pack_error(kx_fmt("pack %s holds unexpected tensor '%s'; it is not part of pack version %u",
@@ -382,6 +396,35 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     };
     std::vector<float> thresholds(n_layer);
     read_into(thr, thresholds.data());
+    if (thr_grid) {
+        std::vector<float> grid((size_t) n_layer * KX_THR_K);
+        read_into(thr_grid, grid.data());
+        for (int64_t il = 0; il < n_layer; ++il) {
+            auto & L = pack->layers[il];
+            std::copy_n(grid.begin() + il * KX_THR_K, KX_THR_K, L.thr_grid.begin());
+            bool ok = L.thr_grid[KX_THR_K0] == 0.0f;
+            for (int k = 1; k < KX_THR_K; ++k) {
+                ok = ok && std::isfinite(L.thr_grid[k]) && L.thr_grid[k] > L.thr_grid[k - 1];
+            }
+            if (!ok) {
+                throw kx_pack_error(kx_fmt("pack %s: kx_thr_grid of layer %" PRId64 " must ascend through 0 at "
+                                        "position %d", path.c_str(), il, KX_THR_K0));
+            }
+            L.thr_sel.resize((size_t) n_ff * KX_THR_K);
+            L.thr_err.resize((size_t) n_ff * KX_THR_K);
+            read_into(thr_sel[il], L.thr_sel.data());
+            read_into(thr_err[il], L.thr_err.data());
+            for (size_t j = 0; j < L.thr_sel.size(); ++j) {
+                if (!(L.thr_sel[j] >= 0.0f && L.thr_sel[j] <= 1.0f) || !(L.thr_err[j] >= 0.0f) ||
+                    !std::isfinite(L.thr_err[j])) {
+                    throw kx_pack_error(kx_fmt("pack %s: the threshold tables of layer %" PRId64 " hold values "
+                                            "outside their range (shares in [0, 1], errors finite and >= 0)",
+                                            path.c_str(), il));
+                }
+            }
+        }
+        pack->has_thresholds = true;
+    }
     std::vector<std::vector<int32_t>> rowmaps(n_layer);
     const int64_t n_groups = (n_ff + group_size - 1)/group_size;
     for (int64_t il = 0; il < n_layer; ++il) {

@@ -4,6 +4,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -11,6 +12,11 @@
 #include <vector>
 
 struct llama_model;
+
+// the load-aware thresholds' grid of score offsets: KX_THR_K points, KX_THR_K0 the static 0
+// (python/kairox/thresholds.py GRID_REL)
+#define KX_THR_K  11
+#define KX_THR_K0 5
 
 struct kx_pack_layer {
     ggml_tensor * down_t = nullptr; // [n_embd, n_ff] ggml ne: one row per pack position
@@ -20,6 +26,11 @@ struct kx_pack_layer {
     ggml_tensor * pred_c = nullptr; // F32 [n_ff]
     float threshold = 0.0f;         // activation magnitude above which a neuron counts as active
     std::vector<float> freq;        // [n_ff] measured activation frequency per neuron id (1 = unknown)
+    // the load-aware thresholds' calibration (optional, kx-thresholds.h): score offsets, and per
+    // neuron id and offset the share of tokens computed and the output norm a skip drops
+    std::array<float, KX_THR_K> thr_grid = {};
+    std::vector<float> thr_sel;     // [n_ff * KX_THR_K], neuron-major
+    std::vector<float> thr_err;
 };
 
 struct kx_pack {
@@ -29,6 +40,7 @@ struct kx_pack {
     int64_t n_embd  = 0;
     int64_t n_ff    = 0;
     bool has_predictor = false;
+    bool has_thresholds = false;    // every layer has its kx_thr_* calibration
     std::vector<kx_pack_layer> layers;
 
     ggml_context *        ctx = nullptr;

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <fstream>
@@ -328,6 +329,24 @@ static void kx_params_validate(const kx_params * kp, bool hybrid) {
     if (kp->trace && *kp->trace && kp->balancer == KX_BALANCER_OFF) {
         bad("a balancer trace needs the balancer: turn it on (fixed or adaptive)");
     }
+    if (!(kp->error_budget >= 0.0f) || !std::isfinite(kp->error_budget)) {
+        bad(kx_fmt("the error budget must be a number >= 0 (0: off), not %g", (double) kp->error_budget));
+    }
+    if (kp->error_budget > 0.0f && !hybrid) {
+        bad("load-aware thresholds split the hybrid FFN: give GPU slots, a VRAM budget or a plan");
+    }
+    if (kp->error_budget > 0.0f && kp->sparse == KX_SPARSE_EXACT) {
+        bad("load-aware thresholds move the predictor's thresholds: they need the predicted mode (exact stays exact)");
+    }
+}
+
+// the load-aware thresholds, afresh (a warm-up's measurements are not the run's)
+static void kx_start_thresholds(llama_context * ctx, const kx_params * kp) {
+    if (kp->error_budget > 0.0f) {
+        char e[1024];
+        kx_check(kx_context_set_error_budget(ctx, kp->error_budget, e, sizeof(e)), KX_ERR_PARAMS,
+                 "load-aware thresholds: ", e);
+    }
 }
 
 static void kx_start_balancer(llama_model * model, const kx_params * kp) {
@@ -352,6 +371,7 @@ static void kx_place(llama_context * ctx, llama_model * model, const kx_params *
         kx_check(kx_context_set_mapped_share(ctx, kp->mapped_share, e, sizeof(e)), KX_ERR_PARAMS, "", e);
     }
     kx_start_balancer(model, kp);
+    kx_start_thresholds(ctx, kp);
 }
 
 static void kx_apply(llama_context * ctx, const std::string & model_path, const kx_params * kp) {
@@ -466,6 +486,7 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
         }
         LLAMA_LOG_INFO("kairox: %s\n", kx_vram_text(v).c_str());
         kx_start_balancer(model, kp); // afresh: the warm-up's steps are not the run's
+        kx_start_thresholds(ctx, kp);
     }
     if (kp->trace && *kp->trace) {
         kx_ctx_state & st = kx_ctx_state_of(ctx);

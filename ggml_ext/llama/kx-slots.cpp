@@ -2,6 +2,7 @@
 #include "kx-slots.h"
 #include "kx-balance.h"
 #include "kx-pack.h"
+#include "kx-thresholds.h"
 
 #include "llama-model.h"
 
@@ -101,6 +102,7 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         L.slotmap = dev_t(GGML_TYPE_I32, n_ff, 1, "map");
         L.mapmap  = dev_t(GGML_TYPE_I32, n_ff, 1, "mapmap");
         L.mapdown = dev_t(GGML_TYPE_I32, n_ff, 1, "mapdown");
+        L.thr_off = dev_t(GGML_TYPE_F32, 2, 1, "thr_off");
         if (pl.pred_a) {
             L.pred_a = ggml_dup_tensor(slots->ctx_dev, pl.pred_a);
             L.pred_b = ggml_dup_tensor(slots->ctx_dev, pl.pred_b);
@@ -181,6 +183,7 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         ggml_backend_tensor_set(L.slotmap, slotmap.data(), 0, ggml_nbytes(L.slotmap));
         ggml_backend_tensor_memset(L.mapmap, 0xFF, 0, ggml_nbytes(L.mapmap)); // -1: nothing mapped
         ggml_backend_tensor_memset(L.mapdown, 0xFF, 0, ggml_nbytes(L.mapdown));
+        ggml_backend_tensor_memset(L.thr_off, 0, 0, ggml_nbytes(L.thr_off)); // the static thresholds
         std::memcpy(L.coldmap->data, coldmap.data(), ggml_nbytes(L.coldmap));
         std::memcpy(L.colddown->data, colddown.data(), ggml_nbytes(L.colddown));
         ((int32_t *) L.seen->data)[0] = -1; // no decode recorded yet
@@ -254,6 +257,7 @@ void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, cons
         L.mapped.assign(n_ff, 0);
         ggml_backend_tensor_memset(L.mapmap, 0xFF, 0, ggml_nbytes(L.mapmap));
         ggml_backend_tensor_memset(L.mapdown, 0xFF, 0, ggml_nbytes(L.mapdown));
+        ggml_backend_tensor_memset(L.thr_off, 0, 0, ggml_nbytes(L.thr_off)); // the static thresholds
         L.n_mapped = 0;
     }
     slots.mapped_share = 0.0f;

@@ -36,6 +36,7 @@ struct kx_pack;
 struct kx_pack_layer;
 struct kx_balancer;
 struct kx_slots;
+struct kx_thresholds;
 
 struct kx_slot_layer {
     int64_t n_slots = 0;
@@ -65,6 +66,9 @@ struct kx_slot_layer {
     // the layer before (flag, count, ids; ggml_kx_select_to_host), for the host-cache warm-up
     // (kx-warm.h); nullptr where the device has no such memory
     int32_t * ahead = nullptr;
+    // the load-aware thresholds' offsets (device, F32 [2]: resident, host side), read by the
+    // predicted select when thresholds are on (kx-thresholds.h)
+    ggml_tensor * thr_off = nullptr;
 };
 
 // what the pipeline's graph nodes (kx-ffn.cpp) hand the balancer: layer il of these slots
@@ -88,6 +92,7 @@ struct kx_slots {
     ggml_backend_buffer_t buf_host = nullptr;
     size_t bytes_dev = 0;             // device memory held (counts against the VRAM budget)
     std::unique_ptr<kx_balancer> balancer; // the live balancer, when started (kx-balance.h)
+    std::unique_ptr<kx_thresholds> thr;    // the load-aware thresholds, when on (kx-thresholds.h)
     float    mapped_share = 0.0f;     // kx_slots_set_mapped_share's last share
     const kx_reload_iface * map_io = nullptr; // the engine that page-locks and maps host rows
     void *                  map_engine = nullptr;

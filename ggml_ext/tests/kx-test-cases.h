@@ -41,16 +41,26 @@ struct test_kx_select : public test_case {
     const int64_t n, nt;
     const float thr, max_density;
     const int32_t act;
+    const bool split; // ggml_kx_select_split: 40% of neurons resident, offsets -1/4 and +3/8
+    ggml_tensor * map = nullptr;
+    ggml_tensor * off = nullptr;
 
-    std::string vars() override { return VARS_TO_STR5(n, nt, thr, max_density, act); }
+    std::string vars() override { return VARS_TO_STR6(n, nt, thr, max_density, act, split); }
 
-    test_kx_select(int64_t n, int64_t nt, float thr, float max_density, int32_t act)
-        : n(n), nt(nt), thr(thr), max_density(max_density), act(act) {}
+    test_kx_select(int64_t n, int64_t nt, float thr, float max_density, int32_t act, bool split = false)
+        : n(n), nt(nt), thr(thr), max_density(max_density), act(act), split(split) {}
 
     ggml_tensor * build_graph(ggml_context * ctx) override {
         ggml_tensor * s = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, nt);
         ggml_set_name(s, "scores");
-        ggml_tensor * out = ggml_kx_select(ctx, s, thr, max_density, (enum kx_select_act) act);
+        ggml_tensor * out;
+        if (split) {
+            map = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+            off = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 2);
+            out = ggml_kx_select_split(ctx, s, thr, max_density, map, off);
+        } else {
+            out = ggml_kx_select(ctx, s, thr, max_density, (enum kx_select_act) act);
+        }
         ggml_set_name(out, "out");
         return out;
     }
@@ -61,6 +71,15 @@ struct test_kx_select : public test_case {
         std::mt19937 rng(99);
         std::uniform_int_distribution<int> u(-128, 127);
         for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+            if (t == map) {
+                kx_init_rowmap(t, n, n * 2 / 5, rng);
+                continue;
+            }
+            if (t == off) { // multiples of 1/64 too: the thresholds stay 1/128 from every score
+                const float o[2] = { -0.25f, 0.375f };
+                ggml_backend_tensor_set(t, o, 0, sizeof(o));
+                continue;
+            }
             std::vector<float> v(ggml_nelements(t));
             for (float & x : v) {
                 x = (float) u(rng)/64.0f + 1.0f/128.0f;
@@ -200,6 +219,7 @@ static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cas
             test_cases.emplace_back(new test_kx_select(n, nt, 0.1f, 1.0f, KX_SELECT_SILU));
             test_cases.emplace_back(new test_kx_select(n, nt, 0.1f, 1.0f, KX_SELECT_GELU));
             test_cases.emplace_back(new test_kx_select(n, nt, -0.9f, 0.6f, KX_SELECT_SCORE)); // falls back
+            test_cases.emplace_back(new test_kx_select(n, nt, 0.5f, 0.6f, KX_SELECT_SCORE, true));
         }
     }
     // row gathers: LLaMA-7B-like and small odd shapes, whole weights and slot buffers

@@ -73,7 +73,14 @@ class Params(ctypes.Structure):  # struct kx_params
                 ("pinned", ctypes.c_bool), ("warm", ctypes.c_bool), ("mapped_share", ctypes.c_float),
                 ("balancer", ctypes.c_int32), ("balance", BalanceParams), ("trace", ctypes.c_char_p),
                 ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),
-                ("vram_free_at_load", ctypes.c_int64)]
+                ("error_budget", ctypes.c_float), ("vram_free_at_load", ctypes.c_int64)]
+
+
+class ThrInfo(ctypes.Structure):  # struct kx_thr_info
+    _fields_ = [("theta_g", ctypes.c_float), ("theta_c", ctypes.c_float), ("kg", ctypes.c_int32),
+                ("kc", ctypes.c_int32), ("err_ratio", ctypes.c_float), ("n_gpu", ctypes.c_float),
+                ("n_cpu", ctypes.c_float), ("n_cpu_static", ctypes.c_float), ("t_cpu_ns", ctypes.c_float),
+                ("o_cpu_ns", ctypes.c_float), ("solves", ctypes.c_int32)]
 
 
 class VramReport(ctypes.Structure):  # struct kx_vram_report
@@ -88,6 +95,7 @@ STRUCTS = {
     "kx_balance_record": BalanceRecord,
     "kx_params": Params,
     "kx_vram_report": VramReport,
+    "kx_thr_info": ThrInfo,
 }
 
 
@@ -123,6 +131,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_model_balance_trace": ([vp, P(BalanceRecord), i64], i64),
         "kx_model_balance_activity": ([vp, i64, i32, P(i32), i64], i64),
         "kx_model_tensor_buffer_type": ([vp, cp], cp),
+        "kx_context_set_error_budget": ([vp, ctypes.c_float, cp, sz], i32),
+        "kx_model_thresholds": ([vp, i32, P(ThrInfo)], i32),
+        "kx_thresholds_solve": ([P(ctypes.c_float), P(ctypes.c_float), i64, P(ctypes.c_uint8), ctypes.c_float,
+                                 ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, P(i32), P(i32)],
+                                None),
         "kx_host_buffer_type": ([ctypes.c_bool], vp),
     }
     for name, (args, res) in sigs.items():

@@ -85,6 +85,9 @@ class KairoxOptions:
     # and how many records it keeps (0: 131072)
     sched_trace: str | None = None
     sched_trace_max: int = 0
+    # hybrid, predicted: load-aware thresholds (kairox.thresholds) keeping the calibrated error
+    # under this multiple of the static threshold's (1: no more error than static); 0: off
+    error_budget: float = 0.0
 
     def __post_init__(self) -> None:
         self._check_sparse()
@@ -121,6 +124,15 @@ class KairoxOptions:
         if self.mapped_share > 0 and self.balancer:
             raise ValueError("mapped_share and the balancer do not mix: the balancer moves neurons between the "
                              "GPU slots and the CPU only")
+        if isinstance(self.error_budget, bool) or not isinstance(self.error_budget, (int, float)) or \
+                not (0.0 <= self.error_budget < float("inf")):
+            raise ValueError(f"error_budget must be a number >= 0 (0: off), not {self.error_budget!r}")
+        if self.error_budget > 0 and not self.wants_slots:
+            raise ValueError("error_budget (load-aware thresholds) splits the hybrid FFN: give gpu_slots, "
+                             "vram_budget or a plan")
+        if self.error_budget > 0 and self.sparse == "exact":
+            raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode "
+                             "(exact stays exact)")
         for name in ("pinned", "warm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}")
@@ -188,6 +200,7 @@ class KairoxOptions:
             kp.balance.pipeline = int(self.balancer_pipeline)
         kp.trace = text(self.trace)
         kp.sched_trace, kp.sched_trace_max = text(self.sched_trace), self.sched_trace_max
+        kp.error_budget = float(self.error_budget)
         return kp, keep
 
 
@@ -375,6 +388,21 @@ class Llama(llama_cpp.Llama):
         err = ctypes.create_string_buffer(512)
         if _lib.kx_context_set_mapped_share(self._ctx.ctx, float(share), err, len(err)):
             raise ValueError(err.value.decode())
+
+    def set_error_budget(self, budget: float) -> None:
+        """Between decodes: load-aware thresholds under `budget` times the static threshold's
+        calibrated error (kairox.thresholds; 0 turns them off). ValueError without slots, the
+        predicted mode or a pack calibration."""
+        err = ctypes.create_string_buffer(512)
+        if _lib.kx_context_set_error_budget(self._ctx.ctx, float(budget), err, len(err)):
+            raise ValueError(err.value.decode())
+
+    def thresholds(self, il: int) -> dict[str, float] | None:
+        """Layer il's load-aware thresholds in force (kx_thr_info as a dict), None when off."""
+        info = capi.ThrInfo()
+        if _lib.kx_model_thresholds(self._model.model, il, ctypes.byref(info)):
+            return None
+        return {name: getattr(info, name) for name, _ in capi.ThrInfo._fields_}
 
     def mapped_neurons(self, il: int) -> int:
         """How many of layer il's neurons the GPU computes from mapped host rows."""

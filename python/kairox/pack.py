@@ -19,6 +19,7 @@ import numpy as np
 
 from .gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, scan_header
 from .gguffile import encode_tensor, finish_atomically, map_ahead
+from .thresholds import K as THR_K, K0 as THR_K0
 
 # `gguf` and `tqdm` are imported inside the functions that use them, as in convert.py.
 
@@ -79,12 +80,18 @@ PRED_KEYS = ("pred_a", "pred_b", "pred_c")
 AHEAD_KEYS = ("ahead_a", "ahead_b", "ahead_c")
 
 
+# The load-aware thresholds' calibration (kairox.thresholds): every layer's two tables and
+# one grid for all layers, or none of them.
+THR_KEYS = ("thr_sel", "thr_err")
+
+
 def _tensor_names(il: int) -> dict[str, str]:
     b = f"blk.{il}."
-    return {k: b + "kx_" + k for k in ("down_t", "perm", "group", "freq", *PRED_KEYS, *AHEAD_KEYS)}
+    return {k: b + "kx_" + k for k in ("down_t", "perm", "group", "freq", *PRED_KEYS, *AHEAD_KEYS, *THR_KEYS)}
 
 
 THRESHOLD_NAME = "kx_threshold"
+THR_GRID_NAME = "kx_thr_grid"
 
 
 # ---------------------------------------------------------------------- fingerprint
@@ -220,6 +227,9 @@ class PackLayer:
     ahead_a: np.ndarray | None = None
     ahead_b: np.ndarray | None = None
     ahead_c: np.ndarray | None = None
+    # the load-aware thresholds' tables, float32 [n_ff, K] by neuron id (kairox.thresholds)
+    thr_sel: np.ndarray | None = None
+    thr_err: np.ndarray | None = None
 
     @property
     def has_predictor(self) -> bool:
@@ -252,6 +262,7 @@ class Pack:
     layers: list[PackLayer]
     threshold: np.ndarray = field(repr=False)   # float32 [n_layer]
     stats: str | None = field(default=None, repr=False)  # kx.stats JSON (version 2)
+    thr_grid: np.ndarray | None = field(default=None, repr=False)  # float32 [n_layer, K] (kairox.thresholds)
 
     @property
     def n_groups(self) -> int:
@@ -356,17 +367,31 @@ def _check_layout(il: int, f: Any, n_ff: int, group_size: int) -> tuple[np.ndarr
     return perm.astype(np.int32), group.astype(np.int32), freq.astype(np.float32)
 
 
+def _check_thr_grid(grid: np.ndarray, n_layer: int, what: str) -> np.ndarray:
+    if (grid.shape != (n_layer, THR_K) or not np.all(np.isfinite(grid)) or np.any(grid[:, THR_K0] != 0)
+            or np.any(np.diff(grid, axis=1) <= 0)):
+        raise PackError(f"{what} must be [{n_layer}, {THR_K}] ascending finite offsets, 0 at position {THR_K0}")
+    return grid
+
+
+def _check_thr_table(tab: np.ndarray, n_ff: int, what: str) -> np.ndarray:
+    if tab.shape != (n_ff, THR_K) or not np.all(np.isfinite(tab)) or np.any(tab < 0):
+        raise PackError(f"the threshold table of {what} must be [{n_ff}, {THR_K}] finite values >= 0")
+    return tab
+
+
 def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, group_size: int = 32,
                down_type: str = "f32", method: dict[str, Any] | None = None,
                predictor: PackPredictor | None = None, ahead: PackPredictor | None = None,
                layout: PackLayout | None = None, stats: str | None = None,
-               quiet: bool = False, workers: int | None = None) -> Path:
+               thresholds: Any = None, quiet: bool = False, workers: int | None = None) -> Path:
     """Write a pack for the model at `model_path`; returns the pack's path.
 
     Without `layout` the pack is an identity pack (original neuron order, groups of
     consecutive neurons, frequencies unknown, threshold 0). With `predictor` (`ahead`),
     every layer also gets kx_pred_* (kx_ahead_*) from its `layer(il)`; `stats` is stored
-    as kx.stats. The model is only read. The pack is streamed, one layer at a time, to a
+    as kx.stats; `thresholds` (kairox.thresholds.ThresholdTables, needs `predictor`) the
+    load-aware thresholds' calibration. The model is only read. The pack is streamed, one layer at a time, to a
     temporary file and renamed into place when complete. Layers are computed `workers`
     at a time in forked processes (None: from the model's size, the cores and the free
     memory), written in order.
@@ -398,6 +423,8 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
             method = {**method, what: {**pr.info, "rank": pr.rank, "type": pr.dtype}}
     if stats is not None and not isinstance(stats, str):
         raise PackError("stats must be a JSON string")
+    if thresholds is not None and predictor is None:
+        raise PackError("threshold tables calibrate a predictor: give the predictor too")
     try:
         method_json = json.dumps(method, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as e:
@@ -460,7 +487,14 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
             w.add_tensor_info(n[keys[1]], (base.n_ff, pr.rank), np.dtype(np.float32),
                               base.n_ff * pr.rank * psize, raw_dtype=pq)
             w.add_tensor_info(n[keys[2]], (base.n_ff,), np.dtype(np.float32), vec)
+        if thresholds is not None:
+            for k in THR_KEYS:
+                w.add_tensor_info(n[k], (base.n_ff, THR_K), np.dtype(np.float32), base.n_ff * THR_K * 4)
     w.add_tensor_info(THRESHOLD_NAME, (base.n_layer,), np.dtype(np.float32), base.n_layer * 4)
+    if thresholds is not None:
+        grid = np.asarray(thresholds.grid, np.float32)
+        _check_thr_grid(grid, base.n_layer, "threshold grid")
+        w.add_tensor_info(THR_GRID_NAME, (base.n_layer, THR_K), np.dtype(np.float32), grid.nbytes)
 
     ids = np.arange(base.n_ff, dtype=np.int32)
 
@@ -488,6 +522,9 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
                     raise PackError(f"{n[name]} has values beyond float16's range (65504); "
                                     f"store the predictor as f32") from None
             arrs.append(c)
+        if thresholds is not None:
+            for k, tab in zip(THR_KEYS, thresholds.layer(il)):
+                arrs.append(_check_thr_table(np.asarray(tab, np.float32), base.n_ff, f"layer {il}: {k}"))
         return arrs
 
     if workers is None:
@@ -506,6 +543,8 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
         # threshold: fire when |act| > threshold (0 without a layout)
         yield (np.zeros(base.n_layer, np.float32) if layout is None
                else np.asarray(layout.threshold, np.float32))
+        if thresholds is not None:
+            yield np.asarray(thresholds.grid, np.float32)
 
     return finish_atomically(w, tmp, out, data())
 
@@ -643,6 +682,15 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
             factors[kc] = np.asarray(t[kc].data)
             if not np.all(np.isfinite(factors[kc])):
                 raise PackError(f"pack {path}: {names[kc]} has non-finite values")
+        if THR_GRID_NAME in tensors:
+            for k in THR_KEYS:
+                if names[k] not in tensors:
+                    raise PackError(f"pack {path} lacks the tensor {names[k]} (it has {THR_GRID_NAME})")
+                expected.add(names[k])
+                _check_tensor(tensors[names[k]], path, ("F32",), (THR_K, n_ff))
+                factors[k] = _check_thr_table(np.asarray(tensors[names[k]].data), n_ff, f"{path} layer {il}")
+            if np.any(factors["thr_sel"] > 1):
+                raise PackError(f"pack {path}: {names['thr_sel']} has shares above 1")
         layers.append(PackLayer(t["down_t"].data, t["down_t"].tensor_type.name.lower(),
                                 perm, group, freq, **factors))
 
@@ -652,11 +700,16 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     threshold = np.asarray(tensors[THRESHOLD_NAME].data)
     if not np.all(np.isfinite(threshold)):
         raise PackError(f"pack {path}: {THRESHOLD_NAME} has non-finite values")
+    thr_grid = None
+    if THR_GRID_NAME in tensors:
+        expected.add(THR_GRID_NAME)
+        _check_tensor(tensors[THR_GRID_NAME], path, ("F32",), (THR_K, base.n_layer))
+        thr_grid = _check_thr_grid(np.asarray(tensors[THR_GRID_NAME].data), base.n_layer, f"pack {path}: {THR_GRID_NAME}")
     extra = sorted(set(tensors) - expected)
     if extra:
         raise PackError(f"pack {path} holds unexpected tensor {extra[0]!r} "
                         f"({len(extra)} in all); it is not part of pack version {version}")
-    return Pack(path, version, created_by, method, base, fp, group_size, layers, threshold, stats)
+    return Pack(path, version, created_by, method, base, fp, group_size, layers, threshold, stats, thr_grid)
 
 
 def read_pack_stats(pack_path: str | Path) -> str | None:

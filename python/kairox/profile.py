@@ -330,24 +330,35 @@ def stats_on_prompts(model_path: str | Path, prompts: list[list[int]], *, thread
 
 
 def measure_freqs(model_path: str | Path, prompts: list[list[int]], *, threads: int | None = None,
-                  n_gpu_layers: int = 0, quiet: bool = True) -> np.ndarray:
+                  n_gpu_layers: int = 0, quiet: bool = True,
+                  keep_x: int = 0) -> tuple[np.ndarray, list[np.ndarray] | None]:
     """Activation frequency of every neuron of a ReLU model, float32 [n_layer, n_ff]: the
     share of the prompts' tokens on which it fired (act > 0), each prompt decoded densely
     from an empty cache. What a static placement ranks neurons by (PowerInfer's offline
-    profile), without the masks and predictor data `kairox prepare` also collects."""
+    profile), without the masks and predictor data `kairox prepare` also collects. With
+    keep_x > 0, also up to keep_x FFN inputs per layer ([n, n_embd] each, spread evenly over
+    the prompts' tokens; the load-aware thresholds' calibration), else None."""
     from tqdm import tqdm
 
     n_ctx = max(len(p) for p in prompts)
+    n_tok = sum(len(p) for p in prompts)
+    every = max(1, -(-n_tok // keep_x)) if keep_x > 0 else 0
+    xs: list[list[np.ndarray]] | None = None
     with Profiler(model_path, n_ctx=n_ctx, n_batch=min(n_ctx, 512), threads=threads,
                   n_gpu_layers=n_gpu_layers) as prof:
         if prof.base.activation != "relu":
             raise ProfileError(f"measure_freqs measures ReLU models, not {prof.base.activation!r}")
         prof.set_thresholds(np.zeros(prof.base.n_layer, np.float32))
+        if every:
+            xs = [[] for _ in range(prof.base.n_layer)]
         for toks in tqdm(prompts, desc="profile", unit="prompt", disable=quiet, file=sys.stderr):
-            prof.run(np.asarray(toks, np.int32))
+            rows = prof.run(np.asarray(toks, np.int32))
+            if xs is not None:
+                for il, r in enumerate(rows):
+                    xs[il].append(r.x[::every])
         agg = prof.pull()
-    n_tok = sum(len(p) for p in prompts)
-    return (agg.counts / max(n_tok, 1)).astype(np.float32)
+    freqs = (agg.counts / max(n_tok, 1)).astype(np.float32)
+    return freqs, None if xs is None else [np.concatenate(x)[:keep_x] for x in xs]
 
 
 def unpack_masks(packed: np.ndarray, n_ff: int) -> np.ndarray:

@@ -519,10 +519,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
         from .pack import PackError, write_pack
         from .predictor import sketch_for_model
         try:
-            layout = None
+            layout = tables = None
+            predictor = sketch_for_model(path)
             if args.profile and args.act == "relu":
-                layout = measured_layout(path, args.profile, args.seed, quiet=args.quiet)
-            pk = write_pack(path, predictor=sketch_for_model(path), quiet=args.quiet, layout=layout,
+                layout, xs = measured_layout(path, args.profile, args.seed, quiet=args.quiet, keep_x=THR_SAMPLES)
+                predictor, tables = calibrated_thresholds(path, predictor, xs, quiet=args.quiet)
+            pk = write_pack(path, predictor=predictor, quiet=args.quiet, layout=layout, thresholds=tables,
                             method={"kind": "synth", "profile_tokens": args.profile if layout else 0},
                             down_type="f16" if shape.ftype == "f16" else
                             "q8_0" if shape.ftype == "q4_0" else "f32")
@@ -532,9 +534,14 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def measured_layout(model: Path, n_tokens: int, seed: int, quiet: bool = True):
+# FFN inputs per layer the load-aware thresholds are calibrated on (kairox.thresholds)
+THR_SAMPLES = 512
+
+
+def measured_layout(model: Path, n_tokens: int, seed: int, quiet: bool = True, keep_x: int = 0):
     """Identity neuron order with frequencies measured on `n_tokens` of topic text (a seed
-    apart from the benchmarks' prompts), so a static placement can rank neurons by use."""
+    apart from the benchmarks' prompts), so a static placement can rank neurons by use; and
+    up to keep_x of the FFN inputs per layer (None without)."""
     import numpy as np
 
     from .pack import PackLayout
@@ -543,12 +550,29 @@ def measured_layout(model: Path, n_tokens: int, seed: int, quiet: bool = True):
 
     seg = min(512, n_tokens)
     prompts = topic_prompts(model, max(1, n_tokens // seg), seg, seed=seed + 1000)
-    freqs = measure_freqs(model, prompts, n_gpu_layers=99 if has_gpu() else 0, quiet=quiet)
+    freqs, xs = measure_freqs(model, prompts, n_gpu_layers=99 if has_gpu() else 0, quiet=quiet, keep_x=keep_x)
     n_ff = freqs.shape[1]
     perm = np.arange(n_ff, dtype=np.int32)
     group = perm // 32
     return PackLayout(layer=lambda il: (perm, group, freqs[il]),
-                      threshold=np.zeros(freqs.shape[0], np.float32))
+                      threshold=np.zeros(freqs.shape[0], np.float32)), xs
+
+
+def calibrated_thresholds(model: Path, predictor, xs, quiet: bool = True):
+    """(predictor, tables): the load-aware thresholds' calibration of `predictor` on the FFN
+    inputs xs, and the predictor with its factors kept (computed once for both)."""
+    import dataclasses as dc
+
+    from .thresholds import calibrate
+
+    cache: dict[int, tuple] = {}
+
+    def layer(il: int) -> tuple:
+        if il not in cache:
+            cache[il] = predictor.layer(il)
+        return cache[il]
+    kept = dc.replace(predictor, layer=layer)
+    return kept, calibrate(model, kept.layer, xs, quiet=quiet)
 
 
 def register(sub) -> None:

@@ -1,0 +1,247 @@
+// Load-aware thresholds: the runtime's controller (kx-thresholds.h; the reference and the
+// model are python/kairox/thresholds.py).
+#include "kx-thresholds.h"
+#include "kairox.h"
+#include "kx-balance.h"
+#include "kx-slots.h"
+
+#include "kx-ops.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+
+#include <cmath>
+#include <stdexcept>
+
+void kx_thr_layer_sums(const float * sel, const float * err, int64_t n_ff, const uint8_t * resident, kx_thr_sums & out) {
+    out = kx_thr_sums();
+    // neuron after neuron, in double: the reference adds the same terms in the same order
+    for (int64_t i = 0; i < n_ff; ++i) {
+        const float * s = sel + i * KX_THR_K;
+        const float * e = err + i * KX_THR_K;
+        auto & n = resident[i] ? out.n_gpu : out.n_cpu;
+        auto & r = resident[i] ? out.e_gpu : out.e_cpu;
+        for (int k = 0; k < KX_THR_K; ++k) {
+            n[k] += (double) s[k];
+            r[k] += (double) e[k];
+        }
+    }
+}
+
+// relative slack of the bound and of a time tie (as thresholds.py: BOUND_TOL, TIE_TOL)
+static constexpr double kx_thr_bound_tol = 1e-6;
+static constexpr double kx_thr_tie_tol   = 1e-9;
+
+void kx_thr_solve(const kx_thr_sums & s, double budget, double t_gpu, double t_cpu, double o_gpu, double o_cpu,
+                  int32_t * kg_out, int32_t * kc_out) {
+    const int32_t K0 = KX_THR_K0;
+    const double bound = budget * (s.e_gpu[K0] + s.e_cpu[K0]) * (1.0 + kx_thr_bound_tol);
+    auto time_of = [&](int kg, int kc) {
+        return std::max(o_gpu + t_gpu * s.n_gpu[kg], o_cpu + t_cpu * s.n_cpu[kc]);
+    };
+    int32_t bg = K0, bc = K0;
+    double best_t = time_of(K0, K0);
+    double best_e = s.e_gpu[K0] + s.e_cpu[K0];
+    for (int kg = 0; kg < KX_THR_K; ++kg) {
+        for (int kc = 0; kc < KX_THR_K; ++kc) {
+            const double e = s.e_gpu[kg] + s.e_cpu[kc];
+            if (e > bound) {
+                continue;
+            }
+            const double t = time_of(kg, kc);
+            const int d = std::abs(kg - K0) + std::abs(kc - K0), best_d = std::abs(bg - K0) + std::abs(bc - K0);
+            if (t < best_t * (1.0 - kx_thr_tie_tol) ||
+                (t <= best_t * (1.0 + kx_thr_tie_tol) && (e < best_e || (e == best_e && d < best_d)))) {
+                bg = kg; bc = kc; best_t = t; best_e = e;
+            }
+        }
+    }
+    *kg_out = bg;
+    *kc_out = bc;
+}
+
+static void kx_thr_store(kx_slot_layer & S, const kx_pack_layer & pl, int32_t kg, int32_t kc) {
+    const float off[2] = { pl.thr_grid[kg], pl.thr_grid[kc] };
+    ggml_backend_tensor_set(S.thr_off, off, 0, sizeof(off));
+}
+
+void kx_thresholds_start(kx_slots & slots, const kx_pack & pack, double budget, double gpu_gbs) {
+    if (budget > 0 && !pack.has_thresholds) {
+        throw std::runtime_error("the sparse pack has no threshold calibration (kx_thr_*): write it again with "
+                                 "this kairox (`kairox prepare`, or `kairox synth --pack`)");
+    }
+    if (budget > 0 && !pack.has_predictor) {
+        throw std::runtime_error("load-aware thresholds move the predictor's thresholds: the pack has no predictor");
+    }
+    for (int64_t il = 0; il < pack.n_layer; ++il) {
+        kx_slot_layer & S = slots.layers[il];
+        if (S.n_slots > 0 && S.thr_off) {
+            kx_thr_store(S, pack.layers[il], KX_THR_K0, KX_THR_K0);
+        }
+    }
+    ++slots.graph_gen; // the predicted select changes form (kx-ffn.cpp)
+    if (!(budget > 0)) {
+        slots.thr.reset();
+        return;
+    }
+    auto t = std::make_unique<kx_thresholds>();
+    t->budget  = (float) budget;
+    t->gpu_gbs = gpu_gbs > 0 ? gpu_gbs : 2000.0;
+    t->layers.resize(pack.n_layer);
+    for (int64_t il = 0; il < pack.n_layer; ++il) {
+        const kx_slot_layer & S = slots.layers[il];
+        if (S.n_slots > 0) {
+            t->layers[il].row_bytes = (double) (S.gate->nb[1] + S.up->nb[1] + S.down->nb[1]);
+        }
+    }
+    slots.thr = std::move(t);
+}
+
+// the CPU part's costs since the last reading (the host op's counters are process-wide and
+// other code may reset them: a window that went backwards is skipped)
+static void kx_thr_measure(kx_thresholds & t) {
+    int64_t calls = 0, op = 0, work = 0, rows = 0;
+    kx_cpu_ffn_stats(nullptr, &calls, &op, &work, nullptr, nullptr, nullptr, nullptr, false);
+    kx_cpu_axpy_stats(nullptr, &rows, nullptr, false);
+    const int64_t dc = calls - t.last_calls, dop = op - t.last_op, dw = work - t.last_work, dr = rows - t.last_rows;
+    t.last_calls = calls; t.last_op = op; t.last_work = work; t.last_rows = rows;
+    if (dc <= 0 || dr <= 0 || dop < dw || dw <= 0) {
+        return;
+    }
+    const double per_row  = (double) dw / (double) dr;
+    const double per_call = (double) (dop - dw) / (double) dc;
+    // a running mean over windows: one window's noise (a preempted thread) moves it a quarter
+    const bool first = t.t_cpu_ns == 0;
+    t.t_cpu_ns = first ? per_row  : 0.75 * t.t_cpu_ns + 0.25 * per_row;
+    t.o_cpu_ns = first ? per_call : 0.75 * t.o_cpu_ns + 0.25 * per_call;
+}
+
+bool kx_thresholds_tick(kx_thresholds & t) {
+    ++t.decodes;
+    if (t.decodes == 1) {
+        kx_thr_measure(t); // the zero of the first window (the decode before held a prefill)
+        return false;
+    }
+    if (t.t_cpu_ns == 0) {
+        return true; // every decode until the first window measures (a client may reset the counters)
+    }
+    return (t.decodes - t.first) % kx_thr_period == 0;
+}
+
+void kx_thresholds_solve_all(kx_slots & slots, const kx_pack & pack) {
+    kx_thresholds & t = *slots.thr;
+    kx_thr_measure(t);
+    if (t.t_cpu_ns <= 0) {
+        return;
+    }
+    if (t.solves == 0) {
+        t.first = t.decodes; // later solves every kx_thr_period decodes from this one
+    }
+    std::vector<uint8_t> res;
+    for (int64_t il = 0; il < pack.n_layer; ++il) {
+        kx_slot_layer & S = slots.layers[il];
+        if (S.n_slots <= 0 || !S.thr_off) {
+            continue;
+        }
+        const kx_pack_layer & pl = pack.layers[il];
+        kx_thr_layer & T = t.layers[il];
+        if (!T.have_sums || slots.balancer) {
+            // the residents move with the balancer: the sums are taken again at every solve
+            res.assign(pack.n_ff, 0);
+            for (int32_t i : S.resident) {
+                if (i >= 0) {
+                    res[i] = 1;
+                }
+            }
+            kx_thr_layer_sums(pl.thr_sel.data(), pl.thr_err.data(), pack.n_ff, res.data(), T.sums);
+            T.have_sums = true;
+        }
+        const double t_gpu_ns = T.row_bytes / t.gpu_gbs; // bytes / (GB/s) = ns
+        int32_t kg = KX_THR_K0, kc = KX_THR_K0;
+        kx_thr_solve(T.sums, t.budget, t_gpu_ns, t.t_cpu_ns, 0.0, t.o_cpu_ns, &kg, &kc);
+        if (kg != T.kg || kc != T.kc) {
+            kx_thr_store(S, pl, kg, kc);
+            T.kg = kg;
+            T.kc = kc;
+        }
+    }
+    ++t.solves;
+}
+
+// ---------------------------------------------------------------- C API (kairox.h)
+
+int32_t kx_context_set_error_budget(llama_context * ctx, float budget, char * err, size_t err_size) {
+    if (!ctx) {
+        kx_set_err(err, err_size, "kx_context_set_error_budget: no context");
+        return 1;
+    }
+    if (!(budget >= 0.0f) || !std::isfinite(budget)) {
+        kx_set_err(err, err_size, kx_fmt("the error budget must be a number >= 0 (0: off), not %g", (double) budget));
+        return 1;
+    }
+    const llama_model & model = ctx->get_model();
+    const kx_pack * pack = model.kx_pack_ptr.get();
+    kx_slots * slots = pack ? pack->slots.get() : nullptr;
+    if (budget > 0 && !slots) {
+        kx_set_err(err, err_size, "load-aware thresholds split the hybrid FFN: give GPU slots, a VRAM budget or a plan");
+        return 1;
+    }
+    if (budget > 0 && ctx->kx_get_sparse() != KX_SPARSE_PREDICTED) {
+        kx_set_err(err, err_size, "load-aware thresholds move the predictor's thresholds: they need the predicted "
+                                  "sparse mode (exact mode stays exact)");
+        return 1;
+    }
+    if (!slots) {
+        kx_set_err(err, err_size, "");
+        return 0;
+    }
+    ctx->synchronize(); // no graph reads the offsets while they change
+    try {
+        kx_thresholds_start(*slots, *pack, budget, slots->balancer ? slots->balancer->params.gpu_gbs : 0.0);
+    } catch (const std::exception & e) {
+        kx_set_err(err, err_size, e.what());
+        return 1;
+    }
+    if (ctx->kx_get_sparse() != KX_SPARSE_DENSE) {
+        ctx->kx_set_sparse(ctx->kx_get_sparse(), model.kx_pack_ptr.get()); // the slots' graph_gen
+    }
+    kx_set_err(err, err_size, "");
+    return 0;
+}
+
+int32_t kx_model_thresholds(const llama_model * model, int32_t il, kx_thr_info * out) {
+    const kx_pack * pack = model ? model->kx_pack_ptr.get() : nullptr;
+    const kx_slots * slots = pack ? pack->slots.get() : nullptr;
+    if (!slots || !slots->thr || !out || il < 0 || il >= pack->n_layer || slots->layers[il].n_slots <= 0) {
+        return 1;
+    }
+    const kx_thresholds & t = *slots->thr;
+    const kx_thr_layer & T = t.layers[il];
+    const kx_pack_layer & pl = pack->layers[il];
+    const int K0 = KX_THR_K0;
+    const double e0 = T.sums.e_gpu[K0] + T.sums.e_cpu[K0];
+    out->theta_g = pl.thr_grid[T.kg];
+    out->theta_c = pl.thr_grid[T.kc];
+    out->kg = T.kg;
+    out->kc = T.kc;
+    out->err_ratio = e0 > 0 ? (float) ((T.sums.e_gpu[T.kg] + T.sums.e_cpu[T.kc]) / e0) : 1.0f;
+    out->n_gpu = (float) T.sums.n_gpu[T.kg];
+    out->n_cpu = (float) T.sums.n_cpu[T.kc];
+    out->n_cpu_static = (float) T.sums.n_cpu[K0];
+    out->t_cpu_ns = (float) t.t_cpu_ns;
+    out->o_cpu_ns = (float) t.o_cpu_ns;
+    out->solves = (int32_t) t.solves;
+    return 0;
+}
+
+void kx_thresholds_solve(const float * sel, const float * err, int64_t n_ff, const uint8_t * resident, float budget,
+                         double t_gpu, double t_cpu, double o_gpu, double o_cpu, int32_t * kg, int32_t * kc) {
+    kx_thr_sums s;
+    kx_thr_layer_sums(sel, err, n_ff, resident, s);
+    kx_thr_solve(s, budget, t_gpu, t_cpu, o_gpu, o_cpu, kg, kc);
+}
