@@ -224,8 +224,8 @@ def main() -> int:
                  "time outside the split loop (graph build, allocation, output, driver) spread over the layers; "
                  "of that, the balancer's boundary after each decode (kx_balance_stats; phases in the JSON).",
                  "",
-                 "Thresholds (rows with --error-budget): mean grid points of θ_g / θ_c (5: static), CPU neurons vs "
-                 "the static thresholds', calibrated error vs static; output: top-1 agreement and mean KL of the "
+                 "Thresholds (rows with --error-budget): mean grid points of θ_g / θ_c (5: static), CPU work vs "
+                 "the static thresholds', calibrated error added (share of the FFN output norm); output: top-1 agreement and mean KL of the "
                  "teacher-forced next-token distributions against the static row.",
                  "",
                  "| row | threads | tok/s | vs static | TPOT p50 / p99 ms | thresholds θ_g / θ_c, CPU neurons, error | "
@@ -241,7 +241,7 @@ def main() -> int:
                 f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | "
                 f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
                 + (f"{t['kg_mean']:.1f} / {t['kc_mean']:.1f}, {t['cpu_neurons_vs_static']:.2f}, "
-                   f"{t['err_ratio_mean']:.2f} | " if (t := r.get("thresholds")) else "- | ")
+                   f"{t['err_added_mean']:.2g} | " if (t := r.get("thresholds")) else "- | ")
                 + (f"{r['top1_vs_static']:.3f} / {r['kl_vs_static']:.2g} | " if "top1_vs_static" in r else "- | ")
                 + f"{r['gpu_share'] or 0:.3f} | {r['loads_per_token']:.0f} | {r['reload_mib_per_token']:.1f} | "
                 f"{st.get('io', 0)} / {st.get('cpu', 0)} / {st.get('none', 0)} | "

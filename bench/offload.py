@@ -210,7 +210,7 @@ def tpot_run(impl: str, mode: str, model: Path, tokens: Path, ngl: int, threads:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     return {"command": shlex.join(cmd), **summarize_tpot(out), "slots_bytes": out.get("slots_bytes"),
             "gpu_mem_mib": out.get("gpu_mem_mib"), "vram": out.get("vram"), "pp_tok_s": out.get("pp_tok_s"),
-            "balance": out.get("balance"), "tpot_s": out["tpot_s"]}
+            "balance": out.get("balance"), "thresholds": out.get("thresholds"), "tpot_s": out["tpot_s"]}
 
 
 def free_mib() -> float | None:

@@ -68,9 +68,9 @@ def main() -> int:
     ap.add_argument("--sched-trace-max", type=int, default=0, help="kairox: records the trace keeps (0: 131072)")
     ap.add_argument("--warm", choices=["on", "off"], default="on",
                     help="kairox hybrid: the host-cache warm-up (kx_params.warm; rows: static@--warm=off)")
-    ap.add_argument("--error-budget", type=float, default=0.0,
-                    help="kairox hybrid, predicted: load-aware thresholds under this multiple of the static "
-                         "threshold's error (0: off)")
+    ap.add_argument("--error-budget", type=float,
+                    help="kairox hybrid, predicted: load-aware thresholds adding at most this relative FFN "
+                         "output error to the static threshold's (0: none; default: off)")
     ap.add_argument("--logits-out", help="save each decoded position's logits (float16 .npy, after timing)")
     args = ap.parse_args()
 
@@ -90,7 +90,7 @@ def main() -> int:
             extra["mapped_share"] = args.mapped_share
         if args.warm == "off":
             extra["warm"] = False
-        if args.error_budget:
+        if args.error_budget is not None:
             extra["error_budget"] = args.error_budget
         if args.sched_trace:
             extra["sched_trace"], extra["sched_trace_max"] = args.sched_trace, args.sched_trace_max
@@ -167,7 +167,7 @@ def main() -> int:
         if layers:
             mean = lambda k: sum(i[k] for i in layers) / len(layers)  # noqa: E731
             thr = {"layers": len(layers), "kg_mean": mean("kg"), "kc_mean": mean("kc"),
-                   "err_ratio_mean": mean("err_ratio"), "cpu_neurons_vs_static":
+                   "err_added_mean": mean("err_added"), "cpu_neurons_vs_static":
                    sum(i["n_cpu"] for i in layers) / max(1e-9, sum(i["n_cpu_static"] for i in layers)),
                    "t_cpu_ns": layers[0]["t_cpu_ns"], "o_cpu_ns": layers[0]["o_cpu_ns"],
                    "solves": layers[0]["solves"]}

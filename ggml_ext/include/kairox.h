@@ -151,18 +151,18 @@ LLAMA_API int64_t kx_model_balance_activity(struct llama_model * model, int64_t 
 // in predicted mode a resident neuron is computed when its predictor score > θ_g, a host-side
 // one when > θ_c. Every few decodes, per hybrid layer, the runtime picks the pair from the
 // pack's calibration grid with the least modelled layer time (the CPU part's cost measured as
-// it runs) whose calibrated error, the summed norm of the skipped FFN terms, stays within
-// budget times the static pair's (θ_g = θ_c = 0). budget 1: no more error than the static
-// threshold; > 1: a declared approximation; 0: off (the static thresholds). Needs slots, the
-// predicted mode and a pack with the calibration (kx_thr_*). Waits for ctx's decode and
-// refreshes its graphs; other contexts of the model must set their sparse mode again.
-// 0, or 1 with err set.
+// it runs) whose calibrated error, the summed norm of the skipped FFN terms, stays within the
+// static pair's (θ_g = θ_c = 0) plus budget times the layer's mean FFN output norm. budget 0:
+// no more error than the static threshold; > 0: a declared approximation (0.01: at most 1% of
+// the output's norm added); < 0: off (the static thresholds). Needs slots, the predicted mode
+// and a pack with the calibration (kx_thr_*). Waits for ctx's decode and refreshes its graphs;
+// other contexts of the model must set their sparse mode again. 0, or 1 with err set.
 LLAMA_API int32_t kx_context_set_error_budget(struct llama_context * ctx, float budget, char * err, size_t err_size);
 
 struct kx_thr_info {
     float   theta_g, theta_c;  // the offsets in force (score units)
     int32_t kg, kc;            // their grid points (5: the static 0)
-    float   err_ratio;         // calibrated error of the pair / the static pair's
+    float   err_added;         // calibrated error the pair adds to the static pair's, / the output norm
     float   n_gpu, n_cpu;      // expected neurons computed per token on each side with the pair
     float   n_cpu_static;      // ... on the CPU with the static pair
     float   t_cpu_ns;          // measured: the CPU part's ns per computed neuron
@@ -174,8 +174,8 @@ LLAMA_API int32_t kx_model_thresholds(const struct llama_model * model, int32_t 
 // The search on one layer's calibration (for tests against the reference): sel, err
 // [n_ff * 11] neuron-major, resident[i] != 0 for the GPU side; times in any one unit.
 LLAMA_API void    kx_thresholds_solve(const float * sel, const float * err, int64_t n_ff, const uint8_t * resident,
-                                      float budget, double t_gpu, double t_cpu, double o_gpu, double o_cpu,
-                                      int32_t * kg, int32_t * kc);
+                                      float budget, float norm, double t_gpu, double t_cpu, double o_gpu,
+                                      double o_cpu, int32_t * kg, int32_t * kc);
 
 // ---------------------------------------------------------------- one parameter set
 // Every runtime choice of kairox, set on a model and context by two calls (any libllama
@@ -228,7 +228,7 @@ struct kx_params {
                                        // process, written at exit (`kairox trace FILE`); NULL: none
     int64_t         sched_trace_max;   // records it keeps (<= 0: 131072)
     float           error_budget;      // hybrid, predicted: load-aware thresholds (kx_context_set_error_budget)
-                                       // under this multiple of the static threshold's error; 0: off (default)
+                                       // adding at most this relative FFN output error; < 0: off (default -1)
     // filled by kx_model_params_apply, not by the caller: free bytes of the slots' device before
     // the model loads (the budget's zero; the CUDA context is not counted), -1 unknown
     int64_t         vram_free_at_load;

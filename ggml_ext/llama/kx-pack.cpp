@@ -363,10 +363,12 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     check_tensor(thr, path, { GGML_TYPE_F32 }, n_layer, 1);
     // the load-aware thresholds' calibration: every layer's two tables and the grid, or none
     std::vector<ggml_tensor *> thr_sel(n_layer), thr_err(n_layer);
-    ggml_tensor * thr_grid = nullptr;
+    ggml_tensor * thr_grid = nullptr, * thr_norm = nullptr;
     if (names.count("kx_thr_grid")) {
         thr_grid = need("kx_thr_grid");
+        thr_norm = need("kx_thr_norm");
         check_tensor(thr_grid, path, { GGML_TYPE_F32 }, KX_THR_K, n_layer);
+        check_tensor(thr_norm, path, { GGML_TYPE_F32 }, n_layer, 1);
         for (int64_t il = 0; il < n_layer; ++il) {
             const std::string p = "blk." + std::to_string(il) + ".";
             thr_sel[il] = need(p + "kx_thr_sel");
@@ -397,10 +399,15 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     std::vector<float> thresholds(n_layer);
     read_into(thr, thresholds.data());
     if (thr_grid) {
-        std::vector<float> grid((size_t) n_layer * KX_THR_K);
+        std::vector<float> grid((size_t) n_layer * KX_THR_K), norm(n_layer);
         read_into(thr_grid, grid.data());
+        read_into(thr_norm, norm.data());
         for (int64_t il = 0; il < n_layer; ++il) {
             auto & L = pack->layers[il];
+            L.thr_norm = norm[il];
+            if (!(norm[il] >= 0.0f) || !std::isfinite(norm[il])) {
+                throw kx_pack_error(kx_fmt("pack %s: kx_thr_norm must be finite values >= 0", path.c_str()));
+            }
             std::copy_n(grid.begin() + il * KX_THR_K, KX_THR_K, L.thr_grid.begin());
             bool ok = L.thr_grid[KX_THR_K0] == 0.0f;
             for (int k = 1; k < KX_THR_K; ++k) {

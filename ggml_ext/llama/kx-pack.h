@@ -31,6 +31,7 @@ struct kx_pack_layer {
     std::array<float, KX_THR_K> thr_grid = {};
     std::vector<float> thr_sel;     // [n_ff * KX_THR_K], neuron-major
     std::vector<float> thr_err;
+    float thr_norm = 0.0f;          // the layer's mean FFN output norm on the calibration tokens
 };
 
 struct kx_pack {

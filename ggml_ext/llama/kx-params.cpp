@@ -38,6 +38,7 @@ struct kx_params kx_params_default(void) {
     kp.balance.tam = { 0.5f, 0.01f, 0.05f, 0.005f, 0.05f, 0.95f, 1, -1 };
     kp.balance.max_blocks = 32;
     kp.vram_free_at_load = -1;
+    kp.error_budget = -1.0f; // load-aware thresholds off
     return kp;
 }
 
@@ -329,20 +330,20 @@ static void kx_params_validate(const kx_params * kp, bool hybrid) {
     if (kp->trace && *kp->trace && kp->balancer == KX_BALANCER_OFF) {
         bad("a balancer trace needs the balancer: turn it on (fixed or adaptive)");
     }
-    if (!(kp->error_budget >= 0.0f) || !std::isfinite(kp->error_budget)) {
-        bad(kx_fmt("the error budget must be a number >= 0 (0: off), not %g", (double) kp->error_budget));
+    if (!std::isfinite(kp->error_budget)) {
+        bad(kx_fmt("the error budget must be a number (< 0: off), not %g", (double) kp->error_budget));
     }
-    if (kp->error_budget > 0.0f && !hybrid) {
+    if (kp->error_budget >= 0.0f && !hybrid) {
         bad("load-aware thresholds split the hybrid FFN: give GPU slots, a VRAM budget or a plan");
     }
-    if (kp->error_budget > 0.0f && kp->sparse == KX_SPARSE_EXACT) {
+    if (kp->error_budget >= 0.0f && kp->sparse == KX_SPARSE_EXACT) {
         bad("load-aware thresholds move the predictor's thresholds: they need the predicted mode (exact stays exact)");
     }
 }
 
 // the load-aware thresholds, afresh (a warm-up's measurements are not the run's)
 static void kx_start_thresholds(llama_context * ctx, const kx_params * kp) {
-    if (kp->error_budget > 0.0f) {
+    if (kp->error_budget >= 0.0f) {
         char e[1024];
         kx_check(kx_context_set_error_budget(ctx, kp->error_budget, e, sizeof(e)), KX_ERR_PARAMS,
                  "load-aware thresholds: ", e);

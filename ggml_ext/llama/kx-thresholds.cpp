@@ -37,10 +37,10 @@ void kx_thr_layer_sums(const float * sel, const float * err, int64_t n_ff, const
 static constexpr double kx_thr_bound_tol = 1e-6;
 static constexpr double kx_thr_tie_tol   = 1e-9;
 
-void kx_thr_solve(const kx_thr_sums & s, double budget, double t_gpu, double t_cpu, double o_gpu, double o_cpu,
-                  int32_t * kg_out, int32_t * kc_out) {
+void kx_thr_solve(const kx_thr_sums & s, double budget, double norm, double t_gpu, double t_cpu, double o_gpu,
+                  double o_cpu, int32_t * kg_out, int32_t * kc_out) {
     const int32_t K0 = KX_THR_K0;
-    const double bound = budget * (s.e_gpu[K0] + s.e_cpu[K0]) * (1.0 + kx_thr_bound_tol);
+    const double bound = (s.e_gpu[K0] + s.e_cpu[K0]) * (1.0 + kx_thr_bound_tol) + budget * norm;
     auto time_of = [&](int kg, int kc) {
         return std::max(o_gpu + t_gpu * s.n_gpu[kg], o_cpu + t_cpu * s.n_cpu[kc]);
     };
@@ -71,11 +71,12 @@ static void kx_thr_store(kx_slot_layer & S, const kx_pack_layer & pl, int32_t kg
 }
 
 void kx_thresholds_start(kx_slots & slots, const kx_pack & pack, double budget, double gpu_gbs) {
-    if (budget > 0 && !pack.has_thresholds) {
+    const bool on = budget >= 0;
+    if (on && !pack.has_thresholds) {
         throw std::runtime_error("the sparse pack has no threshold calibration (kx_thr_*): write it again with "
                                  "this kairox (`kairox prepare`, or `kairox synth --pack`)");
     }
-    if (budget > 0 && !pack.has_predictor) {
+    if (on && !pack.has_predictor) {
         throw std::runtime_error("load-aware thresholds move the predictor's thresholds: the pack has no predictor");
     }
     for (int64_t il = 0; il < pack.n_layer; ++il) {
@@ -85,7 +86,7 @@ void kx_thresholds_start(kx_slots & slots, const kx_pack & pack, double budget, 
         }
     }
     ++slots.graph_gen; // the predicted select changes form (kx-ffn.cpp)
-    if (!(budget > 0)) {
+    if (!on) {
         slots.thr.reset();
         return;
     }
@@ -163,7 +164,7 @@ void kx_thresholds_solve_all(kx_slots & slots, const kx_pack & pack) {
         }
         const double t_gpu_ns = T.row_bytes / t.gpu_gbs; // bytes / (GB/s) = ns
         int32_t kg = KX_THR_K0, kc = KX_THR_K0;
-        kx_thr_solve(T.sums, t.budget, t_gpu_ns, t.t_cpu_ns, 0.0, t.o_cpu_ns, &kg, &kc);
+        kx_thr_solve(T.sums, t.budget, pl.thr_norm, t_gpu_ns, t.t_cpu_ns, 0.0, t.o_cpu_ns, &kg, &kc);
         if (kg != T.kg || kc != T.kc) {
             kx_thr_store(S, pl, kg, kc);
             T.kg = kg;
@@ -180,18 +181,21 @@ int32_t kx_context_set_error_budget(llama_context * ctx, float budget, char * er
         kx_set_err(err, err_size, "kx_context_set_error_budget: no context");
         return 1;
     }
-    if (!(budget >= 0.0f) || !std::isfinite(budget)) {
-        kx_set_err(err, err_size, kx_fmt("the error budget must be a number >= 0 (0: off), not %g", (double) budget));
+    if (std::isnan(budget) || !std::isfinite(budget)) {
+        kx_set_err(err, err_size, kx_fmt("the error budget must be a number (< 0: off), not %g", (double) budget));
         return 1;
+    }
+    if (budget < 0) {
+        budget = -1.0f;
     }
     const llama_model & model = ctx->get_model();
     const kx_pack * pack = model.kx_pack_ptr.get();
     kx_slots * slots = pack ? pack->slots.get() : nullptr;
-    if (budget > 0 && !slots) {
+    if (budget >= 0 && !slots) {
         kx_set_err(err, err_size, "load-aware thresholds split the hybrid FFN: give GPU slots, a VRAM budget or a plan");
         return 1;
     }
-    if (budget > 0 && ctx->kx_get_sparse() != KX_SPARSE_PREDICTED) {
+    if (budget >= 0 && ctx->kx_get_sparse() != KX_SPARSE_PREDICTED) {
         kx_set_err(err, err_size, "load-aware thresholds move the predictor's thresholds: they need the predicted "
                                   "sparse mode (exact mode stays exact)");
         return 1;
@@ -229,7 +233,7 @@ int32_t kx_model_thresholds(const llama_model * model, int32_t il, kx_thr_info *
     out->theta_c = pl.thr_grid[T.kc];
     out->kg = T.kg;
     out->kc = T.kc;
-    out->err_ratio = e0 > 0 ? (float) ((T.sums.e_gpu[T.kg] + T.sums.e_cpu[T.kc]) / e0) : 1.0f;
+    out->err_added = pl.thr_norm > 0 ? (float) ((T.sums.e_gpu[T.kg] + T.sums.e_cpu[T.kc] - e0) / pl.thr_norm) : 0.0f;
     out->n_gpu = (float) T.sums.n_gpu[T.kg];
     out->n_cpu = (float) T.sums.n_cpu[T.kc];
     out->n_cpu_static = (float) T.sums.n_cpu[K0];
@@ -240,8 +244,8 @@ int32_t kx_model_thresholds(const llama_model * model, int32_t il, kx_thr_info *
 }
 
 void kx_thresholds_solve(const float * sel, const float * err, int64_t n_ff, const uint8_t * resident, float budget,
-                         double t_gpu, double t_cpu, double o_gpu, double o_cpu, int32_t * kg, int32_t * kc) {
+                         float norm, double t_gpu, double t_cpu, double o_gpu, double o_cpu, int32_t * kg, int32_t * kc) {
     kx_thr_sums s;
     kx_thr_layer_sums(sel, err, n_ff, resident, s);
-    kx_thr_solve(s, budget, t_gpu, t_cpu, o_gpu, o_cpu, kg, kc);
+    kx_thr_solve(s, budget, norm, t_gpu, t_cpu, o_gpu, o_cpu, kg, kc);
 }

@@ -31,7 +31,7 @@ struct kx_thr_layer {
 };
 
 struct kx_thresholds {
-    float  budget  = 1.0f;        // Err(θ_g, θ_c) <= budget * Err(0, 0)
+    float  budget  = 0.0f;        // Err(θ_g, θ_c) <= Err(0, 0) + budget * E|y| (the layer's output norm)
     double gpu_gbs = 2000.0;      // the device's matvec rate (GB/s)
     // the CPU part's measured costs (ns): per computed neuron (the slowest thread's loop over
     // the rows it computed) and per call (the op's fixed part: x conversion, barriers)
@@ -47,10 +47,11 @@ static constexpr int64_t kx_thr_period = 32;
 // the sums of one layer (neuron-major tables [n_ff * KX_THR_K]); resident[i] != 0 for slots
 void kx_thr_layer_sums(const float * sel, const float * err, int64_t n_ff, const uint8_t * resident, kx_thr_sums & out);
 // the search (thresholds.py solve_sums): the grid points of the GPU and CPU thresholds
-void kx_thr_solve(const kx_thr_sums & s, double budget, double t_gpu, double t_cpu, double o_gpu, double o_cpu,
-                  int32_t * kg, int32_t * kc);
+void kx_thr_solve(const kx_thr_sums & s, double budget, double norm, double t_gpu, double t_cpu, double o_gpu,
+                  double o_cpu, int32_t * kg, int32_t * kc);
 
-// Turns the thresholds on for the model's slots (budget > 0) or off (0): offsets back to 0.
+// Turns the thresholds on for the model's slots (budget >= 0: the extra error allowed, relative
+// to the FFN output's norm; 0: no more than the static threshold's) or off (< 0): offsets 0.
 // Throws std::runtime_error when the pack has no calibration or the slots are missing.
 void kx_thresholds_start(kx_slots & slots, const kx_pack & pack, double budget, double gpu_gbs);
 // After each decode (kx-boundary.cpp): true when a solve is due (the caller then waits for

@@ -78,7 +78,7 @@ class Params(ctypes.Structure):  # struct kx_params
 
 class ThrInfo(ctypes.Structure):  # struct kx_thr_info
     _fields_ = [("theta_g", ctypes.c_float), ("theta_c", ctypes.c_float), ("kg", ctypes.c_int32),
-                ("kc", ctypes.c_int32), ("err_ratio", ctypes.c_float), ("n_gpu", ctypes.c_float),
+                ("kc", ctypes.c_int32), ("err_added", ctypes.c_float), ("n_gpu", ctypes.c_float),
                 ("n_cpu", ctypes.c_float), ("n_cpu_static", ctypes.c_float), ("t_cpu_ns", ctypes.c_float),
                 ("o_cpu_ns", ctypes.c_float), ("solves", ctypes.c_int32)]
 
@@ -134,7 +134,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_context_set_error_budget": ([vp, ctypes.c_float, cp, sz], i32),
         "kx_model_thresholds": ([vp, i32, P(ThrInfo)], i32),
         "kx_thresholds_solve": ([P(ctypes.c_float), P(ctypes.c_float), i64, P(ctypes.c_uint8), ctypes.c_float,
-                                 ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, P(i32), P(i32)],
+                                 ctypes.c_float, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, P(i32), P(i32)],
                                 None),
         "kx_host_buffer_type": ([ctypes.c_bool], vp),
     }

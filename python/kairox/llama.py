@@ -85,9 +85,9 @@ class KairoxOptions:
     # and how many records it keeps (0: 131072)
     sched_trace: str | None = None
     sched_trace_max: int = 0
-    # hybrid, predicted: load-aware thresholds (kairox.thresholds) keeping the calibrated error
-    # under this multiple of the static threshold's (1: no more error than static); 0: off
-    error_budget: float = 0.0
+    # hybrid, predicted: load-aware thresholds (kairox.thresholds) adding at most this relative
+    # error of the FFN output to the static threshold's (0: none, DynamicInfer's bound); None: off
+    error_budget: float | None = None
 
     def __post_init__(self) -> None:
         self._check_sparse()
@@ -124,13 +124,14 @@ class KairoxOptions:
         if self.mapped_share > 0 and self.balancer:
             raise ValueError("mapped_share and the balancer do not mix: the balancer moves neurons between the "
                              "GPU slots and the CPU only")
-        if isinstance(self.error_budget, bool) or not isinstance(self.error_budget, (int, float)) or \
-                not (0.0 <= self.error_budget < float("inf")):
-            raise ValueError(f"error_budget must be a number >= 0 (0: off), not {self.error_budget!r}")
-        if self.error_budget > 0 and not self.wants_slots:
+        if self.error_budget is not None and (isinstance(self.error_budget, bool) or
+                                              not isinstance(self.error_budget, (int, float)) or
+                                              not 0.0 <= self.error_budget <= 1.0):
+            raise ValueError(f"error_budget must be a number in [0, 1] or None (off), not {self.error_budget!r}")
+        if self.error_budget is not None and not self.wants_slots:
             raise ValueError("error_budget (load-aware thresholds) splits the hybrid FFN: give gpu_slots, "
                              "vram_budget or a plan")
-        if self.error_budget > 0 and self.sparse == "exact":
+        if self.error_budget is not None and self.sparse == "exact":
             raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode "
                              "(exact stays exact)")
         for name in ("pinned", "warm"):
@@ -200,7 +201,7 @@ class KairoxOptions:
             kp.balance.pipeline = int(self.balancer_pipeline)
         kp.trace = text(self.trace)
         kp.sched_trace, kp.sched_trace_max = text(self.sched_trace), self.sched_trace_max
-        kp.error_budget = float(self.error_budget)
+        kp.error_budget = -1.0 if self.error_budget is None else float(self.error_budget)
         return kp, keep
 
 
@@ -389,12 +390,12 @@ class Llama(llama_cpp.Llama):
         if _lib.kx_context_set_mapped_share(self._ctx.ctx, float(share), err, len(err)):
             raise ValueError(err.value.decode())
 
-    def set_error_budget(self, budget: float) -> None:
-        """Between decodes: load-aware thresholds under `budget` times the static threshold's
-        calibrated error (kairox.thresholds; 0 turns them off). ValueError without slots, the
-        predicted mode or a pack calibration."""
+    def set_error_budget(self, budget: float | None) -> None:
+        """Between decodes: load-aware thresholds adding at most `budget` of the FFN output's
+        norm to the static threshold's calibrated error (kairox.thresholds; None turns them
+        off). ValueError without slots, the predicted mode or a pack calibration."""
         err = ctypes.create_string_buffer(512)
-        if _lib.kx_context_set_error_budget(self._ctx.ctx, float(budget), err, len(err)):
+        if _lib.kx_context_set_error_budget(self._ctx.ctx, -1.0 if budget is None else float(budget), err, len(err)):
             raise ValueError(err.value.decode())
 
     def thresholds(self, il: int) -> dict[str, float] | None:

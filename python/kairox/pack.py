@@ -92,6 +92,7 @@ def _tensor_names(il: int) -> dict[str, str]:
 
 THRESHOLD_NAME = "kx_threshold"
 THR_GRID_NAME = "kx_thr_grid"
+THR_NORM_NAME = "kx_thr_norm"
 
 
 # ---------------------------------------------------------------------- fingerprint
@@ -263,6 +264,7 @@ class Pack:
     threshold: np.ndarray = field(repr=False)   # float32 [n_layer]
     stats: str | None = field(default=None, repr=False)  # kx.stats JSON (version 2)
     thr_grid: np.ndarray | None = field(default=None, repr=False)  # float32 [n_layer, K] (kairox.thresholds)
+    thr_norm: np.ndarray | None = field(default=None, repr=False)  # float32 [n_layer]: mean FFN output norm
 
     @property
     def n_groups(self) -> int:
@@ -495,6 +497,10 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
         grid = np.asarray(thresholds.grid, np.float32)
         _check_thr_grid(grid, base.n_layer, "threshold grid")
         w.add_tensor_info(THR_GRID_NAME, (base.n_layer, THR_K), np.dtype(np.float32), grid.nbytes)
+        norm = np.asarray(thresholds.norm, np.float32)
+        if norm.shape != (base.n_layer,) or not np.all(np.isfinite(norm)) or np.any(norm < 0):
+            raise PackError(f"the threshold calibration's norms must be {base.n_layer} finite values >= 0")
+        w.add_tensor_info(THR_NORM_NAME, (base.n_layer,), np.dtype(np.float32), norm.nbytes)
 
     ids = np.arange(base.n_ff, dtype=np.int32)
 
@@ -545,6 +551,7 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
                else np.asarray(layout.threshold, np.float32))
         if thresholds is not None:
             yield np.asarray(thresholds.grid, np.float32)
+            yield np.asarray(thresholds.norm, np.float32)
 
     return finish_atomically(w, tmp, out, data())
 
@@ -700,16 +707,23 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     threshold = np.asarray(tensors[THRESHOLD_NAME].data)
     if not np.all(np.isfinite(threshold)):
         raise PackError(f"pack {path}: {THRESHOLD_NAME} has non-finite values")
-    thr_grid = None
+    thr_grid = thr_norm = None
     if THR_GRID_NAME in tensors:
         expected.add(THR_GRID_NAME)
         _check_tensor(tensors[THR_GRID_NAME], path, ("F32",), (THR_K, base.n_layer))
         thr_grid = _check_thr_grid(np.asarray(tensors[THR_GRID_NAME].data), base.n_layer, f"pack {path}: {THR_GRID_NAME}")
+        if THR_NORM_NAME not in tensors:
+            raise PackError(f"pack {path} lacks the tensor {THR_NORM_NAME} (it has {THR_GRID_NAME})")
+        expected.add(THR_NORM_NAME)
+        _check_tensor(tensors[THR_NORM_NAME], path, ("F32",), (base.n_layer,))
+        thr_norm = np.asarray(tensors[THR_NORM_NAME].data)
+        if not np.all(np.isfinite(thr_norm)) or np.any(thr_norm < 0):
+            raise PackError(f"pack {path}: {THR_NORM_NAME} must be finite values >= 0")
     extra = sorted(set(tensors) - expected)
     if extra:
         raise PackError(f"pack {path} holds unexpected tensor {extra[0]!r} "
                         f"({len(extra)} in all); it is not part of pack version {version}")
-    return Pack(path, version, created_by, method, base, fp, group_size, layers, threshold, stats, thr_grid)
+    return Pack(path, version, created_by, method, base, fp, group_size, layers, threshold, stats, thr_grid, thr_norm)
 
 
 def read_pack_stats(pack_path: str | Path) -> str | None:
