@@ -132,12 +132,14 @@ def main() -> int:
         balance_counters(reset=True)
     times = []
     logits = []
+    if args.logits_out:
+        import numpy as np
     for t in toks[args.prompt_len:]:
         t0 = time.perf_counter()
         llm.eval([t])
         times.append(time.perf_counter() - t0)
-        if args.logits_out:
-            logits.append(llm.scores[llm.n_tokens - 1].astype("float16"))
+        if args.logits_out:  # the decode's own row (scores holds rows only with logits_all)
+            logits.append(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).astype("float16"))
     if sparse:
         c = sparse_counters(reset=True)
         counters = {**dataclasses.asdict(c), "sched": sched_counters(reset=True), "warm": warm_counters(reset=True),
@@ -158,7 +160,6 @@ def main() -> int:
             llm.eval(batch)
             pp_s = min(pp_s or 1e30, time.perf_counter() - t0)
     if args.logits_out:
-        import numpy as np
         np.save(args.logits_out, np.stack(logits))
     thr = None
     if hasattr(llm, "thresholds"):
