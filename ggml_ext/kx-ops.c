@@ -32,10 +32,14 @@ struct ggml_tensor * ggml_kx_select_to_host(
         float                 max_density,
         enum kx_select_act    act,
         int32_t             * host) {
+    return ggml_kx_select_set_host(ggml_kx_select(ctx, scores, threshold, max_density, act), host);
+}
+
+struct ggml_tensor * ggml_kx_select_set_host(struct ggml_tensor * sel, int32_t * host) {
+    GGML_ASSERT(sel->op == GGML_OP_KX_SELECT);
     GGML_ASSERT(host != NULL && ((uintptr_t) host) % 16 == 0);
-    struct ggml_tensor * result = ggml_kx_select(ctx, scores, threshold, max_density, act);
-    memcpy((char *) result->op_params + KX_SELECT_HOST_PARAM, &host, sizeof(host));
-    return result;
+    memcpy((char *) sel->op_params + KX_SELECT_HOST_PARAM, &host, sizeof(host));
+    return sel;
 }
 
 struct ggml_tensor * ggml_kx_select_split(

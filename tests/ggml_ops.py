@@ -48,6 +48,7 @@ class GGML:
         b.ggml_kx_select.restype = P
         b.ggml_kx_select_split.argtypes = [P, P, C.c_float, C.c_float, P, P]
         b.ggml_kx_select_split.restype = P
+        b.ggml_kx_select_set_host.argtypes, b.ggml_kx_select_set_host.restype = [P, P], P
         b.ggml_kx_select_to_host.argtypes = [P, P, C.c_float, C.c_float, C.c_int, P]
         b.ggml_kx_select_to_host.restype = P
         b.ggml_kx_mul_mat_rows.argtypes, b.ggml_kx_mul_mat_rows.restype = [P, P, P, P, P], P
@@ -120,8 +121,10 @@ class GGML:
             self.base.ggml_free(ctx)
 
     def select_split(self, scores: np.ndarray, threshold: float, max_density: float, rowmap: np.ndarray,
-                     off: tuple[float, float], n_threads: int = 1, use_ref: bool = False) -> np.ndarray:
-        """ggml_kx_select_split: scores [T, n], rowmap int32 [n], off (resident, others)."""
+                     off: tuple[float, float], n_threads: int = 1, use_ref: bool = False,
+                     host: np.ndarray | None = None) -> np.ndarray:
+        """ggml_kx_select_split: scores [T, n], rowmap int32 [n], off (resident, others); host:
+        as select()'s (ggml_kx_select_set_host)."""
         T, n = scores.shape
         ctx = self._ctx(scores.nbytes + 8 * n)
         try:
@@ -129,6 +132,9 @@ class GGML:
             rm = self._tensor(ctx, "i32", (n,), rowmap.astype(np.int32))
             ot = self._tensor(ctx, "f32", (2,), np.asarray(off, np.float32))
             out = self.base.ggml_kx_select_split(ctx, s, threshold, max_density, rm, ot)
+            if host is not None:
+                assert host.dtype == np.int32 and host.size >= n + 2 and host.ctypes.data % 16 == 0
+                self.base.ggml_kx_select_set_host(out, host.ctypes.data)
             return self._run(ctx, out, n_threads, use_ref, (n + 1,), np.int32).copy()
         finally:
             self.base.ggml_free(ctx)

@@ -82,6 +82,12 @@ def test_select_split_applies_each_sides_threshold(g: GGML, T: int, use_ref: boo
         np.testing.assert_array_equal(out[1:1 + out[0]], want)
         if off == (0.0, 0.0):
             np.testing.assert_array_equal(out, g.select(scores, thr, 1.0, "score", use_ref=use_ref))
+    # the list also to host memory (the host-cache warm-up's copy): list, then the flag
+    buf = np.zeros(n + 2 + 4, np.int32)
+    host = buf[(-buf.ctypes.data % 16) // 4:][:n + 2]
+    out = g.select_split(scores, 0.0, 1.0, rowmap, (-0.5, 0.7), use_ref=use_ref, host=host)
+    assert host[0] == 1
+    np.testing.assert_array_equal(host[1:2 + out[0]], out[:1 + out[0]])
 
 
 def test_select_empty_full_and_density_fallback(g: GGML):

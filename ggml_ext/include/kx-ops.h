@@ -92,6 +92,10 @@ GGML_API struct ggml_tensor * ggml_kx_select_split(
         struct ggml_tensor  * rowmap,
         struct ggml_tensor  * off);
 
+// The host copy of ggml_kx_select_to_host for any select node (ggml_kx_select_split's too);
+// returns sel.
+GGML_API struct ggml_tensor * ggml_kx_select_set_host(struct ggml_tensor * sel, int32_t * host);
+
 // the host copy of a select node (NULL: none); the byte offset of the pointer in op params
 #define KX_SELECT_HOST_PARAM 16
 static inline int32_t * kx_select_host(const struct ggml_tensor * sel) {

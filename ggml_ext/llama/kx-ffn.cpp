@@ -222,7 +222,10 @@ static ggml_tensor * kx_build_ffn_hybrid(
         // it to the host itself, so nothing here waits for it
         const kx_slot_layer & N = slots.layers[il + 1];
         ggml_tensor * s = kx_predict(ctx0, cur, pack.layers[il + 1], &N);
-        ggml_tensor * sn = ggml_kx_select_to_host(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE, N.ahead);
+        // with load-aware thresholds, the rows the host part will read (not those it skips)
+        ggml_tensor * sn = ggml_kx_select_set_host(
+            slots.thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, N.slotmap, N.thr_off)
+                      : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE), N.ahead);
         g.cb(sn, "kx_sel_warm", il);
         ggml_build_forward_expand(g.gf, sn);
     }

@@ -60,6 +60,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 hybrid["pinned"] = False
             if args.mapped_share:
                 hybrid["mapped_share"] = args.mapped_share
+            if args.error_budget is not None:
+                hybrid["error_budget"] = args.error_budget
             if args.balancer:
                 from .balancer import BalancerConfig
                 hybrid["balancer"] = BalancerConfig(adaptive=args.balancer == "adaptive")
@@ -215,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid: the GPU also computes this share (0-1, by activation frequency) of the "
                    "host-side neurons, reading their rows from the page-locked host weights over PCIe "
                    "while the CPU computes the rest (default 0: the CPU computes them all)")
+    p.add_argument("--error-budget", type=float, default=None, metavar="F",
+                   help="hybrid, predicted: load-aware thresholds (the GPU computes more of its resident "
+                   "neurons, the CPU skips its least likely ones while it is the slower side), adding at most "
+                   "F (0-1) of the FFN output's norm to the static threshold's error (0: none; default: off)")
     p.add_argument("--balancer", choices=["fixed", "adaptive"], default=None,
                    help="hybrid: move neurons between the GPU slots and the CPU while decoding (TAM policy, "
                    "reloads behind the next token); fixed or adaptive λ (default: the static split)")
