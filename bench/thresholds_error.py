@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--slots-device", help="CPU: the same split without a GPU")
     ap.add_argument("--budgets", default="0,0.01,0.03", help="error budgets, comma-separated")
     ap.add_argument("--session", default="code,prose,dialogue,code", help="request domains (synthetic models)")
+    ap.add_argument("--text", help="real text instead of a synthetic session (its first --tokens tokens)")
+    ap.add_argument("--tokens", type=int, default=384, help="with --text: tokens decoded (prompt included)")
     ap.add_argument("--request", type=int, default=96, help="tokens per request")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
@@ -47,8 +49,15 @@ def main() -> int:
     from kairox.llama import _C
     from kairox.synth import topic_prompts
 
-    doms = args.session.split(",")
-    toks = [t for req in topic_prompts(args.model, len(doms), args.request, seed=4, domains=doms) for t in req]
+    if args.text:
+        voc = kairox.Llama(args.model, vocab_only=True, verbose=False)
+        toks = voc.tokenize(Path(args.text).read_text().encode(), add_bos=True)[:args.tokens]
+        voc.close()
+        workload = f"the first {len(toks)} tokens of {Path(args.text).name}"
+    else:
+        doms = args.session.split(",")
+        toks = [t for req in topic_prompts(args.model, len(doms), args.request, seed=4, domains=doms) for t in req]
+        workload = f"requests of {args.request} tokens in domains {args.session}"
     place = {k: v for k, v in (("gpu_slots", args.gpu_slots), ("vram_budget", args.vram_budget),
                                ("slots_device", args.slots_device)) if v is not None}
     budgets = [None] + [float(b) for b in args.budgets.split(",") if b]
@@ -115,8 +124,8 @@ def main() -> int:
     name = Path(args.model).name.removesuffix(".gguf")
     lines = [f"# Load-aware thresholds: output error and CPU work, {name}",
              "",
-             f"{len(toks) - args.prompt} teacher-forced tokens after a {args.prompt}-token prompt, requests of "
-             f"{args.request} tokens in domains {args.session}; placement {place}; {args.rounds} interleaved rounds; "
+             f"{len(toks) - args.prompt} teacher-forced tokens after a {args.prompt}-token prompt, {workload}; "
+             f"placement {place}; {args.rounds} interleaved rounds; "
              f"commit {git_commit()[:10]}. Rows read: the weight rows the host part's fused op reads per token "
              "(a listed ReLU neuron whose gate is <= 0 reads its gate row only). Error budget: the relative FFN output error the thresholds may "
              "add to the static threshold's (calibrated upper bound); '-' is the static split.",
@@ -137,7 +146,7 @@ def main() -> int:
     cmd = shlex.join([sys.executable] + sys.argv)
     write_results(Path(args.out) / f"thresholds-error-{name}",
                   {"command": cmd, "commit": git_commit(), "machine": machine_facts(), "model": args.model,
-                   "placement": place, "session": args.session, "rows": table}, lines)
+                   "placement": place, "workload": workload, "rows": table}, lines)
     print("\n".join(lines))
     return 0
 

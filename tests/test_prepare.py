@@ -128,6 +128,16 @@ def test_prepare_relu_predicted_mode(kb_tiny: Path, prepared) -> None:
     assert pred.nonzero / exact.nonzero >= 0.95
     assert pred.selected < 0.5 * pred.total  # and it stayed sparse
 
+    # the load-aware thresholds' calibration, on held-out tokens, and the runtime using it
+    assert pack.thr_grid is not None and pack.thr_norm is not None and np.all(pack.thr_norm > 0)
+    assert all(layer.thr_sel is not None and layer.thr_err[:, -1].sum() > 0 for layer in pack.layers)
+    llm = Llama(str(kb_tiny), sparse="predicted", sparse_pack=str(prepared.pack), gpu_slots=pack.base.n_ff // 4,
+                slots_device="CPU", error_budget=0.01, **kw)
+    llm(prompt, max_tokens=16, temperature=0.0)
+    info = [llm.thresholds(il) for il in range(pack.base.n_layer)]
+    llm.close()
+    assert all(i is not None and i["solves"] >= 1 and i["err_added"] <= 0.01 + 1e-6 for i in info), [(i["solves"], i["err_added"], i["t_cpu_ns"]) for i in info]
+
 
 def test_prepare_resumes_after_interrupt(tmp_path: Path, kb_tiny: Path, prepared) -> None:
     """A run stopped mid-profile continues from its checkpoint and ends with the same pack

@@ -104,14 +104,15 @@ void kx_thresholds_start(kx_slots & slots, const kx_pack & pack, double budget, 
 }
 
 // the CPU part's costs since the last reading (the host op's counters are process-wide and
-// other code may reset them: a window that went backwards is skipped)
-static void kx_thr_measure(kx_thresholds & t) {
+// other code may reset them: a window that went backwards is skipped); baseline: only the
+// reading, no costs (what came before belongs to other runs)
+static void kx_thr_measure(kx_thresholds & t, bool baseline = false) {
     int64_t calls = 0, op = 0, work = 0, rows = 0;
     kx_cpu_ffn_stats(nullptr, &calls, &op, &work, nullptr, nullptr, nullptr, nullptr, false);
     kx_cpu_axpy_stats(nullptr, &rows, nullptr, false);
     const int64_t dc = calls - t.last_calls, dop = op - t.last_op, dw = work - t.last_work, dr = rows - t.last_rows;
     t.last_calls = calls; t.last_op = op; t.last_work = work; t.last_rows = rows;
-    if (dc <= 0 || dr <= 0 || dop < dw || dw <= 0) {
+    if (baseline || dc <= 0 || dr <= 0 || dop < dw || dw <= 0) {
         return;
     }
     const double per_row  = (double) dw / (double) dr;
@@ -125,7 +126,7 @@ static void kx_thr_measure(kx_thresholds & t) {
 bool kx_thresholds_tick(kx_thresholds & t) {
     ++t.decodes;
     if (t.decodes == 1) {
-        kx_thr_measure(t); // the zero of the first window (the decode before held a prefill)
+        kx_thr_measure(t, true); // the zero of the first window (the decode before held a prefill)
         return false;
     }
     if (t.t_cpu_ns == 0) {

@@ -437,9 +437,10 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
     stats = ModelStats(model.name, base.n_layer, base.n_ff, n_tokens, layers, stats_extra)
     seconds["stats"] = time.perf_counter() - t0
 
-    # 7. pack
+    # 7. pack, with the load-aware thresholds' calibration on held-out tokens
     t0 = time.perf_counter()
-    out = _write(model, hdr, cfg, thr, agg.counts / n_tokens, fits, groups, rank, stats, target)
+    tables = _threshold_tables(model, data, fits, cfg)
+    out = _write(model, hdr, cfg, thr, agg.counts / n_tokens, fits, groups, rank, stats, target, tables)
     seconds["pack"] = time.perf_counter() - t0
 
     # 8. perplexity
@@ -447,7 +448,7 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
         t0 = time.perf_counter()
         stats.extra.update(_ppl_stage(model, out, work, hist, thr, base, cfg, gated, say))
         seconds["perplexity"] = time.perf_counter() - t0
-        out = _write(model, hdr, cfg, thr, agg.counts / n_tokens, fits, groups, rank, stats, target)
+        out = _write(model, hdr, cfg, thr, agg.counts / n_tokens, fits, groups, rank, stats, target, tables)
     seconds["total"] = time.perf_counter() - t_all
     # compute time per stage summed over every run in this work folder: a resumed or
     # cached run still reports what the stages cost (bench/prepare_report.py)
@@ -588,8 +589,21 @@ def _pred_dtype(hdr: Any) -> str:
     return "f32" if gguf.GGMLQuantizationType(t.type_id) == gguf.GGMLQuantizationType.F32 else "f16"
 
 
+def _threshold_tables(model: Path, data: _ProfileData, fits: list[dict], cfg: PrepareConfig) -> Any:
+    """The load-aware thresholds' calibration of the fitted predictors (kairox.thresholds), on
+    held-out tokens the fit never saw."""
+    from .thresholds import CALIBRATION_TOKENS, calibrate
+
+    rows = data.held_rows
+    if len(rows) > CALIBRATION_TOKENS:
+        rows = np.sort(np.random.default_rng(cfg.seed).choice(rows, CALIBRATION_TOKENS, replace=False))
+    xs = [data.x(il, rows) for il in range(data.base.n_layer)]
+    return calibrate(model, lambda il: tuple(fits[il]["arrays"][f"same_{k}"] for k in "abc"), xs, quiet=cfg.quiet)
+
+
 def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.ndarray,
-           fits: list[dict], groups: list[dict], rank: int, stats: Any, target: float | None) -> Path:
+           fits: list[dict], groups: list[dict], rank: int, stats: Any, target: float | None,
+           tables: Any = None) -> Path:
     from .pack import write_pack
     from .packcli import _default_down_type
 
@@ -607,7 +621,7 @@ def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.
         return write_pack(model, out, group_size=cfg.group_size,
                           down_type=cfg.down_type or _default_down_type(hdr), method=method,
                           predictor=trio("same"), ahead=trio("ahead"),
-                          layout=layout, stats=stats.to_json(), quiet=cfg.quiet)
+                          layout=layout, stats=stats.to_json(), thresholds=tables, quiet=cfg.quiet)
     except PackError as e:
         raise PrepareError(str(e)) from None
 

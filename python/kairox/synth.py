@@ -522,7 +522,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
             layout = tables = None
             predictor = sketch_for_model(path)
             if args.profile and args.act == "relu":
-                layout, xs = measured_layout(path, args.profile, args.seed, quiet=args.quiet, keep_x=THR_SAMPLES)
+                from .thresholds import CALIBRATION_TOKENS
+                layout, xs = measured_layout(path, args.profile, args.seed, quiet=args.quiet,
+                                             keep_x=CALIBRATION_TOKENS)
                 predictor, tables = calibrated_thresholds(path, predictor, xs, quiet=args.quiet)
             pk = write_pack(path, predictor=predictor, quiet=args.quiet, layout=layout, thresholds=tables,
                             method={"kind": "synth", "profile_tokens": args.profile if layout else 0},
@@ -532,10 +534,6 @@ def cmd_synth(args: argparse.Namespace) -> int:
             return fail(str(e))
         print(f"kairox synth: wrote {pk} ({os.path.getsize(pk) / 2**30:.2f} GiB)")
     return 0
-
-
-# FFN inputs per layer the load-aware thresholds are calibrated on (kairox.thresholds)
-THR_SAMPLES = 512
 
 
 def measured_layout(model: Path, n_tokens: int, seed: int, quiet: bool = True, keep_x: int = 0):

@@ -53,6 +53,9 @@ import numpy as np
 GRID_REL = np.array([-1.0, -0.5, -0.25, -0.125, -0.0625, 0.0, 0.0625, 0.125, 0.25, 0.5, 1.0], np.float32)
 K0 = int(np.flatnonzero(GRID_REL == 0.0)[0])
 K = len(GRID_REL)
+# FFN inputs per layer a pack's calibration uses (`kairox synth --pack`, `kairox prepare`):
+# the tables are means over tokens, and 512 puts a neuron firing on 5% of tokens at ~26 samples
+CALIBRATION_TOKENS = 512
 
 
 @dataclass
