@@ -187,3 +187,13 @@ def test_python_server_refuses_bad_options(synth_model: Path) -> None:  # noqa: 
     from kairox import server
     assert server.main(["--model", str(synth_model), "--balancer", "sometimes"]) == 2
     assert server.main(["--model", "/nonexistent.gguf"]) == 2
+
+
+def test_python_server_settings_map_to_kairox_options() -> None:
+    pytest.importorskip("uvicorn")
+    from kairox.server import KairoxModelSettings
+    kw = KairoxModelSettings(model="m.gguf", gpu_slots=8, kx_error_budget=0.01, balancer="adaptive").kairox_kwargs()
+    assert kw["error_budget"] == 0.01 and kw["gpu_slots"] == 8 and kw["balancer"].adaptive
+    assert "error_budget" not in KairoxModelSettings(model="m.gguf").kairox_kwargs()
+    with pytest.raises(ValueError):
+        KairoxModelSettings(model="m.gguf", kx_error_budget=2.0)

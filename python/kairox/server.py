@@ -46,12 +46,15 @@ class KairoxModelSettings(ModelSettings):
     balancer_lambda: float = Field(default=0.5, ge=0.05, le=0.95, description="kairox: the balancer's lambda at start")
     balancer_pipeline: bool = Field(default=False, description="kairox: the balancer decides one layer ahead")
     kx_trace: Optional[str] = Field(default=None, description="kairox: balancer records as JSON lines")
+    kx_error_budget: Optional[float] = Field(
+        default=None, ge=0.0, le=1.0,
+        description="kairox: load-aware thresholds adding at most this share of the FFN output's norm in error")
 
     def kairox_kwargs(self) -> dict[str, Any]:
         """kairox.Llama's keyword arguments for these settings."""
         kw: dict[str, Any] = {"sparse": self.sparse, "sparse_pack": self.sparse_pack, "vram_budget": self.vram_budget,
                               "gpu_slots": self.gpu_slots, "plan": self.kx_plan, "slots_device": self.kx_slots_device,
-                              "mapped_share": self.mapped_share}
+                              "mapped_share": self.mapped_share, "error_budget": self.kx_error_budget}
         if self.balancer != "off":
             from .balancer import BalancerConfig
             kw["balancer"] = BalancerConfig(lam=self.balancer_lambda, adaptive=self.balancer == "adaptive")
