@@ -54,6 +54,35 @@ def test_run_tiny_streams_with_tokens_per_second(native, tiny_relu_gguf):
     assert "generated 8 tokens, decode" in r.stderr and "tokens/s" in r.stderr
 
 
+def test_run_refuses_a_prompt_longer_than_the_context(native, tiny_relu_gguf):
+    r = kairox("run", "-m", str(tiny_relu_gguf), "-p", "hello world " * 400, "-n", "4", "-c", "256", "-t", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "the context holds 256" in r.stderr and "raise -c" in r.stderr
+
+
+def test_run_rounds_a_small_context_up(native, tiny_relu_gguf):
+    r = kairox("run", "-m", str(tiny_relu_gguf), "-p", "Hello", "-n", "4", "-c", "8", "-t", "2")
+    assert r.returncode == 0, r.stderr
+    assert "context 8 rounded up to 256" in r.stderr and "(256 ctx" in r.stderr
+
+
+def test_run_ctrl_c_keeps_the_output_and_exits_130(native, tiny_relu_gguf):
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "kairox", "run", "-m", str(tiny_relu_gguf), "-p", "Hello",
+                          "-n", "100000", "-c", "4096", "-t", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert p.stdout.read(len("Hello")) == "Hello"  # generating
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "interrupted after" in err and "Traceback" not in err
+
+
 def test_run_missing_model(tmp_path):
     r = kairox("run", "-m", str(tmp_path / "missing.gguf"))
     assert r.returncode == 2 and "not found" in r.stderr

@@ -104,8 +104,10 @@ def test_pickle_round_trip(kx, tiny_relu_gguf):
 
 
 def test_missing_file(kx, tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(kx.ModelLoadError, match="nope.gguf is missing, not a model file"):
         kx.Llama(str(tmp_path / "nope.gguf"), verbose=False)
+    with pytest.raises(kx.ModelLoadError, match="is a directory, not a model file"):
+        kx.Llama(str(tmp_path), verbose=False)
 
 
 def test_truncated_gguf_says_why(kx, tiny_relu_gguf, tmp_path):

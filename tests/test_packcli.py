@@ -145,3 +145,15 @@ def test_help_explains_the_pack() -> None:
     top = subprocess.run([sys.executable, "-m", "kairox", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert "pack" in top.stdout
+
+
+def test_an_existing_output_is_replaced_only_with_force(capsys: pytest.CaptureFixture, model: Path,
+                                                        tmp_path: Path) -> None:
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"somebody else's file")
+    rc, out, err = run(capsys, str(model), "-o", str(other), "-q")
+    assert rc == 2 and f"{other} exists; give --force" in err
+    assert other.read_bytes() == b"somebody else's file"
+    rc, out, err = run(capsys, str(model), "-o", str(other), "-q", "--force")
+    assert rc == 0, err
+    assert read_pack(other, model).base.n_layer == 2

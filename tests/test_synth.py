@@ -361,3 +361,13 @@ def test_cli_pack_only_packs_an_earlier_model(tmp_path: Path, capsys: pytest.Cap
     capsys.readouterr()
     assert main(["synth", "--preset", "KB-tiny", "-o", str(tmp_path / "none.gguf"), "--pack-only", "-q"]) == 2
     assert "no model at" in capsys.readouterr().err
+
+
+def test_cli_never_overwrites_a_model_without_force(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"another model")
+    assert main(["synth", "--preset", "KB-tiny", "-o", str(out), "-q"]) == 2
+    assert f"{out} exists; give --force" in capsys.readouterr().err
+    assert out.read_bytes() == b"another model"
+    assert main(["synth", "--preset", "KB-tiny", "-o", str(out), "-q", "--force"]) == 0
+    assert out.stat().st_size > 1000

@@ -36,6 +36,10 @@ def _context_length(path: Path) -> int | None:
         return None
 
 
+# llama.cpp pads a context's size to a multiple of this many tokens
+CTX_STEP = 256
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .default_model import DefaultModelError, default_model_path
     if args.model is None:
@@ -47,10 +51,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         model = Path(args.model)
         if not model.is_file():
-            print(f"kairox run: error: model file not found: {model}", file=sys.stderr)
+            what = "is a directory, not a model file" if model.is_dir() else "not found"
+            print(f"kairox run: error: model file {what}: {model}" if not model.is_dir() else
+                  f"kairox run: error: {model} {what}", file=sys.stderr)
             return 2
     from . import llama as kxl
     ctx = args.ctx or min(2048, _context_length(model) or 2048)
+    if ctx % CTX_STEP:
+        # llama.cpp pads the context to this step; asking for it keeps Python's buffers the same size
+        print(f"kairox run: note: context {ctx} rounded up to {-(-ctx // CTX_STEP) * CTX_STEP} "
+              f"(llama.cpp sizes it in steps of {CTX_STEP})", file=sys.stderr)
+        ctx = -(-ctx // CTX_STEP) * CTX_STEP
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", kxl.SparsePackWarning)
@@ -91,13 +102,30 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"FFN {llm.sparse})", file=sys.stderr)
     if llm.vram is not None:
         print(f"kairox: {llm.vram.text()}", file=sys.stderr)
+    n_prompt = len(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=True))
+    if n_prompt + 1 > llm.n_ctx():
+        print(f"kairox run: error: the prompt is {n_prompt} tokens and the context holds {llm.n_ctx()}: "
+              f"shorten the prompt or raise -c (the model was trained with {_context_length(model) or '?'})",
+              file=sys.stderr)
+        llm.close()
+        return 2
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     t0 = time.perf_counter()
-    for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True,
-                                       temperature=args.temp, seed=args.seed):
-        sys.stdout.write(chunk["choices"][0]["text"])
+    n_out = 0
+    try:
+        for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True,
+                                           temperature=args.temp, seed=args.seed):
+            sys.stdout.write(chunk["choices"][0]["text"])
+            sys.stdout.flush()
+            n_out += 1
+    except KeyboardInterrupt:
+        # Ctrl-C: what was generated stays on stdout; the shell's convention for SIGINT
+        sys.stdout.write("\n")
         sys.stdout.flush()
+        print(f"kairox run: interrupted after {n_out} tokens", file=sys.stderr)
+        llm.close()
+        return 130
     wall = time.perf_counter() - t0
     sys.stdout.write("\n")
     perf = kxl.llama_cpp.llama_perf_context(llm.ctx)

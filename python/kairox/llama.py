@@ -317,7 +317,14 @@ class Llama(llama_cpp.Llama):
                 return p
             _C.llama_model_default_params = kx_default_params
             try:
+                if not os.path.isfile(model_path):
+                    # the base class says "Model path does not exist" as a plain ValueError, and
+                    # tries to load a directory
+                    raise ModelLoadError(f"{model_path} is {'a directory' if os.path.isdir(model_path) else 'missing'}"
+                                         f", not a model file")
                 super().__init__(model_path, *args, **kwargs)
+            except ModelLoadError:
+                raise
             except ValueError as e:
                 why = _errors.take()
                 if why and "Failed to load model" in str(e):

@@ -70,6 +70,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
                                      or args.pred_type is not None):
         return fail("--rank, --margin and --pred-type apply only to --predictor sketch")
     out = Path(args.outfile) if args.outfile else pack_path_for(model)
+    if out.exists() and not args.force:
+        return fail(f"{out} exists; give --force to replace it")
     t0 = time.perf_counter()
     try:
         hdr, base = inspect_model(model)
@@ -120,4 +122,5 @@ def register(sub) -> None:
                    help="storage of the sketch factors (default: f32 if the model's ffn_gate is "
                         "F32, else f16)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=cmd_pack)

@@ -509,6 +509,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
             return fail(f"--pack-only: no model at {out} (synthesize it first, without --pack-only)")
         path = out
     else:
+        if out.exists() and not args.force:
+            return fail(f"{out} exists; give --force to replace it (or --pack-only to write its pack)")
         try:
             path = synth(out, shape, seed=args.seed, vocab_gguf=args.vocab_gguf,
                          act=args.act, sparse=sparse, quiet=args.quiet)
@@ -579,6 +581,7 @@ def register(sub) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="KB-7B",
                    help="model shape (default: %(default)s)")
     p.add_argument("-o", "--outfile", help="output GGUF (default: PRESET-TYPE.gguf)")
+    p.add_argument("--force", action="store_true", help="replace an existing output model")
     p.add_argument("--type", choices=FTYPES, help="weight type (default: the preset's)")
     p.add_argument("--act", choices=["relu", "silu"], default="relu",
                    help="FFN activation; silu writes a dense all-random model (default: relu)")
