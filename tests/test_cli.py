@@ -86,6 +86,8 @@ def test_run_ctrl_c_keeps_the_output_and_exits_130(native, tiny_relu_gguf):
 def test_run_missing_model(tmp_path):
     r = kairox("run", "-m", str(tmp_path / "missing.gguf"))
     assert r.returncode == 2 and "not found" in r.stderr
+    r = kairox("run", "-m", str(tmp_path))
+    assert r.returncode == 2 and "is a directory, not a model file" in r.stderr
 
 
 def test_run_default_model(native, gemma_gguf):
