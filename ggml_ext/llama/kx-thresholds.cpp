@@ -12,10 +12,9 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
-
-#include <cmath>
 #include <stdexcept>
 
 void kx_thr_layer_sums(const float * sel, const float * err, int64_t n_ff, const uint8_t * resident, kx_thr_sums & out) {
