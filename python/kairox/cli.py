@@ -4,6 +4,14 @@
   kairox info [MODEL]                 build facts, or a GGUF's shape and types
   kairox convert HF_DIR               Hugging Face llama-family checkpoint -> GGUF
   kairox synth --preset KB-7B         synthetic LLaMA-shaped ReLU model for benchmarks
+  kairox pack MODEL                   the sparse pack next to a model (sketch predictor)
+  kairox prepare MODEL                profile on text: a pack with trained predictors and groups
+  kairox stats PACK                   a pack's activation statistics against the papers'
+  kairox plan MODEL --vram-budget S   the GPU placement for a VRAM budget
+  kairox profile-hw                   this machine's bandwidths, for `kairox plan --hw`
+  kairox trace FILE                   a scheduler trace: CPU/GPU overlap per layer
+  kairox balance MODEL                the online balancer simulated on recorded activations
+  kairox report FILE                  a live-balancer trace drawn over time
 """
 from __future__ import annotations
 
@@ -159,10 +167,16 @@ def model_summary(path: Path) -> list[tuple[str, str]]:
     rows = [("file", str(path)), ("size", f"{path.stat().st_size / 2**20:.1f} MiB"),
             ("architecture", arch), ("name", str(hdr.kv.get("general.name", "-")))]
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
-                "attention.head_count_kv", "context_length", "hidden_activation"):
+                "attention.head_count_kv", "context_length"):
         v = hdr.kv.get(f"{arch}.{key}")
         if v is not None:
             rows.append((key, str(v)))
+    from .pack import DEFAULT_ACTIVATION
+    act = hdr.kv.get(f"{arch}.hidden_activation")
+    if act is not None:
+        rows.append(("activation", str(act)))
+    elif arch in DEFAULT_ACTIVATION:  # the architecture's own (the GGUF has no key for it)
+        rows.append(("activation", f"{DEFAULT_ACTIVATION[arch]} (the {arch} architecture's)"))
     types = collections.Counter(gguf.GGMLQuantizationType(t.type_id).name for t in hdr.tensors)
     n_params = sum(math.prod(t.ne) for t in hdr.tensors)
     rows.append(("tensors", f"{len(hdr.tensors)} ({', '.join(f'{n} {k}' for k, n in types.most_common())})"))
