@@ -295,7 +295,9 @@ def main() -> int:
         results[-1]["thresholds"] = res.get("thresholds")
         ref = next((i for i, r in enumerate(results) if r["row"] == "static"), None)
         if ref is not None:
-            results[-1].update(output_error(work / f"{name}.row{ref}.logits.npy", logits))
+            import numpy as np
+            from kairox.bench import logits_agreement
+            results[-1].update(logits_agreement(np.load(work / f"{name}.row{ref}.logits.npy"), np.load(logits)))
         if renv:
             results[-1]["row"] += " [" + " ".join(f"{k}={v}" for k, v in renv.items()) + "]"
             results[-1]["env"] = renv
@@ -307,22 +309,6 @@ def main() -> int:
                                   ["--vram-budget", f"{budget:g}GiB", "--balancer", "static"]))
         write()
     return 0
-
-
-def output_error(ref_path: Path, path: Path) -> dict:
-    """A row's teacher-forced logits against the static row's: the share of positions with
-    the same top token, and the mean KL(static || row) of the next-token distributions."""
-    import numpy as np
-    a = np.load(ref_path).astype(np.float64)
-    b = np.load(path).astype(np.float64)
-    n = min(len(a), len(b))
-    a, b = a[:n], b[:n]
-    la = a - a.max(axis=1, keepdims=True)
-    la -= np.log(np.exp(la).sum(axis=1, keepdims=True))
-    lb = b - b.max(axis=1, keepdims=True)
-    lb -= np.log(np.exp(lb).sum(axis=1, keepdims=True))
-    kl = (np.exp(la) * (la - lb)).sum(axis=1)
-    return {"top1_vs_static": float((a.argmax(1) == b.argmax(1)).mean()), "kl_vs_static": float(kl.mean())}
 
 
 def gpu_hbm_known(bw: dict) -> bool:

@@ -45,8 +45,8 @@ def main() -> int:
     import kairox  # before numpy (bench/tpot.py)
     import numpy as np
     from kairox._native import sparse_counters
-    from kairox.bench import git_commit, machine_facts, write_results
-    from kairox.llama import _C
+    from kairox.bench import (git_commit, log_softmax, logits_agreement, machine_facts, thresholds_summary,
+                              write_results)
     from kairox.synth import topic_prompts
 
     if args.text:
@@ -78,17 +78,15 @@ def main() -> int:
                 logits.append(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy())
             c = sparse_counters(reset=True)
             nth = llm.n_threads
-            layers = [i for il in range(_C.llama_model_n_layer(llm._model.model)) if (i := llm.thresholds(il))]
+            thr = thresholds_summary(llm) or {}
         finally:
             llm.close()
         n = len(times)
-        mean = (lambda k: sum(i[k] for i in layers) / len(layers)) if layers else None
         return {"budget": budget, "logits": np.stack(logits), "tok_s": n / sum(times),
                 "up_skipped_per_token": c.up_skipped / n,
                 # the host part's fused op: weight rows read (its mean thread's, times the threads)
                 "rows_read_per_token": c.ffn_rows_mean * nth / n,
-                "kg_mean": mean("kg") if mean else None, "kc_mean": mean("kc") if mean else None,
-                "err_added_mean": mean("err_added") if mean else None}
+                **{k: thr.get(k) for k in ("kg_mean", "kc_mean", "err_added_mean")}}
 
     rows: list[dict] = []
     for _ in range(args.rounds):
@@ -97,17 +95,13 @@ def main() -> int:
             print(f"budget {b}: {rows[-1]['tok_s']:.2f} tok/s, host rows {rows[-1]['rows_read_per_token']:.0f}/token",
                   file=sys.stderr)
 
-    def logp(x: np.ndarray) -> np.ndarray:
-        x = x.astype(np.float64) - x.max(axis=1, keepdims=True)
-        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
     ref = rows[0]["logits"]
-    lref = logp(ref)
     nxt = np.array(toks[args.prompt + 1:] + [toks[-1]])[:len(ref)]
     table = []
     for b in budgets:
         rs = [r for r in rows if r["budget"] == b]
         lg = rs[0]["logits"]
-        lp = logp(lg)
+        lp = log_softmax(lg)
         nll = -lp[np.arange(len(nxt) - 1), nxt[:-1]].mean()
         table.append({
             "budget": b, "rounds": len(rs),
@@ -115,8 +109,7 @@ def main() -> int:
             "tok_s_range": [min(r["tok_s"] for r in rs), max(r["tok_s"] for r in rs)],
             **{k: rs[0][k] for k in ("up_skipped_per_token", "rows_read_per_token",
                                      "kg_mean", "kc_mean", "err_added_mean")},
-            "top1_vs_static": float((lg.argmax(1) == ref.argmax(1)).mean()),
-            "kl_vs_static": float((np.exp(lref) * (lref - lp)).sum(axis=1).mean()),
+            **logits_agreement(ref, lg),
             "max_dlogit_rel": float(np.abs(lg - ref).max() / np.abs(ref).max()),
             "ppl": float(np.exp(nll)),
         })

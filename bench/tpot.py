@@ -163,15 +163,8 @@ def main() -> int:
         np.save(args.logits_out, np.stack(logits))
     thr = None
     if hasattr(llm, "thresholds"):
-        from kairox.llama import _C
-        layers = [i for il in range(_C.llama_model_n_layer(llm._model.model)) if (i := llm.thresholds(il))]
-        if layers:
-            mean = lambda k: sum(i[k] for i in layers) / len(layers)  # noqa: E731
-            thr = {"layers": len(layers), "kg_mean": mean("kg"), "kc_mean": mean("kc"),
-                   "err_added_mean": mean("err_added"), "cpu_neurons_vs_static":
-                   sum(i["n_cpu"] for i in layers) / max(1e-9, sum(i["n_cpu_static"] for i in layers)),
-                   "t_cpu_ns": layers[0]["t_cpu_ns"], "o_cpu_ns": layers[0]["o_cpu_ns"],
-                   "solves": layers[0]["solves"]}
+        from kairox.bench import thresholds_summary
+        thr = thresholds_summary(llm)
     mem1 = gpu_used_mib()
     mode = getattr(llm, "sparse", "dense")
     slots_bytes = getattr(llm, "slots_bytes", 0)

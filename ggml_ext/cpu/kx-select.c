@@ -40,34 +40,11 @@ static inline bool kx_is_active(float v, float thr, int32_t act) {
     return fabsf(kx_act_value(v, act)) > thr;
 }
 
-// one token, "v > thr" rule: vector compare + movemask, then walk the set bits
-static int64_t kx_select_gt(const float * s, int64_t n, float thr, int32_t * ids, bool use_ref) {
-    int64_t count = 0;
-    int64_t i = 0;
-#if defined(__AVX2__)
-    if (!use_ref) {
-        const __m256 vt = _mm256_set1_ps(thr);
-        for (; i + 8 <= n; i += 8) {
-            uint32_t m = (uint32_t) _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), vt, _CMP_GT_OQ));
-            while (m) {
-                ids[count++] = (int32_t) (i + __builtin_ctz(m));
-                m &= m - 1;
-            }
-        }
-    }
-#endif
-    for (; i < n; ++i) {
-        if (s[i] > thr) {
-            ids[count++] = (int32_t) i;
-        }
-    }
-    return count;
-}
-
-// one token, split rule (ggml_kx_select_split): the threshold of neuron i is thr_in where
-// rowmap[i] >= 0, thr_out elsewhere
-static int64_t kx_select_gt_split(const float * s, const int32_t * rowmap, int64_t n, float thr_in, float thr_out,
-                                  int32_t * ids, bool use_ref) {
+// one token, "v > thr" rule: vector compare + movemask, then walk the set bits. With a row map
+// (ggml_kx_select_split) the threshold of neuron i is thr_in where rowmap[i] >= 0, thr_out
+// elsewhere; without one it is thr_in.
+static int64_t kx_select_gt(const float * s, const int32_t * rowmap, int64_t n, float thr_in, float thr_out,
+                            int32_t * ids, bool use_ref) {
     int64_t count = 0;
     int64_t i = 0;
 #if defined(__AVX2__)
@@ -76,9 +53,11 @@ static int64_t kx_select_gt_split(const float * s, const int32_t * rowmap, int64
         const __m256  vout = _mm256_set1_ps(thr_out);
         const __m256i neg  = _mm256_set1_epi32(-1);
         for (; i + 8 <= n; i += 8) {
-            const __m256i r  = _mm256_loadu_si256((const __m256i *) (rowmap + i));
-            const __m256  in = _mm256_castsi256_ps(_mm256_cmpgt_epi32(r, neg));
-            const __m256  vt = _mm256_blendv_ps(vout, vin, in);
+            __m256 vt = vin;
+            if (rowmap) {
+                const __m256i r = _mm256_loadu_si256((const __m256i *) (rowmap + i));
+                vt = _mm256_blendv_ps(vout, vin, _mm256_castsi256_ps(_mm256_cmpgt_epi32(r, neg)));
+            }
             uint32_t m = (uint32_t) _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), vt, _CMP_GT_OQ));
             while (m) {
                 ids[count++] = (int32_t) (i + __builtin_ctz(m));
@@ -88,7 +67,7 @@ static int64_t kx_select_gt_split(const float * s, const int32_t * rowmap, int64
     }
 #endif
     for (; i < n; ++i) {
-        if (s[i] > (rowmap[i] >= 0 ? thr_in : thr_out)) {
+        if (s[i] > (rowmap && rowmap[i] < 0 ? thr_out : thr_in)) {
             ids[count++] = (int32_t) i;
         }
     }
@@ -117,27 +96,14 @@ void ggml_compute_forward_kx_select(const struct ggml_compute_params * params, s
     const float thr_out = off ? thr + off[1] : thr;
 
     const bool gt_rule = act == KX_SELECT_SCORE || (act == KX_SELECT_RELU && thr >= 0.0f);
-    if (rowmap) {
-        if (nt == 1) {
-            count = kx_select_gt_split((const float *) src->data, rowmap, n, thr_in, thr_out, ids, params->use_ref);
-        } else {
-            for (int64_t i = 0; i < n; ++i) {
-                const float ti = rowmap[i] >= 0 ? thr_in : thr_out;
-                for (int64_t t = 0; t < nt; ++t) {
-                    if (*(const float *) ((const char *) src->data + i*src->nb[0] + t*src->nb[1]) > ti) {
-                        ids[count++] = (int32_t) i;
-                        break;
-                    }
-                }
-            }
-        }
-    } else if (nt == 1 && gt_rule) {
-        count = kx_select_gt((const float *) src->data, n, thr, ids, params->use_ref);
+    if (nt == 1 && gt_rule) {
+        count = kx_select_gt((const float *) src->data, rowmap, n, thr_in, thr_out, ids, params->use_ref);
     } else {
         for (int64_t i = 0; i < n; ++i) {
+            const float ti = rowmap && rowmap[i] < 0 ? thr_out : thr_in;
             for (int64_t t = 0; t < nt; ++t) {
                 const float v = *(const float *) ((const char *) src->data + i*src->nb[0] + t*src->nb[1]);
-                if (kx_is_active(v, thr, act)) {
+                if (kx_is_active(v, ti, act)) {
                     ids[count++] = (int32_t) i;
                     break;
                 }

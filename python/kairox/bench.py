@@ -149,3 +149,36 @@ def counters_per_mode(llm, tokens, modes=("exact", "predicted")) -> dict:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def log_softmax(logits):
+    """Rows of logits [n, n_vocab] -> their log-probabilities, float64."""
+    import numpy as np
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def logits_agreement(ref, got) -> dict:
+    """Teacher-forced logits of a row against a reference row's (the same positions): the share
+    of positions with the same top token, and the mean KL(reference || row)."""
+    import numpy as np
+    n = min(len(ref), len(got))
+    a, b = np.asarray(ref[:n]), np.asarray(got[:n])
+    la, lb = log_softmax(a), log_softmax(b)
+    return {"top1_vs_static": float((a.argmax(1) == b.argmax(1)).mean()),
+            "kl_vs_static": float((np.exp(la) * (la - lb)).sum(axis=1).mean())}
+
+
+def thresholds_summary(llm) -> dict | None:
+    """A kairox.Llama's load-aware thresholds over its hybrid layers (None when off): mean grid
+    points of θ_g and θ_c, the calibrated error added, the CPU work against the static
+    thresholds', the measured CPU costs and the solves so far."""
+    from .llama import _C
+    layers = [i for il in range(_C.llama_model_n_layer(llm._model.model)) if (i := llm.thresholds(il))]
+    if not layers:
+        return None
+    mean = lambda k: sum(i[k] for i in layers) / len(layers)  # noqa: E731
+    return {"layers": len(layers), "kg_mean": mean("kg"), "kc_mean": mean("kc"), "err_added_mean": mean("err_added"),
+            "cpu_neurons_vs_static": sum(i["n_cpu"] for i in layers) / max(1e-9, sum(i["n_cpu_static"] for i in layers)),
+            "t_cpu_ns": layers[0]["t_cpu_ns"], "o_cpu_ns": layers[0]["o_cpu_ns"], "solves": layers[0]["solves"]}
