@@ -82,8 +82,6 @@ def decode(model: Path, pack: Path, mode: str, seq: list[int], threads: int) -> 
     llm = kairox.Llama(str(model), n_ctx=len(PROMPT) + len(seq) + 8, n_batch=64, n_ubatch=64,
                        n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False, **kw)
     try:
-        if llm.sparse != kw.get("sparse", "dense"):
-            raise SystemExit(f"{mode} mode unavailable: {llm.sparse_error}")
         llm.eval(PROMPT)
         sparse_counters(reset=True)
         agree = 0

@@ -66,8 +66,6 @@ def main() -> int:
         llm = kairox.Llama(args.model, n_ctx=len(toks) + 8, n_batch=512, verbose=False, sparse="predicted",
                            error_budget=budget, n_threads=args.threads, **place)
         try:
-            if llm.sparse_error:
-                raise SystemExit(llm.sparse_error)
             llm.eval(toks[:args.prompt])
             sparse_counters(reset=True)
             logits, times = [], []

@@ -25,7 +25,7 @@ done
 
 say "python packages"
 "${PIP[@]}" "scikit-build-core>=0.10" "cmake>=3.21" ninja "numpy>=1.24" "gguf>=0.17" "tqdm>=4.60" \
-    "pymetis>=2023.1" "matplotlib>=3.6"
+    "xxhash>=3.0" "pymetis>=2023.1" "matplotlib>=3.6"
 # python -m kairox.server: llama-cpp-python's own server packages (its [server] extra)
 "${PIP[@]}" "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" \
     "starlette-context>=0.3.6,<0.4" "PyYAML>=5.1"

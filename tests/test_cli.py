@@ -18,9 +18,26 @@ def test_help_lists_subcommands():
     r = kairox("--help")
     assert r.returncode == 0
     head = r.stdout.split("positional arguments")[0]  # the summary, one line per subcommand
-    for cmd in ("run", "info", "convert", "synth", "pack", "prepare", "stats", "plan", "profile-hw", "trace",
-                "balance", "report"):
+    for cmd in SUBCOMMANDS:
         assert f"  kairox {cmd} " in head, cmd
+
+
+SUBCOMMANDS = ("run", "info", "convert", "synth", "pack", "prepare", "stats", "plan", "profile-hw", "trace",
+               "balance", "report")
+
+
+@pytest.mark.parametrize("cmd", SUBCOMMANDS)
+def test_subcommand_help_is_for_users(cmd):
+    """A subcommand's help says what it does in a short paragraph, then its options; the
+    developers' notes (source paths, C structs, algorithms' internals) stay in the modules."""
+    r = kairox(cmd, "--help")
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.split("\n\n", 1)[1]
+    about = head.split("positional arguments:")[0].split("options:")[0].strip()
+    assert 0 < len(about.splitlines()) <= 8, about
+    for internal in ("python/kairox", "struct kx_", ".py", "ggml_ext/"):
+        assert internal not in about, (internal, about)
+    assert "options:" in r.stdout and "-h, --help" in r.stdout
 
 
 def test_no_command_prints_help_and_fails():
@@ -83,6 +100,30 @@ def test_run_ctrl_c_keeps_the_output_and_exits_130(native, tiny_relu_gguf):
         p.kill()
     assert p.returncode == 130, err
     assert "interrupted after" in err and "Traceback" not in err
+
+
+def test_run_never_runs_dense_in_silence(native, tiny_relu_gguf, tmp_path):
+    """A sparse mode or hybrid asked for that cannot run stops with the reason (exit 2); with
+    --fallback dense the model runs dense and the reason is printed without -v."""
+    bad = tmp_path / "bad.kxpack.gguf"
+    bad.write_bytes(b"not a pack" * 100)
+    r = kairox("run", "-m", str(tiny_relu_gguf), "-n", "4", "--sparse", "exact", "--sparse-pack", str(bad))
+    assert r.returncode == 2 and "not a readable GGUF" in r.stderr and "--fallback dense" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not r.stdout
+    r = kairox("run", "-m", str(tiny_relu_gguf), "-n", "4", "--sparse", "exact", "--sparse-pack", str(bad),
+               "--fallback", "dense")
+    assert r.returncode == 0 and "warning: kairox: sparse mode unavailable, running dense" in r.stderr, r.stderr
+    assert "FFN dense" in r.stderr
+
+
+def test_run_says_exact_mode_is_approximate_off_relu(native, tiny_silu_gguf, tmp_path):
+    from kairox.pack import write_pack
+    model = tmp_path / "silu.gguf"
+    model.write_bytes(tiny_silu_gguf.read_bytes())
+    write_pack(model, quiet=True)
+    r = kairox("run", "-m", str(model), "-n", "4", "--sparse", "exact")
+    assert r.returncode == 0, r.stderr
+    assert "warning: kairox: exact mode on a silu model" in r.stderr and "FFN exact" in r.stderr
 
 
 def test_run_missing_model(tmp_path):

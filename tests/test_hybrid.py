@@ -170,13 +170,15 @@ def test_bad_swaps_change_nothing(synth_model: Path) -> None:
         llm.close()
 
 
-def test_slots_without_a_gpu_run_unsplit_with_a_reason(synth_model: Path) -> None:
+def test_slots_without_a_gpu_are_an_error_or_the_fallback(synth_model: Path) -> None:
     import kairox
     from kairox._native import has_gpu
     if has_gpu():
         pytest.skip("this machine has a GPU: the slots would be made")
+    with pytest.raises(kairox.SparsePackError, match="GPU"):
+        kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=16, verbose=False)
     with pytest.warns(kairox.SparsePackWarning, match="GPU"):
-        llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=16, verbose=False)
+        llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=16, verbose=False, fallback="dense")
     try:
         assert llm.sparse == "dense" and "GPU" in llm.sparse_error
         assert llm.slots_bytes == 0

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kairox.checkpoint import Checkpoint
+from kairox.gguffile import CHECKSUM_NAME
 from kairox.pack import (FORBIDDEN_SUBSTRINGS, PackError, PackLayout, PackPredictor, fingerprint,
                          inspect_model, pack_path_for, read_pack_stats,
                          read_pack, write_pack)
@@ -50,12 +51,32 @@ def reference_fingerprint(path: Path) -> str:
     return "kxfp1-%016x" % h
 
 
+def restamp(path: Path) -> Path:
+    """Recompute a pack's checksum tensor in place (the writer's rule, gguffile.finish_atomically),
+    as a pack written with these contents would have it: the tests of the checks behind the
+    checksums need packs that are wrong but undamaged."""
+    import xxhash
+    r = gguf.GGUFReader(path)
+    ts = r.tensors
+    assert ts[-1].name == CHECKSUM_NAME
+    sums = [xxhash.xxh3_64_intdigest(r.data[t.data_offset:t.data_offset + t.n_bytes]) for t in ts[:-1]]
+    sums.append(xxhash.xxh3_64_intdigest(r.data[:ts[0].data_offset]))
+    off = ts[-1].data_offset
+    del r
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(np.array(sums, np.uint64).tobytes())
+    return path
+
+
 def rewrite(src: Path, dst: Path, kv: dict[str, tuple[Any, Any]] | None = None,
-            tensors: dict[str, np.ndarray | None] | None = None) -> Path:
+            tensors: dict[str, np.ndarray | None] | None = None, checksums: bool = True) -> Path:
     """Copy a GGUF, replacing KV values ({key: (value, GGUFValueType)}) and tensors
-    ({name: array, or None to drop it}); names not in `src` are appended."""
+    ({name: array, or None to drop it}); names not in `src` are appended. A pack's checksum
+    tensor stays last and is recomputed (dropped when not `checksums`)."""
     kv, tensors = kv or {}, dict(tensors or {})
     r = gguf.GGUFReader(src)
+    summed = r.tensors and r.tensors[-1].name == CHECKSUM_NAME
     w = gguf.GGUFWriter(dst, str(r.get_field("general.architecture").contents()))
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
@@ -65,6 +86,8 @@ def rewrite(src: Path, dst: Path, kv: dict[str, tuple[Any, Any]] | None = None,
     for name, (value, vtype) in kv.items():
         w.add_key_value(name, value, vtype)
     for t in r.tensors:
+        if t.name == CHECKSUM_NAME:
+            continue
         if t.name in tensors:
             arr = tensors.pop(t.name)
             if arr is not None:
@@ -74,11 +97,13 @@ def rewrite(src: Path, dst: Path, kv: dict[str, tuple[Any, Any]] | None = None,
     for name, arr in tensors.items():
         if arr is not None:
             w.add_tensor(name, arr)
+    if summed and checksums:
+        w.add_tensor(CHECKSUM_NAME, np.zeros(sum(len(t) for t in w.tensors) + 1, np.int64))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return dst
+    return restamp(dst) if summed and checksums else dst
 
 
 # --------------------------------------------------------------------------- fingerprint
@@ -128,7 +153,7 @@ def test_round_trip_f32(tmp_path: Path, tiny_relu_gguf: Path, tiny_relu_hf: Path
     pack = read_pack(out, tiny_relu_gguf)
     b = pack.base
     assert (b.architecture, b.n_layer, b.n_embd, b.n_ff, b.activation) == ("llama", 2, 64, 256, "relu")
-    assert pack.version == 2 and pack.created_by.startswith("kairox ")
+    assert pack.version == 3 and pack.created_by.startswith("kairox ")
     assert pack.method == {"kind": "identity"}
     assert pack.fingerprint == fingerprint(tiny_relu_gguf)
     assert pack.group_size == 48 and pack.n_groups == 6  # ceil(256 / 48)
@@ -203,16 +228,13 @@ def test_refuses_truncated_and_non_packs(tmp_path: Path, small_relu: Path, small
         read_pack(tmp_path / "missing.kxpack.gguf")
 
 
-def test_refuses_unknown_version(tmp_path: Path, small_pack: Path) -> None:
-    bad = rewrite(small_pack, tmp_path / "v3.gguf",
-                  kv={"kx.pack.version": (3, gguf.GGUFValueType.UINT32)})
-    with pytest.raises(PackError, match="format version 3"):
+@pytest.mark.parametrize("version", [1, 2, 4])
+def test_refuses_other_versions(tmp_path: Path, small_pack: Path, version: int) -> None:
+    """Versions before 3 carry no checksums: their data cannot be checked, so they are rebuilt."""
+    bad = rewrite(small_pack, tmp_path / f"v{version}.gguf",
+                  kv={"kx.pack.version": (version, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(PackError, match=f"format version {version}.*rebuild"):
         read_pack(bad)
-
-
-def test_reads_version_1(tmp_path: Path, small_relu: Path, small_pack: Path) -> None:
-    v1 = rewrite(small_pack, tmp_path / "v1.gguf", kv={"kx.pack.version": (1, gguf.GGUFValueType.UINT32)})
-    assert read_pack(v1, small_relu).version == 1
 
 
 def test_refuses_base_mismatch(tmp_path: Path, small_relu: Path, small_pack: Path) -> None:
@@ -367,7 +389,7 @@ def test_layout_ahead_and_stats_round_trip(tmp_path: Path, small_relu: Path, tin
     out = write_pack(small_relu, tmp_path / "p.kxpack.gguf", group_size=g, layout=layout,
                      ahead=ahead, stats='{"x": 1}', quiet=True)
     pack = read_pack(out, small_relu)
-    assert pack.version == 2 and pack.stats == '{"x": 1}' and read_pack_stats(out) == '{"x": 1}'
+    assert pack.version == 3 and pack.stats == '{"x": 1}' and read_pack_stats(out) == '{"x": 1}'
     assert pack.method["ahead"] == {"kind": "test", "rank": 4, "type": "f32"}
     hf = Checkpoint(tiny_hf(hidden_act="relu", vocab_size=SMALL))
     np.testing.assert_array_equal(pack.threshold, layout.threshold)

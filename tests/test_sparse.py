@@ -1,7 +1,8 @@
 """The sparse FFN end to end: kairox.Llama and the llama.cpp tools with a pack.
 
 Exact mode must reproduce dense on ReLU models (every neuron that fires is computed);
-a pack that cannot be used must leave the model running dense, with a clear reason.
+a pack that cannot be used is an error with a clear reason, or with fallback="dense" leaves the
+model running dense, with that reason as a warning.
 Each sparse run also checks, through the CPU kernels' counters, that the sparse path
 really ran (a silently dense run would pass any equality test).
 """
@@ -171,12 +172,15 @@ BROKEN = {
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_broken_pack_is_refused_and_dense_runs(case: str, relu_model: Path, tmp_path: Path,
                                                dense_run) -> None:
+    import kairox
     pack = tmp_path / "p.kxpack.gguf"
     shutil.copy(pack_path_for(relu_model), pack)
     damage, words = BROKEN[case]
     damage(pack)
-    with pytest.warns(Warning, match=words):
-        llm = make_llm(relu_model, sparse="exact", sparse_pack=str(pack))
+    with pytest.raises(kairox.SparsePackError, match=words):  # asked for exact: no silent dense run
+        make_llm(relu_model, sparse="exact", sparse_pack=str(pack))
+    with pytest.warns(kairox.SparsePackWarning, match=words):
+        llm = make_llm(relu_model, sparse="exact", sparse_pack=str(pack), fallback="dense")
     try:
         assert llm.sparse == "dense" and words in llm.sparse_error
         toks, _ = greedy(llm, 16)
@@ -189,8 +193,10 @@ def test_pack_of_another_model_is_refused(relu_model: Path, tiny_gguf: Callable[
                                           tmp_path: Path) -> None:
     other = tiny_gguf("f32", hidden_act="relu", seed=7)
     pack = write_pack(other, tmp_path / "other.kxpack.gguf", quiet=True)
+    with pytest.raises(ValueError, match="made for a different model"):
+        make_llm(relu_model, sparse="exact", sparse_pack=str(pack))
     with pytest.warns(Warning, match="made for a different model"):
-        llm = make_llm(relu_model, sparse="exact", sparse_pack=str(pack))
+        llm = make_llm(relu_model, sparse="exact", sparse_pack=str(pack), fallback="dense")
     try:
         assert llm.sparse == "dense"
     finally:
@@ -199,7 +205,7 @@ def test_pack_of_another_model_is_refused(relu_model: Path, tiny_gguf: Callable[
 
 def test_predicted_mode_needs_a_predictor(relu_model: Path) -> None:
     with pytest.warns(Warning, match="no predictor"):
-        llm = make_llm(relu_model, sparse="predicted")
+        llm = make_llm(relu_model, sparse="predicted", fallback="dense")
     try:
         assert llm.sparse == "dense"
         with pytest.raises(ValueError, match="no predictor"):
@@ -214,6 +220,8 @@ def test_bad_options() -> None:
     import kairox
     with pytest.raises(ValueError, match="sparse must be one of"):
         kairox.Llama("/nonexistent.gguf", sparse="fast")
+    with pytest.raises(ValueError, match="fallback must be"):
+        kairox.Llama("/nonexistent.gguf", fallback="cpu")
 
 
 # ----------------------------------------------------------------------- tools
@@ -252,8 +260,12 @@ def test_completion_tool_refuses_bad_pack(native: Path, relu_model: Path, tmp_pa
     bad.write_bytes(b"not a pack")
     dense = completion(native, relu_model)
     r = completion(native, relu_model, "--sparse", "exact", "--sparse-pack", str(bad))
+    assert r.returncode != 0 and not r.stdout.strip()  # stops before any text
+    assert "not a readable GGUF" in r.stderr and "--kx-fallback dense" in r.stderr
+    assert r.stderr.count("not a readable GGUF") == 1  # said once
+    r = completion(native, relu_model, "--sparse", "exact", "--sparse-pack", str(bad), "--kx-fallback", "dense")
     assert r.returncode == 0
-    assert "sparse pack refused" in r.stderr and "running dense" in r.stderr
+    assert "sparse mode unavailable, running dense" in r.stderr and r.stderr.count("not a readable GGUF") == 1
     assert same_text(r.stdout, dense.stdout), (r.stdout, dense.stdout)
 
 
@@ -321,12 +333,14 @@ def test_exact_mode_other_architectures(arch_model: tuple[str, Path, int]) -> No
         t_rp, l_rp = greedy(llm, 24)                  # dense, weights repacked where possible
     finally:
         llm.close()
-    llm = kairox.Llama(str(model), sparse="exact", **kw)
+    with pytest.warns(kairox.SparseApproximationWarning, match="exact mode on a (silu|gelu) model"):
+        llm = kairox.Llama(str(model), sparse="exact", **kw)
     try:
         assert llm.sparse == "exact", llm.sparse_error
         llm.set_sparse("dense")
         t_d, l_d = greedy(llm, 24)                    # dense, same weights as the sparse run
-        llm.set_sparse("exact")
+        with pytest.warns(kairox.SparseApproximationWarning):
+            llm.set_sparse("exact")
         sparse_counters(reset=True)
         t_e, l_e = greedy(llm, 24)
         c = sparse_counters(reset=True)

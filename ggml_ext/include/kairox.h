@@ -28,6 +28,10 @@ LLAMA_API int32_t kx_model_load_pack(struct llama_model * model, const char * mo
 // 1 if a pack is attached, and whether it carries a predictor for every layer
 LLAMA_API bool kx_model_has_pack(const struct llama_model * model);
 LLAMA_API bool kx_model_pack_has_predictor(const struct llama_model * model);
+// the FFN activation the attached pack records ("relu", "silu", "gelu"), NULL without a pack.
+// Exact mode reproduces dense only for relu: elsewhere it skips the activations at or below
+// the pack's threshold, and the tools say so.
+LLAMA_API const char * kx_model_pack_activation(const struct llama_model * model);
 
 // Selects how this context computes FFNs from its next decode on (graphs built for
 // another mode are not reused). Returns 0, or nonzero with err filled when the mode needs
@@ -229,6 +233,10 @@ struct kx_params {
     int64_t         sched_trace_max;   // records it keeps (<= 0: 131072)
     float           error_budget;      // hybrid, predicted: load-aware thresholds (kx_context_set_error_budget)
                                        // adding at most this relative FFN output error; < 0: off (default -1)
+    bool            fallback_dense;    // what the client does on KX_ERR_PACK (a sparse mode or hybrid asked
+                                       // for that cannot run): true, run dense with a warning; false (the
+                                       // default), stop with the error. kx_context_apply leaves the context
+                                       // dense either way; the tools and kairox.Llama read this field
     // filled by kx_model_params_apply, not by the caller: free bytes of the slots' device before
     // the model loads (the budget's zero; the CUDA context is not counted), -1 unknown
     int64_t         vram_free_at_load;
@@ -255,8 +263,9 @@ LLAMA_API int32_t kx_model_params_apply(struct kx_params * kp, struct llama_mode
 // Applies kp to a context of a model loaded with kx_model_params_apply's parameters: loads
 // the pack, places the slots (counts given, from the plan, or filling the VRAM budget,
 // measured around a warm-up batch), selects the sparse mode, sets the mapped share, starts
-// the balancer and its trace. Returns enum kx_status; on KX_ERR_PACK the context runs dense
-// and err says why; on other errors the caller should not use the context.
+// the balancer and its trace. Returns enum kx_status; on KX_ERR_PACK the context is left
+// dense and err says why (the caller stops unless kp->fallback_dense); on other errors the
+// caller should not use the context.
 LLAMA_API int32_t kx_context_apply(struct llama_context * ctx, const char * model_path, const struct kx_params * kp,
                                    char * err, size_t err_size);
 // the budget's measurements (false when the context has no budget)

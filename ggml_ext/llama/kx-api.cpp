@@ -27,8 +27,7 @@ int32_t kx_model_load_pack(llama_model * model, const char * model_path, const c
     try {
         model->kx_pack_ptr = kx_pack_load(*model, model_path, pack_path);
     } catch (const std::exception & e) {
-        kx_set_err(err, err_size, e.what());
-        LLAMA_LOG_ERROR("kairox: %s; the model runs dense\n", e.what());
+        kx_set_err(err, err_size, e.what()); // the caller reports it (once)
         return 1;
     }
     LLAMA_LOG_INFO("kairox: loaded sparse pack %s (%lld layers, %s, %s)\n", pack_path,
@@ -44,6 +43,10 @@ bool kx_model_has_pack(const llama_model * model) {
 
 bool kx_model_pack_has_predictor(const llama_model * model) {
     return model && model->kx_pack_ptr && model->kx_pack_ptr->has_predictor;
+}
+
+const char * kx_model_pack_activation(const llama_model * model) {
+    return model && model->kx_pack_ptr ? model->kx_pack_ptr->activation.c_str() : nullptr;
 }
 
 int32_t kx_model_set_slots(llama_model * model, const int64_t * n_slots, int32_t n_layer, const char * device,
@@ -62,8 +65,7 @@ int32_t kx_model_set_slots(llama_model * model, const int64_t * n_slots, int32_t
                    : kx_slots_build(*model, pack, std::vector<int64_t>(n_slots, n_slots + n_layer), device);
     } catch (const std::exception & e) {
         pack.slots.reset();
-        kx_set_err(err, err_size, e.what());
-        LLAMA_LOG_ERROR("kairox: no neuron slots: %s\n", e.what());
+        kx_set_err(err, err_size, e.what()); // the caller reports it (once)
         return 1;
     }
     if (pack.slots) {

@@ -27,8 +27,10 @@
 namespace {
 
 // version 2 = version 1 + optional ahead predictors (blk.L.kx_ahead_*, read by the online
-// balancer, not by this loader) and an optional kx.stats key; both versions are read
-constexpr uint32_t    KX_PACK_VERSION = 2;
+// balancer, not by this loader) and an optional kx.stats key; version 3 = version 2 + the
+// checksum tensor (required), the only version read: older packs cannot be checked
+constexpr uint32_t    KX_PACK_VERSION = 3;
+constexpr const char * KX_CHECKSUM    = "kx_checksum";
 constexpr const char * KX_PACK_ARCH   = "kxpack";
 constexpr uint64_t    KX_FP_SAMPLE    = 4096;
 
@@ -219,10 +221,41 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
                                 path.c_str(), arch.c_str(), KX_PACK_ARCH));
     }
     const uint32_t version = get_u32(gp, path, "kx.pack.version");
-    if (version < 1 || version > KX_PACK_VERSION) {
-        throw kx_pack_error(kx_fmt("pack %s has format version %u, but this kairox reads versions 1 to %u; "
+    if (version != KX_PACK_VERSION) {
+        throw kx_pack_error(kx_fmt("pack %s has format version %u, but this kairox reads version %u; "
                                 "rebuild the pack with this kairox", path.c_str(), version, KX_PACK_VERSION));
     }
+    // the checksums first: every later check then reads data known to be what was written
+    const int64_t n_tensors = gguf_get_n_tensors(gp.g);
+    std::vector<uint64_t> sums;
+    {
+        const ggml_tensor * ck = n_tensors > 0 ? ggml_get_tensor(gp.meta, gguf_get_tensor_name(gp.g, n_tensors - 1))
+                                               : nullptr;
+        if (!ck || std::strcmp(ck->name, KX_CHECKSUM) != 0) {
+            throw kx_pack_error(kx_fmt("pack %s lacks its checksum tensor %s (the last tensor); rebuild the pack "
+                                    "with this kairox", path.c_str(), KX_CHECKSUM));
+        }
+        check_tensor(ck, path, { GGML_TYPE_I64 }, n_tensors, 1);
+        sums.resize((size_t) n_tensors);
+        std::vector<uint8_t> head(gguf_get_data_offset(gp.g));
+        file_ptr f(path);
+        const size_t off = gguf_get_data_offset(gp.g) + gguf_get_tensor_offset(gp.g, n_tensors - 1);
+        if (!f.f || std::fread(head.data(), 1, head.size(), f.f) != head.size() ||
+            fseeko(f.f, (off_t) off, SEEK_SET) != 0 || std::fread(sums.data(), 8, sums.size(), f.f) != sums.size()) {
+            throw kx_pack_error(kx_fmt("pack %s is truncated: cannot read its checksums", path.c_str()));
+        }
+        if (kx_xxh3(head.data(), head.size()) != sums.back()) {
+            throw kx_pack_error(kx_fmt("pack %s: its header (metadata and tensor list) does not match its checksum; "
+                                    "the file is damaged: rebuild or copy the pack again", path.c_str()));
+        }
+    }
+    auto verify = [&](const char * name, const void * data, size_t n) {
+        const int64_t id = gguf_find_tensor(gp.g, name);
+        if (kx_xxh3(data, n) != sums[(size_t) id]) {
+            throw kx_pack_error(kx_fmt("pack %s: tensor %s does not match its checksum; the file is damaged: "
+                                    "rebuild or copy the pack again", path.c_str(), name));
+        }
+    };
     get_str(gp, path, "kx.pack.created_by");
     const std::string method = get_str(gp, path, "kx.pack.method");
     if (method.empty() || method.front() != '{' || method.back() != '}') {
@@ -285,7 +318,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         }
         names.insert(name);
     }
-    std::set<std::string> expected = { "kx_threshold" };
+    std::set<std::string> expected = { "kx_threshold", KX_CHECKSUM };
     auto need = [&](const std::string & name) -> ggml_tensor * {
         ggml_tensor * t = names.count(name) ? ggml_get_tensor(gp.meta, name.c_str()) : nullptr;
         if (!t) {
@@ -355,9 +388,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
             L.pred_c = take(pred[2]);
             ++n_pred;
         }
-        if (version >= 2) {
-            trio(ahead_k);  // validated and accepted; not loaded: the CPU path does not read it
-        }
+        trio(ahead_k);  // validated and accepted; not loaded: the CPU path does not read it
     }
     ggml_tensor * thr = need("kx_threshold");
     check_tensor(thr, path, { GGML_TYPE_F32 }, n_layer, 1);
@@ -388,14 +419,23 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     // ---- read the small tensors and validate them before allocating the big ones
     file_ptr fp_(path);
     const size_t data = gguf_get_data_offset(gp.g);
-    auto read_into = [&](const ggml_tensor * meta_t, void * dst) {
+    std::set<std::string> unread; // tensors whose checksum is still to verify
+    // reads a tensor's bytes; verified against its checksum unless `later` (the big ones are
+    // verified in parallel after reading)
+    auto read_into = [&](const ggml_tensor * meta_t, void * dst, bool later = false) {
         const int64_t id = gguf_find_tensor(gp.g, meta_t->name);
         const size_t  n  = gguf_get_tensor_size(gp.g, id);
         if (fseeko(fp_.f, (off_t) (data + gguf_get_tensor_offset(gp.g, id)), SEEK_SET) != 0 ||
             std::fread(dst, 1, n, fp_.f) != n) {
             throw kx_pack_error(kx_fmt("pack %s is truncated: cannot read %s", path.c_str(), meta_t->name));
         }
+        if (!later) {
+            verify(meta_t->name, dst, n);
+            unread.erase(meta_t->name);
+        }
     };
+    unread = expected;
+    unread.erase(KX_CHECKSUM);
     std::vector<float> thresholds(n_layer);
     read_into(thr, thresholds.data());
     if (thr_grid) {
@@ -487,15 +527,25 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     }
     ggml_backend_buffer_set_usage(pack->buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     for (const auto & [src, dst] : copies) {
-        read_into(src, dst->data);
-        if (dst->type == GGML_TYPE_F32 && std::strstr(dst->name, "kx_pred_c")) {
-            const float * c = (const float *) dst->data;
-            for (int64_t i = 0; i < n_ff; ++i) {
-                if (!std::isfinite(c[i])) {
-                    throw kx_pack_error(kx_fmt("pack %s: %s has non-finite values", path.c_str(), dst->name));
-                }
-            }
+        read_into(src, dst->data, /*later =*/ true);
+        unread.erase(src->name);
+    }
+    // the rows the FFN reads: checksums and finite values, one tensor per job (all cores: a
+    // 7B F16 pack is ~3 GB)
+    kx_parallel_for((int64_t) copies.size(), [&](int64_t i) {
+        const ggml_tensor * t = copies[(size_t) i].second;
+        verify(t->name, t->data, ggml_nbytes(t));
+        const int64_t row = kx_first_nonfinite_row(t, t->data);
+        if (row >= 0) {
+            throw kx_pack_error(kx_fmt("pack %s: %s has non-finite values (row %" PRId64 ")", path.c_str(), t->name,
+                                    row));
         }
+    });
+    // what this loader does not keep (the ahead predictors) is verified all the same
+    for (const std::string & name : std::set<std::string>(unread)) { // read_into erases from unread
+        const ggml_tensor * t = ggml_get_tensor(gp.meta, name.c_str());
+        std::vector<uint8_t> buf(ggml_nbytes(t));
+        read_into(t, buf.data());
     }
     for (int64_t il = 0; il < n_layer; ++il) {
         if (pack->layers[il].rowmap) {

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -65,3 +66,13 @@ struct kx_pack_error : std::runtime_error {
 
 std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::string & model_path,
                                       const std::string & pack_path);
+
+// ---- integrity (kx-pack-check.cpp)
+// XXH3-64 (seed 0) of n bytes: the pack's checksums
+uint64_t kx_xxh3(const void * data, size_t n);
+// the first row of t (ggml_nrows rows, t's type, read from data) holding an inf or NaN; -1
+// when all are finite or the type is not a float type (Q8_0: its block scales)
+int64_t kx_first_nonfinite_row(const ggml_tensor * t, const void * data);
+// fn(i) for every i in [0, n) on up to one thread per core; the first exception is rethrown
+// after all threads stop
+void kx_parallel_for(int64_t n, const std::function<void(int64_t)> & fn);

@@ -39,6 +39,7 @@ struct kx_params kx_params_default(void) {
     kp.balance.max_blocks = 32;
     kp.vram_free_at_load = -1;
     kp.error_budget = -1.0f; // load-aware thresholds off
+    kp.fallback_dense = false; // what was asked runs, or the client stops
     return kp;
 }
 

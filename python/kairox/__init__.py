@@ -18,11 +18,13 @@ if "llama_cpp.llama_cpp" not in _sys.modules:
         pass  # kairox.Llama will say so; convert/synth/info work without it
 
 __version__ = "0.1.0"
-__all__ = ["Llama", "ModelLoadError", "SparsePackWarning", "VramBudgetError", "__version__"]
+_LLAMA_NAMES = ("Llama", "ModelLoadError", "SparsePackError", "SparsePackWarning", "SparseApproximationWarning",
+                "VramBudgetError")
+__all__ = [*_LLAMA_NAMES, "__version__"]
 
 
 def __getattr__(name: str):
-    if name in ("Llama", "ModelLoadError", "SparsePackWarning", "VramBudgetError"):
+    if name in _LLAMA_NAMES:
         from . import llama
         return getattr(llama, name)
     raise AttributeError(f"module 'kairox' has no attribute {name!r}")

@@ -36,6 +36,13 @@ import numpy as np
 
 from .capi import STALLS  # enum kx_tam_stall
 
+# what `kairox balance --help` says (the module docstring above is for developers)
+HELP = """Simulate the online neuron balancer on a model's recorded activations: a dense pass on the
+CPU records which neuron groups each token activates (synthetic models get topic text that
+changes every --switch-every tokens), then the static placement, the momentum policy with a
+fixed λ and the adaptive λ replay them; prints the hit rates and reloads of each.
+"""
+
 
 @dataclass(frozen=True)
 class BalancerConfig:
@@ -517,9 +524,7 @@ def register(sub) -> None:
     import argparse
     p = sub.add_parser("balance", help="simulate the online balancer on a model's recorded activations "
                        "(static placement vs TAM vs adaptive λ)",
-                       description=__doc__ + "\n`kairox balance MODEL` records which groups each token "
-                       "activates (a dense pass on the CPU; synthetic models get topic text that drifts "
-                       "every --switch-every tokens) and replays them through three policies.",
+                       description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model GGUF (ReLU) with a sparse pack")
     p.add_argument("--pack", help="the pack (default: MODEL.kxpack.gguf)")

@@ -73,7 +73,8 @@ class Params(ctypes.Structure):  # struct kx_params
                 ("pinned", ctypes.c_bool), ("warm", ctypes.c_bool), ("mapped_share", ctypes.c_float),
                 ("balancer", ctypes.c_int32), ("balance", BalanceParams), ("trace", ctypes.c_char_p),
                 ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),
-                ("error_budget", ctypes.c_float), ("vram_free_at_load", ctypes.c_int64)]
+                ("error_budget", ctypes.c_float), ("fallback_dense", ctypes.c_bool),
+                ("vram_free_at_load", ctypes.c_int64)]
 
 
 class ThrInfo(ctypes.Structure):  # struct kx_thr_info
@@ -116,6 +117,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_model_load_pack": ([vp, cp, cp, cp, sz], i32),
         "kx_model_has_pack": ([vp], ctypes.c_bool),
         "kx_model_pack_has_predictor": ([vp], ctypes.c_bool),
+        "kx_model_pack_activation": ([vp], cp),
         "kx_context_set_sparse": ([vp, i32, cp, sz], i32),
         "kx_context_get_sparse": ([vp], i32),
         "kx_model_set_slots": ([vp, P(i64), i32, cp, cp, sz], i32),

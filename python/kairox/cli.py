@@ -73,6 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", kxl.SparsePackWarning)
+            warnings.simplefilter("always", kxl.SparseApproximationWarning)
             hybrid = {k: v for k, v in (("gpu_slots", args.gpu_slots), ("vram_budget", args.vram_budget),
                                         ("plan", args.plan)) if v is not None}
             if hybrid and not args.pinned:
@@ -100,7 +101,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
                 hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
             llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
-                            verbose=args.verbose, sparse=args.sparse, sparse_pack=args.sparse_pack, **hybrid)
+                            verbose=args.verbose, sparse=args.sparse, sparse_pack=args.sparse_pack,
+                            fallback=args.fallback, **hybrid)
+    except kxl.SparsePackError as e:
+        print(f"kairox run: error: {e.reason} (--fallback dense runs the model dense instead)", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"kairox run: error: {e}", file=sys.stderr)
         return 2
@@ -276,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--threads one less than the cores")
     p.add_argument("--kx-trace", default=None, metavar="FILE",
                    help="with --balancer: write its per-step records here (JSON lines; `kairox report FILE`)")
+    p.add_argument("--fallback", choices=["dense"], default=None,
+                   help="when the sparse mode or hybrid asked for cannot run (no usable pack, no GPU for the "
+                   "slots): run the model dense with a warning instead of stopping with the reason")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's load log")
     p.set_defaults(func=cmd_run)
 

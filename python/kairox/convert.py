@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointError, HFConfig
-from .gguffile import encode_tensor, finish_atomically
+from .gguffile import encode_tensor, finish_atomically, temp_path_for
 
 # `gguf` and `tqdm` are imported inside the functions that use them: `kairox --help` builds
 # this subcommand's parser and should not pay for importing them.
@@ -354,7 +354,7 @@ def convert(hf_dir: str | Path, out_path: str | Path, outtype: str = "f16",
 
     if not out_path.parent.is_dir():
         raise ConvertError(f"output directory {out_path.parent} does not exist")
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    tmp = temp_path_for(out_path)
     # Nothing touches the disk before finish_atomically writes the header.
     writer = gguf.GGUFWriter(tmp, GGUF_ARCH)
     name = str(cfg.raw.get("_name_or_path") or hf_dir.resolve().name)

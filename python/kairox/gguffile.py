@@ -29,23 +29,95 @@ def encode_tensor(w: np.ndarray, qtype: Any, name: str) -> np.ndarray:
     return gguf.quants.quantize(w32, qtype)
 
 
+# The checksums of a checksummed GGUF (a sparse pack): the last tensor, I64 [n_tensors],
+# element i < n_tensors - 1 the XXH3-64 (seed 0) of tensor i's data bytes (file order, no
+# padding), the last element that of the bytes before the data section (header, metadata,
+# tensor infos and their alignment padding). docs/pack-format.md.
+CHECKSUM_NAME = "kx_checksum"
+
+
+def xxh3(data: Any) -> int:
+    """XXH3-64 (seed 0) of a buffer (bytes, a contiguous numpy array or a memory map)."""
+    import xxhash
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def declare_checksums(writer: Any) -> None:
+    """Declare the checksum tensor, after every other tensor of `writer`."""
+    n = sum(len(t) for t in writer.tensors) + 1
+    writer.add_tensor_info(CHECKSUM_NAME, (n,), np.dtype(np.int64), 8 * n)
+
+
+def temp_path_for(out: Path) -> Path:
+    """A temporary file beside `out` for this process (`.NAME.PID.tmp`). Temporaries for the
+    same output whose writer no longer runs (killed mid-write) are removed first, so an
+    interrupted conversion leaves nothing behind once it is run again."""
+    out = Path(out)
+    for old in out.parent.glob(f".{out.name}.*.tmp"):
+        pid = old.name[len(out.name) + 2:-len(".tmp")]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            old.unlink(missing_ok=True)
+    return out.with_name(f".{out.name}.{os.getpid()}.tmp")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def finish_atomically(writer: Any, tmp: Path, out: Path, data: Iterable[np.ndarray]) -> Path:
     """Write header, KV and tensor infos already declared on `writer` (a gguf.GGUFWriter
     opened on `tmp`), then each tensor's data in declaration order, streamed one at a time;
-    rename `tmp` to `out` only once complete. On any error `tmp` is removed."""
+    when the last declared tensor is the checksum tensor (declare_checksums), its data is
+    computed here from what was written. The file reaches the disk (fsync) and is renamed
+    to `out` only once complete, so a crash leaves either the old `out` or the new one. On
+    any error `tmp` is removed."""
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        summed = bool(writer.tensors[0]) and next(reversed(writer.tensors[0])) == CHECKSUM_NAME
+        sums: list[int] = []
+        if summed:
+            fout.flush()
+            head = Path(tmp).read_bytes()
+            head += bytes(-len(head) % writer.data_alignment)
         for arr in data:
+            if summed:
+                sums.append(xxh3(np.ascontiguousarray(arr)))
             writer.write_tensor_data(arr)
+        if summed:
+            writer.write_tensor_data(np.array(sums + [xxh3(head)], np.uint64).view(np.int64))
+        fout.flush()
+        os.fsync(fout.fileno())
         writer.close()
         os.replace(tmp, out)
+        _fsync_dir(Path(out).parent)
     except BaseException:
         writer.close()
         Path(tmp).unlink(missing_ok=True)
         raise
     return Path(out)
+
+
+def _fsync_dir(path: Path) -> None:
+    """The rename itself reaches the disk (POSIX: the directory entry is the folder's data)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # platforms without directory handles
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def map_ahead(fn: Callable[[int], T], items: Iterable[int], workers: int) -> Iterator[T]:

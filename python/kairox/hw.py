@@ -33,6 +33,12 @@ from typing import Any
 
 import numpy as np
 
+# what `kairox profile-hw --help` says (the module docstring above is for developers)
+HELP = """Measure this machine's memory bandwidths (CPU read, GPU memory, PCIe host to device) and
+the matrix-vector rate of each weight type on the CPU and the GPU, and write them as a
+profile for `kairox plan --hw`. Takes about a minute.
+"""
+
 
 def cpu_read_gbs(nbytes: int = 2 << 30, threads: int | None = None, reps: int = 3) -> float:
     threads = threads or os.cpu_count() or 1
@@ -208,7 +214,7 @@ def cmd_profile_hw(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("profile-hw", help="measure this machine's bandwidths for `kairox plan --hw`",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-o", "--output", default="kxhw.json", help="profile file (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.set_defaults(func=cmd_profile_hw)

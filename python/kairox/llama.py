@@ -8,10 +8,13 @@ load raises ModelLoadError (a ValueError, as before) that carries llama.cpp's re
 
 Sparse FFN: `Llama(path, sparse="exact" | "predicted" | "dense", sparse_pack=PACK)`.
 The pack defaults to MODEL.kxpack.gguf next to the model; naming a pack without a mode
-picks "predicted" when the pack has a predictor, else "exact". A pack that cannot be used
-(missing, corrupt, made for another model) emits a SparsePackWarning saying why, and the
-model runs dense; `llm.sparse` always tells the mode in force. `llm.set_sparse(mode)`
-switches later (the next decode rebuilds its graph).
+picks "predicted" when the pack has a predictor, else "exact". A sparse mode or hybrid
+that cannot run (pack missing, corrupt or made for another model; slots without a GPU)
+raises SparsePackError saying why; with `fallback="dense"` the model runs dense instead and
+a SparsePackWarning says why. `llm.sparse` always tells the mode in force.
+`llm.set_sparse(mode)` switches later (the next decode rebuilds its graph). Exact mode on a
+model whose activation is not ReLU emits a SparseApproximationWarning: it skips the
+activations at or below the pack's threshold, so its output is close to dense, not equal.
 """
 from __future__ import annotations
 
@@ -88,9 +91,14 @@ class KairoxOptions:
     # hybrid, predicted: load-aware thresholds (kairox.thresholds) adding at most this relative
     # error of the FFN output to the static threshold's (0: none, DynamicInfer's bound); None: off
     error_budget: float | None = None
+    # a sparse mode or hybrid asked for that cannot run: None raises SparsePackError; "dense"
+    # runs the model dense with a SparsePackWarning
+    fallback: str | None = None
 
     def __post_init__(self) -> None:
         self._check_sparse()
+        if self.fallback not in (None, "dense"):
+            raise ValueError(f"fallback must be None or 'dense', not {self.fallback!r}")
         if self.balancer is not None and self.balancer is not False:
             from .balancer import BalancerConfig
             if self.balancer is True:
@@ -202,11 +210,24 @@ class KairoxOptions:
         kp.trace = text(self.trace)
         kp.sched_trace, kp.sched_trace_max = text(self.sched_trace), self.sched_trace_max
         kp.error_budget = -1.0 if self.error_budget is None else float(self.error_budget)
+        kp.fallback_dense = self.fallback == "dense"
         return kp, keep
 
 
 class SparsePackWarning(UserWarning):
-    """A sparse pack could not be used; the model runs dense."""
+    """A sparse pack could not be used; the model runs dense (fallback="dense")."""
+
+
+class SparseApproximationWarning(UserWarning):
+    """Exact mode on a model whose activation is not ReLU: close to dense, not equal."""
+
+
+class SparsePackError(ValueError):
+    """The sparse mode or hybrid asked for cannot run; `reason` is the runtime's sentence."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason} (fallback='dense' runs the model dense instead)")
+        self.reason = reason
 
 
 _KX_KWARGS = frozenset(f.name for f in dataclasses.fields(KairoxOptions))
@@ -346,6 +367,9 @@ class Llama(llama_cpp.Llama):
         why = err.value.decode("utf-8", "replace")
         _errors.take()  # the runtime's error lines, now in `why`
         if rc == capi.Status.PACK:
+            if self.kx_options.fallback != "dense":
+                self.close()
+                raise SparsePackError(why)
             self.sparse_error = why
             warnings.warn(SparsePackWarning(f"kairox: sparse mode unavailable, running dense: {why}"), stacklevel=3)
         elif rc != capi.Status.OK:
@@ -353,6 +377,7 @@ class Llama(llama_cpp.Llama):
             raise (VramBudgetError if rc == capi.Status.BUDGET else RuntimeError if rc == capi.Status.FAILED
                    else ValueError)(why)
         self.sparse = SPARSE_MODES[_lib.kx_context_get_sparse(self._ctx.ctx)]
+        self._warn_if_approximate(stacklevel=4)
         v = capi.VramReport()
         if _lib.kx_context_vram(self._ctx.ctx, ctypes.byref(v)):
             counts = [len(self.slot_residents(il)) for il in range(_C.llama_model_n_layer(self._model.model))]
@@ -515,6 +540,15 @@ class Llama(llama_cpp.Llama):
         if _lib.kx_context_set_sparse(self._ctx.ctx, SPARSE_MODES.index(mode), err, 1024):
             raise ValueError(err.value.decode("utf-8", "replace"))
         self.sparse = mode
+        self._warn_if_approximate(stacklevel=3)
+
+    def _warn_if_approximate(self, stacklevel: int) -> None:
+        act = _lib.kx_model_pack_activation(self._model.model)
+        if self.sparse == "exact" and act is not None and act != b"relu":
+            warnings.warn(SparseApproximationWarning(
+                f"kairox: exact mode on a {act.decode()} model skips the activations at or below the pack's "
+                "threshold: the output is close to dense, not equal (exact equals dense on ReLU models)"),
+                stacklevel=stacklevel)
 
     def close(self) -> None:
         # A constructor that raised before the base class set up its resources leaves

@@ -1,7 +1,7 @@
 """The sparse pack: a sidecar GGUF (`model.kxpack.gguf`) holding what kairox needs to run a
 model's FFN sparsely. The user's GGUF is only ever read. The format is specified in
 docs/pack-format.md; this module writes identity packs (pack order = original neuron
-order), optionally with a predictor per layer, and reads and validates any version-1 pack.
+order), optionally with a predictor per layer, and reads and validates packs of the current version.
 """
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ from typing import Any
 import numpy as np
 
 from .gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, scan_header
-from .gguffile import encode_tensor, finish_atomically, map_ahead
+from .gguffile import (CHECKSUM_NAME, declare_checksums, encode_tensor, finish_atomically, map_ahead,
+                       temp_path_for, xxh3)
 from .thresholds import K as THR_K, K0 as THR_K0
 
 # `gguf` and `tqdm` are imported inside the functions that use them, as in convert.py.
 
-PACK_VERSION = 2
-READ_VERSIONS = (1, 2)  # version 2 = version 1 + optional ahead predictors and kx.stats
+# version 2 = version 1 + optional ahead predictors and kx.stats; version 3 = version 2 + the
+# checksum tensor (required). Packs before version 3 are refused: their data cannot be checked.
+PACK_VERSION = 3
+READ_VERSIONS = (3,)
 PACK_ARCH = "kxpack"
 PACK_SUFFIX = ".kxpack.gguf"
 
@@ -454,7 +457,7 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     fp = _fingerprint_header(hdr)
     tensors = {t.name: t for t in hdr.tensors}
 
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp = temp_path_for(out)
     w = gguf.GGUFWriter(tmp, PACK_ARCH)  # writes general.architecture = kxpack
     w.add_uint32(K_VERSION, PACK_VERSION)
     w.add_string(K_CREATED_BY, f"kairox {__version__}")
@@ -553,10 +556,46 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
             yield np.asarray(thresholds.grid, np.float32)
             yield np.asarray(thresholds.norm, np.float32)
 
+    declare_checksums(w)
     return finish_atomically(w, tmp, out, data())
 
 
 # -------------------------------------------------------------------------- reading
+
+
+def _check_sums(r: Any, path: Path) -> None:
+    """Every tensor's bytes and the header against the checksum tensor (gguffile.CHECKSUM_NAME)."""
+    import gguf
+    ts = r.tensors
+    if not ts or ts[-1].name != CHECKSUM_NAME:
+        raise PackError(f"pack {path} lacks its checksum tensor {CHECKSUM_NAME} (the last tensor); "
+                        f"rebuild the pack with this kairox")
+    t = ts[-1]
+    if t.tensor_type != gguf.GGMLQuantizationType.I64 or [int(d) for d in t.shape] != [len(ts)]:
+        raise PackError(f"pack {path}: {CHECKSUM_NAME} must be I64 [{len(ts)}], one value per tensor and "
+                        f"one for the header")
+    sums = np.asarray(t.data).view(np.uint64)
+    head = r.data[:ts[0].data_offset]
+    if xxh3(head) != int(sums[-1]):
+        raise PackError(f"pack {path}: its header (metadata and tensor list) does not match its checksum; "
+                        f"the file is damaged: rebuild or copy the pack again")
+    for i, ti in enumerate(ts[:-1]):
+        if xxh3(r.data[ti.data_offset:ti.data_offset + ti.n_bytes]) != int(sums[i]):
+            raise PackError(f"pack {path}: tensor {ti.name} does not match its checksum; "
+                            f"the file is damaged: rebuild or copy the pack again")
+
+
+def first_nonfinite_row(data: np.ndarray, type_name: str, n_cols: int) -> int:
+    """The first row (of n_cols values) holding an inf or NaN, -1 when all are finite. A Q8_0
+    row is checked through its block scales (its int8 quants are finite by construction)."""
+    raw = np.asarray(data)
+    if type_name == "q8_0":
+        blocks = raw.view(np.uint8).reshape(-1, 34)  # ggml block_q8_0: f16 scale + 32 int8
+        bad = ~np.isfinite(blocks[:, :2].copy().view(np.float16)[:, 0]).reshape(-1, n_cols // 32).all(axis=1)
+    else:
+        bad = ~np.isfinite(raw.reshape(-1, n_cols)).all(axis=1)
+    rows = np.flatnonzero(bad)
+    return int(rows[0]) if rows.size else -1
 
 
 def _req(reader: Any, path: Path, key: str, kind: type) -> Any:
@@ -597,7 +636,8 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     if version not in READ_VERSIONS:
         raise PackError(f"pack {path} has format version {version}, but this kairox reads "
                         f"versions {', '.join(map(str, READ_VERSIONS))}; rebuild the pack with this kairox")
-    stats = _req(r, path, K_STATS, str) if version >= 2 and r.get_field(K_STATS) is not None else None
+    _check_sums(r, path)
+    stats = _req(r, path, K_STATS, str) if r.get_field(K_STATS) is not None else None
     created_by = _req(r, path, K_CREATED_BY, str)
     try:
         method = json.loads(_req(r, path, K_METHOD, str))
@@ -636,7 +676,7 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     if bad:
         raise PackError(f"pack {path} holds tensor {bad[0]!r}, whose name llama.cpp tools "
                         f"would take for a model weight")
-    expected = {THRESHOLD_NAME}
+    expected = {THRESHOLD_NAME, CHECKSUM_NAME}
     n_ff, n_embd = base.n_ff, base.n_embd
     n_groups = -(-n_ff // group_size)
     ids = np.arange(n_ff)
@@ -645,7 +685,7 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
         names = _tensor_names(il)
         required = ("down_t", "perm", "group", "freq")
         has_pred: list[str] = []
-        for keys in (PRED_KEYS, AHEAD_KEYS) if version >= 2 else (PRED_KEYS,):
+        for keys in (PRED_KEYS, AHEAD_KEYS):
             have = [k for k in keys if names[k] in tensors]
             if have and len(have) < len(keys):
                 missing = next(names[k] for k in keys if k not in have)
@@ -661,6 +701,9 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
         _check_tensor(t["perm"], path, ("I32",), (n_ff,))
         _check_tensor(t["group"], path, ("I32",), (n_ff,))
         _check_tensor(t["freq"], path, ("F32",), (n_ff,))
+        row = first_nonfinite_row(t["down_t"].data, t["down_t"].tensor_type.name.lower(), n_embd)
+        if row >= 0:
+            raise PackError(f"pack {path}: {names['down_t']} has non-finite values (row {row})")
         perm = np.asarray(t["perm"].data)
         if not np.array_equal(np.sort(perm), ids):
             raise PackError(f"pack {path}: {names['perm']} is not a permutation of 0..{n_ff - 1}")
@@ -687,8 +730,10 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
             _check_tensor(t[kc], path, ("F32",), (n_ff,))
             factors[ka], factors[kb] = t[ka].data, t[kb].data
             factors[kc] = np.asarray(t[kc].data)
-            if not np.all(np.isfinite(factors[kc])):
-                raise PackError(f"pack {path}: {names[kc]} has non-finite values")
+            for k, n_cols in ((ka, n_embd), (kb, rank), (kc, n_ff)):
+                row = first_nonfinite_row(t[k].data, t[k].tensor_type.name.lower(), n_cols)
+                if row >= 0:
+                    raise PackError(f"pack {path}: {names[k]} has non-finite values (row {row})")
         if THR_GRID_NAME in tensors:
             for k in THR_KEYS:
                 if names[k] not in tensors:

@@ -24,6 +24,14 @@ from .gguf_header import GGUFHeader
 from .pack import DOWN_TYPES, PRED_TYPES, PackError, inspect_model, pack_path_for, write_pack
 from .predictor import DEFAULT_MARGIN, sketch_for_model
 
+# what `kairox pack --help` says (the module docstring above is for developers)
+HELP = """Write a model's sparse pack (model.gguf -> model.kxpack.gguf): the down projection one row
+per neuron and, by default, a predictor computed from the weights alone (no text needed).
+The model file is only read; the pack is tied to it by a fingerprint and checksummed.
+For a pack measured on real text (trained predictors, neuron groups, statistics) use
+`kairox prepare`. The format: docs/pack-format.md.
+"""
+
 
 def _positive_int(v: str) -> int:
     try:
@@ -99,7 +107,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("pack", help="write a model's sparse pack (model.kxpack.gguf), with a predictor",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL.gguf", help="the model GGUF (llama, qwen2 or gemma3); only read")
     p.add_argument("-o", "--outfile", metavar="OUT",
                    help="pack to write (default: next to the model, MODEL.kxpack.gguf)")

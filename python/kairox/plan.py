@@ -36,6 +36,14 @@ from typing import Any
 
 import numpy as np
 
+# what `kairox plan --help` says (the module docstring above is for developers)
+HELP = """Choose what goes on the GPU for a VRAM budget: which dense tensors, and how many of each
+layer's FFN neurons (the most active ones), so that per token the slower of the CPU and
+GPU parts is as fast as possible. Prints the placement with its expected cost and writes
+a plan file for `kairox run --plan` and the tools' --kx-plan. --hw uses this machine's
+measured rates (`kairox profile-hw`).
+"""
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -395,7 +403,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("plan", help="choose the GPU placement for a VRAM budget (dense tensors + neuron slots)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model GGUF (its pack next to it is used when present)")
     p.add_argument("--budget", type=parse_size, required=True, help="VRAM budget, e.g. 7GiB")
     p.add_argument("--pack", help="sparse pack (default: MODEL.kxpack.gguf when present)")

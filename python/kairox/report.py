@@ -17,6 +17,12 @@ import numpy as np
 
 from .balancer import STALLS
 
+# what `kairox report --help` says (the module docstring above is for developers)
+HELP = """Draw a live balancer trace (written by `kairox run --kx-trace FILE`) over time: the share
+of active neurons the GPU computed, the neurons reloaded, why steps waited and λ, per token,
+and print a summary.
+"""
+
 FIELDS = ("step", "layer", "n_active", "n_hit", "n_load", "n_evict", "stall", "lam", "wait_us", "decide_us",
           "reload_bytes")
 
@@ -152,7 +158,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("report", help="draw a live-balancer trace (hit rate, reloads, stalls, λ)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="JSON-lines trace from `kairox run --kx-trace` or bench/tpot.py --balance-trace")
     p.add_argument("--png", help="draw the four panels into this PNG")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -49,12 +49,16 @@ class KairoxModelSettings(ModelSettings):
     kx_error_budget: Optional[float] = Field(
         default=None, ge=0.0, le=1.0,
         description="kairox: load-aware thresholds adding at most this share of the FFN output's norm in error")
+    kx_fallback: Optional[Literal["dense"]] = Field(
+        default=None, description="kairox: run dense (with a warning) when the sparse mode or hybrid cannot run, "
+                                  "instead of refusing to start")
 
     def kairox_kwargs(self) -> dict[str, Any]:
         """kairox.Llama's keyword arguments for these settings."""
         kw: dict[str, Any] = {"sparse": self.sparse, "sparse_pack": self.sparse_pack, "vram_budget": self.vram_budget,
                               "gpu_slots": self.gpu_slots, "plan": self.kx_plan, "slots_device": self.kx_slots_device,
-                              "mapped_share": self.mapped_share, "error_budget": self.kx_error_budget}
+                              "mapped_share": self.mapped_share, "error_budget": self.kx_error_budget,
+                              "fallback": self.kx_fallback}
         if self.balancer != "off":
             from .balancer import BalancerConfig
             kw["balancer"] = BalancerConfig(lam=self.balancer_lambda, adaptive=self.balancer == "adaptive")

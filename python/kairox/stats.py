@@ -68,6 +68,13 @@ from typing import Any
 
 import numpy as np
 
+# what `kairox stats --help` says (the module docstring above is for developers)
+HELP = """Print a pack's activation statistics, measured by `kairox prepare`, next to the values the
+papers report: FFN density, the share of neurons carrying 80% of the activations, the
+distance between the active sets of adjacent tokens and of different prompts, and how well
+one layer predicts the next. --png draws them. Definitions: `python -m pydoc kairox.stats`.
+"""
+
 # (low, high, source, how the paper states it). A point value has low == high.
 PAPER = {
     "hot_fraction_80": (0.17, 0.26, "PowerInfer", "17-26% of neurons hold 80% of activations"),
@@ -722,7 +729,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def register(sub: Any) -> argparse.ArgumentParser:
     """Add the `stats` subcommand to an argparse subparsers object."""
     p = sub.add_parser("stats", help="show a pack's activation statistics next to the papers' values",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("pack", metavar="PACK", help="the sparse pack (MODEL.kxpack.gguf)")
     p.add_argument("--png", metavar="DIR", help="also write the plots (stats-*.png) into DIR")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON instead of a table")

@@ -74,8 +74,16 @@ import numpy as np
 
 from .checkpoint import HFConfig
 from .convert import add_hparams, copy_tokenizer_fields, gguf_vocab_size
-from .gguffile import finish_atomically
+from .gguffile import finish_atomically, temp_path_for
 from .tiny import default_vocab_gguf
+
+# what `kairox synth --help` says (the module docstring above is for developers)
+HELP = """Write a synthetic LLaMA-shaped model (presets KB-tiny to KB-70B, or your own shape) for
+benchmarks: random weights at disk speed, the same bytes for the same seed. With ReLU (the
+default) about 89% of the FFN activations are zero and which ones is predictable, as in a
+real sparse model; topics and domains make the active neurons drift between prompts.
+--pack also writes its sparse pack. How the weights are built: `python -m pydoc kairox.synth`.
+"""
 
 FTYPES = ("f32", "f16", "q4_0")
 
@@ -381,7 +389,7 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
             (p + "ffn_down.weight", (n, n_ff), pooled((n, n_ff), s_quiet, quiet_rows)),
         ]
 
-    tmp = out.with_name(out.name + ".part")
+    tmp = temp_path_for(out)
     w = gguf.GGUFWriter(tmp, "llama")
     cfg = HFConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "hidden_size": n,
@@ -577,7 +585,7 @@ def calibrated_thresholds(model: Path, predictor, xs, quiet: bool = True):
 
 def register(sub) -> None:
     p = sub.add_parser("synth", help="write a synthetic LLaMA-shaped model, sparse with ReLU (benchmarks)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="KB-7B",
                    help="model shape (default: %(default)s)")
     p.add_argument("-o", "--outfile", help="output GGUF (default: PRESET-TYPE.gguf)")

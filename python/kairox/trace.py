@@ -23,6 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# what `kairox trace --help` says (the module docstring above is for developers)
+HELP = """Read a scheduler trace (written by any tool with --kx-sched-trace FILE, or `kairox.Llama(
+sched_trace=FILE)`) and report, per hybrid layer, how long the CPU and the GPU worked and
+how much of the CPU's work ran while the GPU worked. --png draws one token's timeline.
+"""
+
 _LAYER_RE = re.compile(r"-(\d+)(?:\D.*)?$")
 
 
@@ -272,7 +278,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("trace", help="read a scheduler trace (--kx-sched-trace FILE): CPU/GPU overlap per layer, timeline",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="trace file written by a run with --kx-sched-trace FILE (sched_trace= in Python)")
     p.add_argument("--png", help="draw one step's timeline to this PNG")
     p.add_argument("--graph", type=int, help="which graph to draw (default: a typical overlapped step)")
