@@ -138,3 +138,15 @@ def test_unsupported_architecture(kx, tmp_path):
     w.close()
     with pytest.raises(kx.ModelLoadError, match="alien-arch"):
         kx.Llama(str(path), verbose=False)
+
+
+def test_nothing_printed_at_interpreter_exit(tiny_relu_gguf: Path) -> None:
+    """Models left open at exit (the interpreter tears down while libllama still logs) end
+    without "Exception ignored" noise, and a run's own errors are printed without verbose."""
+    import subprocess
+    import sys
+    code = (f"import kairox\nllm = kairox.Llama({str(tiny_relu_gguf)!r}, n_ctx=64, verbose=False)\n"
+            "llm('Hello', max_tokens=4)\nprint('done')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -98,6 +98,10 @@ struct kx_balance_params {
                          //    decide then picks who makes each prefetch: auto / inline the compute
                          //    threads (graph nodes), worker the balancer's own thread
     int32_t late_every;  // tests: every n-th reload batch of a layer counts as landed two checks late (0: never)
+    int32_t wait_limit_ms; // how long a boundary waits for the last reloads before the balancer stops
+                           // (the split stays as it is, outputs unchanged); <= 0: 10000
+    int32_t fail_at;     // tests, fault injection: the balancer's n-th reload batch fails to queue (0: never)
+    int32_t hang_at;     // tests, fault injection: its n-th reload batch never finishes (0: never)
 };
 // The one-layer-ahead pipeline (pipeline = 1, the predicted mode's predictor): while hybrid
 // layer i computes, layer i+1's active set is predicted from layer i's FFN input, and its

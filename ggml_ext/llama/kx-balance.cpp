@@ -166,9 +166,32 @@ double kx_balance_drain_decision(kx_balancer & b) {
     return kx_seconds_since(t0);
 }
 
+// Waits for every queued reload, at most params.wait_limit_ms: a copy that never finishes
+// (a failing device, an injected hang) stops the balancer instead of the decode. Polls the
+// engine rather than blocking in it so that the wait can end; at a boundary the copies have
+// almost always landed behind the decode, and the first query says so. Seconds waited:
+// exactly 0 when nothing was running (the stall model's test for an I/O stall).
+static double kx_balance_wait(kx_balancer & b) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double limit = (b.params.wait_limit_ms > 0 ? b.params.wait_limit_ms : 10000) * 1e-3;
+    for (bool first = true;; first = false) {
+        const int32_t q = b.hung ? 0 : b.io->query(b.engine);
+        if (q < 0) {
+            throw std::runtime_error("balancer: a slot reload failed");
+        }
+        if (q > 0) {
+            return first ? 0.0 : kx_seconds_since(t0);
+        }
+        if (kx_seconds_since(t0) > limit) {
+            throw std::runtime_error(kx_fmt("balancer: slot reloads did not finish within %.0f ms", limit * 1e3));
+        }
+        std::this_thread::yield();
+    }
+}
+
 void kx_balance_settle(kx_balancer & b) {
     kx_balance_drain_decision(b); // the running decision fills the newest records
-    if (b.tam_pending && b.io->wait(b.engine) >= 0) {
+    if (b.tam_pending && !b.hung && b.io->wait(b.engine) >= 0) {
         kx_balance_fetch(b);     // so does the device's
     }
 }
@@ -183,7 +206,9 @@ kx_balancer::~kx_balancer() {
         worker.join();
     }
     if (engine) {
-        io->wait(engine); // rows may still land in slot buffers that are about to be freed
+        if (!hung) { // an injected hang queued nothing; a real one would block here, as the device's free would
+            io->wait(engine); // rows may still land in slot buffers that are about to be freed
+        }
         if (tam) {
             io->tam_free(tam);
         }
@@ -234,8 +259,8 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         throw std::runtime_error("balancer: the pipeline predicts the next layer with the pack's predictor, "
                                  "and " + pack.path + " has none");
     }
-    if (params.late_every < 0) {
-        throw std::runtime_error("balancer: late_every must be >= 0");
+    if (params.late_every < 0 || params.fail_at < 0 || params.hang_at < 0) {
+        throw std::runtime_error("balancer: late_every, fail_at and hang_at must be >= 0");
     }
     auto b = std::make_unique<kx_balancer>();
     b->params = params;
@@ -353,9 +378,7 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
             kx_balance_stat_add(stat, kx_lap_ns(*lap));
         }
     };
-    if (b.io->wait(b.engine) < 0) {
-        throw std::runtime_error("balancer: a slot reload failed");
-    }
+    kx_balance_wait(b);
     phase(KX_BAL_WAIT_NS);
     std::vector<kx_i32_write> writes;
     for (kx_balance_layer & L : b.layers) {
@@ -402,7 +425,12 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
         L.admit.clear();
     }
     phase(KX_BAL_APPLY_NS);
-    if (b.io->copy(b.engine, copies.data(), (int64_t) copies.size())) {
+    // fault injection counts the batches that move rows
+    const bool fault = !copies.empty() && ++b.batches > 0;
+    if (fault && b.batches == b.params.hang_at) {
+        b.hung = true; // queued in name only: its rows never land (its slots are not mapped yet)
+    } else if ((fault && b.batches == b.params.fail_at) ||
+               b.io->copy(b.engine, copies.data(), (int64_t) copies.size())) {
         throw std::runtime_error("balancer: queueing slot reloads failed");
     }
     phase(KX_BAL_QUEUE_NS);
@@ -485,13 +513,7 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
         return;
     }
     // 2-5 (the host decision was waited for above)
-    double waited = 0.0;
-    if (b.io->query(b.engine) == 0) {
-        waited = b.io->wait(b.engine); // the last copies (and the device decision) still run
-    }
-    if (waited < 0) {
-        throw std::runtime_error("balancer: a slot reload failed");
-    }
+    const double waited = kx_balance_wait(b); // the last copies (and the device decision) may still run
     kx_balance_stat_add(KX_BAL_WAIT_NS, kx_lap_ns(lap));
     kx_balance_fetch(b);
     kx_balance_stat_add(KX_BAL_FETCH_NS, kx_lap_ns(lap));
@@ -555,9 +577,7 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
         return;
     }
     kx_balance_drain_decision(b);
-    if (b.io->wait(b.engine) < 0) {
-        throw std::runtime_error("balancer: a slot reload failed");
-    }
+    kx_balance_wait(b);
     kx_balance_fetch(b);
     kx_balance_apply(b, slots, pack, model); // the pending decision
     kx_balance_apply(b, slots, pack, model); // its loads, waited for and committed
@@ -951,9 +971,7 @@ static void kx_pipe_boundary(kx_balancer & b) {
 
 static void kx_pipe_drain(kx_balancer & b) {
     kx_balance_drain_decision(b);
-    if (b.io->wait(b.engine) < 0) {
-        throw std::runtime_error("balancer: a slot reload failed");
-    }
+    kx_balance_wait(b);
     for (kx_balance_layer & L : b.layers) {
         kx_pipe_commit(b, L);
         L.fake_late = 0;

@@ -114,6 +114,8 @@ struct kx_balancer {
     int32_t first_ahead = -1;               // the lowest layer prefetched within a graph (counts pstep)
     std::vector<int32_t> index_of;          // model layer -> index in layers, -1
     std::string error;                      // the first failure inside a graph (reported at the boundary)
+    int64_t batches = 0;                    // between-decode reload batches queued (fault injection counts them)
+    bool hung = false;                      // fault injection: a batch that never finishes was queued
 
     // the device's decision (engine->tam_new): every layer in one launch on the reload stream
     void * tam = nullptr;

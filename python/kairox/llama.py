@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import inspect
 import os
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -240,38 +241,41 @@ class ModelLoadError(ValueError):
 
 
 class _ErrorLog:
-    """Keeps llama.cpp's recent error lines while forwarding every line to
-    llama-cpp-python's own log callback, so what is printed does not change."""
+    """Keeps llama.cpp's recent error lines and prints what llama.cpp logs as llama-cpp-python
+    would, except that errors are always printed: llama-cpp-python's own callback maps ggml's
+    levels off by one, so it drops real errors (ERROR taken for DEBUG) unless verbose, and
+    prints warnings as errors. A runtime error (a balancer that stops, say) is never silent."""
 
     def __init__(self, maxlen: int = 16) -> None:
+        import logging
         self.lines: collections.deque[str] = collections.deque(maxlen=maxlen)
         self.lock = threading.Lock()
         from llama_cpp import _logger
         self._forward = _logger.llama_log_callback
-
+        # read in the callback by attribute only: it can run during interpreter teardown,
+        # when imports fail
+        self._logger, self._info, self._sys = _logger.logger, logging.INFO, sys
         self._in_error = False
 
         @_C.llama_log_callback
         def callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-            # ggml.h: GGML_LOG_LEVEL_ERROR = 4, GGML_LOG_LEVEL_CONT = 5 (continues a line)
-            if level == 4 or (level == 5 and self._in_error):
-                with self.lock:
-                    self.lines.append(text.decode("utf-8", "replace").strip())
-            if level != 5:
-                self._in_error = level == 4
-            # llama-cpp-python's own callback maps ggml's levels off by one (it prints
-            # warnings as errors even when verbose=False); pass it only real errors then.
-            if self._verbose() or self._in_error:
-                self._forward(level, text, user_data)
+            try:
+                # ggml.h: GGML_LOG_LEVEL_ERROR = 4, GGML_LOG_LEVEL_CONT = 5 (continues a line)
+                if level != 5:
+                    self._in_error = level == 4
+                if self._in_error:
+                    with self.lock:
+                        self.lines.append(text.decode("utf-8", "replace").strip())
+                if self._logger.level <= self._info:  # verbose: everything, as llama-cpp-python prints it
+                    self._forward(level, text, user_data)
+                elif self._in_error:
+                    self._sys.stderr.write(text.decode("utf-8", "replace"))  # the stderr of now
+                    self._sys.stderr.flush()
+            except Exception:  # noqa: BLE001 - a log line must never raise into C (or at exit)
+                pass
 
         self._callback = callback  # keep the ctypes thunk alive
         _C.llama_log_set(callback, ctypes.c_void_p(0))
-
-    @staticmethod
-    def _verbose() -> bool:
-        import logging
-        from llama_cpp import _logger
-        return _logger.logger.level <= logging.INFO
 
     def take(self) -> list[str]:
         with self.lock:
@@ -457,7 +461,8 @@ class Llama(llama_cpp.Llama):
 
     def start_balancer(self, config: Any = True, *, decide: str = "auto", observe: bool = False,
                        max_blocks: int = 32, cpu_gbs: float = 0.0, gpu_gbs: float = 0.0,
-                       pipeline: bool = False, late_every: int = 0) -> None:
+                       pipeline: bool = False, late_every: int = 0, wait_limit_ms: int = 0, fail_at: int = 0,
+                       hang_at: int = 0) -> None:
         """Starts the live balancer on this model's slots (a BalancerConfig, True for the
         defaults, None to stop it): from the next decode on, the runtime ends every decode
         with a balancing step. ValueError without slots or with a bad configuration.
@@ -468,7 +473,10 @@ class Llama(llama_cpp.Llama):
         share of the GPU; pipeline: decide one layer ahead within each decode (the pack's
         predictor forecasts layer i+1 from layer i's input; its loads land before it runs;
         decide then: auto / inline on the compute threads, worker on the balancer's thread);
-        late_every (tests): every n-th reload batch of a layer is treated as landing late."""
+        late_every (tests): every n-th reload batch of a layer is treated as landing late;
+        wait_limit_ms: how long a boundary waits for reloads before the balancer stops (0:
+        10 s); fail_at / hang_at (tests, fault injection): the n-th reload batch fails to
+        queue / never finishes."""
         if decide not in DECIDE:
             raise ValueError(f"decide must be one of {', '.join(DECIDE)}, not {decide!r}")
         from .balancer import BalancerConfig
@@ -481,7 +489,8 @@ class Llama(llama_cpp.Llama):
         cfg = BalancerConfig() if config is True else config
         p = capi.BalanceParams(native_config(cfg), cpu_gbs, gpu_gbs,
                                RELOAD_METHODS.index(self.kx_options.reload_method), max_blocks, DECIDE.index(decide),
-                               int(self.kx_options.balancer_record), int(observe), int(pipeline), late_every)
+                               int(self.kx_options.balancer_record), int(observe), int(pipeline), late_every,
+                               wait_limit_ms, fail_at, hang_at)
         if _lib.kx_model_balancer_start(self._model.model, ctypes.byref(p), err, 1024):
             raise ValueError(err.value.decode("utf-8", "replace"))
         self._kx_refresh_graph()
