@@ -6,7 +6,8 @@
 #   bash bench/device/sparse_smoke.sh     # repo root; carry vendor/llama.cpp and .whl
 set -euo pipefail
 W=${KX_WORK:-/tmp/kx}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    --find-links .whl $(ls .whl | sed "s/-.*//" | sort -u)
 # On this machine's Python (numpy 2 with scipy-openblas64), importing numpy before the
 # CUDA build's libllama is loaded segfaults the first model load (in print_info); loading
 # libllama first avoids it. Known problem, not yet understood: see the issue notes.
