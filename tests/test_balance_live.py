@@ -268,3 +268,21 @@ def test_reload_wait_limit_and_faults_are_checked(synth_model: Path) -> None:
             llm.start_balancer(True, fail_at=-1)
     finally:
         llm.close()
+
+
+def test_the_records_kept_in_memory_are_bounded(synth_model: Path) -> None:
+    """A balancer decoding for a long time keeps only its newest records in memory (a server's
+    would otherwise grow by one record per layer and decode forever): with trace_keep 1024,
+    700 decodes of 2 hybrid layers (1400 records) leave between 512 and 1024, the newest."""
+    import kairox
+    llm = kairox.Llama(str(synth_model), n_ctx=1024, n_batch=1, n_ubatch=1, verbose=False, sparse="exact",
+                       gpu_slots=SLOTS, slots_device="CPU")
+    try:
+        llm.start_balancer(fast_config(), trace_keep=1024)
+        llm.eval(topic_tokens(700))
+        trace = llm.balance_trace()
+        steps = [r["step"] for r in trace]
+        assert 512 <= len(trace) <= 1024, len(trace)
+        assert steps == sorted(steps) and steps[-1] == 699 and steps[0] == 700 - -(-len(trace) // len(SLOTS))
+    finally:
+        llm.close()

@@ -102,6 +102,7 @@ struct kx_balance_params {
                            // (the split stays as it is, outputs unchanged); <= 0: 10000
     int32_t fail_at;     // tests, fault injection: the balancer's n-th reload batch fails to queue (0: never)
     int32_t hang_at;     // tests, fault injection: its n-th reload batch never finishes (0: never)
+    int32_t trace_keep;  // records kept in memory (kx_model_balance_trace), the newest; <= 0: 262144, else >= 1024
 };
 // The one-layer-ahead pipeline (pipeline = 1, the predicted mode's predictor): while hybrid
 // layer i computes, layer i+1's active set is predicted from layer i's FFN input, and its
@@ -147,7 +148,9 @@ LLAMA_API int32_t kx_model_balancer_start(struct llama_model * model, const stru
 LLAMA_API int32_t kx_context_balance(struct llama_context * ctx, char * err, size_t err_size);
 // Applies and lands everything decided so far (the slots then hold the decided residents).
 LLAMA_API int32_t kx_model_balance_drain(struct llama_model * model, char * err, size_t err_size);
-// Copies up to capacity records (steps in order, layers within a step); returns how many exist.
+// Copies up to capacity records (steps in order, layers within a step); returns how many are
+// kept: the newest, between half of params.trace_keep and all of it (every one in record mode;
+// a trace file gets every one).
 LLAMA_API int64_t kx_model_balance_trace(struct llama_model * model, struct kx_balance_record * dst, int64_t capacity);
 // Record mode: the active ids of hybrid layer il at step; returns the count (-1: none kept).
 LLAMA_API int64_t kx_model_balance_activity(struct llama_model * model, int64_t step, int32_t il, int32_t * dst,

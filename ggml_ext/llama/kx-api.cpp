@@ -236,9 +236,9 @@ int64_t kx_model_balance_trace(llama_model * model, kx_balance_record * dst, int
         return 0;
     }
     kx_balance_settle(*b);
-    const int64_t n = (int64_t) b->trace.size();
+    const int64_t n = (int64_t) b->trace.kept.size();
     if (dst) {
-        std::copy(b->trace.begin(), b->trace.begin() + std::min(n, capacity), dst);
+        std::copy(b->trace.kept.begin(), b->trace.kept.begin() + std::min(n, capacity), dst);
     }
     return n;
 }

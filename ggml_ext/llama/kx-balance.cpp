@@ -264,6 +264,10 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
     }
     auto b = std::make_unique<kx_balancer>();
     b->params = params;
+    // record mode indexes its active lists by record: it keeps every record
+    // (at least 1024: a step's records, which the decision and the writer still fill, stay)
+    b->trace.cap = params.record ? 0 : params.trace_keep > 0 ? std::max<size_t>(1024, (size_t) params.trace_keep)
+                                                              : (size_t) 1 << 18;
     b->slots = &slots;
     b->model = &model;
     b->pack = &pack;

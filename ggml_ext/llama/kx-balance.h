@@ -48,6 +48,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <deque>
 #include <thread>
 #include <vector>
 
@@ -97,13 +98,39 @@ struct kx_balance_layer {
                                      // graph's copy may be reused once the posting node returns)
 };
 
+// The balancer's records in memory (kx_model_balance_trace, the trace file's source): the
+// newest ones only, so that a server decoding for days keeps a bounded log instead of one
+// record per hybrid layer and step forever. Indices are logical, counted over every record
+// ever made (size() is the next one's); when the log passes `cap` the oldest goes, down to
+// half of it, so the erase runs once per cap/2 records. A writer or decision refers to
+// records at most a step old, inside what is kept (cap >= 1024). cap 0: keep all (record
+// mode, whose active lists are indexed by record).
+struct kx_record_log {
+    std::deque<kx_balance_record> kept;
+    size_t base = 0;   // logical index of kept.front()
+    size_t cap  = 1u << 18; // kx_balance_params.trace_keep
+
+    size_t size() const { return base + kept.size(); }
+    size_t first() const { return base; }
+    kx_balance_record & operator[](size_t i) { return kept[i - base]; }
+    const kx_balance_record & operator[](size_t i) const { return kept[i - base]; }
+    void push_back(const kx_balance_record & r) {
+        kept.push_back(r);
+        if (cap > 0 && kept.size() > cap) {
+            const size_t drop = kept.size() - cap / 2;
+            kept.erase(kept.begin(), kept.begin() + (std::ptrdiff_t) drop);
+            base += drop;
+        }
+    }
+};
+
 struct kx_balancer {
     kx_balance_params params = {};
     const kx_reload_iface * io = nullptr;
     void * engine = nullptr;
     std::vector<kx_balance_layer> layers;   // hybrid layers only
     int64_t step = 0;                       // decision steps started
-    std::vector<kx_balance_record> trace;
+    kx_record_log trace;
     std::vector<std::vector<int32_t>> activity; // record mode: [step * layers + l] active ids
                                                 // (pipeline: one per trace record, its predicted ids)
     // pipeline

@@ -60,6 +60,7 @@ static void kx_trace_write_upto(kx_ctx_state & st, const kx_balancer & b, size_t
         return;
     }
     upto = std::min(upto, b.trace.size());
+    st.written = std::max(st.written, b.trace.first()); // what the log let go before a file was set
     for (; st.written < upto; ++st.written) {
         kx_trace_write(st.trace, b.trace[st.written]);
     }

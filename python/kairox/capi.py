@@ -56,7 +56,7 @@ class BalanceParams(ctypes.Structure):  # struct kx_balance_params
                 ("method", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("decide", ctypes.c_int32),
                 ("record", ctypes.c_int32), ("observe", ctypes.c_int32), ("pipeline", ctypes.c_int32),
                 ("late_every", ctypes.c_int32), ("wait_limit_ms", ctypes.c_int32), ("fail_at", ctypes.c_int32),
-                ("hang_at", ctypes.c_int32)]
+                ("hang_at", ctypes.c_int32), ("trace_keep", ctypes.c_int32)]
 
 
 class BalanceRecord(ctypes.Structure):  # struct kx_balance_record

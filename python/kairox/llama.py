@@ -462,7 +462,7 @@ class Llama(llama_cpp.Llama):
     def start_balancer(self, config: Any = True, *, decide: str = "auto", observe: bool = False,
                        max_blocks: int = 32, cpu_gbs: float = 0.0, gpu_gbs: float = 0.0,
                        pipeline: bool = False, late_every: int = 0, wait_limit_ms: int = 0, fail_at: int = 0,
-                       hang_at: int = 0) -> None:
+                       hang_at: int = 0, trace_keep: int = 0) -> None:
         """Starts the live balancer on this model's slots (a BalancerConfig, True for the
         defaults, None to stop it): from the next decode on, the runtime ends every decode
         with a balancing step. ValueError without slots or with a bad configuration.
@@ -476,7 +476,8 @@ class Llama(llama_cpp.Llama):
         late_every (tests): every n-th reload batch of a layer is treated as landing late;
         wait_limit_ms: how long a boundary waits for reloads before the balancer stops (0:
         10 s); fail_at / hang_at (tests, fault injection): the n-th reload batch fails to
-        queue / never finishes."""
+        queue / never finishes; trace_keep: records kept in memory for balance_trace(), the
+        newest (0: 262144; a trace file gets every one)."""
         if decide not in DECIDE:
             raise ValueError(f"decide must be one of {', '.join(DECIDE)}, not {decide!r}")
         from .balancer import BalancerConfig
@@ -490,7 +491,7 @@ class Llama(llama_cpp.Llama):
         p = capi.BalanceParams(native_config(cfg), cpu_gbs, gpu_gbs,
                                RELOAD_METHODS.index(self.kx_options.reload_method), max_blocks, DECIDE.index(decide),
                                int(self.kx_options.balancer_record), int(observe), int(pipeline), late_every,
-                               wait_limit_ms, fail_at, hang_at)
+                               wait_limit_ms, fail_at, hang_at, trace_keep)
         if _lib.kx_model_balancer_start(self._model.model, ctypes.byref(p), err, 1024):
             raise ValueError(err.value.decode("utf-8", "replace"))
         self._kx_refresh_graph()
