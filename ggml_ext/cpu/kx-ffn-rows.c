@@ -105,8 +105,11 @@ struct kx_ffn_work {
     float   * blk;    // thread j: blk + j * blk_stride
     size_t    acc_stride;
     size_t    blk_stride;
+    size_t    size;   // bytes of the whole buffer
 };
 
+// the work buffer's parts at base (NULL: sizes only, every pointer NULL: offsets from a null
+// pointer are undefined behaviour, and UBSan builds check it)
 static struct kx_ffn_work kx_ffn_layout(char * base, const struct ggml_tensor * node, int nth) {
     const struct ggml_tensor * gate = node->src[0];
     const struct ggml_tensor * x    = node->src[3];
@@ -114,6 +117,7 @@ static struct kx_ffn_work kx_ffn_layout(char * base, const struct ggml_tensor * 
     const int64_t k  = gate->ne[0];
     const int64_t m  = node->ne[0];
     const int64_t nt = x->ne[1];
+#define KX_AT(off) (base ? base + (off) : NULL)
 
     struct kx_ffn_work w;
     size_t off = 0;
@@ -121,28 +125,29 @@ static struct kx_ffn_work kx_ffn_layout(char * base, const struct ggml_tensor * 
     if (x->type != vdt) {
         off += kx_ffn_align(ggml_row_size(vdt, k) * (size_t) nt);
     }
-    w.cnt = (int64_t *) (base + off);
+    w.cnt = (int64_t *) KX_AT(off);
     off += (size_t) nth * KX_CACHE_LINE;
-    w.next = (atomic_int_fast64_t *) (base + off);
+    w.next = (atomic_int_fast64_t *) KX_AT(off);
     off += KX_CACHE_LINE;
-    w.fired = (int64_t *) (base + off);
+    w.fired = (int64_t *) KX_AT(off);
     off += kx_ffn_align(sizeof(int64_t) * (size_t) (KX_FFN_CHUNKS * nth));
     const int64_t n = node->src[4]->ne[0] - 1; // neurons: sel is I32 [n + 1]
-    w.gs = (float *) (base + off);
+    w.gs = (float *) KX_AT(off);
     off += kx_ffn_align(sizeof(float) * (size_t) (n * nt));
-    w.rid = (int32_t *) (base + off);
+    w.rid = (int32_t *) KX_AT(off);
     off += kx_ffn_align(sizeof(int32_t) * (size_t) n);
     w.acc_stride = kx_ffn_align(sizeof(float) * (size_t) (m * nt)) / sizeof(float);
-    w.acc = (float *) (base + off);
+    w.acc = (float *) KX_AT(off);
     off += (size_t) (KX_FFN_CHUNKS * nth) * w.acc_stride * sizeof(float);
     w.blk_stride = kx_ffn_align(sizeof(float) * (3 * KX_FFN_BLK * (size_t) nt + (size_t) k)) / sizeof(float);
-    w.blk = (float *) (base + off);
+    w.blk = (float *) KX_AT(off);
+    w.size = off + (size_t) nth * w.blk_stride * sizeof(float);
+#undef KX_AT
     return w;
 }
 
 size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
-    const struct kx_ffn_work w = kx_ffn_layout(NULL, node, n_tasks);
-    return (size_t) ((char *) w.blk - (char *) NULL) + (size_t) n_tasks * w.blk_stride * sizeof(float);
+    return kx_ffn_layout(NULL, node, n_tasks).size;
 }
 
 // counters (kx_cpu_ffn_stats): up rows skipped, calls, where a call's time goes, how evenly

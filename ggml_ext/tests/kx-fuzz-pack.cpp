@@ -1,8 +1,7 @@
 // libFuzzer target over the sparse pack loader (kx_pack_load: what every tool runs on
-// --sparse-pack), built with AddressSanitizer and UBSan by scripts/fuzz.sh.
+// --sparse-pack), built with AddressSanitizer and UBSan by scripts/sanitize.sh.
 //
-// Each input is a pack file, loaded against one fixed model (KX_FUZZ_MODEL, loaded once,
-// vocabulary and shapes only). An input whose last byte is odd (a bit of the stored header
+// Each input is a pack file, loaded against one fixed model (KX_FUZZ_MODEL, loaded once). An input whose last byte is odd (a bit of the stored header
 // checksum in a pack) is loaded as it is: the checksums must refuse any change. Otherwise its
 // checksum tensor is first recomputed over the mutated bytes (when the file still parses), so
 // the mutations also reach the structural and value checks behind the checksums. Either way the loader must return a pack or throw
@@ -75,9 +74,8 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
     }
     llama_log_set(quiet_log, nullptr);
     llama_backend_init();
-    llama_model_params mp = llama_model_default_params();
-    mp.vocab_only = true; // the loader reads the model's shapes and file, not its weights
-    g_model = llama_model_load_from_file(model, mp);
+    // a full load (the hyperparameters the loader checks come with it; a tiny model is quick)
+    g_model = llama_model_load_from_file(model, llama_model_default_params());
     if (!g_model) {
         std::fprintf(stderr, "kx-fuzz-pack: cannot load %s\n", model);
         std::exit(2);
