@@ -7,8 +7,8 @@
 #   bash scripts/sanitize.sh [SECONDS]     # fuzzing time, default 180; needs clang and kairox
 #
 # Builds in build/sanitize (~9 min on 2 cores the first time). The tests: the CPU kernels
-# against numpy, damaged packs, the live balancer over slots in host memory with its faults
-# (KX_SANITIZE_TESTS overrides the list; under ASan they run ~5x slower). The fuzzer
+# against numpy, damaged packs, the live balancer over slots in host memory and its faults
+# (KX_SANITIZE_TESTS: other pytest arguments; under ASan the CPU kernels run far slower). The fuzzer
 # (ggml_ext/tests/kx-fuzz-pack.cpp) starts from valid packs of a tiny model (f32; f16 with a
 # predictor and an ahead predictor; q8_0 with the thresholds' calibration); findings go to
 # build/sanitize/findings/.
@@ -32,7 +32,9 @@ say "native tests under ASan + UBSan"
 # Python itself is not instrumented: the ASan runtime is preloaded, leak checks off (the
 # interpreter keeps its objects at exit); one test's report stops the run (-x, no recover)
 asan_rt=$(clang -print-file-name=libclang_rt.asan-x86_64.so)
-tests=${KX_SANITIZE_TESTS:-tests/test_sparse_ops.py tests/test_pack_integrity.py tests/test_balance_live.py}
+tests=${KX_SANITIZE_TESTS:-tests/test_sparse_ops.py tests/test_pack_integrity.py
+    tests/test_balance_live.py::test_live_balancing_keeps_the_output
+    tests/test_balance_live.py::test_a_failing_reload_stops_the_balancer_not_the_output}
 # shellcheck disable=SC2086
 KAIROX_LIB_DIR="$PWD/$B/bin" KAIROX_BIN_DIR="$PWD/$B/bin" PYTHONPATH="$PWD/python:$PWD/tests" \
     LD_PRELOAD="$asan_rt" ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
