@@ -25,12 +25,12 @@ from .pack import DOWN_TYPES, PRED_TYPES, PackError, inspect_model, pack_path_fo
 from .predictor import DEFAULT_MARGIN, sketch_for_model
 
 # what `kairox pack --help` says (the module docstring above is for developers)
-HELP = """Write a model's sparse pack (model.gguf -> model.kxpack.gguf): the down projection one row
-per neuron and, by default, a predictor computed from the weights alone (no text needed).
-The model file is only read; the pack is tied to it by a fingerprint and checksummed.
-For a pack measured on real text (trained predictors, neuron groups, statistics) use
-`kairox prepare`. The format: docs/pack-format.md.
-"""
+HELP = """Write a model's sparse pack, a sidecar GGUF next to it (model.gguf -> model.kxpack.gguf):
+the down projection one row per neuron and, by default, a predictor computed from the weights
+alone (no text needed) that over-predicts rather than misses active neurons (--margin). The
+model file is only read; the pack is tied to it by a fingerprint and checksummed. For a pack
+measured on real text (trained predictors, neuron groups, statistics) use `kairox prepare`.
+The format: docs/pack-format.md."""
 
 
 def _positive_int(v: str) -> int:
