@@ -72,8 +72,8 @@ EOF
 
 say "running for ${secs} s"
 # the packs are ~100-300 KB: let libFuzzer grow inputs to a little past them
-KX_FUZZ_MODEL="$B/model.gguf" ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    "$B/bin/kx-fuzz-pack" "$B/corpus" "$B/seeds" -max_total_time="$secs" -max_len=400000 -rss_limit_mb=2048 \
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    "$B/bin/kx-fuzz-pack" -kx_model="$B/model.gguf" "$B/corpus" "$B/seeds" -max_total_time="$secs" -max_len=400000 -rss_limit_mb=2048 \
     -timeout=60 -artifact_prefix="$B/findings/" -print_final_stats=1 2>"$B/fuzz.log" \
     || { tail -n 60 "$B/fuzz.log" >&2; say "FAILED: a finding is in $B/findings/"; exit 1; }
 grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb" "$B/fuzz.log" | sed 's/^/sanitize: /' >&2

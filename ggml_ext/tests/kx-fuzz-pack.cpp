@@ -1,7 +1,7 @@
 // libFuzzer target over the sparse pack loader (kx_pack_load: what every tool runs on
 // --sparse-pack), built with AddressSanitizer and UBSan by scripts/sanitize.sh.
 //
-// Each input is a pack file, loaded against one fixed model (KX_FUZZ_MODEL, loaded once). An input whose last byte is odd (a bit of the stored header
+// Each input is a pack file, loaded against one fixed model (-kx_model=PATH, loaded once). An input whose last byte is odd (a bit of the stored header
 // checksum in a pack) is loaded as it is: the checksums must refuse any change. Otherwise its
 // checksum tensor is first recomputed over the mutated bytes (when the file still parses), so
 // the mutations also reach the structural and value checks behind the checksums. Either way the loader must return a pack or throw
@@ -64,12 +64,17 @@ bool restamp(std::vector<uint8_t> & buf) {
 
 } // namespace
 
-extern "C" int LLVMFuzzerInitialize(int *, char ***) {
-    // a test harness, not an op: its one setting comes from the environment, as libFuzzer
-    // owns the command line
-    const char * model = std::getenv("KX_FUZZ_MODEL");
+// its one parameter, -kx_model=PATH, rides on libFuzzer's command line (libFuzzer notes the
+// flag as unknown to it and goes on)
+extern "C" int LLVMFuzzerInitialize(int * argc, char *** argv) {
+    const char * model = nullptr;
+    for (int i = 1; i < *argc; ++i) {
+        if (std::strncmp((*argv)[i], "-kx_model=", 10) == 0) {
+            model = (*argv)[i] + 10;
+        }
+    }
     if (!model) {
-        std::fprintf(stderr, "kx-fuzz-pack: set KX_FUZZ_MODEL to the model the corpus packs were made for\n");
+        std::fprintf(stderr, "kx-fuzz-pack: give -kx_model=PATH, the model the corpus packs were made for\n");
         std::exit(2);
     }
     llama_log_set(quiet_log, nullptr);
