@@ -24,13 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
 
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return -1
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a synthetic model with its pack")
@@ -50,7 +43,7 @@ def main() -> int:
     import kairox  # before numpy (bench/tpot.py)
     from kairox._native import gpu_memory
     from kairox.balancer import BalancerConfig
-    from kairox.bench import git_commit, machine_facts, write_results
+    from kairox.bench import git_commit, machine_facts, rss_bytes, write_results
     from kairox.synth import topic_prompts
 
     doms = args.session.split(",")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kairox.bench import LocalServer, free_port
+from kairox.bench import LocalServer, free_port, rss_bytes
 from test_hybrid import synth_model  # noqa: F401  (KB-tiny with a pack: a pytest fixture)
 
 openai = pytest.importorskip("openai", reason="the openai client is installed by scripts/setup.sh --test")
@@ -205,13 +205,6 @@ N_STREAMS = 64
 LOAD_PROMPTS = [f"{w} upon a time there was a" for w in ("Once", "Twice", "Long", "Far", "High", "Deep", "Late", "Soon")]
 
 
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
 def _abort_mid_stream(port: int, prompt: str, after: int) -> None:
     """A client that goes away: reads `after` chunks of a stream, then drops the socket."""
     import http.client
@@ -278,12 +271,12 @@ def test_64_concurrent_streams_with_cancels_and_disconnects(native: Path, synth_
             more, hung = round_of_load()
             assert hung == 0
             done += more
-        rss0 = _rss_kib(s.proc.pid)
+        rss0 = rss_bytes(s.proc.pid)
         for _ in range(2):
             more, hung = round_of_load()
             assert hung == 0
             done += more
-        rss1 = _rss_kib(s.proc.pid)
+        rss1 = rss_bytes(s.proc.pid)
         assert s.proc.poll() is None, s.log_tail()
         assert len(done) == 4 * N_STREAMS // 2
         wrong = [(p, t) for p, t in done if t != want[p]]

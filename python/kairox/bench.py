@@ -80,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident memory of a process (Linux /proc), bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError(f"no VmRSS for process {pid}")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
