@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fresh import run_fresh
+from fresh import run_fresh, run_fresh_process
 
 HUGE = 2 << 20
 
@@ -27,7 +27,7 @@ b.ggml_backend_buffer_is_host.argtypes, b.ggml_backend_buffer_is_host.restype = 
 b.ggml_backend_buffer_free.argtypes = [P]
 b.ggml_backend_buft_name.argtypes, b.ggml_backend_buft_name.restype = [P], C.c_char_p
 size = int(sys.argv[1])
-t = _lib.kx_host_buffer_type(sys.argv[2] == "1")
+t = _lib.kx_host_buffer_type(sys.argv[2] == "1", 0)
 buf = b.ggml_backend_buft_alloc_buffer(t, size)
 assert buf and b.ggml_backend_buffer_is_host(buf)
 p = b.ggml_backend_buffer_get_base(buf)
@@ -98,3 +98,28 @@ def test_host_buffer_pages_are_huge(native: Path):
     assert huge * 1024 >= size // 2, huge
     if mode == "madvise":
         assert plain_huge == 0, plain_huge
+
+
+_REFUSED = r"""
+import ctypes as C, sys
+from kairox.llama import _lib
+from kairox._native import ggml_library
+b = ggml_library("ggml-base")
+P = C.c_void_p
+b.ggml_backend_buft_alloc_buffer.argtypes, b.ggml_backend_buft_alloc_buffer.restype = [P, C.c_size_t], P
+b.ggml_backend_buft_name.argtypes, b.ggml_backend_buft_name.restype = [P], C.c_char_p
+plain, refused = _lib.kx_host_buffer_type(True, 0), _lib.kx_host_buffer_type(True, int(sys.argv[1]))
+print(plain != refused, b.ggml_backend_buft_name(refused).decode(),
+      bool(b.ggml_backend_buft_alloc_buffer(refused, 1 << 20)))
+"""
+
+
+def test_refused_host_memory_is_no_buffer(native: Path):
+    """Fault injection (KX_FAULT_HOST_MAP): the buffer type with the fault is a type of its
+    own (ggml compares types by address) and its allocation returns no buffer, with a line
+    saying how much host memory could not be mapped; the model load then fails
+    (tests/test_load_faults.py on the GPU machine)."""
+    from kairox import capi
+    r = run_fresh_process(native, _REFUSED, str(capi.FAULTS["host_map"]))
+    assert r.stdout.split() == ["True", "KX_Host_Pinned", "False"]
+    assert "cannot map 1.00 MiB of host memory" in r.stderr

@@ -105,6 +105,42 @@ def test_pipeline_keeps_the_output(model4: Path, mode: str, late: int, decide: s
     assert all(h >= 0 for h in held) and (any(h > 0 for h in held) if decide == "worker" else not any(held))
 
 
+@pytest.mark.parametrize("fault", ["fail_at", "hang_at"])
+@pytest.mark.parametrize("decide", ["auto", "worker"])
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_failing_prefetch_stops_the_balancer_not_the_output(model4: Path, fault: str, decide: str, gpu: bool,
+                                                              capfd) -> None:
+    """Fault injection inside the decode: the 5th prefetch batch fails to queue, or never
+    lands. The layer's evictions made before the failure still reach the device map (else
+    both sides would compute those neurons), the pending loads never enter it, the balancer
+    stops with one line, and a batch that never lands costs the wait limit, not a hang."""
+    import time
+    _gpu_or_skip(gpu)
+
+    def one_more(llm, pause: float) -> np.ndarray:
+        # a batch that never lands is given up once the limit passed: the next decode after it
+        time.sleep(pause)
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        out = np.array(llm.scores[:llm.n_tokens])
+        llm.close()
+        return out
+    want_toks, _, ref, _ = gen(model4, "predicted")
+    want = one_more(ref, 0.0)
+    capfd.readouterr()
+    t0 = time.perf_counter()
+    toks, _, llm, _ = gen(model4, "predicted", gpu=gpu, slots=SLOTS, config=fast(), decide=decide,
+                          wait_limit_ms=300, **{fault: 5})
+    got = one_more(llm, 0.35)
+    elapsed = time.perf_counter() - t0
+    assert toks == want_toks
+    tol = 1e-3 if gpu else 1e-5
+    assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max())
+    err = capfd.readouterr().err
+    words = "did not finish within 300 ms" if fault == "hang_at" else "queueing slot reloads failed"
+    assert err.count("the balancer failed and stops") == 1 and words in err, err[-2000:]
+    assert elapsed < 60
+
+
 @pytest.mark.parametrize("late,gpu,decide", [(0, False, "auto"), (3, False, "auto"), (0, True, "auto"),
                                              (3, False, "worker"), (0, True, "worker")])
 def test_pipeline_decisions_equal_the_reference(model4: Path, late: int, gpu: bool, decide: str) -> None:

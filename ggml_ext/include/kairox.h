@@ -216,6 +216,14 @@ enum kx_status {
     KX_ERR_FAILED = 4, // the runtime failed (allocation, device): err says where
 };
 
+// tests, fault injection at load (kx_params.faults, bits): memory refused where the runtime
+// allocates it, to check what the user then sees
+enum kx_fault {
+    KX_FAULT_SLOTS     = 1, // the slots' buffer cannot be allocated: a clear error (or the fallback)
+    KX_FAULT_HOST_LOCK = 2, // page-locking the host weights is refused: they stay pageable, a warning
+    KX_FAULT_HOST_MAP  = 4, // no memory for the host weights: the model does not load
+};
+
 struct kx_params {
     int32_t         sparse;            // enum kx_sparse_mode or KX_SPARSE_AUTO (default)
     const char *    sparse_pack;       // NULL: MODEL.kxpack.gguf next to the model
@@ -244,6 +252,7 @@ struct kx_params {
                                        // for that cannot run): true, run dense with a warning; false (the
                                        // default), stop with the error. kx_context_apply leaves the context
                                        // dense either way; the tools and kairox.Llama read this field
+    int32_t         faults;            // tests: enum kx_fault bits, memory refused at load (0: none)
     // filled by kx_model_params_apply, not by the caller: free bytes of the slots' device before
     // the model loads (the budget's zero; the CUDA context is not counted), -1 unknown
     int64_t         vram_free_at_load;
@@ -366,8 +375,8 @@ LLAMA_API void    kx_collect_hist_range(double * lo_log10, double * hi_log10);
 // Host memory for weights the CPU reads row by row (llama/kx-host.cpp): buffers in 2 MiB pages
 // (transparent huge pages) and, when pinned, page-locked and mapped for the GPUs (left
 // pageable, with a message, where locking fails). For tensor_buft_overrides of a hybrid's
-// host-side weights, loaded without mmap.
-LLAMA_API ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned);
+// host-side weights, loaded without mmap. faults: kx_params.faults (tests; 0 normally).
+LLAMA_API ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned, int32_t faults);
 
 // Warming the host's caches with the next layer's rows during the device's serial part
 // (llama/kx-warm.cpp; on unless kx_params::warm is false; hybrid layers after the

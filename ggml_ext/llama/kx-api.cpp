@@ -51,6 +51,11 @@ const char * kx_model_pack_activation(const llama_model * model) {
 
 int32_t kx_model_set_slots(llama_model * model, const int64_t * n_slots, int32_t n_layer, const char * device,
                            char * err, size_t err_size) {
+    return kx_model_set_slots_faults(model, n_slots, n_layer, device, 0, err, err_size);
+}
+
+int32_t kx_model_set_slots_faults(llama_model * model, const int64_t * n_slots, int32_t n_layer, const char * device,
+                                  int32_t faults, char * err, size_t err_size) {
     if (!model || !model->kx_pack_ptr) {
         kx_set_err(err, err_size, "neuron slots need a sparse pack, and none is loaded for this model");
         return 1;
@@ -62,7 +67,7 @@ int32_t kx_model_set_slots(llama_model * model, const int64_t * n_slots, int32_t
     kx_pack & pack = *model->kx_pack_ptr;
     try {
         pack.slots = n_layer == 0 ? nullptr
-                   : kx_slots_build(*model, pack, std::vector<int64_t>(n_slots, n_slots + n_layer), device);
+                   : kx_slots_build(*model, pack, std::vector<int64_t>(n_slots, n_slots + n_layer), device, faults);
     } catch (const std::exception & e) {
         pack.slots.reset();
         kx_set_err(err, err_size, e.what()); // the caller reports it (once)

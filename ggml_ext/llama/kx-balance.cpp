@@ -166,6 +166,11 @@ double kx_balance_drain_decision(kx_balancer & b) {
     return kx_seconds_since(t0);
 }
 
+// seconds a reload batch may stay out before the balancer gives up on it
+static double kx_balance_wait_limit(const kx_balancer & b) {
+    return (b.params.wait_limit_ms > 0 ? b.params.wait_limit_ms : 10000) * 1e-3;
+}
+
 // Waits for every queued reload, at most params.wait_limit_ms: a copy that never finishes
 // (a failing device, an injected hang) stops the balancer instead of the decode. Polls the
 // engine rather than blocking in it so that the wait can end; at a boundary the copies have
@@ -173,7 +178,7 @@ double kx_balance_drain_decision(kx_balancer & b) {
 // exactly 0 when nothing was running (the stall model's test for an I/O stall).
 static double kx_balance_wait(kx_balancer & b) {
     const auto t0 = std::chrono::steady_clock::now();
-    const double limit = (b.params.wait_limit_ms > 0 ? b.params.wait_limit_ms : 10000) * 1e-3;
+    const double limit = kx_balance_wait_limit(b);
     for (bool first = true;; first = false) {
         const int32_t q = b.hung ? 0 : b.io->query(b.engine);
         if (q < 0) {
@@ -639,9 +644,15 @@ static bool kx_pipe_landed(kx_balancer & b, kx_balance_layer & L) {
         --L.fake_late;
         return false;
     }
-    const int32_t q = b.io->tag_query(b.engine, L.tag);
+    const int32_t q = L.hung ? 0 : b.io->tag_query(b.engine, L.tag);
     if (q < 0) {
         throw std::runtime_error("balancer: a slot reload failed");
+    }
+    // a batch still out after the wait limit will not land: the balancer stops rather than
+    // keep the layer's decisions skipped (its slots taken) for the rest of the run
+    const double limit = kx_balance_wait_limit(b);
+    if (q == 0 && kx_seconds_since(L.pend_t0) > limit) {
+        throw std::runtime_error(kx_fmt("balancer: slot reloads did not finish within %.0f ms", limit * 1e3));
     }
     return q == 1;
 }
@@ -814,7 +825,11 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
         L.pend.push_back({ i, s });
     }
     if (!copies.empty()) {
-        if (b.io->tag_copy(b.engine, L.tag, copies.data(), (int64_t) copies.size())) {
+        L.pend_t0 = std::chrono::steady_clock::now();
+        if (++b.batches == b.params.hang_at) {
+            L.hung = b.hung = true; // queued in name only: its rows never land
+        } else if (b.batches == b.params.fail_at ||
+                   b.io->tag_copy(b.engine, L.tag, copies.data(), (int64_t) copies.size())) {
             throw std::runtime_error("balancer: queueing slot reloads failed");
         }
         ++L.batches;
@@ -870,9 +885,11 @@ static void kx_pipe_job(kx_balancer & b) {
     }
 }
 
-static kx_balancer * kx_pipe_balancer(kx_slots & slots, int32_t il, kx_balance_layer ** L) {
+// the balancer of layer il's pipeline hooks, nullptr when it has none; once it failed only
+// for `failed_too` (publish still makes the map stores of evictions already handed to the host)
+static kx_balancer * kx_pipe_balancer(kx_slots & slots, int32_t il, kx_balance_layer ** L, bool failed_too = false) {
     kx_balancer * b = slots.balancer.get();
-    if (!b || !b->params.pipeline || !b->error.empty() || il < 0 || il >= (int32_t) b->index_of.size() ||
+    if (!b || !b->params.pipeline || (!failed_too && !b->error.empty()) || il < 0 || il >= (int32_t) b->index_of.size() ||
         b->index_of[il] < 0) {
         return nullptr;
     }
@@ -919,18 +936,28 @@ void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept {
     kx_balancer * w = slots.pipe_worker ? slots.balancer.get() : nullptr;
     const double hold = w ? kx_balance_drain_decision(*w) : 0.0; // (before anything reads what the thread writes)
     kx_balance_layer * L = nullptr;
-    kx_balancer * b = kx_pipe_balancer(slots, il, &L);
+    kx_balancer * b = kx_pipe_balancer(slots, il, &L, true);
     if (!b) {
         return;
     }
     try {
-        if (w && L->rec >= 0) {
-            b->trace[L->rec].hold_us = (float) (1e6 * hold);
+        if (b->error.empty()) {
+            if (w && L->rec >= 0) {
+                b->trace[L->rec].hold_us = (float) (1e6 * hold);
+            }
+            kx_pipe_settle(*b, *L, b->pstep);
         }
-        kx_pipe_settle(*b, *L, b->pstep);
-        kx_pipe_flush(*b, *L);
     } catch (const std::exception & e) {
         b->error = e.what();
+    }
+    try {
+        // an evicted neuron's host maps already say "host": the device map must stop saying
+        // "slot" before the layer runs, or both sides would compute it
+        kx_pipe_flush(*b, *L);
+    } catch (const std::exception & e) {
+        if (b->error.empty()) {
+            b->error = e.what();
+        }
     }
 }
 
@@ -962,11 +989,16 @@ static void kx_pipe_boundary(kx_balancer & b) {
         // decided here from its own last list: the last boundary's loads landed during the
         // decode (that step's end), this step's land during the next one; the evictions'
         // map stores are made before the next graph runs
-        if (L.rec >= 0 && b.trace[L.rec].decided) {
-            kx_pipe_settle(b, L, b.trace[L.rec].step);
-        }
-        if (L.snap_fresh) {
-            kx_pipe_prefetch(b, L, L.snap.data(), (int32_t) L.snap.size(), next);
+        try {
+            if (L.rec >= 0 && b.trace[L.rec].decided) {
+                kx_pipe_settle(b, L, b.trace[L.rec].step);
+            }
+            if (L.snap_fresh) {
+                kx_pipe_prefetch(b, L, L.snap.data(), (int32_t) L.snap.size(), next);
+            }
+        } catch (...) {
+            kx_pipe_flush(b, L); // the evictions made before the failure (see kx_pipe_hook_publish)
+            throw;
         }
         kx_pipe_flush(b, L);
         L.snap_fresh = false;

@@ -80,6 +80,8 @@ struct kx_balance_layer {
     bool    late_prev = false;       // the last step's loads were late (an I/O stall)
     int32_t fake_late = 0;           // late_every: checks still to report "not landed"
     int64_t batches = 0;
+    bool    hung = false;            // fault injection: its pending batch was queued in name only
+    std::chrono::steady_clock::time_point pend_t0; // when the pending batch was queued
     int64_t rec = -1;                // this layer's newest trace record
     bool    snap_fresh = false;
     std::vector<std::pair<int32_t, int32_t>> pend; // (neuron, slot): rows queued, not yet in the slot map
@@ -141,7 +143,7 @@ struct kx_balancer {
     int32_t first_ahead = -1;               // the lowest layer prefetched within a graph (counts pstep)
     std::vector<int32_t> index_of;          // model layer -> index in layers, -1
     std::string error;                      // the first failure inside a graph (reported at the boundary)
-    int64_t batches = 0;                    // between-decode reload batches queued (fault injection counts them)
+    int64_t batches = 0;                    // reload batches queued, both paths (fault injection counts them)
     bool hung = false;                      // fault injection: a batch that never finishes was queued
 
     // the device's decision (engine->tam_new): every layer in one launch on the reload stream

@@ -76,6 +76,7 @@ void * kx_host_map(size_t size) {
 struct kx_host_type {
     ggml_backend_buffer_type buft;
     bool pinned;
+    int32_t faults; // KX_FAULT_HOST_LOCK | KX_FAULT_HOST_MAP bits (tests)
 };
 
 void kx_host_buffer_free(ggml_backend_buffer_t buffer) {
@@ -97,17 +98,17 @@ ggml_backend_buffer_t kx_host_buft_alloc(ggml_backend_buffer_type_t buft, size_t
     if (size == 0) {
         return ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), 0);
     }
-    void * p = kx_host_map(size);
+    const auto * t = (const kx_host_type *) buft->context;
+    void * p = t->faults & KX_FAULT_HOST_MAP ? nullptr : kx_host_map(size);
     if (!p) {
         fprintf(stderr, "kairox: cannot map %.2f MiB of host memory\n", size / 1048576.0);
         return nullptr;
     }
-    const auto * t = (const kx_host_type *) buft->context;
     if (t->pinned) {
         const kx_reload_iface * io = kx_host_locker();
         // locking faults every page in (as huge pages where advised); without it the buffer
         // still works, its GPU copies then go through the driver's staging
-        if (io && io->host_pin(p, kx_host_len(size)) != 0) {
+        if (io && ((t->faults & KX_FAULT_HOST_LOCK) || io->host_pin(p, kx_host_len(size)) != 0)) {
             fprintf(stderr, "kairox: %.2f MiB of host weights stay pageable (locking failed)\n", size / 1048576.0);
         }
     }
@@ -125,7 +126,7 @@ bool kx_host_buft_is_host(ggml_backend_buffer_type_t) {
     return true;
 }
 
-kx_host_type kx_host_make(bool pinned) {
+kx_host_type kx_host_make(bool pinned, int32_t faults) {
     kx_host_type t = {};
     t.buft.iface = {
         /* .get_name       = */ kx_host_buft_name,
@@ -138,14 +139,24 @@ kx_host_type kx_host_make(bool pinned) {
     // the CPU device, as the CPU buffer type's own: its backend runs the ops reading the weights
     t.buft.device = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     t.pinned = pinned;
+    t.faults = faults;
     return t;
 }
 
 } // namespace
 
-ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned) {
-    static kx_host_type types[2] = { kx_host_make(false), kx_host_make(true) };
-    kx_host_type & t = types[pinned ? 1 : 0];
-    t.buft.context = &t;
-    return &t.buft;
+ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned, int32_t faults) {
+    // a type per combination: ggml compares buffer types by address
+    constexpr int32_t host_faults = KX_FAULT_HOST_LOCK | KX_FAULT_HOST_MAP;
+    static kx_host_type types[2][host_faults + 1] = {};
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (int32_t p = 0; p < 2; ++p) {
+            for (int32_t f = 0; f <= host_faults; ++f) {
+                types[p][f] = kx_host_make(p == 1, f & host_faults);
+                types[p][f].buft.context = &types[p][f];
+            }
+        }
+    });
+    return &types[pinned ? 1 : 0][faults & host_faults].buft;
 }

@@ -521,7 +521,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     // the ops that read them on the CPU backend, where the buffer lives); in huge pages, as
     // the host op reads the transposed down rows scattered (kx-host.cpp). Not page-locked:
     // the slots lock what their mapped share reads.
-    pack->buf = ggml_backend_alloc_ctx_tensors_from_buft(pack->ctx, kx_host_buffer_type(false));
+    pack->buf = ggml_backend_alloc_ctx_tensors_from_buft(pack->ctx, kx_host_buffer_type(false, 0));
     if (!pack->buf) {
         throw kx_pack_error(kx_fmt("cannot allocate host memory for pack %s", path.c_str()));
     }

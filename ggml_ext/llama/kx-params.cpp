@@ -182,7 +182,7 @@ int32_t kx_model_params_apply(kx_params * kp, llama_model_params * mp, char * er
         }
         kp->vram_free_at_load = kx_dev_free(dev);
     }
-    ggml_backend_buffer_type_t host = pinned ? kx_host_buffer_type(true)
+    ggml_backend_buffer_type_t host = pinned ? kx_host_buffer_type(true, kp->faults)
         : ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
     std::lock_guard<std::mutex> lk(kx_override_mu);
     std::vector<std::string> & pats = kx_override_patterns.emplace_back(kx_cpu_patterns(dense_cpu));
@@ -365,8 +365,8 @@ static void kx_start_balancer(llama_model * model, const kx_params * kp) {
 static void kx_place(llama_context * ctx, llama_model * model, const kx_params * kp, const std::vector<int64_t> & counts,
                      int32_t mode, int32_t refuse) {
     char e[1024];
-    kx_check(kx_model_set_slots(model, counts.data(), (int32_t) counts.size(), kp->slots_device, e, sizeof(e)),
-             refuse, "neuron slots: ", e);
+    kx_check(kx_model_set_slots_faults(model, counts.data(), (int32_t) counts.size(), kp->slots_device, kp->faults,
+                                       e, sizeof(e)), refuse, "neuron slots: ", e);
     model->kx_pack_ptr->slots->warm_on = kp->warm;
     kx_check(kx_context_set_sparse(ctx, mode, e, sizeof(e)), refuse, "", e);
     if (kp->mapped_share > 0.0f) {

@@ -57,7 +57,8 @@ static void kx_gather_rows(const ggml_tensor * src, const std::vector<int32_t> &
 }
 
 std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
-                                         const std::vector<int64_t> & n_slots, const char * device) {
+                                         const std::vector<int64_t> & n_slots, const char * device,
+                                         int32_t faults) {
     const int64_t n_layer = pack.n_layer, n_ff = pack.n_ff, n_embd = pack.n_embd;
     if ((int64_t) n_slots.size() != n_layer) {
         throw std::runtime_error(kx_fmt("slots for %zu layers given, the model has %" PRId64,
@@ -121,7 +122,8 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
     if (!ggml_get_first_tensor(slots->ctx_dev)) {
         return slots; // no layer has slots: everything stays on the host
     }
-    slots->buf_dev = ggml_backend_alloc_ctx_tensors_from_buft(slots->ctx_dev, ggml_backend_dev_buffer_type(dev));
+    slots->buf_dev = faults & KX_FAULT_SLOTS ? nullptr
+                   : ggml_backend_alloc_ctx_tensors_from_buft(slots->ctx_dev, ggml_backend_dev_buffer_type(dev));
     if (!slots->buf_dev) {
         throw std::runtime_error(kx_fmt("cannot allocate %s memory for the neuron slots", slots->device.c_str()));
     }

@@ -105,8 +105,13 @@ struct kx_slots {
 
 // Builds slots for every layer with n_slots[il] > 0 (clamped to n_ff) on device `device`
 // (nullptr: the first GPU). Throws std::runtime_error with one sentence on failure.
+// faults: kx_params.faults (KX_FAULT_SLOTS refuses the slots' buffer).
 std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
-                                         const std::vector<int64_t> & n_slots, const char * device);
+                                         const std::vector<int64_t> & n_slots, const char * device,
+                                         int32_t faults = 0);
+// kx_model_set_slots with kx_params.faults
+int32_t kx_model_set_slots_faults(llama_model * model, const int64_t * n_slots, int32_t n_layer, const char * device,
+                                  int32_t faults, char * err, size_t err_size);
 
 // Neuron i back on the host side of layer L: the host maps point at its rows again (the
 // caller clears its slot map entry).

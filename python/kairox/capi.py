@@ -21,6 +21,8 @@ DECIDE = ("auto", "worker", "inline")
 RELOAD_METHODS = ("gather", "memcpy", "batch")
 # enum kx_tam_stall (kx-tam.h)
 STALLS = ("none", "io", "cpu")
+# enum kx_fault (bits of kx_params.faults; tests)
+FAULTS = {"slots": 1, "host_lock": 2, "host_map": 4}
 
 
 class Status(enum.IntEnum):
@@ -40,6 +42,7 @@ ENUMS = {
     **{f"KX_DECIDE_{m.upper()}": i for i, m in enumerate(DECIDE)},
     **{f"KX_RELOAD_{m.upper()}": i for i, m in enumerate(RELOAD_METHODS)},
     **{f"KX_TAM_STALL_{m.upper()}": i for i, m in enumerate(STALLS)},
+    **{f"KX_FAULT_{k.upper()}": v for k, v in FAULTS.items()},
     "KX_OK": Status.OK, "KX_ERR_PARAMS": Status.PARAMS, "KX_ERR_PACK": Status.PACK,
     "KX_ERR_BUDGET": Status.BUDGET, "KX_ERR_FAILED": Status.FAILED,
 }
@@ -74,7 +77,7 @@ class Params(ctypes.Structure):  # struct kx_params
                 ("pinned", ctypes.c_bool), ("warm", ctypes.c_bool), ("mapped_share", ctypes.c_float),
                 ("balancer", ctypes.c_int32), ("balance", BalanceParams), ("trace", ctypes.c_char_p),
                 ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),
-                ("error_budget", ctypes.c_float), ("fallback_dense", ctypes.c_bool),
+                ("error_budget", ctypes.c_float), ("fallback_dense", ctypes.c_bool), ("faults", ctypes.c_int32),
                 ("vram_free_at_load", ctypes.c_int64)]
 
 
@@ -139,7 +142,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_thresholds_solve": ([P(ctypes.c_float), P(ctypes.c_float), i64, P(ctypes.c_uint8), ctypes.c_float,
                                  ctypes.c_float, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, P(i32), P(i32)],
                                 None),
-        "kx_host_buffer_type": ([ctypes.c_bool], vp),
+        "kx_host_buffer_type": ([ctypes.c_bool, i32], vp),
     }
     for name, (args, res) in sigs.items():
         f = getattr(lib, name)

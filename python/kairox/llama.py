@@ -95,11 +95,16 @@ class KairoxOptions:
     # a sparse mode or hybrid asked for that cannot run: None raises SparsePackError; "dense"
     # runs the model dense with a SparsePackWarning
     fallback: str | None = None
+    # tests, fault injection at load: names of kairox.capi.FAULTS (memory refused for the
+    # slots, the page-locking or the mapping of the host weights)
+    faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self._check_sparse()
         if self.fallback not in (None, "dense"):
             raise ValueError(f"fallback must be None or 'dense', not {self.fallback!r}")
+        if isinstance(self.faults, str) or any(f not in capi.FAULTS for f in self.faults):
+            raise ValueError(f"faults must be names among {', '.join(capi.FAULTS)}, not {self.faults!r}")
         if self.balancer is not None and self.balancer is not False:
             from .balancer import BalancerConfig
             if self.balancer is True:
@@ -212,6 +217,7 @@ class KairoxOptions:
         kp.sched_trace, kp.sched_trace_max = text(self.sched_trace), self.sched_trace_max
         kp.error_budget = -1.0 if self.error_budget is None else float(self.error_budget)
         kp.fallback_dense = self.fallback == "dense"
+        kp.faults = sum(capi.FAULTS[f] for f in set(self.faults))
         return kp, keep
 
 
