@@ -377,6 +377,8 @@ LLAMA_API void    kx_collect_hist_range(double * lo_log10, double * hi_log10);
 // pageable, with a message, where locking fails). For tensor_buft_overrides of a hybrid's
 // host-side weights, loaded without mmap. faults: kx_params.faults (tests; 0 normally).
 LLAMA_API ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned, int32_t faults);
+// bytes of the pinned type's buffers left pageable (locking failed) since the process started
+LLAMA_API int64_t kx_host_pageable_bytes(void);
 
 // Warming the host's caches with the next layer's rows during the device's serial part
 // (llama/kx-warm.cpp; on unless kx_params::warm is false; hybrid layers after the

@@ -21,6 +21,7 @@
 
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -29,6 +30,8 @@ namespace {
 
 constexpr size_t KX_HOST_PAGE  = 2u << 20; // the huge page the mapping is aligned to
 constexpr size_t KX_HOST_ALIGN = 64;       // tensor alignment (ggml_aligned_malloc's)
+
+std::atomic<int64_t> kx_host_pageable{0};
 
 size_t kx_host_len(size_t size) {
     return (size + KX_HOST_PAGE - 1) / KX_HOST_PAGE * KX_HOST_PAGE;
@@ -110,6 +113,7 @@ ggml_backend_buffer_t kx_host_buft_alloc(ggml_backend_buffer_type_t buft, size_t
         // still works, its GPU copies then go through the driver's staging
         if (io && ((t->faults & KX_FAULT_HOST_LOCK) || io->host_pin(p, kx_host_len(size)) != 0)) {
             fprintf(stderr, "kairox: %.2f MiB of host weights stay pageable (locking failed)\n", size / 1048576.0);
+            kx_host_pageable += (int64_t) size; // (a client that hides the load's output reads this)
         }
     }
     ggml_backend_buffer_t buffer = ggml_backend_cpu_buffer_from_ptr(p, size);
@@ -144,6 +148,10 @@ kx_host_type kx_host_make(bool pinned, int32_t faults) {
 }
 
 } // namespace
+
+int64_t kx_host_pageable_bytes(void) {
+    return kx_host_pageable.load();
+}
 
 ggml_backend_buffer_type_t kx_host_buffer_type(bool pinned, int32_t faults) {
     // a type per combination: ggml compares buffer types by address

@@ -19,7 +19,7 @@ if "llama_cpp.llama_cpp" not in _sys.modules:
 
 __version__ = "0.1.0"
 _LLAMA_NAMES = ("Llama", "ModelLoadError", "SparsePackError", "SparsePackWarning", "SparseApproximationWarning",
-                "VramBudgetError")
+                "HostMemoryWarning", "VramBudgetError")
 __all__ = [*_LLAMA_NAMES, "__version__"]
 
 

@@ -143,6 +143,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                  ctypes.c_float, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, P(i32), P(i32)],
                                 None),
         "kx_host_buffer_type": ([ctypes.c_bool, i32], vp),
+        "kx_host_pageable_bytes": ([], i64),
     }
     for name, (args, res) in sigs.items():
         f = getattr(lib, name)

@@ -229,6 +229,11 @@ class SparseApproximationWarning(UserWarning):
     """Exact mode on a model whose activation is not ReLU: close to dense, not equal."""
 
 
+class HostMemoryWarning(UserWarning):
+    """Page-locking the hybrid's host weights was refused: they stay pageable (the run is
+    right; GPU copies of them go through the driver's staging, prefill is slower)."""
+
+
 class SparsePackError(ValueError):
     """The sparse mode or hybrid asked for cannot run; `reason` is the runtime's sentence."""
 
@@ -353,7 +358,9 @@ class Llama(llama_cpp.Llama):
                     # tries to load a directory
                     raise ModelLoadError(f"{model_path} is {'a directory' if os.path.isdir(model_path) else 'missing'}"
                                          f", not a model file")
+                pageable = _lib.kx_host_pageable_bytes()
                 super().__init__(model_path, *args, **kwargs)
+                pageable = _lib.kx_host_pageable_bytes() - pageable
             except ModelLoadError:
                 raise
             except ValueError as e:
@@ -366,6 +373,10 @@ class Llama(llama_cpp.Llama):
         if failed:
             self.close()
             raise ValueError(failed[0][1])
+        if pageable > 0:
+            # the runtime's own line went where the base class sends the load's output
+            warnings.warn(HostMemoryWarning(f"kairox: {pageable / 2**20:.2f} MiB of host weights stay pageable "
+                                            "(page-locking was refused)"), stacklevel=2)
         self._kx_apply(model_path)
 
     def _kx_apply(self, model_path: str) -> None:
