@@ -15,7 +15,7 @@ import pytest
 import kairox.fit as fit
 from kairox.fit import (FitConfig, FitResult, evaluate_predictor, fit_predictor, predictor_params,
                         rank_for_budget)
-from kairox.predictor import predictor_scores
+from kairox.pack import predictor_scores
 
 N_EMBD, N_FF, R0, DENSITY = 128, 256, 8, 0.15
 Sampler = Callable[[int, int], tuple[np.ndarray, np.ndarray]]

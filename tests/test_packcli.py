@@ -122,8 +122,8 @@ def test_errors(capsys: pytest.CaptureFixture, model: Path, tmp_path: Path, args
 @pytest.mark.parametrize("args,message", [
     (["--group-size", "0"], "argument --group-size: must be a positive integer"),
     (["--rank", "x"], "argument --rank: must be a positive integer"),
-    (["--margin", "-1"], "argument --margin: must be a finite number >= 0"),
-    (["--margin", "nan"], "argument --margin: must be a finite number >= 0"),
+    (["--margin", "-1"], "argument --margin: must be in [0, inf), got -1"),
+    (["--margin", "nan"], "argument --margin: must be in [0, inf), got nan"),
     (["--down-type", "q4_0"], "argument --down-type: invalid choice"),
 ])
 def test_bad_option_values(capsys: pytest.CaptureFixture, model: Path, args: list[str],

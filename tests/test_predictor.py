@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from kairox.predictor import (default_rank, predictor_scores, recall_and_overprediction,
+from kairox.pack import predictor_scores
+from kairox.predictor import (default_rank, recall_and_overprediction,
                               sketch_predictor)
 
 

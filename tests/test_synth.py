@@ -13,7 +13,8 @@ from kairox.checkpoint import HFConfig
 from kairox.cli import main
 from kairox.gguf_header import GGUFHeader, scan_header
 from kairox.pack import read_model_tensor, read_pack
-from kairox.predictor import default_rank, predictor_scores, recall_and_overprediction, sketch_predictor
+from kairox.pack import predictor_scores
+from kairox.predictor import default_rank, recall_and_overprediction, sketch_predictor
 from kairox.reference import LlamaReference, rms_norm
 from kairox.synth import PRESETS, Shape, SparseFFN, SynthError, firing_rates, synth, token_topics, topic_prompts
 
@@ -167,7 +168,7 @@ def test_refusals(tmp_path: Path, small_vocab: Path, sparse: SparseFFN, message:
 @pytest.mark.parametrize("args,message", [
     (["--act", "silu", "--sparsity", "0.8"], "apply only to --act relu"),
     (["--gate-rank", "1"], r"gate rank must be an integer in 2\.\.64"),
-    (["--sparsity", "1.5"], "argument --sparsity: must be strictly between 0 and 1"),
+    (["--sparsity", "1.5"], r"argument --sparsity: must be in \(0, 1\), got 1.5"),
     (["--sparsity", "x"], "argument --sparsity: must be a number"),
     (["--topics", "300"], r"topics must be an integer in 0\.\.255"),
     (["--topic-share", "1"], r"topic share must be in \[0, 1\)"),

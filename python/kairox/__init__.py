@@ -10,6 +10,7 @@ import os as _os
 import sys as _sys
 
 from . import _native
+from ._version import __version__
 
 if "llama_cpp.llama_cpp" not in _sys.modules:
     try:
@@ -17,7 +18,6 @@ if "llama_cpp.llama_cpp" not in _sys.modules:
     except _native.NativeLibraryNotFound:
         pass  # kairox.Llama will say so; convert/synth/info work without it
 
-__version__ = "0.1.0"
 _LLAMA_NAMES = ("Llama", "ModelLoadError", "SparsePackError", "SparsePackWarning", "SparseApproximationWarning",
                 "HostMemoryWarning", "VramBudgetError")
 __all__ = [*_LLAMA_NAMES, "__version__"]

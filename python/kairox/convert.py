@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass

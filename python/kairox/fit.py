@@ -78,7 +78,8 @@ from typing import Any
 
 import numpy as np
 
-from .predictor import _top_right_singular, predictor_scores
+from .pack import predictor_scores
+from .predictor import _top_right_singular
 
 BACKENDS = ("auto", "numpy", "torch")
 # Fewest held-out positives for a neuron's own bias, whatever target_recall allows
@@ -241,7 +242,7 @@ def _check_xy(x: np.ndarray, y: np.ndarray) -> None:
 def evaluate_predictor(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray,
                        y: np.ndarray) -> PredictorQuality:
     """The quality of predictor (A, B, c) on inputs x [N, n_embd] against active sets y
-    [N, n_ff] (bool), scored in row chunks with kairox.predictor.predictor_scores."""
+    [N, n_ff] (bool), scored in row chunks with kairox.pack.predictor_scores."""
     x, y = np.asarray(x), np.asarray(y)
     _check_xy(x, y)
     a, b, c = np.asarray(a), np.asarray(b), np.asarray(c)

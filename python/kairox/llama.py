@@ -32,8 +32,10 @@ from typing import Any
 
 from . import capi
 from ._native import load_llama_cpp
+from .balancer import BalancerConfig
 from .budget import VramBudgetError, VramReport
-from .capi import DECIDE, RELOAD_METHODS, SPARSE_MODES, BalanceRecord
+from .capi import DECIDE, RELOAD_METHODS, SPARSE_MODES, STALLS, BalanceRecord
+from .plan import Plan, parse_size
 
 llama_cpp = load_llama_cpp()
 _C = llama_cpp.llama_cpp
@@ -106,7 +108,6 @@ class KairoxOptions:
         if isinstance(self.faults, str) or any(f not in capi.FAULTS for f in self.faults):
             raise ValueError(f"faults must be names among {', '.join(capi.FAULTS)}, not {self.faults!r}")
         if self.balancer is not None and self.balancer is not False:
-            from .balancer import BalancerConfig
             if self.balancer is True:
                 object.__setattr__(self, "balancer", BalancerConfig())
             elif not isinstance(self.balancer, BalancerConfig):
@@ -121,7 +122,6 @@ class KairoxOptions:
         if self.reload_method not in RELOAD_METHODS:
             raise ValueError(f"reload_method must be one of {', '.join(RELOAD_METHODS)}, not {self.reload_method!r}")
         if self.vram_budget is not None:
-            from .plan import parse_size
             b = self.vram_budget
             try:
                 b = parse_size(b) if isinstance(b, str) else b
@@ -206,9 +206,8 @@ class KairoxOptions:
         kp.slots_device = text(self.slots_device)
         kp.pinned, kp.warm, kp.mapped_share = self.pinned, self.warm, float(self.mapped_share)
         if self.balancer:
-            from .tam import native_config
             kp.balancer = capi.BALANCER_MODES.index("adaptive" if self.balancer.adaptive else "fixed")
-            kp.balance.tam = native_config(self.balancer)
+            kp.balance.tam = self.balancer.native()
             kp.balance.method = RELOAD_METHODS.index(self.reload_method)
             kp.balance.decide = DECIDE.index(self.balancer_decide)
             kp.balance.record = int(self.balancer_record)
@@ -320,7 +319,6 @@ class Llama(llama_cpp.Llama):
         _errors.take()
         opts = self.kx_options
         if opts.plan is not None:
-            from .plan import Plan
             plan = Plan.read(opts.plan)  # a readable error before anything loads
             if plan.model != Path(model_path).name:
                 raise ValueError(f"the plan {opts.plan} was made for {plan.model}, not {Path(model_path).name}")
@@ -497,15 +495,13 @@ class Llama(llama_cpp.Llama):
         newest (0: 262144; a trace file gets every one)."""
         if decide not in DECIDE:
             raise ValueError(f"decide must be one of {', '.join(DECIDE)}, not {decide!r}")
-        from .balancer import BalancerConfig
-        from .tam import native_config
         err = ctypes.create_string_buffer(1024)
         if config is None or config is False:
             _lib.kx_model_balancer_start(self._model.model, None, err, 1024)
             self._kx_refresh_graph()
             return
         cfg = BalancerConfig() if config is True else config
-        p = capi.BalanceParams(native_config(cfg), cpu_gbs, gpu_gbs,
+        p = capi.BalanceParams(cfg.native(), cpu_gbs, gpu_gbs,
                                RELOAD_METHODS.index(self.kx_options.reload_method), max_blocks, DECIDE.index(decide),
                                int(self.kx_options.balancer_record), int(observe), int(pipeline), late_every,
                                wait_limit_ms, fail_at, hang_at, trace_keep)
@@ -536,7 +532,6 @@ class Llama(llama_cpp.Llama):
         n = _lib.kx_model_balance_trace(self._model.model, None, 0)
         arr = (BalanceRecord * max(n, 1))()
         n = min(n, _lib.kx_model_balance_trace(self._model.model, arr, n))
-        from .balancer import STALLS
         out = []
         for r in arr[:n]:
             d = {f: getattr(r, f) for f, _ in BalanceRecord._fields_ if f != "pad"}

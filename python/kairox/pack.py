@@ -17,10 +17,18 @@ from typing import Any
 
 import numpy as np
 
+from ._version import __version__
 from .gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, scan_header
 from .gguffile import (CHECKSUM_NAME, declare_checksums, encode_tensor, finish_atomically, map_ahead,
                        temp_path_for, xxh3)
-from .thresholds import K as THR_K, K0 as THR_K0
+
+# The load-aware thresholds' grid (kairox.thresholds): score offsets relative to the layer's
+# score spread (the standard deviation of its calibration scores: the sketch predictor
+# scores in gate units, fitted ones in logits). Its width and zero are the pack format's.
+THR_GRID_REL = np.array([-1.0, -0.5, -0.25, -0.125, -0.0625, 0.0, 0.0625, 0.125, 0.25, 0.5, 1.0], np.float32)
+THR_K0 = int(np.flatnonzero(THR_GRID_REL == 0.0)[0])
+THR_K = len(THR_GRID_REL)
+
 
 # `gguf` and `tqdm` are imported inside the functions that use them, as in convert.py.
 
@@ -155,6 +163,18 @@ def fingerprint(model_path: str | Path) -> str:
 # ------------------------------------------------------------------------- the model
 
 
+def predictor_scores(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """B (A x) + c for an FFN input x [n_embd] or a batch [n_tokens, n_embd] (float32).
+
+    A neuron is predicted active where its score is > 0.
+    """
+    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    x32 = np.asarray(x, np.float32)
+    if x32.shape[-1] != a32.shape[1]:
+        raise ValueError(f"x has {x32.shape[-1]} channels but the predictor reads {a32.shape[1]}")
+    return (x32 @ a32.T) @ b32.T + np.asarray(c, np.float32)
+
+
 @dataclass(frozen=True)
 class BaseModel:
     """What a pack records about the model it was made for."""
@@ -244,7 +264,6 @@ class PackLayer:
         original neuron id, > 0 where the neuron is predicted active."""
         if not self.has_predictor:
             raise PackError("this pack layer has no predictor")
-        from .predictor import predictor_scores
         return predictor_scores(self.pred_a, self.pred_b, self.pred_c, x)
 
     def down_t(self) -> np.ndarray:
@@ -385,6 +404,15 @@ def _check_thr_table(tab: np.ndarray, n_ff: int, what: str) -> np.ndarray:
     return tab
 
 
+def default_down_type(hdr: GGUFHeader) -> str:
+    """The pack's down-row type for a model: f32 for a model whose ffn_down is F32 (keep it
+    exact), else f16: the pack's rows are read by the sparse kernels, and f16 is as precise
+    as any quantized source while halving the bytes of f32."""
+    import gguf
+    t = next(t for t in hdr.tensors if t.name == "blk.0.ffn_down.weight")
+    return "f32" if gguf.GGMLQuantizationType(t.type_id) == gguf.GGMLQuantizationType.F32 else "f16"
+
+
 def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, group_size: int = 32,
                down_type: str = "f32", method: dict[str, Any] | None = None,
                predictor: PackPredictor | None = None, ahead: PackPredictor | None = None,
@@ -404,7 +432,6 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     import gguf
     from tqdm import tqdm
 
-    from . import __version__
 
     model_path = Path(model_path)
     out = Path(out_path) if out_path is not None else pack_path_for(model_path)

@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from .gguf_header import GGUFHeader
-from .pack import DOWN_TYPES, PRED_TYPES, PackError, inspect_model, pack_path_for, write_pack
+from .argtypes import number_in, positive_int
+from .pack import DOWN_TYPES, PRED_TYPES, PackError, default_down_type, inspect_model, pack_path_for, write_pack
 from .predictor import DEFAULT_MARGIN, sketch_for_model
 
 # what `kairox pack --help` says (the module docstring above is for developers)
@@ -31,35 +31,6 @@ alone (no text needed) that over-predicts rather than misses active neurons (--m
 model file is only read; the pack is tied to it by a fingerprint and checksummed. For a pack
 measured on real text (trained predictors, neuron groups, statistics) use `kairox prepare`.
 The format: docs/pack-format.md."""
-
-
-def _positive_int(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return n
-
-
-def _margin(v: str) -> float:
-    try:
-        k = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {v!r}") from None
-    if not math.isfinite(k) or k < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {v}")
-    return k
-
-
-def _default_down_type(hdr: GGUFHeader) -> str:
-    """f32 for a model whose ffn_down is F32 (keep it exact), else f16: the pack's rows are
-    read by the sparse kernels, and f16 is as precise as any quantized source while halving
-    the bytes of f32."""
-    import gguf
-    t = next(t for t in hdr.tensors if t.name == "blk.0.ffn_down.weight")
-    return "f32" if gguf.GGMLQuantizationType(t.type_id) == gguf.GGMLQuantizationType.F32 else "f16"
 
 
 def _size(n: int) -> str:
@@ -83,7 +54,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         hdr, base = inspect_model(model)
-        down_type = args.down_type or _default_down_type(hdr)
+        down_type = args.down_type or default_down_type(hdr)
         predictor = None
         if args.predictor == "sketch":
             margin = DEFAULT_MARGIN if args.margin is None else args.margin
@@ -114,16 +85,16 @@ def register(sub) -> None:
     p.add_argument("--down-type", choices=DOWN_TYPES,
                    help="storage of the down-projection rows: f32, f16, or q8_0 (needs n_embd "
                         "divisible by 32) (default: f32 if the model's ffn_down is F32, else f16)")
-    p.add_argument("--group-size", type=_positive_int, default=32, metavar="G",
+    p.add_argument("--group-size", type=positive_int, default=32, metavar="G",
                    help="neurons per group, the unit the sparse FFN loads and computes "
                         "(default: %(default)s)")
     p.add_argument("--predictor", choices=("none", "sketch"), default="sketch",
                    help="per-layer activation predictor: the low-rank sketch of the gate, or none "
                         "(default: %(default)s)")
-    p.add_argument("--rank", type=_positive_int, metavar="R",
+    p.add_argument("--rank", type=positive_int, metavar="R",
                    help="sketch rank, at most min(n_ff, n_embd); higher predicts more precisely "
                         "and costs more per token (default: max(8, n_embd/16))")
-    p.add_argument("--margin", type=_margin, metavar="K",
+    p.add_argument("--margin", type=number_in(0.0, math.inf), metavar="K",
                    help="sketch bias in standard deviations of its error; higher misses fewer "
                         f"active neurons and predicts more inactive ones (default: {DEFAULT_MARGIN:g})")
     p.add_argument("--pred-type", choices=PRED_TYPES,

@@ -150,18 +150,6 @@ def never_fires(model_path: str | Path) -> PackPredictor:
     return PackPredictor(1, layer, info={"kind": "never-fires"})
 
 
-def predictor_scores(a: np.ndarray, b: np.ndarray, c: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """B (A x) + c for an FFN input x [n_embd] or a batch [n_tokens, n_embd] (float32).
-
-    A neuron is predicted active where its score is > 0.
-    """
-    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    x32 = np.asarray(x, np.float32)
-    if x32.shape[-1] != a32.shape[1]:
-        raise ValueError(f"x has {x32.shape[-1]} channels but the predictor reads {a32.shape[1]}")
-    return (x32 @ a32.T) @ b32.T + np.asarray(c, np.float32)
-
-
 def recall_and_overprediction(pred_mask: np.ndarray, true_mask: np.ndarray) -> tuple[float, float]:
     """(recall, over-prediction) of a predicted active set against the true one.
 

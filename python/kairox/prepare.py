@@ -50,7 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from .pack import BaseModel, PackError, PackLayout, PackPredictor, fingerprint, inspect_model, pack_path_for
+from .argtypes import number_in, positive_int
+from .pack import (BaseModel, PackError, PackLayout, PackPredictor, default_down_type, fingerprint, inspect_model,
+                   pack_path_for)
 
 # what `kairox prepare --help` says (the module docstring above is for developers)
 HELP = """Profile a model on calibration text (a bundled public-domain corpus, or --calib files) and
@@ -613,7 +615,6 @@ def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.
            fits: list[dict], groups: list[dict], rank: int, stats: Any, target: float | None,
            tables: Any = None) -> Path:
     from .pack import write_pack
-    from .packcli import _default_down_type
 
     out = cfg.out or pack_path_for(model)
     layout = PackLayout(lambda il: (groups[il]["perm"], groups[il]["group"], np.clip(freq[il], 0, 1)), thr)
@@ -627,7 +628,7 @@ def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.
               "tokens": stats.tokens, "seed": cfg.seed}
     try:
         return write_pack(model, out, group_size=cfg.group_size,
-                          down_type=cfg.down_type or _default_down_type(hdr), method=method,
+                          down_type=cfg.down_type or default_down_type(hdr), method=method,
                           predictor=trio("same"), ahead=trio("ahead"),
                           layout=layout, stats=stats.to_json(), thresholds=tables, quiet=cfg.quiet)
     except PackError as e:
@@ -702,21 +703,8 @@ def _ppl_stage(model: Path, final: Path, work: Path, hist: np.ndarray | None, th
 # --------------------------------------------------------------------------------- CLI
 
 
-def _fraction(lo: float, hi: float) -> Callable[[str], float]:
-    def parse(v: str) -> float:
-        import argparse
-        try:
-            f = float(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {v!r}") from None
-        if not (math.isfinite(f) and lo <= f < hi):
-            raise argparse.ArgumentTypeError(f"must be in [{lo:g}, {hi:g}), got {v}")
-        return f
-    return parse
-
-
 def _fractions(v: str) -> tuple[float, ...]:
-    return tuple(_fraction(0.0, 1.0)(x) for x in v.split(",") if x.strip())
+    return tuple(number_in(0.0, 1.0)(x) for x in v.split(",") if x.strip())
 
 
 def cmd_prepare(args: Any) -> int:
@@ -760,7 +748,6 @@ def register(sub: Any) -> None:
     import argparse
 
     from .pack import DOWN_TYPES
-    from .packcli import _positive_int
 
     p = sub.add_parser("prepare", help="profile a model on text and write its sparse pack "
                        "(thresholds, predictors, neuron groups, statistics)",
@@ -770,33 +757,33 @@ def register(sub: Any) -> None:
     p.add_argument("--calib", action="append", metavar="TEXTFILE",
                    help="calibration text, UTF-8, one document per file; repeat for several "
                         "(default: the bundled public-domain corpus, see kairox/data/calib/SOURCES.md)")
-    p.add_argument("--target-sparsity", type=_fraction(0.0, 1.0), metavar="S",
+    p.add_argument("--target-sparsity", type=number_in(0.0, 1.0), metavar="S",
                    help=f"gated SiLU/GELU models: fraction of neurons to leave inactive per token, "
                         f"via a per-layer threshold on |act(gate)| (default: {DEFAULT_TARGET}); "
                         f"ReLU models always use their exact zeros")
-    p.add_argument("--group-size", type=_positive_int, default=32, metavar="G",
+    p.add_argument("--group-size", type=positive_int, default=32, metavar="G",
                    help="neurons per group, the unit of loading (default: %(default)s)")
-    p.add_argument("--rank", type=_positive_int, metavar="R",
+    p.add_argument("--rank", type=positive_int, metavar="R",
                    help="predictor rank (default: from a budget of 6%% of the model's parameters "
                         "for both predictors, at most n_embd/8)")
-    p.add_argument("--tokens", type=_positive_int, default=32768, metavar="N",
+    p.add_argument("--tokens", type=positive_int, default=32768, metavar="N",
                    help="calibration tokens to profile, training and held-out (default: %(default)s)")
-    p.add_argument("--fit-tokens", type=_positive_int, default=16384, metavar="N",
+    p.add_argument("--fit-tokens", type=positive_int, default=16384, metavar="N",
                    help="training tokens whose FFN inputs train the predictors (default: %(default)s)")
-    p.add_argument("--heldout", type=_fraction(0.01, 0.5), default=0.15, metavar="F",
+    p.add_argument("--heldout", type=number_in(0.01, 0.5), default=0.15, metavar="F",
                    help="tail of each document held out for evaluation (default: %(default)s)")
-    p.add_argument("--ctx", type=_positive_int, default=512, metavar="N",
+    p.add_argument("--ctx", type=positive_int, default=512, metavar="N",
                    help="tokens per profiled prompt (default: %(default)s)")
-    p.add_argument("--recall", type=_fraction(0.5, 1.0), default=0.99, metavar="R",
+    p.add_argument("--recall", type=number_in(0.5, 1.0), default=0.99, metavar="R",
                    help="per-neuron recall the predictors are calibrated to (default: %(default)s)")
-    p.add_argument("-t", "--threads", type=_positive_int, metavar="N", help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=positive_int, metavar="N", help="CPU threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling, training, grouping (default: 0)")
     p.add_argument("--down-type", choices=DOWN_TYPES,
                    help="storage of the down rows (default: f32 for F32 models, else f16)")
     p.add_argument("--ppl-curve", type=_fractions, metavar="S1,S2,...",
                    help="also measure held-out perplexity (llama-perplexity): dense, predicted, "
                         "and exact at these target sparsities, e.g. 0.3,0.4,0.5,0.6 (slow)")
-    p.add_argument("--ppl-chunks", type=_positive_int, default=8, metavar="N",
+    p.add_argument("--ppl-chunks", type=positive_int, default=8, metavar="N",
                    help="perplexity chunks of --ctx tokens (default: %(default)s)")
     p.add_argument("--work-dir", metavar="DIR",
                    help="where stages are cached; an interrupted run continues from it "

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .pack import BaseModel, inspect_model
+from .balancer import TraceStep, neuron_groups
+from .pack import BaseModel, inspect_model, pack_path_for, read_pack
 
 # enum kx_select_act (ggml_ext/include/kx-ops.h)
 ACT_IDS = {"relu": 1, "silu": 2, "gelu": 3}
@@ -368,3 +369,38 @@ def unpack_masks(packed: np.ndarray, n_ff: int) -> np.ndarray:
 
 __all__ = ["ACT_IDS", "Aggregates", "BaseModel", "ProfileError", "Profiler", "Rows",
            "hist_edges", "stats_on_prompts", "threshold_for_sparsity", "unpack_masks"]
+
+
+def record_trace(model_path: str | Path, pack_path: str | Path | None, prompts: list[list[int]],
+                 threads: int | None = None, group_size: int | None = None
+                 ) -> tuple[list[TraceStep], int, np.ndarray]:
+    """Active groups of every layer for every token of the prompts (a dense forward pass
+    with the native profiler; a neuron is active when its activation is > 0), with the
+    neurons that fired in each, numbered token by token across the prompts. Groups are the
+    pack's, or with `group_size` groups of that many neurons by descending offline
+    frequency (hot with hot; 1: neuron-granular). Returns the trace, the group count and
+    each layer's group frequency [n_layer, n_groups] (the share of tokens it was active in)."""
+    pack = read_pack(pack_path or pack_path_for(model_path), model_path)
+    groups = [neuron_groups(layer.perm, layer.group, layer.freq, group_size) for layer in pack.layers]
+    n_groups = pack.n_groups if group_size is None else -(-pack.base.n_ff // group_size)
+    steps: list[TraceStep] = []
+    freq = np.zeros((len(groups), n_groups), np.float64)
+    t0 = 0
+    with Profiler(model_path, n_ctx=max(len(p) for p in prompts), threads=threads) as prof:
+        prof.set_thresholds(np.zeros(prof.base.n_layer, np.float32))
+        for toks in prompts:
+            rows = prof.run(np.asarray(toks, np.int32))
+            per_layer = []
+            for il, r in enumerate(rows):
+                m = unpack_masks(r.mask, prof.base.n_ff)          # [tokens, n_ff]
+                cnt = np.zeros((m.shape[0], n_groups), np.int32)
+                tok_idx, neuron = np.nonzero(m)
+                np.add.at(cnt, (tok_idx, groups[il][neuron]), 1)
+                freq[il] += (cnt > 0).sum(0)
+                per_layer.append(cnt)
+            for t in range(len(toks)):
+                for il, cnt in enumerate(per_layer):
+                    g = np.flatnonzero(cnt[t])
+                    steps.append(TraceStep(t0 + t, il, tuple(g.tolist()), counts=tuple(cnt[t, g].tolist())))
+            t0 += len(toks)
+    return steps, n_groups, (freq / max(t0, 1)).astype(np.float32)

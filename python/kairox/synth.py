@@ -72,6 +72,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .argtypes import number_in
 from .checkpoint import HFConfig
 from .convert import add_hparams, copy_tokenizer_fields, gguf_vocab_size
 from .gguffile import finish_atomically, temp_path_for
@@ -483,16 +484,6 @@ def topic_prompts(model_path: str | Path, n_prompts: int, length: int, *, seed: 
     return out
 
 
-def _fraction(v: str) -> float:
-    try:
-        f = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {v!r}") from None
-    if not 0 < f < 1:
-        raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {v}")
-    return f
-
-
 def cmd_synth(args: argparse.Namespace) -> int:
     def fail(msg: str) -> int:
         print(f"kairox synth: error: {msg}", file=sys.stderr)
@@ -593,7 +584,7 @@ def register(sub) -> None:
     p.add_argument("--type", choices=FTYPES, help="weight type (default: the preset's)")
     p.add_argument("--act", choices=["relu", "silu"], default="relu",
                    help="FFN activation; silu writes a dense all-random model (default: relu)")
-    p.add_argument("--sparsity", type=_fraction, metavar="S",
+    p.add_argument("--sparsity", type=number_in(0.0, 1.0, lo_open=True), metavar="S",
                    help=f"ReLU only: target fraction of zero FFN activations (default: {DEFAULT_SPARSITY})")
     p.add_argument("--gate-rank", type=int, metavar="R",
                    help="ReLU only: rank of each ffn_gate, the bias channel included, in "

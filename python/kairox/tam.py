@@ -17,11 +17,6 @@ from .balancer import STALLS, BalancerConfig
 from .capi import TamConfig
 
 
-def native_config(c: BalancerConfig) -> TamConfig:
-    return TamConfig(c.lam, c.eps, c.alpha, c.alpha_min, c.lam_min, c.lam_max, int(c.adaptive),
-                   -1 if c.max_admit is None else c.max_admit)
-
-
 @dataclass
 class NativeReplay:
     admit: np.ndarray   # bool [steps, n_groups]
@@ -64,7 +59,7 @@ def replay_native(config: BalancerConfig, capacity: int, initial: np.ndarray, ac
     evict = np.zeros((steps, n), np.uint8)
     lam = np.zeros(steps, np.float32)
     u8 = ctypes.POINTER(ctypes.c_uint8)
-    args = [ctypes.byref(native_config(config)), n, capacity, init.ctypes.data_as(u8), steps,
+    args = [ctypes.byref(config.native()), n, capacity, init.ctypes.data_as(u8), steps,
             active.ctypes.data_as(u8), st.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
             admit.ctypes.data_as(u8), evict.ctypes.data_as(u8), lam.ctypes.data_as(ctypes.POINTER(ctypes.c_float))]
     us = ctypes.c_float()

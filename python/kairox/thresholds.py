@@ -48,11 +48,10 @@ from typing import Callable
 
 import numpy as np
 
-# Offsets relative to the layer's score spread (the standard deviation of its calibration
-# scores): the sketch predictor scores in gate units, fitted ones in logits.
-GRID_REL = np.array([-1.0, -0.5, -0.25, -0.125, -0.0625, 0.0, 0.0625, 0.125, 0.25, 0.5, 1.0], np.float32)
-K0 = int(np.flatnonzero(GRID_REL == 0.0)[0])
-K = len(GRID_REL)
+from .pack import THR_GRID_REL, THR_K, THR_K0, inspect_model, predictor_scores, read_model_tensor
+
+# the grid of score offsets (relative to the layer's score spread), its width and its zero
+GRID_REL, K, K0 = THR_GRID_REL, THR_K, THR_K0
 # FFN inputs per layer a pack's calibration uses (`kairox synth --pack`, `kairox prepare`):
 # the tables are means over tokens, and 512 puts a neuron firing on 5% of tokens at ~26 samples
 CALIBRATION_TOKENS = 512
@@ -95,8 +94,6 @@ def calibrate(model_path: str | Path, predictor: Callable[[int], tuple[np.ndarra
     predictor (`predictor(il)` = (A, B, c)), with the model's own gate, up and down weights."""
     from tqdm import tqdm
 
-    from .pack import inspect_model, read_model_tensor
-    from .predictor import predictor_scores
     from .reference import ACTIVATIONS
 
     hdr, base = inspect_model(model_path)
