@@ -5,7 +5,7 @@
 // bits, slot -> neuron) and this step's evictions leave (the same maps and the down row of the
 // neuron); 80 layers of 28672 neurons, 8594 slots, random neurons. Between repeats other threads
 // stream 1 GiB (a decode's weight reads), so the maps are cold as after a real decode. Variants,
-// interleaved: plain (as kx-balance.cpp at 9c00d53), and with a first pass over every layer that
+// interleaved: plain (as kx-balance.cpp applied before the first-pass prefetch), and with a first pass over every layer that
 // prefetches the lines the second pass writes (many misses in flight instead of one at a time).
 //
 //   g++ -O2 -std=c++17 -pthread bench/apply_probe.cpp -o /tmp/apply_probe && /tmp/apply_probe 15

@@ -1,3 +1,5 @@
+// kx_version (include/kx-version.h): the version string `kairox info` prints, with the pinned
+// llama.cpp commit and the backends compiled in.
 #include "kx-version.h"
 
 #ifndef KX_LLAMA_COMMIT

@@ -1,12 +1,31 @@
 """The Python package's imports flow one way: no module imports, even inside a function, a
 module that imports it back through any chain. A function-level import is then only ever a
-lazy one (the native library, a slow third-party package), never a circle in disguise."""
+lazy one (the native library, a slow third-party package), never a circle in disguise.
+
+And each module belongs to a layer (docs/ARCHITECTURE.md, "Layers") that imports only from
+its own layer and those below it."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "python" / "kairox"
+
+# lowest first
+LAYERS = {
+    # ctypes mirror of the C API, the native library's finder, GGUF reading and writing, the
+    # numpy reference model, argument types
+    "base": "_version capi _native argtypes gguf_header gguffile checkpoint reference default_model",
+    "pack format": "pack stats",
+    # pure numpy references of the runtime's policies: balancer, thresholds, placement, budget
+    "policies": "balancer thresholds plan budget",
+    # the binding: kairox.Llama, the native TAM replay, measurement helpers
+    "runtime": "llama tam bench",
+    # what turns a model into a pack: profiling, fitting, grouping, preparing, converting, synthesizing
+    "offline": "predictor fit grouping profile prepare convert synth tiny",
+    "tools": "hw server tools report trace",
+    "cli": "cli packcli balancecli __main__ __init__",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -78,3 +97,14 @@ def test_the_graph_reads_every_form_of_import(tmp_path: Path) -> None:
 def test_no_import_circle() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_every_module_has_a_layer_and_imports_downward() -> None:
+    rank = {m: i for i, names in enumerate(LAYERS.values()) for m in names.split()}
+    graph = import_graph()
+    assert set(graph) == set(rank), f"layers to assign: {sorted(set(graph) - set(rank))}; " \
+                                     f"gone: {sorted(set(rank) - set(graph))}"
+    names = list(LAYERS)
+    up = [f"{a} ({names[rank[a]]}) -> {b} ({names[rank[b]]})"
+          for a, bs in sorted(graph.items()) for b in sorted(bs) if rank[b] > rank[a]]
+    assert not up, "imports up the layers: " + "; ".join(up)

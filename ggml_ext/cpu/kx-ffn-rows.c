@@ -47,7 +47,7 @@
 // are done it takes another thread's chunks from the back (the part the warm-up reached
 // last, if at all). Why: with even own shares and no stealing, KB-70B's slowest loop was 236
 // µs per layer against a mean of 183 and the decode 23.57 tok/s against 30.63 with chunks
-// taken by any free thread (H200, 3d4750e, bench/results/balance-live/kb70b-warm/): an even
+// taken by any free thread (H200, bench/results/balance-live/kb70b-warm/): an even
 // split of the rows is not an even split of the time. The sums stay the same bits: a pass-a
 // chunk writes its gates by rank, a pass-b chunk into its own accumulator, whichever thread
 // takes it.

@@ -1,3 +1,4 @@
+"""`python -m kairox`: the kairox command line (kairox.cli)."""
 import sys
 
 from .cli import main
