@@ -49,3 +49,15 @@ def test_no_commit_hash_in_a_source_comment() -> None:
     commits = [ln.split()[0] for ln in r.stdout.splitlines() if ln.endswith(("commit", "tag")) or " commit " in ln]
     named = {w: words[w] for w in words if any(c.startswith(w) for c in commits)}
     assert not named, f"commit hashes in source comments: {named}"
+
+
+def test_results_index_and_readme_table_are_current() -> None:
+    """bench/results/INDEX.md and README.md's results table are what the JSON files say."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "summarize.py"), "--check"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_readme_is_short() -> None:
+    """The README is for users: at most 8 KB (history: CHANGELOG.md, docs/results-log.md)."""
+    assert len((ROOT / "README.md").read_bytes()) <= 8192
