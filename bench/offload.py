@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
+from kairox.costs import Rates  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -163,9 +164,9 @@ class Layout:
 
 def bound(b: dict, bw: dict) -> dict:
     """The physical floor per token (seconds), and which resource sets it."""
-    parts = {"gpu": b["gpu"] / (bw["gpu_hbm"] * 1e9) if bw.get("gpu_hbm") else 0.0,
-             "cpu": b["cpu"] / (bw["cpu_read"] * 1e9),
-             "pcie": b["pcie"] / (bw["pcie_h2d"] * 1e9) if bw.get("pcie_h2d") else 0.0}
+    r = Rates.from_bandwidths(bw)  # (a resource the probe did not measure costs nothing here)
+    parts = {"gpu": r.gpu_s(b["gpu"]) if bw.get("gpu_hbm") else 0.0, "cpu": r.cpu_s(b["cpu"]),
+             "pcie": r.pcie_s(b["pcie"]) if bw.get("pcie_h2d") else 0.0}
     key = max(parts, key=parts.get)
     return {"seconds": parts[key], "limit": key, "parts": parts}
 

@@ -259,6 +259,38 @@ def test_a_failing_reload_stops_the_balancer_not_the_output(synth_model: Path, f
     assert elapsed < 60  # no hang: one wait limit, then the decode's own pace
 
 
+@pytest.mark.parametrize("profile", [None, {"cpu_gbs": 40.0, "gpu_gbs": 50.0}])
+def test_the_runtime_stall_model_is_the_cost_model(synth_model: Path, tmp_path: Path, profile) -> None:
+    """Each step's stall type is kairox.costs.stall_type of the step's CPU and GPU bytes at the
+    runtime's rates: the defaults (kx_balance_params 0), or a `kairox profile-hw` file's
+    (hw_profile=). The equal-ish profile rates make both "cpu" and "none" steps occur."""
+    import json
+    import kairox
+    from kairox.costs import Rates, stall_type
+    kw = {}
+    if profile:
+        (tmp_path / "hw.json").write_text(json.dumps(profile))
+        kw["hw_profile"] = str(tmp_path / "hw.json")
+    rates = Rates.from_profile(profile or {})
+    llm = kairox.Llama(str(synth_model), n_ctx=256, n_batch=1, n_ubatch=1, verbose=False, sparse="exact",
+                       gpu_slots=SLOTS, slots_device="CPU", **kw)
+    try:
+        llm.start_balancer(fast_config())
+        for t in PROMPT + topic_tokens(N_GEN):
+            llm.eval([t])
+        trace = llm.balance_trace()
+    finally:
+        llm.close()
+    row_bytes = {r["layer"]: r["reload_bytes"] // r["n_load"] for r in trace if r["n_load"]}
+    checked = [(r["stall"], stall_type((r["n_active"] - r["n_hit"]) * row_bytes[r["layer"]],
+                                       r["n_hit"] * row_bytes[r["layer"]], rates))
+               for r in trace if r["decided"] and r["stall"] != "io"]
+    assert len(checked) > N_GEN
+    assert all(got == want for got, want in checked), [c for c in checked if c[0] != c[1]][:5]
+    if profile:
+        assert {got for got, _ in checked} == {"cpu", "none"}
+
+
 def test_reload_wait_limit_and_faults_are_checked(synth_model: Path) -> None:
     import kairox
     llm = kairox.Llama(str(synth_model), n_ctx=64, verbose=False, sparse="exact", gpu_slots=SLOTS,

@@ -48,7 +48,7 @@ def cmd_balance(args) -> int:
             if args.record:
                 write_activation_trace(args.record, trace)
         hw = HwProfile.from_json(json.loads(Path(args.hw).read_text())) if args.hw else HwProfile()
-        costs = SimCosts.from_hw(slot_costs(model, pack).per_neuron, gs, hw.cpu_gbs, hw.pcie_gbs)
+        costs = SimCosts.from_rates(slot_costs(model, pack).per_neuron, gs, hw.rates)
     except (OSError, ValueError) as e:
         print(f"kairox balance: error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .capi import STALLS, TamConfig  # enum kx_tam_stall, struct kx_tam_config
+from .costs import Rates
 
 
 @dataclass(frozen=True)
@@ -330,8 +331,8 @@ class SimCosts:
     io_s_per_group: float
 
     @classmethod
-    def from_hw(cls, neuron_bytes: float, group_size: int, cpu_gbs: float, pcie_gbs: float) -> "SimCosts":
-        return cls(neuron_bytes / (cpu_gbs * 1e9), group_size * neuron_bytes / (pcie_gbs * 1e9))
+    def from_rates(cls, neuron_bytes: float, group_size: int, rates: Rates) -> "SimCosts":
+        return cls(rates.cpu_s(neuron_bytes), rates.pcie_s(group_size * neuron_bytes))
 
 
 @dataclass

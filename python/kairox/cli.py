@@ -85,8 +85,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                     hybrid["balancer_decide"] = "worker"
                 if args.kx_trace:
                     hybrid["trace"] = args.kx_trace
-            elif args.kx_trace or args.pipeline or args.balancer_thread:
-                flag = "--kx-trace" if args.kx_trace else "--pipeline" if args.pipeline else "--balancer-thread"
+                if args.hw:
+                    hybrid["hw_profile"] = args.hw
+            elif args.kx_trace or args.pipeline or args.balancer_thread or args.hw:
+                flag = ("--kx-trace" if args.kx_trace else "--pipeline" if args.pipeline else
+                        "--balancer-thread" if args.balancer_thread else "--hw")
                 raise ValueError(f"{flag} needs the live balancer: "
                                  "add --balancer")
             if not args.warm:
@@ -274,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--threads one less than the cores")
     p.add_argument("--kx-trace", default=None, metavar="FILE",
                    help="with --balancer: write its per-step records here (JSON lines; `kairox report FILE`)")
+    p.add_argument("--hw", default=None, metavar="FILE",
+                   help="with --balancer: a `kairox profile-hw` file; its measured CPU and GPU rates name each "
+                   "step's stall (default: 100 and 2000 GB/s)")
     p.add_argument("--fallback", choices=["dense"], default=None,
                    help="when the sparse mode or hybrid asked for cannot run (no usable pack, no GPU for the "
                    "slots): run the model dense with a warning instead of stopping with the reason")

@@ -35,6 +35,7 @@ from ._native import load_llama_cpp
 from .balancer import BalancerConfig
 from .budget import VramBudgetError, VramReport
 from .capi import DECIDE, RELOAD_METHODS, SPARSE_MODES, STALLS, BalanceRecord
+from .costs import Rates
 from .plan import Plan, parse_size
 
 llama_cpp = load_llama_cpp()
@@ -97,6 +98,9 @@ class KairoxOptions:
     # a sparse mode or hybrid asked for that cannot run: None raises SparsePackError; "dense"
     # runs the model dense with a SparsePackWarning
     fallback: str | None = None
+    # a `kairox profile-hw` file: the balancer's stall model uses its measured CPU and GPU
+    # rates (kairox.costs) instead of the defaults
+    hw_profile: str | None = None
     # tests, fault injection at load: names of kairox.capi.FAULTS (memory refused for the
     # slots, the page-locking or the mapping of the host weights)
     faults: tuple[str, ...] = ()
@@ -105,6 +109,8 @@ class KairoxOptions:
         self._check_sparse()
         if self.fallback not in (None, "dense"):
             raise ValueError(f"fallback must be None or 'dense', not {self.fallback!r}")
+        if self.hw_profile is not None:
+            object.__setattr__(self, "_rates", _read_rates(self.hw_profile))  # a readable error before loading
         if isinstance(self.faults, str) or any(f not in capi.FAULTS for f in self.faults):
             raise ValueError(f"faults must be names among {', '.join(capi.FAULTS)}, not {self.faults!r}")
         if self.balancer is not None and self.balancer is not False:
@@ -162,6 +168,11 @@ class KairoxOptions:
                              "mode (exact or predicted), not dense")
 
     @property
+    def rates(self) -> Rates:
+        """The stall model's rates: the hw_profile's measured ones, else kairox.costs' defaults."""
+        return getattr(self, "_rates", None) or Rates()
+
+    @property
     def wants_slots(self) -> bool:
         return self.gpu_slots is not None or self.vram_budget is not None or self.plan is not None
 
@@ -217,7 +228,16 @@ class KairoxOptions:
         kp.error_budget = -1.0 if self.error_budget is None else float(self.error_budget)
         kp.fallback_dense = self.fallback == "dense"
         kp.faults = sum(capi.FAULTS[f] for f in set(self.faults))
+        kp.balance.cpu_gbs, kp.balance.gpu_gbs = self.rates.cpu_gbs, self.rates.gpu_gbs
         return kp, keep
+
+
+def _read_rates(path: str) -> Rates:
+    import json
+    try:
+        return Rates.from_profile(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"hw_profile {path}: not a `kairox profile-hw` file ({e})") from None
 
 
 class SparsePackWarning(UserWarning):
@@ -484,8 +504,8 @@ class Llama(llama_cpp.Llama):
         decide: where the TAM step runs: auto (one kernel for every layer on the slots' GPU,
         else a host worker thread), worker, inline (the calling thread); observe: record what
         ran (hits) and move nothing, the static split's figures; cpu_gbs / gpu_gbs: matvec
-        rates of the stall model (0: 100 / 2000 GB/s); max_blocks: the gather kernel's
-        share of the GPU; pipeline: decide one layer ahead within each decode (the pack's
+        rates of the stall model (0: the hw_profile's, else kairox.costs.Rates' defaults);
+        max_blocks: the gather kernel's share of the GPU; pipeline: decide one layer ahead within each decode (the pack's
         predictor forecasts layer i+1 from layer i's input; its loads land before it runs;
         decide then: auto / inline on the compute threads, worker on the balancer's thread);
         late_every (tests): every n-th reload batch of a layer is treated as landing late;
@@ -501,7 +521,8 @@ class Llama(llama_cpp.Llama):
             self._kx_refresh_graph()
             return
         cfg = BalancerConfig() if config is True else config
-        p = capi.BalanceParams(cfg.native(), cpu_gbs, gpu_gbs,
+        rates = self.kx_options.rates
+        p = capi.BalanceParams(cfg.native(), cpu_gbs or rates.cpu_gbs, gpu_gbs or rates.gpu_gbs,
                                RELOAD_METHODS.index(self.kx_options.reload_method), max_blocks, DECIDE.index(decide),
                                int(self.kx_options.balancer_record), int(observe), int(pipeline), late_every,
                                wait_limit_ms, fail_at, hang_at, trace_keep)

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from .costs import GB, Rates
+
 # what `kairox plan --help` says (the module docstring above is for developers)
 HELP = """Choose what goes on the GPU for a VRAM budget: which dense tensors, and how many of each
 layer's FFN neurons (the most active ones), so that per token the slower of the CPU and
@@ -54,9 +56,9 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class HwProfile:
-    cpu_gbs: float = 80.0      # CPU streaming read, GB/s
-    gpu_gbs: float = 3000.0    # GPU HBM read, GB/s
-    pcie_gbs: float = 50.0     # host-to-device, GB/s
+    cpu_gbs: float = Rates.cpu_gbs    # CPU matvec, GB/s (kairox.costs: one set of rates and defaults)
+    gpu_gbs: float = Rates.gpu_gbs    # GPU matvec
+    pcie_gbs: float = Rates.pcie_gbs  # host-to-device
     handoff_us: float = 23.5   # one CPU<->GPU switch of the hidden state, µs
     # measured matvec rates per weight type (ggml type name -> weight GB/s per token, from
     # `kairox profile-hw`): a quantized matvec can run below the streaming read on the CPU
@@ -81,16 +83,19 @@ class HwProfile:
 
     @classmethod
     def from_bandwidths(cls, bw: dict[str, Any]) -> "HwProfile":
-        d = cls()
-        return cls(bw.get("cpu_read") or d.cpu_gbs, bw.get("gpu_hbm") or d.gpu_gbs,
-                   bw.get("pcie_h2d") or d.pcie_gbs)
+        r = Rates.from_bandwidths(bw)
+        return cls(r.cpu_gbs, r.gpu_gbs, r.pcie_gbs)
+
+    @property
+    def rates(self) -> Rates:
+        return Rates(self.cpu_gbs, self.gpu_gbs, self.pcie_gbs)
 
     def cpu_rate(self, type_name: str = "") -> float:
         """bytes/s of a matvec over weights of this type on the CPU"""
-        return self.cpu_type_gbs.get(type_name, self.cpu_gbs) * 1e9
+        return self.cpu_type_gbs.get(type_name, self.cpu_gbs) * GB
 
     def gpu_rate(self, type_name: str = "") -> float:
-        return self.gpu_type_gbs.get(type_name, self.gpu_gbs) * 1e9
+        return self.gpu_type_gbs.get(type_name, self.gpu_gbs) * GB
 
 
 @dataclass(frozen=True)
