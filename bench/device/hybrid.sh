@@ -16,6 +16,7 @@
 #   KX_LIVE_SESSIONS="code,prose,dialogue,code code" ...  # ... on these session workloads (one run each)
 #   KX_NCU="KB-7B" ...           # after the rows: every kernel's time over a few decoded tokens of the
 #                                static split (Nsight Compute, bench/kernel_profile.py; KX_NCU_ARGS: tpot.py's)
+#   KX_AFTER="cmd" ...           # a last command, with $B (the build's bin/) and $OUT set
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -110,3 +111,4 @@ for cfg in ${KX_NCU:-}; do
     python3 bench/kernel_profile.py "$OUT/ncu-$cfg.csv" -o "$OUT/kernel-profile-$cfg.md" | tail -40
     gzip -f "$OUT/ncu-$cfg.csv"
 done
+[ -n "${KX_AFTER:-}" ] && { eval "$KX_AFTER"; echo "after: rc=$? at $(( $(date +%s) - t0 )) s"; }
