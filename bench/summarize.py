@@ -78,7 +78,7 @@ def _row_name(r: dict) -> str:
 
 
 def _script(cmd: str) -> str:
-    m = re.search(r"(bench/[\w/]+\.py)", cmd) or re.search(r"(kairox \w[\w-]*)", cmd)
+    m = re.search(r"(bench/[\w/]+\.(?:py|sh))", cmd) or re.search(r"(kairox \w[\w-]*)", cmd)
     if m:
         return m.group(1)
     tool = re.search(r"/(llama-[\w-]+)", cmd)
