@@ -11,21 +11,24 @@ from fresh import run_fresh, run_fresh_process
 
 HUGE = 2 << 20
 
-# allocates SIZE bytes of the buffer type, writes every byte, prints the base's offset in
-# its 2 MiB page, the type's name, the mapping's Rss and AnonHugePages (kB), the first and
-# last byte read back, whether the mapping is gone after the free, and the AnonHugePages of
-# a plain anonymous mapping of the same size, written the same way (not advised: the control)
-_PROBE = r"""
+# the probes' ctypes declarations of ggml-base
+_GGML = r"""
 import ctypes as C, mmap, sys
 from kairox.llama import _lib
 from kairox._native import ggml_library
 b = ggml_library("ggml-base")
 P = C.c_void_p
 b.ggml_backend_buft_alloc_buffer.argtypes, b.ggml_backend_buft_alloc_buffer.restype = [P, C.c_size_t], P
+b.ggml_backend_buft_name.argtypes, b.ggml_backend_buft_name.restype = [P], C.c_char_p
+"""
+# allocates SIZE bytes of the buffer type, writes every byte, prints the base's offset in
+# its 2 MiB page, the type's name, the mapping's Rss and AnonHugePages (kB), the first and
+# last byte read back, whether the mapping is gone after the free, and the AnonHugePages of
+# a plain anonymous mapping of the same size, written the same way (not advised: the control)
+_PROBE = _GGML + r"""
 b.ggml_backend_buffer_get_base.argtypes, b.ggml_backend_buffer_get_base.restype = [P], P
 b.ggml_backend_buffer_is_host.argtypes, b.ggml_backend_buffer_is_host.restype = [P], C.c_bool
 b.ggml_backend_buffer_free.argtypes = [P]
-b.ggml_backend_buft_name.argtypes, b.ggml_backend_buft_name.restype = [P], C.c_char_p
 size = int(sys.argv[1])
 t = _lib.kx_host_buffer_type(sys.argv[2] == "1", 0)
 buf = b.ggml_backend_buft_alloc_buffer(t, size)
@@ -100,14 +103,7 @@ def test_host_buffer_pages_are_huge(native: Path):
         assert plain_huge == 0, plain_huge
 
 
-_REFUSED = r"""
-import ctypes as C, sys
-from kairox.llama import _lib
-from kairox._native import ggml_library
-b = ggml_library("ggml-base")
-P = C.c_void_p
-b.ggml_backend_buft_alloc_buffer.argtypes, b.ggml_backend_buft_alloc_buffer.restype = [P, C.c_size_t], P
-b.ggml_backend_buft_name.argtypes, b.ggml_backend_buft_name.restype = [P], C.c_char_p
+_REFUSED = _GGML + r"""
 plain, refused = _lib.kx_host_buffer_type(True, 0), _lib.kx_host_buffer_type(True, int(sys.argv[1]))
 print(plain != refused, b.ggml_backend_buft_name(refused).decode(),
       bool(b.ggml_backend_buft_alloc_buffer(refused, 1 << 20)))

@@ -650,9 +650,9 @@ static bool kx_pipe_landed(kx_balancer & b, kx_balance_layer & L) {
     }
     // a batch still out after the wait limit will not land: the balancer stops rather than
     // keep the layer's decisions skipped (its slots taken) for the rest of the run
-    const double limit = kx_balance_wait_limit(b);
-    if (q == 0 && kx_seconds_since(L.pend_t0) > limit) {
-        throw std::runtime_error(kx_fmt("balancer: slot reloads did not finish within %.0f ms", limit * 1e3));
+    if (q == 0 && kx_seconds_since(L.pend_t0) > kx_balance_wait_limit(b)) {
+        throw std::runtime_error(kx_fmt("balancer: slot reloads did not finish within %.0f ms",
+                                        kx_balance_wait_limit(b) * 1e3));
     }
     return q == 1;
 }

@@ -3,7 +3,7 @@ into seconds. The planner (kairox.plan.HwProfile), the balancer's simulator
 (kairox.balancer.SimCosts), the benchmarks' physical bounds (bench/offload.py,
 bench/balance_live.py) and the runtime's stall model (ggml_ext/llama/kx-balance.cpp, fed
 kx_balance_params.cpu_gbs / gpu_gbs, with the same defaults) all read these rates; measured
-ones come from `kairox profile-hw`. tests/test_balance_live.py checks the runtime's stall
+ones come from `kairox profile-hw` (read by kairox.plan.HwProfile.from_json). tests/test_balance_live.py checks the runtime's stall
 types against stall_type() here.
 """
 from __future__ import annotations
@@ -26,12 +26,6 @@ class Rates:
     def __post_init__(self) -> None:
         if not all(isinstance(v, (int, float)) and v > 0 for v in (self.cpu_gbs, self.gpu_gbs, self.pcie_gbs)):
             raise ValueError(f"rates must be positive GB/s, got {self}")
-
-    @classmethod
-    def from_profile(cls, d: Mapping[str, Any]) -> "Rates":
-        """From a `kairox profile-hw` file's cpu_gbs / gpu_gbs / pcie_gbs (absent: the default)."""
-        base = cls()
-        return cls(*(float(d.get(k) or getattr(base, k)) for k in ("cpu_gbs", "gpu_gbs", "pcie_gbs")))
 
     @classmethod
     def from_bandwidths(cls, bw: Mapping[str, Any]) -> "Rates":

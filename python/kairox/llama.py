@@ -36,7 +36,7 @@ from .balancer import BalancerConfig
 from .budget import VramBudgetError, VramReport
 from .capi import DECIDE, RELOAD_METHODS, SPARSE_MODES, STALLS, BalanceRecord
 from .costs import Rates
-from .plan import Plan, parse_size
+from .plan import HwProfile, Plan, parse_size
 
 llama_cpp = load_llama_cpp()
 _C = llama_cpp.llama_cpp
@@ -235,8 +235,8 @@ class KairoxOptions:
 def _read_rates(path: str) -> Rates:
     import json
     try:
-        return Rates.from_profile(json.loads(Path(path).read_text()))
-    except (OSError, ValueError, TypeError) as e:
+        return HwProfile.from_json(json.loads(Path(path).read_text())).rates
+    except (OSError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"hw_profile {path}: not a `kairox profile-hw` file ({e})") from None
 
 
