@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Slot reload transfer methods on the GPU machine (cuda/kx-reload.cu: kx_cuda_reload_bench).
+"""Slot reload transfer methods on the GPU machine (bench/cuda/kx-reload-bench.cu).
 
 Moves rows from page-locked host memory into device memory in runs of 1, 8 or 32 contiguous
 rows picked at random (a neuron's row, or a group of neurons stored together), by
@@ -11,6 +11,11 @@ stream of about the same length and that stream's slowdown; and the worst time o
 host-to-device copy on a third stream (a decode's activation transfer) while the reload runs,
 next to the same copy's time alone.
 
+The measurement ships in no library: it is compiled with nvcc on first use (kept under
+$KAIROX_CACHE/bench, default ~/.cache/kairox/bench, by the hash of its source and the toolkit)
+and drives the reload engine (cuda/kx-reload.cu) that the CUDA backend's registry hands out as
+"kx_reload_iface", from the ggml libraries of KAIROX_LIB_DIR (or the installed kairox).
+
   python3 bench/reload.py --row-bytes 8192 --rows 8192 --out bench/results
 Writes <out>/reload-methods.json (raw, with the command) and .md.
 """
@@ -18,6 +23,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,15 +36,92 @@ sys.path.insert(0, str(ROOT / "python"))
 from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
 METHODS = ("gather", "memcpy", "batch")
+SOURCE = ROOT / "bench" / "cuda" / "kx-reload-bench.cu"
+INCLUDE = ROOT / "ggml_ext" / "include"
+LIB_NAME = "libkx-reload-bench.so"
+# native code for the H100/H200 (the build's KAIROX_CUDA_ARCHITECTURES default, 90; the busy
+# stream's grid is sized for their 132 SMs), PTX for any other GPU the toolkit supports
+ARCH = ["-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_75,code=compute_75"]
+
+
+class NvccNotFound(RuntimeError):
+    pass
+
+
+def find_nvcc() -> str:
+    """nvcc on PATH, else in $CUDA_HOME/bin or /usr/local/cuda/bin."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for d in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if d and os.access(Path(d) / "bin" / "nvcc", os.X_OK):
+            return str(Path(d) / "bin" / "nvcc")
+    raise NvccNotFound(f"nvcc was not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): {SOURCE.relative_to(ROOT)} "
+                       "is compiled on first use; install the CUDA toolkit or put its bin/ on PATH")
+
+
+def nvcc_command(nvcc: str, out: Path) -> list[str]:
+    return [nvcc, "-O2", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared", *ARCH, "-I", str(INCLUDE),
+            "-o", str(out), str(SOURCE)]
+
+
+def build_bench(cache: Path | None = None) -> Path:
+    """The benchmark's shared library, compiled once per source, header and toolkit under `cache`
+    (default $KAIROX_CACHE/bench); NvccNotFound without nvcc, RuntimeError with nvcc's output
+    when it does not compile."""
+    nvcc = find_nvcc()
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), (INCLUDE / "kx-reload.h").read_bytes(),
+                 " ".join(nvcc_command(nvcc, Path(LIB_NAME))).encode(), version.encode()):
+        h.update(part)
+    if cache is None:
+        from kairox.default_model import cache_root
+        cache = cache_root() / "bench"
+    lib = Path(cache) / f"kx-reload-bench-{h.hexdigest()[:16]}" / LIB_NAME
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_name(f"{LIB_NAME}.{os.getpid()}.tmp")  # renamed when whole: no half-written library
+    cmd = nvcc_command(nvcc, tmp)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}")
+    os.replace(tmp, lib)
+    return lib
+
+
+def reload_iface() -> int:
+    """The CUDA backend's reload engine (const struct kx_reload_iface *), from the ggml libraries
+    kairox loads: the registry's proc "kx_reload_iface" is ggml_cuda_kx_reload_iface, a function
+    returning it (kx_reload_iface_get_t, include/kx-reload.h)."""
+    from kairox._native import find_lib_dir, ggml_library
+    lib = ggml_library("ggml")
+    lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    reg = lib.ggml_backend_reg_by_name(b"CUDA")
+    if not reg:
+        raise RuntimeError(f"the ggml libraries in {find_lib_dir()} have no CUDA backend (build with KAIROX_CUDA=ON)")
+    get = lib.ggml_backend_reg_get_proc_address(reg, b"kx_reload_iface")
+    io = ctypes.CFUNCTYPE(ctypes.c_void_p)(get)() if get else None
+    if not io:
+        raise RuntimeError(f"the CUDA backend in {find_lib_dir()} hands out no reload engine (\"kx_reload_iface\")")
+    return io
 
 
 def bench_fn():
-    from kairox._native import ggml_library
-    f = ggml_library("ggml-cuda").kx_cuda_reload_bench
-    f.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                  ctypes.POINTER(ctypes.c_double)]
+    """kx_reload_bench bound to the CUDA engine: f(method, row_bytes, group_rows, n_rows,
+    max_blocks, reps, out) -> rc."""
+    path = build_bench()
+    io = reload_iface()  # ggml first: the library's libcudart is then the one already loaded
+    f = ctypes.CDLL(str(path)).kx_reload_bench
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int64, ctypes.c_int32,
+                  ctypes.c_int32, ctypes.POINTER(ctypes.c_double)]
     f.restype = ctypes.c_int32
-    return f
+    return functools.partial(f, io)
 
 
 def main() -> int:
@@ -47,7 +134,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
-    f = bench_fn()
+    try:
+        f = bench_fn()
+    except (RuntimeError, ImportError, OSError) as e:  # no nvcc, no CUDA build, no kairox library
+        print(f"reload.py: {e}", file=sys.stderr)
+        return 2
     rows = []
     for rb in args.row_bytes:
         for g in args.groups:

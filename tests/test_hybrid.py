@@ -224,7 +224,7 @@ def test_gpu_warm_up_keeps_the_output(synth_model: Path) -> None:
     """The warm-up on a GPU (the default; warm=False turns it off): layer 0 predicts layer 1's
     list beside its CPU part and the device writes it to the host; layer 1's CPU split starts
     before the device's results have landed, its first node reading that list's rows while
-    thread 0 waits (kx-warm.cpp, patch 0008). The
+    thread 0 waits (kx-warm.cpp, patch 0012). The
     tokens and logits must be those of the run without it (up to the rounding of the axpy
     kernel's atomic adds: a split reading its inputs before they landed is off by a whole part),
     and the counters must show every layer-1 step deferred, and rows warmed from lists."""

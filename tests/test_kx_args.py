@@ -1,6 +1,6 @@
 """kairox's parameters through llama.cpp's own tools (patch 0005: common/arg.cpp) and through
 a plain libllama client: the hybrid split, the balancer run by the runtime's own per-decode
-boundary (patch 0009), its trace, the environment-variable forms, and refused values.
+boundary (patch 0013), its trace, the environment-variable forms, and refused values.
 
 Runs on the CPU: the slots live in host memory (--kx-slots-device CPU), which exercises the
 same split, maps and balancer as a GPU run, without a GPU.

@@ -25,7 +25,11 @@ bool ggml_cuda_kx_event_busy(ggml_backend_event_t event);
 
 // the reload engine of the live balancer (kx-reload.cu; include/kx-reload.h)
 struct kx_reload_iface;
+struct kx_tam_iface;
+struct kx_pin_iface;
 const kx_reload_iface * ggml_cuda_kx_reload_iface(void);
+const kx_tam_iface *    ggml_cuda_kx_tam_iface(void);
+const kx_pin_iface *    ggml_cuda_kx_pin_iface(void);
 
 // every hybrid layer's TAM step in one launch (kx-tam.cu), driven by the reload engine
 struct kx_tam_config;

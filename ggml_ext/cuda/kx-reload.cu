@@ -9,7 +9,7 @@
 // SM threads reading mapped page-locked memory keep enough PCIe reads in flight for
 // 30-50 GB/s. The kernel's grid is capped (max_blocks) so it never holds more than a
 // slice of the GPU beside the decode's kernels; the copy engines stay free for the
-// decode's own transfers. kx_cuda_reload_bench measures the three methods.
+// decode's own transfers. bench/cuda/kx-reload-bench.cu measures the three methods.
 #include "kx-reload.h"
 #include "kx-ops-cuda.cuh"
 
@@ -442,10 +442,16 @@ static void kx_reload_host_unpin(void * ptr) {
 }
 
 static const kx_reload_iface kx_cuda_reload_iface_v = {
-    kx_reload_create, kx_reload_destroy, kx_reload_host_register, kx_reload_copy,
+    kx_reload_create, kx_reload_destroy, kx_reload_host_register, kx_reload_host_addr, kx_reload_copy,
     kx_reload_write_i32, kx_reload_query, kx_reload_wait,
+    kx_reload_tag_copy, kx_reload_tag_query, kx_reload_side_write,
+};
+
+static const kx_tam_iface kx_cuda_tam_iface_v = {
     kx_reload_tam_new, ggml_cuda_kx_tam_batch_free, kx_reload_tam_launch, ggml_cuda_kx_tam_batch_fetch,
-    kx_reload_tag_copy, kx_reload_tag_query, kx_reload_side_write, kx_reload_host_addr,
+};
+
+static const kx_pin_iface kx_cuda_pin_iface_v = {
     kx_reload_host_pin, kx_reload_host_unpin,
 };
 
@@ -453,164 +459,10 @@ const kx_reload_iface * ggml_cuda_kx_reload_iface(void) {
     return &kx_cuda_reload_iface_v;
 }
 
-// ---------------------------------------------------------------- measurement
-
-// reads a device buffer over and over: stands in for the decode's kernels beside a reload
-static __global__ void kx_reload_busy_kernel(const float4 * x, int64_t n, float * sink) {
-    float4 acc = make_float4(0, 0, 0, 0);
-    for (int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t) gridDim.x * blockDim.x) {
-        const float4 v = x[i];
-        acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
-    }
-    if (acc.x + acc.y + acc.z + acc.w == 12345.0f) {
-        *sink = acc.x; // never in practice: keeps the loads
-    }
+const kx_tam_iface * ggml_cuda_kx_tam_iface(void) {
+    return &kx_cuda_tam_iface_v;
 }
 
-// Moves n_rows rows of row_bytes, in runs of group_rows contiguous rows picked at random from a
-// page-locked pool 4x larger, by `method` (max_blocks caps the gather's grid), best of reps.
-// out[0] reload GB/s alone; out[1] reload GB/s beside a device-memory-bound kernel stream
-// lasting about as long; out[2] that stream's slowdown (time with / without the reload); out[3] the worst wait of a
-// 64 KiB host-to-device copy on a third stream (a decode's activation transfer) while the
-// reload runs, in µs; out[4] the same copy's time with nothing else running, in µs.
-extern "C" __attribute__((visibility("default"))) int32_t kx_cuda_reload_bench(
-        int32_t method, int64_t row_bytes, int32_t group_rows, int64_t n_rows, int32_t max_blocks, int32_t reps,
-        double * out) {
-    if (row_bytes <= 0 || group_rows <= 0 || n_rows < group_rows || reps <= 0 || !out) {
-        return 1;
-    }
-    const int64_t n_groups = n_rows / group_rows;
-    const size_t group_bytes = (size_t) row_bytes * group_rows;
-    const int64_t pool_groups = 4 * n_groups;
-    const size_t crit_bytes = 64 << 10;
-    const int64_t busy_n = (int64_t) (1u << 30) / sizeof(float4); // 1 GiB read per busy kernel
-    char * pool = nullptr, * crit_h = nullptr, * dst = nullptr, * crit_d = nullptr;
-    float4 * busy = nullptr;
-    float * sink = nullptr;
-    cudaStream_t s_busy = nullptr, s_crit = nullptr;
-    void * eng = nullptr;
-    int32_t rc = 0;
-    std::vector<kx_row_copy> copies(n_groups);
-    auto fail = [&](const char * what) { fprintf(stderr, "kx_cuda_reload_bench: %s\n", what); rc = 2; };
-    auto secs = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
-    do {
-        if (cudaMallocHost((void **) &pool, (size_t) pool_groups * group_bytes) != cudaSuccess ||
-            cudaMallocHost((void **) &crit_h, crit_bytes) != cudaSuccess ||
-            cudaMalloc((void **) &dst, (size_t) n_groups * group_bytes) != cudaSuccess ||
-            cudaMalloc((void **) &crit_d, crit_bytes) != cudaSuccess ||
-            cudaMalloc((void **) &busy, (size_t) busy_n * sizeof(float4)) != cudaSuccess ||
-            cudaMalloc((void **) &sink, sizeof(float)) != cudaSuccess ||
-            cudaStreamCreateWithFlags(&s_busy, cudaStreamNonBlocking) != cudaSuccess ||
-            cudaStreamCreateWithFlags(&s_crit, cudaStreamNonBlocking) != cudaSuccess) {
-            fail("allocation failed");
-            break;
-        }
-        cudaMemset(busy, 0, (size_t) busy_n * sizeof(float4));
-        for (size_t i = 0; i < (size_t) pool_groups * group_bytes; i += 4096) {
-            pool[i] = (char) i; // touch every page
-        }
-        eng = kx_reload_create(0, method, max_blocks);
-        if (!eng || kx_reload_host_register(eng, pool, (size_t) pool_groups * group_bytes)) {
-            fail("engine");
-            break;
-        }
-        // distinct random groups of the pool (a seeded shuffle), to consecutive slots
-        std::vector<int64_t> pick(pool_groups);
-        for (int64_t i = 0; i < pool_groups; ++i) {
-            pick[i] = i;
-        }
-        uint64_t z = 0x9E3779B97F4A7C15ull;
-        for (int64_t i = pool_groups - 1; i > 0; --i) {
-            z = z * 6364136223846793005ull + 1442695040888963407ull;
-            std::swap(pick[i], pick[(int64_t) ((z >> 33) % (uint64_t) (i + 1))]);
-        }
-        for (int64_t g = 0; g < n_groups; ++g) {
-            copies[g] = { pool + (size_t) pick[g] * group_bytes, dst + (size_t) g * group_bytes, group_bytes };
-        }
-        const double bytes = (double) n_groups * group_bytes;
-        double best = 1e30;
-        for (int32_t k = 0; k <= reps; ++k) { // the first is a warm-up
-            const auto t0 = std::chrono::steady_clock::now();
-            if (kx_reload_copy(eng, copies.data(), n_groups) || kx_reload_wait(eng) < 0) {
-                fail("copy");
-                break;
-            }
-            if (k > 0) {
-                best = std::min(best, secs(t0));
-            }
-        }
-        if (rc) {
-            break;
-        }
-        out[0] = bytes / best / 1e9;
-        // the busy stream alone: one pass over 1 GiB timed, then as many passes as last
-        // about as long as the reload alone, so the two overlap over the whole measurement
-        const int busy_grid = 132 * 8;
-        cudaDeviceSynchronize();
-        auto t0 = std::chrono::steady_clock::now();
-        kx_reload_busy_kernel<<<busy_grid, 256, 0, s_busy>>>(busy, busy_n, sink);
-        cudaStreamSynchronize(s_busy);
-        const int passes = std::max(1, (int) (best / secs(t0) + 0.5));
-        t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < passes; ++i) {
-            kx_reload_busy_kernel<<<busy_grid, 256, 0, s_busy>>>(busy, busy_n, sink);
-        }
-        cudaStreamSynchronize(s_busy);
-        const double busy_alone = secs(t0);
-        // critical copy alone
-        cudaEvent_t c0, c1;
-        cudaEventCreate(&c0);
-        cudaEventCreate(&c1);
-        float crit_alone = 1e30f;
-        for (int i = 0; i < 20; ++i) {
-            cudaEventRecord(c0, s_crit);
-            cudaMemcpyAsync(crit_d, crit_h, crit_bytes, cudaMemcpyHostToDevice, s_crit);
-            cudaEventRecord(c1, s_crit);
-            cudaEventSynchronize(c1);
-            float ms = 0;
-            cudaEventElapsedTime(&ms, c0, c1);
-            crit_alone = std::min(crit_alone, ms);
-        }
-        // together: the reload, the busy stream and critical copies issued one after another
-        // until the reload is done
-        cudaDeviceSynchronize();
-        t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < passes; ++i) {
-            kx_reload_busy_kernel<<<busy_grid, 256, 0, s_busy>>>(busy, busy_n, sink);
-        }
-        const auto tr = std::chrono::steady_clock::now();
-        if (kx_reload_copy(eng, copies.data(), n_groups)) {
-            fail("copy beside compute");
-            break;
-        }
-        float crit_worst = 0.0f;
-        while (kx_reload_query(eng) == 0) {
-            cudaEventRecord(c0, s_crit);
-            cudaMemcpyAsync(crit_d, crit_h, crit_bytes, cudaMemcpyHostToDevice, s_crit);
-            cudaEventRecord(c1, s_crit);
-            cudaEventSynchronize(c1);
-            float ms = 0;
-            cudaEventElapsedTime(&ms, c0, c1);
-            crit_worst = std::max(crit_worst, ms);
-        }
-        const double reload_busy = secs(tr);
-        cudaStreamSynchronize(s_busy);
-        const double busy_with = secs(t0);
-        out[1] = bytes / reload_busy / 1e9;
-        out[2] = busy_with / busy_alone;
-        out[3] = 1000.0 * crit_worst;
-        out[4] = 1000.0 * crit_alone;
-        cudaEventDestroy(c0);
-        cudaEventDestroy(c1);
-    } while (false);
-    kx_reload_destroy(eng);
-    cudaFreeHost(pool);
-    cudaFreeHost(crit_h);
-    cudaFree(dst);
-    cudaFree(crit_d);
-    cudaFree(busy);
-    cudaFree(sink);
-    if (s_busy) cudaStreamDestroy(s_busy);
-    if (s_crit) cudaStreamDestroy(s_crit);
-    return rc;
+const kx_pin_iface * ggml_cuda_kx_pin_iface(void) {
+    return &kx_cuda_pin_iface_v;
 }

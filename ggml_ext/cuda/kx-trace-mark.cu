@@ -1,4 +1,4 @@
-// Two small helpers the scheduler (patch 0008) gets from the CUDA registry.
+// Two small helpers the scheduler (patches 0008 and 0012) gets from the CUDA registry.
 //
 // The CUDA backend's stamp for the scheduler trace (include/kx-trace.h): a host function
 // queued on the backend's stream writes the time when the stream reaches it, i.e. when

@@ -155,7 +155,8 @@ LLAMA_API int64_t kx_model_balance_trace(struct llama_model * model, struct kx_b
 // Record mode: the active ids of hybrid layer il at step; returns the count (-1: none kept).
 LLAMA_API int64_t kx_model_balance_activity(struct llama_model * model, int64_t step, int32_t il, int32_t * dst,
                                             int64_t capacity);
-// The CUDA reload benchmark (libggml-cuda, cuda/kx-reload.cu; by dlsym): kx_cuda_reload_bench.
+// The reload engine's benchmark ships in no library: bench/cuda/kx-reload-bench.cu, built and run
+// by bench/reload.py on the engine the CUDA registry hands out ("kx_reload_iface", kx-reload.h).
 
 // ---------------------------------------------------------------- load-aware thresholds
 // DynamicInfer's per-device thresholds (llama/kx-thresholds.h, python/kairox/thresholds.py):

@@ -2,10 +2,10 @@
 // buffers, queued on a stream of their own so they run behind the decode's compute, plus
 // the small synchronous map writes that make a finished reload visible.
 //
-// libllama's balancer (llama/kx-balance.cpp) drives an engine through this table of
-// functions; the CUDA backend's registry hands out its engine as "kx_reload_iface"
-// (cuda/kx-reload.cu, patches/0006), and kx-balance.cpp has a host engine (plain memcpy) for
-// CPU-device slots, so the same balancer runs in tests on machines without a GPU.
+// libllama's balancer (llama/kx-balance.cpp) drives an engine through the tables below; the
+// CUDA backend's registry hands them out (cuda/kx-reload.cu, patches/0006), and
+// llama/kx-reload-engine.cpp has a host engine (plain memcpy) for CPU-device slots, so the
+// same balancer runs in tests on machines without a GPU.
 #pragma once
 
 #include <stddef.h>
@@ -37,6 +37,12 @@ enum kx_reload_method {
     KX_RELOAD_BATCH  = 2, // one cudaMemcpyBatchAsync for all runs (CUDA >= 12.8)
 };
 
+// Three tables by concern, each handed out by the backend registry under its own name
+// (CUDA: cuda/kx-reload.cu): the engine's copies ("kx_reload_iface"), the balancer's
+// decision on the engine's stream ("kx_tam_iface"), and page-locking host memory
+// ("kx_pin_iface", no engine needed). A backend may hand out the first alone.
+
+// the engine: its copies into slots and its stores into slot maps
 struct kx_reload_iface {
     // an engine for device `device` (ggml's device index): its stream, event, staging; NULL on failure
     void *  (*create)(int32_t device, int32_t method, int32_t max_blocks);
@@ -44,6 +50,9 @@ struct kx_reload_iface {
     // makes [ptr, ptr+size) readable by gathers (page-locks and maps it unless it already is);
     // 0 ok, nonzero with a message on stderr
     int32_t (*host_register)(void * r, void * ptr, size_t size);
+    // the device address of a host byte in a range host_register made readable (kernels read
+    // the host rows through it: the slots' mapped share, kx-slots.h); NULL outside such ranges
+    void *  (*host_addr)(void * r, const void * host);
     // queues the copies behind everything queued before; waits first if the previous batch
     // still runs (its staging is reused). 0 ok
     int32_t (*copy)(void * r, const struct kx_row_copy * c, int64_t n);
@@ -54,25 +63,7 @@ struct kx_reload_iface {
     // blocks until every queued copy has finished; returns the seconds waited (< 0 on error)
     double  (*wait)(void * r);
 
-    // The balancer's decision for every hybrid layer on the device (NULL where the engine has
-    // none: the host decides). tam_new: n [n_layers] groups and capacity per layer, initial
-    // [Σn] residency. tam_launch queues one step behind the queued copies: layer l's active
-    // ids (ascending or not, each < n[l]) at active[l], n_active[l] of them, and stalls
-    // [n_layers]. tam_fetch, after wait(), gives λ [n_layers], counts [2 n_layers] (loads,
-    // evictions), the kernel's time in µs, and *ids: layer l's loads, ascending, from
-    // (*ids)[2 off_l] and its evictions from (*ids)[2 off_l + n[l]] (off_l = n[0] + ... +
-    // n[l-1]), valid until the next launch.
-    // Why ids, not masks: a mask of every neuron each way cost the host a fill, a copy and a
-    // scan per neuron and decode (KB-70B: 2.3 M neurons, 3 masks), where the lists hold
-    // thousands (active) and tens (loads, evictions) per layer.
-    void *  (*tam_new)(void * r, const struct kx_tam_config * cfg, int32_t n_layers, const int32_t * n,
-                       const int32_t * capacity, const uint8_t * initial);
-    void    (*tam_free)(void * t);
-    int32_t (*tam_launch)(void * r, void * t, const int32_t * const * active, const int32_t * n_active,
-                          const int32_t * stalls);
-    int32_t (*tam_fetch)(void * t, const int32_t ** ids, float * lam, int32_t * counts, float * kernel_us);
-
-    // The one-layer-ahead pipeline (llama/kx-balance.cpp): a layer's reloads are queued while
+    // The one-layer-ahead pipeline (llama/kx-pipeline.cpp): a layer's reloads are queued while
     // the previous layer computes and must not wait on other layers' batches. tag_copy
     // queues copies with the staging and completion event of `tag` (a hybrid layer), waiting
     // only for that tag's previous batch; tag_query: 1 when the tag's copies have landed, 0
@@ -81,19 +72,39 @@ struct kx_reload_iface {
     int32_t (*tag_copy)(void * r, int32_t tag, const struct kx_row_copy * c, int64_t n);
     int32_t (*tag_query)(void * r, int32_t tag);
     int32_t (*side_write)(void * r, const struct kx_i32_write * w, int64_t n);
+};
 
-    // the device address of a host byte in a range host_register made readable (kernels read
-    // the host rows through it: the slots' mapped share, kx-slots.h); NULL outside such ranges
-    void *  (*host_addr)(void * r, const void * host);
+// The balancer's decision for every hybrid layer on the device, queued on engine r's stream
+// behind its copies (without this table the host decides). create: n [n_layers] groups and
+// capacity per layer, initial [Σn] residency. launch queues one step: layer l's active ids
+// (ascending or not, each < n[l]) at active[l], n_active[l] of them, and stalls [n_layers].
+// fetch, after the engine's wait(), gives λ [n_layers], counts [2 n_layers] (loads,
+// evictions), the kernel's time in µs, and *ids: layer l's loads, ascending, from
+// (*ids)[2 off_l] and its evictions from (*ids)[2 off_l + n[l]] (off_l = n[0] + ... +
+// n[l-1]), valid until the next launch.
+// Why ids, not masks: a mask of every neuron each way cost the host a fill, a copy and a
+// scan per neuron and decode (KB-70B: 2.3 M neurons, 3 masks), where the lists hold
+// thousands (active) and tens (loads, evictions) per layer.
+struct kx_tam_iface {
+    void *  (*create)(void * r, const struct kx_tam_config * cfg, int32_t n_layers, const int32_t * n,
+                      const int32_t * capacity, const uint8_t * initial);
+    void    (*destroy)(void * t);
+    int32_t (*launch)(void * r, void * t, const int32_t * const * active, const int32_t * n_active,
+                      const int32_t * stalls);
+    int32_t (*fetch)(void * t, const int32_t ** ids, float * lam, int32_t * counts, float * kernel_us);
+};
 
-    // Page-locks [ptr, ptr+size) for every device, mapped (no engine needed): the host
-    // weights' buffer (llama/kx-host.cpp) after its pages exist. 0 ok, nonzero with a
-    // message on stderr. host_unpin undoes it before the pages go. NULL: nothing to lock for.
-    int32_t (*host_pin)(void * ptr, size_t size);
-    void    (*host_unpin)(void * ptr);
+// Page-locks [ptr, ptr+size) for every device, mapped: the host weights' buffer
+// (llama/kx-host.cpp) after its pages exist. 0 ok, nonzero with a message on stderr. unpin
+// undoes it before the pages go.
+struct kx_pin_iface {
+    int32_t (*pin)(void * ptr, size_t size);
+    void    (*unpin)(void * ptr);
 };
 
 typedef const struct kx_reload_iface * (*kx_reload_iface_get_t)(void);
+typedef const struct kx_tam_iface *    (*kx_tam_iface_get_t)(void);
+typedef const struct kx_pin_iface *    (*kx_pin_iface_get_t)(void);
 
 #ifdef __cplusplus
 }

@@ -25,7 +25,7 @@ extern "C" {
 
 enum kx_trace_part {
     KX_TRACE_WHOLE = 'w', // a split computed in one piece
-    KX_TRACE_HEAD  = 'h', // leading nodes queued early, beside the previous CPU split (0008)
+    KX_TRACE_HEAD  = 'h', // leading nodes queued early, beside the previous CPU split (0010)
     KX_TRACE_TAIL  = 't', // the rest of a split whose head ran early
     KX_TRACE_INPUT = 'i', // copying a split's inputs to its backend (host time)
 };

@@ -1,8 +1,6 @@
 // The kairox C API (include/kairox.h) on top of libllama's internals.
 #include "kairox.h"
-#include "kx-balance.h"
-#include "kx-pack.h"
-#include "kx-slots.h"
+#include "kx-hybrid.h"
 #include "kx-stats.h"
 
 #include "llama-context.h"
@@ -11,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 int32_t kx_model_load_pack(llama_model * model, const char * model_path, const char * pack_path,
@@ -19,34 +18,36 @@ int32_t kx_model_load_pack(llama_model * model, const char * model_path, const c
         kx_set_err(err, err_size, "kx_model_load_pack: model, model_path and pack_path are required");
         return 1;
     }
-    if (model->kx_pack_ptr) {
+    if (model->kx_hybrid_ptr) {
         // contexts may still point at it: keep it alive as long as the model
-        model->kx_pack_retired.push_back(model->kx_pack_ptr);
-        model->kx_pack_ptr.reset();
+        model->kx_hybrid_retired.push_back(model->kx_hybrid_ptr);
+        model->kx_hybrid_ptr.reset();
     }
     try {
-        model->kx_pack_ptr = kx_pack_load(*model, model_path, pack_path);
+        model->kx_hybrid_ptr = std::make_shared<kx_hybrid>(kx_pack_load(*model, model_path, pack_path));
     } catch (const std::exception & e) {
         kx_set_err(err, err_size, e.what()); // the caller reports it (once)
         return 1;
     }
-    LLAMA_LOG_INFO("kairox: loaded sparse pack %s (%lld layers, %s, %s)\n", pack_path,
-                   (long long) model->kx_pack_ptr->n_layer, model->kx_pack_ptr->activation.c_str(),
-                   model->kx_pack_ptr->has_predictor ? "with predictor" : "no predictor");
+    const kx_pack & pack = *model->kx_hybrid_ptr->pack;
+    LLAMA_LOG_INFO("kairox: loaded sparse pack %s (%lld layers, %s, %s)\n", pack_path, (long long) pack.n_layer,
+                   pack.activation.c_str(), pack.has_predictor ? "with predictor" : "no predictor");
     kx_set_err(err, err_size, "");
     return 0;
 }
 
 bool kx_model_has_pack(const llama_model * model) {
-    return model && model->kx_pack_ptr != nullptr;
+    return kx_model_pack(model) != nullptr;
 }
 
 bool kx_model_pack_has_predictor(const llama_model * model) {
-    return model && model->kx_pack_ptr && model->kx_pack_ptr->has_predictor;
+    const kx_pack * pack = kx_model_pack(model);
+    return pack && pack->has_predictor;
 }
 
 const char * kx_model_pack_activation(const llama_model * model) {
-    return model && model->kx_pack_ptr ? model->kx_pack_ptr->activation.c_str() : nullptr;
+    const kx_pack * pack = kx_model_pack(model);
+    return pack ? pack->activation.c_str() : nullptr;
 }
 
 int32_t kx_model_set_slots(llama_model * model, const int64_t * n_slots, int32_t n_layer, const char * device,
@@ -56,7 +57,8 @@ int32_t kx_model_set_slots(llama_model * model, const int64_t * n_slots, int32_t
 
 int32_t kx_model_set_slots_faults(llama_model * model, const int64_t * n_slots, int32_t n_layer, const char * device,
                                   int32_t faults, char * err, size_t err_size) {
-    if (!model || !model->kx_pack_ptr) {
+    kx_hybrid * h = kx_model_hybrid(model);
+    if (!h) {
         kx_set_err(err, err_size, "neuron slots need a sparse pack, and none is loaded for this model");
         return 1;
     }
@@ -64,40 +66,39 @@ int32_t kx_model_set_slots_faults(llama_model * model, const int64_t * n_slots, 
         kx_set_err(err, err_size, "kx_model_set_slots: n_slots must hold n_layer values");
         return 1;
     }
-    kx_pack & pack = *model->kx_pack_ptr;
     try {
-        pack.slots = n_layer == 0 ? nullptr
-                   : kx_slots_build(*model, pack, std::vector<int64_t>(n_slots, n_slots + n_layer), device, faults);
+        kx_hybrid_set_slots(*h, *model, std::vector<int64_t>(n_slots, n_slots + n_layer), device, faults);
     } catch (const std::exception & e) {
-        pack.slots.reset();
         kx_set_err(err, err_size, e.what()); // the caller reports it (once)
         return 1;
     }
-    if (pack.slots) {
+    if (h->slots) {
         int64_t total = 0;
-        for (const auto & L : pack.slots->layers) {
+        for (const auto & L : h->slots->layers) {
             total += L.n_slots;
         }
         LLAMA_LOG_INFO("kairox: %lld neuron slots on %s (%.1f MiB)\n", (long long) total,
-                       pack.slots->device.c_str(), pack.slots->bytes_dev/1048576.0);
+                       h->slots->device.c_str(), h->slots->bytes_dev/1048576.0);
     }
     kx_set_err(err, err_size, "");
     return 0;
 }
 
 const char * kx_model_slots_device(const llama_model * model) {
-    return model && model->kx_pack_ptr && model->kx_pack_ptr->slots ? model->kx_pack_ptr->slots->device.c_str() : nullptr;
+    const kx_slots * slots = kx_model_slots(model);
+    return slots ? slots->device.c_str() : nullptr;
 }
 
 int64_t kx_model_slots_bytes(const llama_model * model) {
-    return model && model->kx_pack_ptr && model->kx_pack_ptr->slots ? (int64_t) model->kx_pack_ptr->slots->bytes_dev : 0;
+    const kx_slots * slots = kx_model_slots(model);
+    return slots ? (int64_t) slots->bytes_dev : 0;
 }
 
 int64_t kx_model_slots_resident(const llama_model * model, int32_t il, int32_t * dst, int64_t capacity) {
     if (!model || il < 0 || (int64_t) il >= (int64_t) model->hparams.n_layer()) {
         return -1;
     }
-    const kx_slots * slots = model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
+    const kx_slots * slots = kx_model_slots(model);
     if (!slots) {
         return 0;
     }
@@ -115,13 +116,13 @@ int64_t kx_model_slots_resident(const llama_model * model, int32_t il, int32_t *
 
 int32_t kx_model_slots_swap(llama_model * model, int32_t il, const int32_t * evict, int32_t n_evict,
                             const int32_t * admit, int32_t n_admit, char * err, size_t err_size) {
-    kx_slots * slots = model && model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
+    kx_slots * slots = kx_model_slots(model);
     if (!slots) {
         kx_set_err(err, err_size, "this model has no neuron slots");
         return 1;
     }
     try {
-        kx_slots_swap(*slots, *model, *model->kx_pack_ptr, il, evict, n_evict, admit, n_admit);
+        kx_slots_swap(*slots, *model, *kx_model_pack(model), il, evict, n_evict, admit, n_admit);
     } catch (const std::exception & e) {
         kx_set_err(err, err_size, e.what());
         return 1;
@@ -144,29 +145,12 @@ static int32_t kx_guard(char * err, size_t err_size, F && f) {
 }
 
 int32_t kx_model_balancer_start(llama_model * model, const kx_balance_params * params, char * err, size_t err_size) {
-    kx_slots * slots = model && model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
-    if (!slots) {
+    kx_hybrid * h = kx_model_hybrid(model);
+    if (!h || !h->slots) {
         kx_set_err(err, err_size, "the balancer needs neuron slots, and this model has none");
         return 1;
     }
-    slots->balancer.reset();
-    if (params && !params->observe && slots->mapped_share > 0.0f) {
-        // the balancer moves neurons between the slots and the host side only: the mapped
-        // share goes back to the CPU (contexts rebuild at their next balance); an observing
-        // balancer moves nothing and leaves it
-        LLAMA_LOG_INFO("kairox: the balancer starts: the device's mapped share of the host side goes back to the CPU\n");
-        kx_slots_set_mapped_share(*slots, *model, *model->kx_pack_ptr, 0.0f);
-    }
-    if (slots->pipeline) {
-        slots->pipeline = false; // graphs drop the pipeline's nodes (contexts rebuild at their next balance)
-        slots->pipe_worker = false;
-        ++slots->graph_gen;
-    }
-    return kx_guard(err, err_size, [&] {
-        if (params) {
-            slots->balancer = kx_balancer_new(*slots, *model, *model->kx_pack_ptr, *params);
-        }
-    });
+    return kx_guard(err, err_size, [&] { kx_hybrid_set_balancer(*h, *model, params); });
 }
 
 int32_t kx_context_set_mapped_share(llama_context * ctx, float share, char * err, size_t err_size) {
@@ -175,18 +159,14 @@ int32_t kx_context_set_mapped_share(llama_context * ctx, float share, char * err
         return 1;
     }
     const llama_model & model = ctx->get_model();
-    kx_slots * slots = model.kx_pack_ptr ? model.kx_pack_ptr->slots.get() : nullptr;
-    if (!slots) {
+    kx_hybrid * h = kx_model_hybrid(&model);
+    if (!h || !h->slots) {
         kx_set_err(err, err_size, "a mapped share needs neuron slots, and this model has none");
         return 1;
     }
     ctx->synchronize(); // no graph reads the maps while they change
-    const int32_t rc = kx_guard(err, err_size, [&] {
-        kx_slots_set_mapped_share(*slots, model, *model.kx_pack_ptr, share);
-    });
-    if (ctx->kx_get_sparse() != KX_SPARSE_DENSE) {
-        ctx->kx_set_sparse(ctx->kx_get_sparse(), model.kx_pack_ptr.get()); // the slots' graph_gen
-    }
+    const int32_t rc = kx_guard(err, err_size, [&] { kx_hybrid_set_mapped_share(*h, model, share); });
+    kx_context_refresh_sparse(ctx);
     return rc;
 }
 
@@ -194,13 +174,13 @@ int64_t kx_model_slots_mapped(const llama_model * model, int32_t il) {
     if (!model || il < 0 || (int64_t) il >= (int64_t) model->hparams.n_layer()) {
         return -1;
     }
-    const kx_slots * slots = model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
+    const kx_slots * slots = kx_model_slots(model);
     return slots ? slots->layers[il].n_mapped : 0;
 }
 
-static kx_balancer * kx_model_balancer(const llama_model * model) {
-    kx_slots * slots = model && model->kx_pack_ptr ? model->kx_pack_ptr->slots.get() : nullptr;
-    return slots ? slots->balancer.get() : nullptr;
+kx_balancer * kx_model_balancer(const llama_model * model) {
+    const kx_hybrid * h = kx_model_hybrid(model);
+    return h ? h->balancer.get() : nullptr;
 }
 
 int32_t kx_context_balance(llama_context * ctx, char * err, size_t err_size) {
@@ -216,10 +196,9 @@ int32_t kx_context_balance(llama_context * ctx, char * err, size_t err_size) {
     auto lap = std::chrono::steady_clock::now();
     ctx->synchronize(); // the decode's graph has finished reading the maps and slots
     const int64_t sync_ns = kx_lap_ns(lap);
-    if (ctx->kx_get_sparse() != KX_SPARSE_DENSE) {
-        ctx->kx_set_sparse(ctx->kx_get_sparse(), model.kx_pack_ptr.get()); // the slots' graph_gen
-    }
-    const int32_t rc = kx_guard(err, err_size, [&] { kx_balance_step(*b, *model.kx_pack_ptr->slots, model, *model.kx_pack_ptr); });
+    kx_context_refresh_sparse(ctx);
+    const kx_hybrid & h = *kx_model_hybrid(&model);
+    const int32_t rc = kx_guard(err, err_size, [&] { kx_balance_step(*b, *h.slots, model, *h.pack); });
     kx_balance_stat_add(KX_BAL_STEPS, 1);
     kx_balance_stat_add(KX_BAL_SYNC_NS, sync_ns);
     kx_balance_stat_add(KX_BAL_NS, sync_ns + kx_lap_ns(lap));
@@ -232,7 +211,8 @@ int32_t kx_model_balance_drain(llama_model * model, char * err, size_t err_size)
         kx_set_err(err, err_size, "this model has no balancer");
         return 1;
     }
-    return kx_guard(err, err_size, [&] { kx_balance_drain(*b, *model->kx_pack_ptr->slots, *model, *model->kx_pack_ptr); });
+    const kx_hybrid & h = *kx_model_hybrid(model);
+    return kx_guard(err, err_size, [&] { kx_balance_drain(*b, *h.slots, *model, *h.pack); });
 }
 
 int64_t kx_model_balance_trace(llama_model * model, kx_balance_record * dst, int64_t capacity) {
@@ -278,6 +258,66 @@ int64_t kx_model_balance_activity(llama_model * model, int64_t step, int32_t il,
     return (int64_t) found->size();
 }
 
+// ---------------------------------------------------------------- load-aware thresholds (kx-thresholds.h)
+
+int32_t kx_context_set_error_budget(llama_context * ctx, float budget, char * err, size_t err_size) {
+    if (!ctx) {
+        kx_set_err(err, err_size, "kx_context_set_error_budget: no context");
+        return 1;
+    }
+    if (std::isnan(budget) || !std::isfinite(budget)) {
+        kx_set_err(err, err_size, kx_fmt("the error budget must be a number (< 0: off), not %g", (double) budget));
+        return 1;
+    }
+    if (budget < 0) {
+        budget = -1.0f;
+    }
+    kx_hybrid * h = kx_model_hybrid(&ctx->get_model());
+    const kx_slots * slots = h ? h->slots.get() : nullptr;
+    if (budget >= 0 && !slots) {
+        kx_set_err(err, err_size, "load-aware thresholds split the hybrid FFN: give GPU slots, a VRAM budget or a plan");
+        return 1;
+    }
+    if (budget >= 0 && ctx->kx_get_sparse() != KX_SPARSE_PREDICTED) {
+        kx_set_err(err, err_size, "load-aware thresholds move the predictor's thresholds: they need the predicted "
+                                  "sparse mode (exact mode stays exact)");
+        return 1;
+    }
+    if (!slots) {
+        kx_set_err(err, err_size, "");
+        return 0;
+    }
+    ctx->synchronize(); // no graph reads the offsets while they change
+    const int32_t rc = kx_guard(err, err_size, [&] { kx_hybrid_set_thresholds(*h, budget); });
+    kx_context_refresh_sparse(ctx);
+    return rc;
+}
+
+int32_t kx_model_thresholds(const llama_model * model, int32_t il, kx_thr_info * out) {
+    const kx_hybrid * h = kx_model_hybrid(model);
+    if (!h || !h->thr || !out || il < 0 || il >= h->pack->n_layer || h->slots->layers[il].n_slots <= 0) {
+        return 1;
+    }
+    const kx_pack * pack = h->pack.get();
+    const kx_thresholds & t = *h->thr;
+    const kx_thr_layer & T = t.layers[il];
+    const kx_pack_layer & pl = pack->layers[il];
+    const int K0 = KX_THR_K0;
+    const double e0 = T.sums.e_gpu[K0] + T.sums.e_cpu[K0];
+    out->theta_g = pl.thr_grid[T.kg];
+    out->theta_c = pl.thr_grid[T.kc];
+    out->kg = T.kg;
+    out->kc = T.kc;
+    out->err_added = pl.thr_norm > 0 ? (float) ((T.sums.e_gpu[T.kg] + T.sums.e_cpu[T.kc] - e0) / pl.thr_norm) : 0.0f;
+    out->n_gpu = (float) T.sums.n_gpu[T.kg];
+    out->n_cpu = (float) T.sums.n_cpu[T.kc];
+    out->n_cpu_static = (float) T.sums.n_cpu[K0];
+    out->t_cpu_ns = (float) t.t_cpu_ns;
+    out->o_cpu_ns = (float) t.o_cpu_ns;
+    out->solves = (int32_t) t.solves;
+    return 0;
+}
+
 const char * kx_model_tensor_buffer_type(const llama_model * model, const char * name) {
     const ggml_tensor * t = model && name ? model->get_tensor(name) : nullptr;
     return t && t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : nullptr;
@@ -303,16 +343,17 @@ int32_t kx_context_set_sparse(llama_context * ctx, int32_t mode, char * err, siz
         kx_set_err(err, err_size, "unknown sparse mode (0 dense, 1 exact, 2 predicted)");
         return 1;
     }
-    if (mode != KX_SPARSE_DENSE && !model.kx_pack_ptr) {
+    const kx_pack * pack = kx_model_pack(&model);
+    if (mode != KX_SPARSE_DENSE && !pack) {
         kx_set_err(err, err_size, "sparse mode needs a sparse pack, and none is loaded for this model");
         return 1;
     }
-    if (mode == KX_SPARSE_PREDICTED && !model.kx_pack_ptr->has_predictor) {
-        kx_set_err(err, err_size, "the sparse pack " + model.kx_pack_ptr->path +
+    if (mode == KX_SPARSE_PREDICTED && !pack->has_predictor) {
+        kx_set_err(err, err_size, "the sparse pack " + pack->path +
                    " has no predictor (make one with `kairox pack`); use exact mode");
         return 1;
     }
-    ctx->kx_set_sparse(mode, mode == KX_SPARSE_DENSE ? nullptr : model.kx_pack_ptr.get());
+    ctx->kx_set_sparse(mode, mode == KX_SPARSE_DENSE ? nullptr : kx_model_hybrid(&model));
     kx_set_err(err, err_size, "");
     return 0;
 }
@@ -321,12 +362,18 @@ int32_t kx_context_get_sparse(const llama_context * ctx) {
     return ctx ? ctx->kx_get_sparse() : KX_SPARSE_DENSE;
 }
 
-void llama_context::kx_set_sparse(int32_t mode, const kx_pack * pack) {
-    // graph reuse compares these two fields (llm_graph_params::allow_reuse), so the next
-    // decode rebuilds its graph for the new mode
-    cparams.kx_sparse_mode = mode;
-    cparams.kx_sparse_pack = pack;
-    cparams.kx_graph_gen = pack && pack->slots ? pack->slots->graph_gen : 0;
+void llama_context::kx_set_sparse(int32_t mode, const kx_hybrid * hybrid) {
+    // graph reuse compares these fields (llm_graph_params::allow_reuse), so the next decode
+    // rebuilds its graph for the new mode
+    cparams.kx_sparse_mode   = mode;
+    cparams.kx_sparse_hybrid = hybrid;
+    cparams.kx_graph_gen     = hybrid ? hybrid->graph_gen : 0;
+}
+
+void kx_context_refresh_sparse(llama_context * ctx) {
+    if (ctx->kx_get_sparse() != KX_SPARSE_DENSE) {
+        ctx->kx_set_sparse(ctx->kx_get_sparse(), kx_model_hybrid(&ctx->get_model())); // the hybrid's graph_gen
+    }
 }
 
 int32_t llama_context::kx_get_sparse() const {

@@ -1,7 +1,8 @@
-// The live neuron balancer (kx-balance.h): the boundary between decodes, the decision worker,
-// and a host reload engine for CPU-device slots (tests on machines without a GPU).
+// The live neuron balancer (kx-balance.h): its start, the boundary between decodes and the
+// decision worker (the pipeline's decisions within a decode: kx-pipeline.cpp).
 #include "kx-balance.h"
 #include "kx-pack.h"
+#include "kx-reload-engine.h"
 #include "kx-slots.h"
 #include "kx-stats.h"
 
@@ -12,58 +13,6 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
-
-// ---------------------------------------------------------------- residency
-// the committed residency: slot_of and its bit map change together
-static void kx_balance_layer_set_slot(kx_balance_layer & L, int32_t i, int32_t s) {
-    L.slot_of[i] = s;
-    const uint64_t bit = 1ull << (i & 63);
-    L.hot_bits[i >> 6] = s >= 0 ? L.hot_bits[i >> 6] | bit : L.hot_bits[i >> 6] & ~bit;
-}
-
-static bool kx_balance_layer_hot(const kx_balance_layer & L, int32_t i) {
-    return (L.hot_bits[i >> 6] >> (i & 63)) & 1;
-}
-
-// how many of n listed neurons are resident
-static int32_t kx_balance_layer_hits(const kx_balance_layer & L, const int32_t * ids, int32_t n) {
-    int32_t hits = 0;
-    for (int32_t k = 0; k < n; ++k) {
-        hits += (int32_t) kx_balance_layer_hot(L, ids[k]);
-    }
-    return hits;
-}
-
-// ---------------------------------------------------------------- host engine
-// CPU-device slots live in host memory: copies are done when queued. It keeps the balancer's
-// ordering (commit at the next boundary), so CPU-device tests walk the same states.
-static void *  kx_host_create(int32_t, int32_t, int32_t) { static int32_t tag; return &tag; }
-static void    kx_host_destroy(void *) {}
-static int32_t kx_host_register(void *, void *, size_t) { return 0; }
-static int32_t kx_host_copy(void *, const kx_row_copy * c, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        std::memcpy(c[i].dst, c[i].src, c[i].bytes);
-    }
-    return 0;
-}
-static int32_t kx_host_write_i32(void *, const kx_i32_write * w, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        *w[i].dst = w[i].value;
-    }
-    return 0;
-}
-static int32_t kx_host_query(void *) { return 1; }
-static double  kx_host_wait(void *) { return 0.0; }
-static int32_t kx_host_tag_copy(void * r, int32_t, const kx_row_copy * c, int64_t n) { return kx_host_copy(r, c, n); }
-static int32_t kx_host_tag_query(void *, int32_t) { return 1; }
-static void *  kx_host_addr(void *, const void * host) { return const_cast<void *>(host); }
-
-static const kx_reload_iface kx_host_reload = {
-    kx_host_create, kx_host_destroy, kx_host_register, kx_host_copy, kx_host_write_i32, kx_host_query, kx_host_wait,
-    nullptr, nullptr, nullptr, nullptr, // no device decision: the host decides
-    kx_host_tag_copy, kx_host_tag_query, kx_host_write_i32, kx_host_addr,
-    nullptr, nullptr, // host memory needs no locking for the host engine
-};
 
 // ---------------------------------------------------------------- counters
 static std::atomic<int64_t> kx_balance_stat[KX_BAL_N_STATS];
@@ -77,10 +26,6 @@ void kx_balance_stats(int64_t * out, bool reset) {
 }
 
 // ---------------------------------------------------------------- decision
-
-static double kx_seconds_since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // the ids of the set bytes of mask [0, n), ascending, appended to out; a word at a time (the
 // host decision's masks; the device decision returns id lists, kx-tam.cu). Why: the
@@ -133,7 +78,6 @@ static void kx_balance_decide(kx_balancer & b, size_t rec) {
     }
 }
 
-static void kx_pipe_job(kx_balancer & b);
 
 // the balancer's thread: between decodes, every layer's TAM step from a boundary's snapshots;
 // with the pipeline, one layer's prefetch per job (posted by a graph node, waited for by its
@@ -167,7 +111,7 @@ double kx_balance_drain_decision(kx_balancer & b) {
 }
 
 // seconds a reload batch may stay out before the balancer gives up on it
-static double kx_balance_wait_limit(const kx_balancer & b) {
+double kx_balance_wait_limit(const kx_balancer & b) {
     return (b.params.wait_limit_ms > 0 ? b.params.wait_limit_ms : 10000) * 1e-3;
 }
 
@@ -176,7 +120,7 @@ static double kx_balance_wait_limit(const kx_balancer & b) {
 // engine rather than blocking in it so that the wait can end; at a boundary the copies have
 // almost always landed behind the decode, and the first query says so. Seconds waited:
 // exactly 0 when nothing was running (the stall model's test for an I/O stall).
-static double kx_balance_wait(kx_balancer & b) {
+double kx_balance_wait(kx_balancer & b) {
     const auto t0 = std::chrono::steady_clock::now();
     const double limit = kx_balance_wait_limit(b);
     for (bool first = true;; first = false) {
@@ -215,33 +159,13 @@ kx_balancer::~kx_balancer() {
             io->wait(engine); // rows may still land in slot buffers that are about to be freed
         }
         if (tam) {
-            io->tam_free(tam);
+            tam_io->destroy(tam);
         }
         io->destroy(engine);
     }
 }
 
 // ---------------------------------------------------------------- boundary
-
-// which engine moves rows into this device's slots, and the device's index for it
-const kx_reload_iface * kx_balance_engine(const std::string & device, int32_t * index) {
-    if (device == "CPU") {
-        *index = 0;
-        return &kx_host_reload;
-    }
-    ggml_backend_dev_t dev = ggml_backend_dev_by_name(device.c_str());
-    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    auto get = reg ? (kx_reload_iface_get_t) ggml_backend_reg_get_proc_address(reg, "kx_reload_iface") : nullptr;
-    if (!get) {
-        throw std::runtime_error(kx_fmt("the %s backend cannot reload slots", device.c_str()));
-    }
-    size_t k = device.size();
-    while (k > 0 && device[k - 1] >= '0' && device[k - 1] <= '9') {
-        --k;
-    }
-    *index = k < device.size() ? std::atoi(device.c_str() + k) : 0;
-    return get();
-}
 
 std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model & model, const kx_pack & pack,
                                              const kx_balance_params & params) {
@@ -284,7 +208,7 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         b->params.gpu_gbs = 2000.0;
     }
     int32_t index = 0;
-    b->io = kx_balance_engine(slots.device, &index);
+    b->io = kx_reload_engine(slots.device, &index);
     b->engine = b->io->create(index, params.method, params.max_blocks);
     if (!b->engine) {
         throw std::runtime_error(kx_fmt("balancer: cannot start a reload engine on %s", slots.device.c_str()));
@@ -346,15 +270,13 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         return b;
     }
     if (params.pipeline) {
-        slots.pipeline = true;
-        slots.pipe_worker = params.decide == KX_DECIDE_WORKER;
-        ++slots.graph_gen; // the next decode builds graphs with the pipeline's nodes
-        if (slots.pipe_worker) {
+        if (params.decide == KX_DECIDE_WORKER) {
             b->worker = std::thread(kx_balance_worker, b.get());
         }
         return b;
     }
-    if (params.decide == KX_DECIDE_AUTO && b->io->tam_new) {
+    b->tam_io = kx_reload_decision(slots.device);
+    if (params.decide == KX_DECIDE_AUTO && b->tam_io) {
         std::vector<int32_t> n, cap;
         std::vector<uint8_t> initial; // every layer's residency, concatenated
         for (const kx_balance_layer & L : b->layers) {
@@ -363,7 +285,7 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
             cap.push_back(L.cap);
             initial.insert(initial.end(), L.decided.begin(), L.decided.end());
         }
-        b->tam = b->io->tam_new(b->engine, &c, (int32_t) b->layers.size(), n.data(), cap.data(), initial.data());
+        b->tam = b->tam_io->create(b->engine, &c, (int32_t) b->layers.size(), n.data(), cap.data(), initial.data());
         if (!b->tam) {
             throw std::runtime_error(kx_fmt("balancer: cannot set up the decision on %s", slots.device.c_str()));
         }
@@ -451,7 +373,7 @@ void kx_balance_fetch(kx_balancer & b) {
     }
     float kernel_us = 0.0f;
     const int32_t * ids = nullptr;
-    if (b.io->tam_fetch(b.tam, &ids, b.tam_lam.data(), b.tam_counts.data(), &kernel_us)) {
+    if (b.tam_io->fetch(b.tam, &ids, b.tam_lam.data(), b.tam_counts.data(), &kernel_us)) {
         throw std::runtime_error("balancer: reading the device decision failed");
     }
     b.tam_pending = false;
@@ -474,8 +396,6 @@ void kx_balance_fetch(kx_balancer & b) {
     }
 }
 
-static void kx_pipe_boundary(kx_balancer & b);
-static void kx_pipe_drain(kx_balancer & b);
 
 void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {
     if (b.params.pipeline) {
@@ -558,7 +478,7 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
             b.tam_n_ids[l] = (int32_t) b.layers[l].snap.size();
             b.tam_stall[l] = b.layers[l].stall;
         }
-        if (b.io->tam_launch(b.engine, b.tam, b.tam_ids.data(), b.tam_n_ids.data(), b.tam_stall.data())) {
+        if (b.tam_io->launch(b.engine, b.tam, b.tam_ids.data(), b.tam_n_ids.data(), b.tam_stall.data())) {
             throw std::runtime_error("balancer: launching the device decision failed");
         }
         b.tam_pending = true;
@@ -590,427 +510,4 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
     kx_balance_fetch(b);
     kx_balance_apply(b, slots, pack, model); // the pending decision
     kx_balance_apply(b, slots, pack, model); // its loads, waited for and committed
-}
-
-// ---------------------------------------------------------------- pipeline
-
-// s ← λ·s + (1 − λ)·predicted over the layer, rounded as kx_tam_score (and the reference):
-// after the product and after the sum (this file is compiled with -ffp-contract=off, so the
-// loop vectorizes without fusing them)
-static void kx_pipe_scores(float * score, const uint8_t * mark, int64_t n, float lam) {
-    const float a = 1.0f - lam;
-    for (int64_t i = 0; i < n; ++i) {
-        const float p = lam * score[i];
-        score[i] = p + a * (float) mark[i]; // a·1 and a·0 are exact: the same sum, no branch
-    }
-}
-
-// the layer's record for step `step` (a new one when its newest is older, or when a decision
-// already filled it and another is made)
-static kx_balance_record & kx_pipe_record(kx_balancer & b, kx_balance_layer & L, int64_t step, bool decision) {
-    if (L.rec < 0 || b.trace[L.rec].step != step || (decision && b.trace[L.rec].decided)) {
-        kx_balance_record r = {};
-        r.step = (int32_t) step;
-        r.layer = L.il;
-        r.lam = L.st.lam;
-        r.stall = KX_TAM_STALL_NONE;
-        L.rec = (int64_t) b.trace.size();
-        b.trace.push_back(r);
-        if (b.params.record) {
-            b.activity.resize(b.trace.size());
-        }
-    }
-    kx_balance_record & r = b.trace[L.rec];
-    r.decided |= decision ? 1 : 0;
-    return r;
-}
-
-// what layer L ran with in this graph: its list (the graph's copy) against the slot map it used
-static void kx_pipe_observe(kx_balancer & b, kx_balance_layer & L, int64_t step) {
-    int32_t * seen = (int32_t *) b.slots->layers[L.il].seen->data;
-    if (seen[0] < 0) {
-        return;
-    }
-    L.snap.assign(seen + 1, seen + 1 + seen[0]);
-    L.snap_fresh = true;
-    seen[0] = -1;
-    kx_balance_record & r = kx_pipe_record(b, L, step, false);
-    r.n_active = (int32_t) L.snap.size();
-    r.n_hit = kx_balance_layer_hits(L, L.snap.data(), (int32_t) L.snap.size());
-}
-
-static bool kx_pipe_landed(kx_balancer & b, kx_balance_layer & L) {
-    if (L.fake_late > 0) {
-        --L.fake_late;
-        return false;
-    }
-    const int32_t q = L.hung ? 0 : b.io->tag_query(b.engine, L.tag);
-    if (q < 0) {
-        throw std::runtime_error("balancer: a slot reload failed");
-    }
-    // a batch still out after the wait limit will not land: the balancer stops rather than
-    // keep the layer's decisions skipped (its slots taken) for the rest of the run
-    if (q == 0 && kx_seconds_since(L.pend_t0) > kx_balance_wait_limit(b)) {
-        throw std::runtime_error(kx_fmt("balancer: slot reloads did not finish within %.0f ms",
-                                        kx_balance_wait_limit(b) * 1e3));
-    }
-    return q == 1;
-}
-
-// the pending loads enter the slot map (their device stores wait for publish)
-static void kx_pipe_commit(kx_balancer & b, kx_balance_layer & L) {
-    kx_slot_layer & S = b.slots->layers[L.il];
-    int32_t * slotmap = (int32_t *) S.slotmap->data; // device address on a GPU
-    for (const auto & [i, s] : L.pend) {
-        L.writes.push_back({ slotmap + i, s, 0 });
-        ((int32_t *) S.coldmap->data)[i] = ((int32_t *) S.colddown->data)[i] = -1;
-        kx_balance_layer_set_slot(L, i, s);
-        S.resident[s] = i;
-    }
-    L.pend.clear();
-}
-
-// One step of layer L from its predicted list (kairox.balancer.PrefetchLayer.step), in three
-// phases so the O(n_ff + slots) part runs on every compute thread of the CPU split (measured on
-// the H200 machine: ~97 µs per KB-7B layer on one thread, which the 15 others spent waiting):
-//   begin (one thread): landed loads enter, the step's stall, λ, the predicted marks
-//   scan  (thread ith of nth): scores of a slice of the neurons, candidate keys from a slice
-//         of the list, the worst victim keys of a slice of the slots
-//   end   (one thread): the best candidates against the worst victims, evictions, copies
-static void kx_pipe_begin(kx_balancer & b, kx_balance_layer & L, const int32_t * list, int32_t n, int64_t step) {
-    L.t0 = std::chrono::steady_clock::now();
-    kx_balance_record & r = kx_pipe_record(b, L, step, true);
-    if (b.params.record) {
-        b.activity[L.rec].assign(list, list + n);
-    }
-    const int32_t hits = kx_balance_layer_hits(L, list, n);
-    L.skip = false;
-    if (!L.pend.empty()) {
-        if (kx_pipe_landed(b, L)) {
-            kx_pipe_commit(b, L);
-        } else {
-            r.late |= 1; // still in flight: no decision (its slots are taken)
-            L.skip = true;
-        }
-    }
-    const double cpu_s = (double) (n - hits) * L.row_bytes / (b.params.cpu_gbs * 1e9);
-    const double gpu_s = (double) hits * L.row_bytes / (b.params.gpu_gbs * 1e9);
-    r.stall = L.skip || L.late_prev ? KX_TAM_STALL_IO : cpu_s > gpu_s ? KX_TAM_STALL_CPU : KX_TAM_STALL_NONE;
-    L.late_prev = L.skip;
-    r.lam = L.st.lam;
-    if (L.skip) {
-        r.decide_us = (float) (1e6 * kx_seconds_since(L.t0));
-        return;
-    }
-    kx_tam_adapt(&b.params.tam, &L.st, r.stall);
-    for (int32_t k = 0; k < n; ++k) {
-        L.mark[list[k]] = 1;
-    }
-    L.list = list;
-    L.n_list = n;
-}
-
-static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth) {
-    if (L.skip || nth > (int) L.tcand.size()) {
-        GGML_ASSERT(nth <= (int) L.tcand.size() && "balancer: more compute threads than GGML_MAX_N_THREADS");
-        return;
-    }
-    if (ith == 0) {
-        L.n_scan = nth;
-    }
-    const kx_slot_layer & S = b.slots->layers[L.il];
-    const float lam = L.st.lam;
-    const float tau = kx_tam_tau(&b.params.tam, lam);
-    const int64_t n_ff = (int64_t) L.score.size();
-    const int64_t f0 = n_ff * ith / nth, f1 = n_ff * (ith + 1) / nth;
-    kx_pipe_scores(L.score.data() + f0, L.mark.data() + f0, f1 - f0, lam);
-    // the list slice's neurons were scored by whichever thread owns them: wait for the
-    // scores only through the candidates' own slice (each thread scores, then reads, the
-    // same neurons: a list entry belongs to the thread whose score slice holds it)
-    std::vector<uint64_t> & cand = L.tcand[ith];
-    cand.clear();
-    const int32_t * lo = std::lower_bound(L.list, L.list + L.n_list, (int32_t) f0);
-    const int32_t * hi = std::lower_bound(L.list, L.list + L.n_list, (int32_t) f1);
-    for (const int32_t * p = lo; p < hi; ++p) {
-        if (!kx_balance_layer_hot(L, *p) && L.score[*p] > tau) {
-            cand.push_back(kx_tam_key(L.score[*p], 0, *p));
-        }
-    }
-    // victims: residents not predicted whose neuron is in this thread's score slice
-    std::vector<uint64_t> & vict = L.tvict[ith];
-    vict.clear();
-    for (int64_t s = 0; s < S.n_slots; ++s) {
-        const int32_t i = S.resident[s];
-        if (i >= f0 && i < f1 && !L.mark[i]) {
-            vict.push_back(kx_tam_key(L.score[i], 1, i));
-        }
-    }
-    const int32_t m = b.params.tam.max_admit;
-    if (m >= 0) {
-        // no step uses more than max_admit victims: keep this slice's worst m, and its best m candidates
-        if (vict.size() > (size_t) m) {
-            std::nth_element(vict.begin(), vict.begin() + m, vict.end());
-            vict.resize(m);
-        }
-        if (cand.size() > (size_t) m) {
-            std::nth_element(cand.begin(), cand.begin() + m, cand.end(), std::greater<uint64_t>());
-            cand.resize(m);
-        }
-    }
-}
-
-static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
-    if (L.skip) {
-        return;
-    }
-    kx_slot_layer & S = b.slots->layers[L.il];
-    const kx_pack_layer & pl = b.pack->layers[L.il];
-    const kx_tam_config & c = b.params.tam;
-    kx_balance_record & r = b.trace[L.rec];
-    std::vector<uint64_t> & cand = L.cand;
-    std::vector<uint64_t> & vict = L.vict;
-    cand.clear();
-    vict.clear();
-    for (int t = 0; t < L.n_scan; ++t) {
-        cand.insert(cand.end(), L.tcand[t].begin(), L.tcand[t].end());
-    }
-    if (c.max_admit >= 0 && cand.size() > (size_t) c.max_admit) {
-        // the best max_admit (keys are unique), then in order
-        std::nth_element(cand.begin(), cand.begin() + c.max_admit, cand.end(), std::greater<uint64_t>());
-        cand.resize(c.max_admit);
-    }
-    std::sort(cand.begin(), cand.end(), std::greater<uint64_t>());
-    // victims, worst first (only when the free slots do not suffice)
-    if (cand.size() > L.free_slots.size()) {
-        for (int t = 0; t < L.n_scan; ++t) {
-            vict.insert(vict.end(), L.tvict[t].begin(), L.tvict[t].end());
-        }
-        const size_t need = std::min(vict.size(), cand.size() - L.free_slots.size());
-        if (need < vict.size()) {
-            std::nth_element(vict.begin(), vict.begin() + need, vict.end());
-            vict.resize(need);
-        }
-        std::sort(vict.begin(), vict.end());
-    }
-    for (int32_t k = 0; k < L.n_list; ++k) {
-        L.mark[L.list[k]] = 0;
-    }
-    int32_t * slotmap = (int32_t *) S.slotmap->data;
-    const llama_layer & ml = b.model->layers[L.il];
-    std::vector<kx_row_copy> & copies = L.copies;
-    copies.clear();
-    size_t nv = 0;
-    int32_t ne = 0;
-    for (uint64_t key : cand) {
-        const int32_t i = 0x7FFFFFFF - (int32_t) (key & 0x7FFFFFFF);
-        int32_t s;
-        if (!L.free_slots.empty()) {
-            s = L.free_slots.front(); // ascending: the reference takes the lowest free slot
-            L.free_slots.erase(L.free_slots.begin());
-        } else {
-            // a candidate displaces a resident only with a higher score (a tie keeps the resident)
-            if (nv >= vict.size() || key <= vict[nv]) {
-                break;
-            }
-            const int32_t v = 0x7FFFFFFF - (int32_t) (vict[nv++] & 0x7FFFFFFF);
-            s = L.slot_of[v];
-            L.writes.push_back({ slotmap + v, -1, 0 });
-            kx_slot_to_host(S, pl, v);
-            kx_balance_layer_set_slot(L, v, -1);
-            S.resident[s] = -1;
-            ++ne;
-        }
-        copies.resize(copies.size() + 3);
-        kx_slot_row_copies(S, ml, pl, i, s, copies.data() + copies.size() - 3);
-        L.pend.push_back({ i, s });
-    }
-    if (!copies.empty()) {
-        L.pend_t0 = std::chrono::steady_clock::now();
-        if (++b.batches == b.params.hang_at) {
-            L.hung = b.hung = true; // queued in name only: its rows never land
-        } else if (b.batches == b.params.fail_at ||
-                   b.io->tag_copy(b.engine, L.tag, copies.data(), (int64_t) copies.size())) {
-            throw std::runtime_error("balancer: queueing slot reloads failed");
-        }
-        ++L.batches;
-        if (b.params.late_every > 0 && L.batches % b.params.late_every == 0) {
-            L.fake_late = 2; // reported late at publish and at the next prefetch
-        }
-    }
-    r.n_load = (int32_t) L.pend.size();
-    r.n_evict = ne;
-    r.lam = L.st.lam;
-    r.reload_bytes = (int64_t) r.n_load * L.row_bytes;
-    r.decide_us = (float) (1e6 * kx_seconds_since(L.t0));
-}
-
-// the three phases on the calling thread (between decodes)
-static void kx_pipe_prefetch(kx_balancer & b, kx_balance_layer & L, const int32_t * list, int32_t n, int64_t step) {
-    kx_pipe_begin(b, L, list, n, step);
-    kx_pipe_scan(b, L, 0, 1);
-    kx_pipe_end(b, L);
-}
-
-// the end of layer L's step `step`: landed loads enter the slot map (the others stay pending)
-static void kx_pipe_settle(kx_balancer & b, kx_balance_layer & L, int64_t step) {
-    if (!L.pend.empty()) {
-        if (kx_pipe_landed(b, L)) {
-            kx_pipe_commit(b, L);
-        } else {
-            kx_pipe_record(b, L, step, false).late |= 2;
-            L.late_prev = L.ahead; // between decodes a layer's loads land during the next one: no stall
-        }
-    }
-}
-
-// the step's device map stores, done when it returns
-static void kx_pipe_flush(kx_balancer & b, kx_balance_layer & L) {
-    if (!L.writes.empty()) {
-        if (b.io->side_write(b.engine, L.writes.data(), (int64_t) L.writes.size())) {
-            throw std::runtime_error("balancer: slot map update failed");
-        }
-        L.writes.clear();
-    }
-}
-
-// decide = worker: one layer's prefetch on the balancer's thread (kx_balance_worker), posted
-// by the first host node of the layer before
-static void kx_pipe_job(kx_balancer & b) {
-    kx_balance_layer & L = *b.pipe_job;
-    try {
-        kx_pipe_observe(b, b.layers[b.index_of[L.il - 1]], b.pstep); // (ahead: il-1 is hybrid)
-        kx_pipe_prefetch(b, L, L.posted.data(), (int32_t) L.posted.size(), b.pstep);
-    } catch (const std::exception & e) {
-        b.error = e.what();
-    }
-}
-
-// the balancer of layer il's pipeline hooks, nullptr when it has none; once it failed only
-// for `failed_too` (publish still makes the map stores of evictions already handed to the host)
-static kx_balancer * kx_pipe_balancer(kx_slots & slots, int32_t il, kx_balance_layer ** L, bool failed_too = false) {
-    kx_balancer * b = slots.balancer.get();
-    if (!b || !b->params.pipeline || (!failed_too && !b->error.empty()) || il < 0 || il >= (int32_t) b->index_of.size() ||
-        b->index_of[il] < 0) {
-        return nullptr;
-    }
-    *L = &b->layers[b->index_of[il]];
-    return (*L)->ahead ? b : nullptr;
-}
-
-void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, int32_t phase, const int32_t * list, int ith,
-                           int nth) noexcept {
-    kx_balance_layer * L = nullptr;
-    kx_balancer * b = kx_pipe_balancer(slots, il, &L);
-    if (!b) {
-        return;
-    }
-    try {
-        if (phase == 0 && il == b->first_ahead) {
-            ++b->pstep; // the first prefetch of a graph
-        }
-        if (phase == 0 && b->params.decide == KX_DECIDE_WORKER) {
-            // the list's graph copy may be reused once this node returns: the thread gets its own
-            L->posted.assign(list + 1, list + 1 + std::max(list[0], 0));
-            {
-                std::lock_guard<std::mutex> lk(b->mu);
-                b->pipe_job = L;
-                b->job = true;
-                b->busy = true;
-            }
-            b->cv.notify_all();
-        } else if (phase == 0) {
-            kx_balance_layer & prev = b->layers[b->index_of[il - 1]];
-            kx_pipe_observe(*b, prev, b->pstep); // its CPU split copied its list just before
-            kx_pipe_begin(*b, *L, list + 1, std::max(list[0], 0), b->pstep);
-        } else if (phase == 1) {
-            kx_pipe_scan(*b, *L, ith, nth);
-        } else {
-            kx_pipe_end(*b, *L);
-        }
-    } catch (const std::exception & e) {
-        b->error = e.what(); // (only phases 0 and 2 can throw: one thread each)
-    }
-}
-
-void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept {
-    kx_balancer * w = slots.pipe_worker ? slots.balancer.get() : nullptr;
-    const double hold = w ? kx_balance_drain_decision(*w) : 0.0; // (before anything reads what the thread writes)
-    kx_balance_layer * L = nullptr;
-    kx_balancer * b = kx_pipe_balancer(slots, il, &L, true);
-    if (!b) {
-        return;
-    }
-    try {
-        if (b->error.empty()) {
-            if (w && L->rec >= 0) {
-                b->trace[L->rec].hold_us = (float) (1e6 * hold);
-            }
-            kx_pipe_settle(*b, *L, b->pstep);
-        }
-    } catch (const std::exception & e) {
-        b->error = e.what();
-    }
-    try {
-        // an evicted neuron's host maps already say "host": the device map must stop saying
-        // "slot" before the layer runs, or both sides would compute it
-        kx_pipe_flush(*b, *L);
-    } catch (const std::exception & e) {
-        if (b->error.empty()) {
-            b->error = e.what();
-        }
-    }
-}
-
-// between decodes: the layers no graph node observes or prefetches
-static void kx_pipe_boundary(kx_balancer & b) {
-    kx_balance_drain_decision(b); // (a graph that failed between a post and its publish)
-    if (!b.error.empty()) {
-        const std::string e = b.error;
-        b.error.clear();
-        throw std::runtime_error(e);
-    }
-    bool any_ahead = false;
-    for (size_t l = 0; l < b.layers.size(); ++l) {
-        any_ahead = any_ahead || b.layers[l].ahead;
-        const bool next_ahead = l + 1 < b.layers.size() && b.layers[l + 1].ahead;
-        if (!next_ahead) {
-            kx_pipe_observe(b, b.layers[l], b.pstep);
-        }
-    }
-    if (!any_ahead) {
-        ++b.pstep; // no graph node counts the steps
-    }
-    const int64_t next = any_ahead ? b.pstep + 1 : b.pstep; // the step of the next graph
-    for (kx_balance_layer & L : b.layers) {
-        if (L.ahead) {
-            L.snap_fresh = false;
-            continue;
-        }
-        // decided here from its own last list: the last boundary's loads landed during the
-        // decode (that step's end), this step's land during the next one; the evictions'
-        // map stores are made before the next graph runs
-        try {
-            if (L.rec >= 0 && b.trace[L.rec].decided) {
-                kx_pipe_settle(b, L, b.trace[L.rec].step);
-            }
-            if (L.snap_fresh) {
-                kx_pipe_prefetch(b, L, L.snap.data(), (int32_t) L.snap.size(), next);
-            }
-        } catch (...) {
-            kx_pipe_flush(b, L); // the evictions made before the failure (see kx_pipe_hook_publish)
-            throw;
-        }
-        kx_pipe_flush(b, L);
-        L.snap_fresh = false;
-    }
-}
-
-static void kx_pipe_drain(kx_balancer & b) {
-    kx_balance_drain_decision(b);
-    kx_balance_wait(b);
-    for (kx_balance_layer & L : b.layers) {
-        kx_pipe_commit(b, L);
-        L.fake_late = 0;
-        kx_pipe_flush(b, L);
-    }
 }

@@ -89,7 +89,7 @@ struct kx_balance_layer {
     std::vector<uint8_t> mark;                     // scratch: predicted
     std::vector<uint64_t> cand, vict;              // scratch: candidates' and victims' keys
     std::vector<kx_row_copy> copies;
-    // the step between its phases (kx-balance.cpp: begin, scan on every thread, end)
+    // the step between its phases (kx-pipeline.cpp: begin, scan on every thread, end)
     std::chrono::steady_clock::time_point t0;
     bool skip = false;
     const int32_t * list = nullptr;
@@ -146,7 +146,8 @@ struct kx_balancer {
     int64_t batches = 0;                    // reload batches queued, both paths (fault injection counts them)
     bool hung = false;                      // fault injection: a batch that never finishes was queued
 
-    // the device's decision (engine->tam_new): every layer in one launch on the reload stream
+    // the device's decision (tam_io, on the engine's stream): every layer in one launch
+    const kx_tam_iface * tam_io = nullptr;
     void * tam = nullptr;
     bool tam_pending = false;
     size_t tam_rec = 0;                     // first trace record of the pending device decision
@@ -177,9 +178,6 @@ enum { KX_BAL_STEPS, KX_BAL_NS, KX_BAL_SYNC_NS, KX_BAL_SNAP_NS, KX_BAL_WAIT_NS, 
        KX_BAL_LAUNCH_NS, KX_BAL_STORE_NS, KX_BAL_QUEUE_NS, KX_BAL_N_STATS };
 void kx_balance_stat_add(int32_t i, int64_t v);
 
-// The engine that moves rows into (and maps host rows for) the slots of ggml device `device`,
-// and that device's index for its create(); the host engine for "CPU". Throws std::runtime_error.
-const kx_reload_iface * kx_balance_engine(const std::string & device, int32_t * index);
 
 // Starts a balancer on the model's slots (replacing one that runs). Throws std::runtime_error.
 std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model & model, const kx_pack & pack,
@@ -201,7 +199,45 @@ void kx_balance_settle(kx_balancer & b);
 // list (I32 [count, ids...]) in three phases (0 and 2 on one thread, 1 on thread ith of nth;
 // with the balancer's thread, phase 0 posts the whole prefetch to it), publish what landed.
 // Failures are kept and reported by the next boundary (kx_balance_step throws them); nothing
-// is done without a pipeline balancer.
-void kx_pipe_hook_prefetch(kx_slots & slots, int32_t il, int32_t phase, const int32_t * list, int ith,
+// is done without a pipeline balancer (b nullptr or another kind).
+void kx_pipe_hook_prefetch(kx_balancer * b, int32_t il, int32_t phase, const int32_t * list, int ith,
                            int nth) noexcept;
-void kx_pipe_hook_publish(kx_slots & slots, int32_t il) noexcept;
+void kx_pipe_hook_publish(kx_balancer * b, int32_t il) noexcept;
+
+// ---------------------------------------------------------------- shared by the two policies' files
+// (the boundary: kx-balance.cpp; the pipeline: kx-pipeline.cpp)
+
+// the committed residency: slot_of and its bit map change together
+inline void kx_balance_layer_set_slot(kx_balance_layer & L, int32_t i, int32_t s) {
+    L.slot_of[i] = s;
+    const uint64_t bit = 1ull << (i & 63);
+    L.hot_bits[i >> 6] = s >= 0 ? L.hot_bits[i >> 6] | bit : L.hot_bits[i >> 6] & ~bit;
+}
+
+inline bool kx_balance_layer_hot(const kx_balance_layer & L, int32_t i) {
+    return (L.hot_bits[i >> 6] >> (i & 63)) & 1;
+}
+
+// how many of n listed neurons are resident
+inline int32_t kx_balance_layer_hits(const kx_balance_layer & L, const int32_t * ids, int32_t n) {
+    int32_t hits = 0;
+    for (int32_t k = 0; k < n; ++k) {
+        hits += (int32_t) kx_balance_layer_hot(L, ids[k]);
+    }
+    return hits;
+}
+
+inline double kx_seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// seconds a reload batch may stay out before the balancer gives up on it
+double kx_balance_wait_limit(const kx_balancer & b);
+// Waits for every queued reload (kx-balance.cpp); seconds waited, exactly 0 when nothing ran.
+double kx_balance_wait(kx_balancer & b);
+// the pipeline's parts of the balancer's thread and of a boundary (kx-pipeline.cpp): one
+// posted prefetch; the layers no graph node decides, and failures kept from the graphs;
+// everything applied and waited for
+void kx_pipe_job(kx_balancer & b);
+void kx_pipe_boundary(kx_balancer & b);
+void kx_pipe_drain(kx_balancer & b);

@@ -1,13 +1,10 @@
 // The runtime's per-token boundary: libllama itself runs the balancer's step after every
-// decode (patch 0009 calls kx_context_after_decode from llama_decode and llama_process), so
+// decode (patch 0013 calls kx_context_after_decode from llama_decode and llama_process), so
 // every client of libllama (the common tools, llama-server, llama-cpp-python's own Llama) gets
 // the live balancer without running code of its own between tokens. The trace of balancer
 // records is appended here as the run goes, and finished when the context is freed.
 #include "kx-context.h"
-#include "kx-balance.h"
-#include "kx-pack.h"
-#include "kx-slots.h"
-#include "kx-thresholds.h"
+#include "kx-hybrid.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -31,9 +28,7 @@ kx_ctx_state * kx_ctx_state_find(const llama_context * ctx) {
 }
 
 static kx_balancer * kx_ctx_balancer(const llama_context * ctx) {
-    const llama_model & model = ctx->get_model();
-    kx_slots * slots = model.kx_pack_ptr ? model.kx_pack_ptr->slots.get() : nullptr;
-    return slots ? slots->balancer.get() : nullptr;
+    return kx_model_balancer(&ctx->get_model());
 }
 
 static const char * kx_stall_name(int32_t s) {
@@ -81,14 +76,12 @@ void kx_context_trace_flush(llama_context * ctx, bool all) {
 
 // the load-aware thresholds' turn (kx-thresholds.h): a solve every few decodes
 static void kx_context_thresholds(llama_context * ctx) {
-    const llama_model & model = ctx->get_model();
-    kx_pack * pack = model.kx_pack_ptr.get();
-    kx_slots * slots = pack ? pack->slots.get() : nullptr;
-    if (!slots || !slots->thr || ctx->kx_get_sparse() != KX_SPARSE_PREDICTED || !kx_thresholds_tick(*slots->thr)) {
+    kx_hybrid * h = kx_model_hybrid(&ctx->get_model());
+    if (!h || !h->thr || ctx->kx_get_sparse() != KX_SPARSE_PREDICTED || !kx_thresholds_tick(*h->thr)) {
         return;
     }
     ctx->synchronize(); // no graph reads the offsets while they change
-    kx_thresholds_solve_all(*slots, *pack);
+    kx_thresholds_solve_all(*h->thr, *h->slots, *h->pack, h->balancer != nullptr);
 }
 
 int32_t kx_context_after_decode(llama_context * ctx, int32_t ret) {

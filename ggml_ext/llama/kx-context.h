@@ -21,7 +21,7 @@ kx_ctx_state & kx_ctx_state_of(const llama_context * ctx);
 // nullptr when the context has none
 kx_ctx_state * kx_ctx_state_find(const llama_context * ctx);
 
-// The runtime's boundary (patch 0009 calls these from llama_decode, llama_process and
+// The runtime's boundary (patch 0013 calls these from llama_decode, llama_process and
 // llama_free): after a successful decode, the balancer's step and the trace's new records;
 // at free, the rest of the trace.
 int32_t kx_context_after_decode(llama_context * ctx, int32_t ret);

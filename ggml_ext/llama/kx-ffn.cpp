@@ -20,7 +20,7 @@
 //   y = y_cpu + y_gpu
 // The predictor and select run where x is (the slots' device holds the predictor). Node
 // order puts the CPU part first, so the GPU part heads the next split and the scheduler
-// (patch 0008) runs it while the CPU part computes.
+// (patch 0010) runs it while the CPU part computes.
 //
 // One layer ahead (the balancer's pipeline, kx-balance.h): when layer il+1 is hybrid too,
 // layer il also predicts il+1's active set from its own x, and two host nodes bracket the CPU
@@ -29,10 +29,7 @@
 // slot map. The scheduler
 // queues il+1's slot part only after this CPU split returns, so it sees a settled map.
 #include "kx-ffn.h"
-#include "kx-balance.h"
-#include "kx-pack.h"
-#include "kx-slots.h"
-#include "kx-thresholds.h"
+#include "kx-hybrid.h"
 #include "kx-warm.h"
 
 #include "kx-ops.h"
@@ -71,8 +68,9 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
 // neither gains nor loses.
 // layer il of these slots warms up: a predicted hybrid layer whose list the layer before can
 // write to the host (not with the pipeline, whose ahead nodes sit in the same splits)
-static bool kx_warm_layer(const kx_slots & slots, const kx_pack & pack, int32_t mode, int il) {
-    return slots.warm_on && mode != 1 && !slots.pipeline && il > 0 && il < pack.n_layer &&
+static bool kx_warm_layer(const kx_hybrid & hy, int32_t mode, int il) {
+    const kx_slots & slots = *hy.slots;
+    return slots.warm_on && mode != 1 && !hy.pipeline() && il > 0 && il < hy.pack->n_layer &&
            slots.layers[il].n_slots > 0 && slots.layers[il].ahead && slots.layers[il].pred_a &&
            (size_t) il < slots.warm.size();
 }
@@ -82,26 +80,26 @@ static bool kx_warm_layer(const kx_slots & slots, const kx_pack & pack, int32_t 
 static void kx_pipe_begin_op(ggml_tensor *, const ggml_tensor * list, int ith, int nth, void * hook) {
     if (ith == 0) {
         const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-        kx_pipe_hook_prefetch(*h->slots, h->il, 0, (const int32_t *) list->data, ith, nth);
+        kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 0, (const int32_t *) list->data, ith, nth);
     }
 }
 
 static void kx_pipe_scan_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
     const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-    kx_pipe_hook_prefetch(*h->slots, h->il, 1, nullptr, ith, nth);
+    kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 1, nullptr, ith, nth);
 }
 
 static void kx_pipe_end_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
     if (ith == 0) {
         const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-        kx_pipe_hook_prefetch(*h->slots, h->il, 2, nullptr, ith, nth);
+        kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 2, nullptr, ith, nth);
     }
 }
 
 static void kx_pipe_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
     if (ith == 0) {
         const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-        kx_pipe_hook_publish(*h->slots, h->il);
+        kx_pipe_hook_publish(h->hybrid->balancer.get(), h->il);
     }
 }
 
@@ -123,8 +121,10 @@ static ggml_tensor * kx_predict(ggml_context * ctx0, ggml_tensor * cur, const kx
 static ggml_tensor * kx_build_ffn_hybrid(
         const llm_graph_context & g, ggml_tensor * cur, ggml_tensor * up, ggml_tensor * gate,
         llm_ffn_op_type type_op, int32_t mode, enum kx_select_act act,
-        const kx_pack & pack, const kx_pack_layer & L, const kx_slot_layer & H, int il) {
+        const kx_hybrid & hy, const kx_pack_layer & L, const kx_slot_layer & H, int il) {
     ggml_context * ctx0 = g.ctx0;
+    const kx_pack & pack = *hy.pack;
+    kx_slots & slots = *hy.slots;
     auto on_cpu = [&](ggml_tensor * t) {
         // the host part must stay on the CPU even where the scheduler would spread the
         // device's nodes over unassigned neighbours (the GLU has no weight to pin it)
@@ -143,13 +143,12 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_tensor * s = kx_predict(ctx0, cur, L, &H);
         g.cb(s, "kx_pred", il);
         // load-aware thresholds (kx-thresholds.h): one offset per side, read from the slots' device
-        sel = pack.slots->thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, H.slotmap, H.thr_off)
+        sel = hy.thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, H.slotmap, H.thr_off)
                               : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
     g.cb(sel, "kx_sel", il);
-    kx_slots & slots = *pack.slots;
-    const bool warm      = kx_warm_layer(slots, pack, mode, il);
-    const bool warm_next = kx_warm_layer(slots, pack, mode, il + 1);
+    const bool warm      = kx_warm_layer(hy, mode, il);
+    const bool warm_next = kx_warm_layer(hy, mode, il + 1);
     if (warm) {
         // first on the CPU, before anything that reads the split's inputs (kx-warm.h)
         kx_warm_hook & wh = slots.warm[il];
@@ -160,7 +159,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_build_forward_expand(g.gf, w);
     }
     // layer il+1's active set predicted from this x, next to this layer's (same split)
-    const bool ahead = slots.pipeline && il + 1 < pack.n_layer && slots.layers[il + 1].n_slots > 0 &&
+    const bool ahead = hy.pipeline() && il + 1 < pack.n_layer && slots.layers[il + 1].n_slots > 0 &&
                        pack.layers[il + 1].pred_a;
     ggml_tensor * sel_next = nullptr;
     if (ahead) {
@@ -173,12 +172,12 @@ static ggml_tensor * kx_build_ffn_hybrid(
     // the balancer's view of this decode: the list, copied on the CPU beside the host part
     // (which receives the list anyway); a few KiB per layer
     ggml_build_forward_expand(g.gf, on_cpu(ggml_cpy(ctx0, sel, H.seen)));
-    void * hook = ahead ? static_cast<void *>(const_cast<kx_pipe_hook *>(&slots.hooks[il + 1])) : nullptr;
+    void * hook = ahead ? static_cast<void *>(const_cast<kx_pipe_hook *>(&hy.hooks[il + 1])) : nullptr;
     if (ahead) {
         // first on the CPU: the reloads then run beside both parts of this layer
         // (with the balancer's thread the first node only posts the list: the thread decides)
         ggml_tensor * p = on_cpu(ggml_map_custom1(ctx0, sel_next, kx_pipe_begin_op, 1, hook));
-        if (!slots.pipe_worker) {
+        if (!hy.pipe_worker()) {
             p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_scan_op, GGML_N_TASKS_MAX, hook));
             p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_end_op, 1, hook));
         }
@@ -224,7 +223,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_tensor * s = kx_predict(ctx0, cur, pack.layers[il + 1], &N);
         // with load-aware thresholds, the rows the host part will read (not those it skips)
         ggml_tensor * sn = ggml_kx_select_set_host(
-            slots.thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, N.slotmap, N.thr_off)
+            hy.thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, N.slotmap, N.thr_off)
                       : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE), N.ahead);
         g.cb(sn, "kx_sel_warm", il);
         ggml_build_forward_expand(g.gf, sn);
@@ -248,8 +247,9 @@ ggml_tensor * kx_build_ffn_sparse(
         ggml_tensor * down, ggml_tensor * down_b, ggml_tensor * down_s,
         ggml_tensor * act_scales,
         llm_ffn_op_type type_op, llm_ffn_gate_type type_gate, int il) {
-    const kx_pack * pack = g.cparams.kx_sparse_pack;
-    const int32_t   mode = g.cparams.kx_sparse_mode;
+    const kx_hybrid * hy   = g.cparams.kx_sparse_hybrid;
+    const kx_pack *   pack = hy ? hy->pack.get() : nullptr;
+    const int32_t     mode = g.cparams.kx_sparse_mode;
     if (!pack || mode == 0 || il < 0 || il >= pack->n_layer) {
         return nullptr;
     }
@@ -290,9 +290,9 @@ ggml_tensor * kx_build_ffn_sparse(
     if (!ggml_is_contiguous(cur)) {
         cur = ggml_cont(ctx0, cur);
     }
-    const kx_slot_layer * H = pack->slots && pack->slots->layers[il].n_slots > 0 ? &pack->slots->layers[il] : nullptr;
+    const kx_slot_layer * H = hy->slots && hy->slots->layers[il].n_slots > 0 ? &hy->slots->layers[il] : nullptr;
     if (H) {
-        return kx_build_ffn_hybrid(g, cur, up, gate, type_op, mode, act, *pack, L, *H, il);
+        return kx_build_ffn_hybrid(g, cur, up, gate, type_op, mode, act, *hy, L, *H, il);
     }
 
     ggml_tensor * sel;

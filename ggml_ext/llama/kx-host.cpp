@@ -15,7 +15,7 @@
 // Where the kernel gives no huge pages (transparent_hugepage "never") the memory is simply
 // small-paged.
 #include "kairox.h"
-#include "kx-reload.h"
+#include "kx-reload-engine.h"
 
 #include "ggml-backend-impl.h"
 
@@ -35,21 +35,6 @@ std::atomic<int64_t> kx_host_pageable{0};
 
 size_t kx_host_len(size_t size) {
     return (size + KX_HOST_PAGE - 1) / KX_HOST_PAGE * KX_HOST_PAGE;
-}
-
-// the first GPU backend's page-locking functions (CUDA: cuda/kx-reload.cu), or NULL
-const kx_reload_iface * kx_host_locker() {
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
-        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) {
-            continue;
-        }
-        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
-        auto get = reg ? (kx_reload_iface_get_t) ggml_backend_reg_get_proc_address(reg, "kx_reload_iface") : nullptr;
-        const kx_reload_iface * io = get ? get() : nullptr;
-        return io && io->host_pin && io->host_unpin ? io : nullptr;
-    }
-    return nullptr;
 }
 
 // 2 MiB-aligned anonymous memory of kx_host_len(size) bytes, advised to come in huge pages
@@ -86,8 +71,8 @@ void kx_host_buffer_free(ggml_backend_buffer_t buffer) {
     void * p = buffer->context; // the CPU from-pointer buffer's base
     const auto * t = (const kx_host_type *) buffer->buft->context;
     if (t->pinned) {
-        if (const kx_reload_iface * io = kx_host_locker()) {
-            io->host_unpin(p);
+        if (const kx_pin_iface * pin = kx_reload_pinning()) {
+            pin->unpin(p);
         }
     }
     munmap(p, kx_host_len(buffer->size));
@@ -108,10 +93,10 @@ ggml_backend_buffer_t kx_host_buft_alloc(ggml_backend_buffer_type_t buft, size_t
         return nullptr;
     }
     if (t->pinned) {
-        const kx_reload_iface * io = kx_host_locker();
+        const kx_pin_iface * pin = kx_reload_pinning();
         // locking faults every page in (as huge pages where advised); without it the buffer
         // still works, its GPU copies then go through the driver's staging
-        if (io && ((t->faults & KX_FAULT_HOST_LOCK) || io->host_pin(p, kx_host_len(size)) != 0)) {
+        if (pin && ((t->faults & KX_FAULT_HOST_LOCK) || pin->pin(p, kx_host_len(size)) != 0)) {
             fprintf(stderr, "kairox: %.2f MiB of host weights stay pageable (locking failed)\n", size / 1048576.0);
             kx_host_pageable += (int64_t) size; // (a client that hides the load's output reads this)
         }

@@ -5,7 +5,6 @@
 // naming the check that failed, so the caller can print it and keep running dense.
 #include "kairox.h"
 #include "kx-pack.h"
-#include "kx-slots.h"
 
 #include "llama-arch.h"
 #include "llama-model.h"
@@ -197,7 +196,6 @@ std::string kx_fmt(const char * format, ...) {
 }
 
 kx_pack::~kx_pack() {
-    slots.reset(); // before the buffer: a balancer's reloads read it
     if (buf) { ggml_backend_buffer_free(buf); }
     if (ctx) { ggml_free(ctx); }
 }

@@ -48,9 +48,6 @@ struct kx_pack {
     ggml_context *        ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
 
-    // neuron slots (kx-slots.h), set by kx_model_set_slots; null: every neuron on the host
-    std::shared_ptr<struct kx_slots> slots;
-
     ~kx_pack();
 };
 

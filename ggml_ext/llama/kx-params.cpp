@@ -5,8 +5,7 @@
 // every client.
 #include "kairox.h"
 #include "kx-context.h"
-#include "kx-pack.h"
-#include "kx-slots.h"
+#include "kx-hybrid.h"
 #include "kx-trace.h"
 
 #include "llama-context.h"
@@ -367,7 +366,7 @@ static void kx_place(llama_context * ctx, llama_model * model, const kx_params *
     char e[1024];
     kx_check(kx_model_set_slots_faults(model, counts.data(), (int32_t) counts.size(), kp->slots_device, kp->faults,
                                        e, sizeof(e)), refuse, "neuron slots: ", e);
-    model->kx_pack_ptr->slots->warm_on = kp->warm;
+    kx_model_slots(model)->warm_on = kp->warm; // (set: the call above succeeded with counts per layer)
     kx_check(kx_context_set_sparse(ctx, mode, e, sizeof(e)), refuse, "", e);
     if (kp->mapped_share > 0.0f) {
         kx_check(kx_context_set_mapped_share(ctx, kp->mapped_share, e, sizeof(e)), KX_ERR_PARAMS, "", e);
@@ -392,7 +391,7 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
     const char * why = budgeted ? "the VRAM budget needs kairox's hybrid FFN, which is unavailable: " : "";
     const std::string pack = has_pack_name ? kp->sparse_pack : kx_pack_path_for(model_path);
     char e[1024];
-    if (model->kx_pack_ptr && model->kx_pack_ptr->slots) {
+    if (kx_model_slots(model)) {
         // a model applied to again (llama-bench reuses one across rows): its old slots go
         // first, so neither the budget's base nor the retired pack keeps their device memory
         kx_model_set_slots(model, nullptr, 0, nullptr, e, sizeof(e));
@@ -449,7 +448,7 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
                                                 "parameters from kx_model_params_apply");
         }
         try {
-            costs = kx_slot_costs_of(*model, *model->kx_pack_ptr);
+            costs = kx_slot_costs_of(*model, *kx_model_pack(model));
         } catch (const std::exception & ex) {
             throw kx_apply_error(KX_ERR_BUDGET, std::string(why) + ex.what());
         }
@@ -519,7 +518,7 @@ int32_t kx_context_apply(llama_context * ctx, const char * model_path, const kx_
             llama_model * model = const_cast<llama_model *>(&ctx->get_model());
             char e2[256];
             kx_context_set_sparse(ctx, KX_SPARSE_DENSE, e2, sizeof(e2));
-            if (model->kx_pack_ptr) {
+            if (kx_model_pack(model)) {
                 kx_model_set_slots(model, nullptr, 0, nullptr, e2, sizeof(e2));
             }
         }

@@ -1,8 +1,8 @@
 // GPU neuron slots (kx-slots.h): allocation and the one-time fill at load.
 #include "kx-slots.h"
-#include "kx-balance.h"
+#include "kairox.h"
 #include "kx-pack.h"
-#include "kx-thresholds.h"
+#include "kx-reload-engine.h"
 
 #include "llama-model.h"
 
@@ -15,7 +15,6 @@
 #include <stdexcept>
 
 kx_slots::~kx_slots() {
-    balancer.reset(); // its reloads write into buf_dev and read host memory it registered
     for (ggml_backend_buffer_t b : map_bufs) {
         ggml_backend_buffer_free(b); // aliases only: the host memory stays the model's and the pack's
     }
@@ -56,7 +55,7 @@ static void kx_gather_rows(const ggml_tensor * src, const std::vector<int32_t> &
     ggml_backend_tensor_set(dst, stage.data(), 0, stage.size());
 }
 
-std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
+std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
                                          const std::vector<int64_t> & n_slots, const char * device,
                                          int32_t faults) {
     const int64_t n_layer = pack.n_layer, n_ff = pack.n_ff, n_embd = pack.n_embd;
@@ -65,10 +64,7 @@ std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
                                         n_slots.size(), n_layer));
     }
     ggml_backend_dev_t dev = kx_slots_device(device);
-    auto slots = std::make_shared<kx_slots>();
-    for (int64_t il = 0; il < n_layer; ++il) {
-        slots->hooks.push_back({ slots.get(), (int32_t) il });
-    }
+    auto slots = std::make_unique<kx_slots>();
     slots->device = ggml_backend_dev_name(dev);
     slots->layers.resize(n_layer);
 
@@ -240,11 +236,7 @@ void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, cons
     if (!(share >= 0.0f && share < 1.0f)) {
         throw std::runtime_error(kx_fmt("the mapped share must be in [0, 1), not %g", (double) share));
     }
-    if (slots.balancer && !slots.balancer->params.observe && share > 0.0f) {
-        throw std::runtime_error("the balancer runs on these slots: stop it before mapping host rows");
-    }
     const int64_t n_ff = pack.n_ff;
-    ++slots.graph_gen; // graphs built before carry the former share's nodes (graph reuse compares it)
     // the device part: give every mapped neuron back to the host side first
     for (int64_t il = 0; il < (int64_t) slots.layers.size(); ++il) {
         kx_slot_layer & L = slots.layers[il];
@@ -271,7 +263,7 @@ void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, cons
     ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
     if (!slots.map_engine) {
         int32_t index = 0;
-        slots.map_io = kx_balance_engine(slots.device, &index);
+        slots.map_io = kx_reload_engine(slots.device, &index);
         slots.map_engine = slots.map_io->create(index, KX_RELOAD_GATHER, 1);
         if (!slots.map_engine || !slots.map_io->host_addr) {
             throw std::runtime_error(kx_fmt("cannot map host memory for %s", slots.device.c_str()));

@@ -34,9 +34,6 @@ struct llama_model;
 struct llama_layer;
 struct kx_pack;
 struct kx_pack_layer;
-struct kx_balancer;
-struct kx_slots;
-struct kx_thresholds;
 
 struct kx_slot_layer {
     int64_t n_slots = 0;
@@ -71,19 +68,9 @@ struct kx_slot_layer {
     ggml_tensor * thr_off = nullptr;
 };
 
-// what the pipeline's graph nodes (kx-ffn.cpp) hand the balancer: layer il of these slots
-struct kx_pipe_hook {
-    kx_slots * slots = nullptr;
-    int32_t    il    = 0;
-};
-
 struct kx_slots {
     std::string device;               // ggml device name (CUDA0, or CPU for tests)
     std::vector<kx_slot_layer> layers;
-    std::vector<kx_pipe_hook> hooks;  // one per layer
-    bool     pipeline   = false;      // graphs carry the one-layer-ahead nodes (kx-balance.h)
-    bool     pipe_worker = false;     // ... and the balancer's thread decides (one node, not three)
-    uint32_t graph_gen  = 0;          // changes when they start or stop carrying them (graph reuse compares it)
     bool     warm_on    = true;       // hybrid layers warm the host caches with the next layer's rows
                                       // (kx-warm.h; kx_params::warm), read at each graph build
     ggml_context *        ctx_dev  = nullptr;
@@ -91,8 +78,6 @@ struct kx_slots {
     ggml_backend_buffer_t buf_dev  = nullptr;
     ggml_backend_buffer_t buf_host = nullptr;
     size_t bytes_dev = 0;             // device memory held (counts against the VRAM budget)
-    std::unique_ptr<kx_balancer> balancer; // the live balancer, when started (kx-balance.h)
-    std::unique_ptr<kx_thresholds> thr;    // the load-aware thresholds, when on (kx-thresholds.h)
     float    mapped_share = 0.0f;     // kx_slots_set_mapped_share's last share
     const kx_reload_iface * map_io = nullptr; // the engine that page-locks and maps host rows
     void *                  map_engine = nullptr;
@@ -106,12 +91,9 @@ struct kx_slots {
 // Builds slots for every layer with n_slots[il] > 0 (clamped to n_ff) on device `device`
 // (nullptr: the first GPU). Throws std::runtime_error with one sentence on failure.
 // faults: kx_params.faults (KX_FAULT_SLOTS refuses the slots' buffer).
-std::shared_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
+std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
                                          const std::vector<int64_t> & n_slots, const char * device,
                                          int32_t faults = 0);
-// kx_model_set_slots with kx_params.faults
-int32_t kx_model_set_slots_faults(llama_model * model, const int64_t * n_slots, int32_t n_layer, const char * device,
-                                  int32_t faults, char * err, size_t err_size);
 
 // Neuron i back on the host side of layer L: the host maps point at its rows again (the
 // caller clears its slot map entry).
@@ -125,9 +107,8 @@ void kx_slot_row_copies(const kx_slot_layer & L, const llama_layer & ml, const k
 // host rows over PCIe: the coldest resident-less neurons are taken in order of the pack's
 // activation frequency, hottest first, until their summed frequency reaches `share` of the
 // host side's (0 <= share < 1; 0 gives every host-side neuron back to the CPU). Between
-// decodes only, and not while the balancer moves neurons (between slots and the host side:
-// it knows nothing of this third place); an observing balancer may run. Throws std::runtime_error with one
-// sentence (weight types the device's row kernels lack, a host range it cannot map).
+// decodes only (the owner's rules: kx_hybrid_set_mapped_share). Throws std::runtime_error
+// with one sentence (weight types the device's row kernels lack, a host range it cannot map).
 void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, const kx_pack & pack, float share);
 
 // Replaces residents of layer il while no graph runs: the neurons in `evict` leave their

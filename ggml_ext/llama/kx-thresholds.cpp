@@ -2,14 +2,9 @@
 // model are python/kairox/thresholds.py).
 #include "kx-thresholds.h"
 #include "kairox.h"
-#include "kx-balance.h"
 #include "kx-slots.h"
 
 #include "kx-ops.h"
-
-#include "llama-context.h"
-#include "llama-impl.h"
-#include "llama-model.h"
 
 #include <algorithm>
 #include <cmath>
@@ -64,12 +59,13 @@ void kx_thr_solve(const kx_thr_sums & s, double budget, double norm, double t_gp
     *kc_out = bc;
 }
 
-static void kx_thr_store(kx_slot_layer & S, const kx_pack_layer & pl, int32_t kg, int32_t kc) {
+static void kx_thr_store(const kx_slot_layer & S, const kx_pack_layer & pl, int32_t kg, int32_t kc) {
     const float off[2] = { pl.thr_grid[kg], pl.thr_grid[kc] };
     ggml_backend_tensor_set(S.thr_off, off, 0, sizeof(off));
 }
 
-void kx_thresholds_start(kx_slots & slots, const kx_pack & pack, double budget, double gpu_gbs) {
+std::unique_ptr<kx_thresholds> kx_thresholds_new(kx_slots & slots, const kx_pack & pack, double budget,
+                                                 double gpu_gbs) {
     const bool on = budget >= 0;
     if (on && !pack.has_thresholds) {
         throw std::runtime_error("the sparse pack has no threshold calibration (kx_thr_*): write it again with "
@@ -84,10 +80,8 @@ void kx_thresholds_start(kx_slots & slots, const kx_pack & pack, double budget, 
             kx_thr_store(S, pack.layers[il], KX_THR_K0, KX_THR_K0);
         }
     }
-    ++slots.graph_gen; // the predicted select changes form (kx-ffn.cpp)
     if (!on) {
-        slots.thr.reset();
-        return;
+        return nullptr;
     }
     auto t = std::make_unique<kx_thresholds>();
     t->budget  = (float) budget;
@@ -99,7 +93,7 @@ void kx_thresholds_start(kx_slots & slots, const kx_pack & pack, double budget, 
             t->layers[il].row_bytes = (double) (S.gate->nb[1] + S.up->nb[1] + S.down->nb[1]);
         }
     }
-    slots.thr = std::move(t);
+    return t;
 }
 
 // the CPU part's costs since the last reading (the host op's counters are process-wide and
@@ -134,8 +128,7 @@ bool kx_thresholds_tick(kx_thresholds & t) {
     return (t.decodes - t.first) % kx_thr_period == 0;
 }
 
-void kx_thresholds_solve_all(kx_slots & slots, const kx_pack & pack) {
-    kx_thresholds & t = *slots.thr;
+void kx_thresholds_solve_all(kx_thresholds & t, const kx_slots & slots, const kx_pack & pack, bool moving) {
     kx_thr_measure(t);
     if (t.t_cpu_ns <= 0) {
         return;
@@ -145,13 +138,13 @@ void kx_thresholds_solve_all(kx_slots & slots, const kx_pack & pack) {
     }
     std::vector<uint8_t> res;
     for (int64_t il = 0; il < pack.n_layer; ++il) {
-        kx_slot_layer & S = slots.layers[il];
+        const kx_slot_layer & S = slots.layers[il];
         if (S.n_slots <= 0 || !S.thr_off) {
             continue;
         }
         const kx_pack_layer & pl = pack.layers[il];
         kx_thr_layer & T = t.layers[il];
-        if (!T.have_sums || slots.balancer) {
+        if (!T.have_sums || moving) {
             // the residents move with the balancer: the sums are taken again at every solve
             res.assign(pack.n_ff, 0);
             for (int32_t i : S.resident) {
@@ -172,75 +165,6 @@ void kx_thresholds_solve_all(kx_slots & slots, const kx_pack & pack) {
         }
     }
     ++t.solves;
-}
-
-// ---------------------------------------------------------------- C API (kairox.h)
-
-int32_t kx_context_set_error_budget(llama_context * ctx, float budget, char * err, size_t err_size) {
-    if (!ctx) {
-        kx_set_err(err, err_size, "kx_context_set_error_budget: no context");
-        return 1;
-    }
-    if (std::isnan(budget) || !std::isfinite(budget)) {
-        kx_set_err(err, err_size, kx_fmt("the error budget must be a number (< 0: off), not %g", (double) budget));
-        return 1;
-    }
-    if (budget < 0) {
-        budget = -1.0f;
-    }
-    const llama_model & model = ctx->get_model();
-    const kx_pack * pack = model.kx_pack_ptr.get();
-    kx_slots * slots = pack ? pack->slots.get() : nullptr;
-    if (budget >= 0 && !slots) {
-        kx_set_err(err, err_size, "load-aware thresholds split the hybrid FFN: give GPU slots, a VRAM budget or a plan");
-        return 1;
-    }
-    if (budget >= 0 && ctx->kx_get_sparse() != KX_SPARSE_PREDICTED) {
-        kx_set_err(err, err_size, "load-aware thresholds move the predictor's thresholds: they need the predicted "
-                                  "sparse mode (exact mode stays exact)");
-        return 1;
-    }
-    if (!slots) {
-        kx_set_err(err, err_size, "");
-        return 0;
-    }
-    ctx->synchronize(); // no graph reads the offsets while they change
-    try {
-        kx_thresholds_start(*slots, *pack, budget, slots->balancer ? slots->balancer->params.gpu_gbs : 0.0);
-    } catch (const std::exception & e) {
-        kx_set_err(err, err_size, e.what());
-        return 1;
-    }
-    if (ctx->kx_get_sparse() != KX_SPARSE_DENSE) {
-        ctx->kx_set_sparse(ctx->kx_get_sparse(), model.kx_pack_ptr.get()); // the slots' graph_gen
-    }
-    kx_set_err(err, err_size, "");
-    return 0;
-}
-
-int32_t kx_model_thresholds(const llama_model * model, int32_t il, kx_thr_info * out) {
-    const kx_pack * pack = model ? model->kx_pack_ptr.get() : nullptr;
-    const kx_slots * slots = pack ? pack->slots.get() : nullptr;
-    if (!slots || !slots->thr || !out || il < 0 || il >= pack->n_layer || slots->layers[il].n_slots <= 0) {
-        return 1;
-    }
-    const kx_thresholds & t = *slots->thr;
-    const kx_thr_layer & T = t.layers[il];
-    const kx_pack_layer & pl = pack->layers[il];
-    const int K0 = KX_THR_K0;
-    const double e0 = T.sums.e_gpu[K0] + T.sums.e_cpu[K0];
-    out->theta_g = pl.thr_grid[T.kg];
-    out->theta_c = pl.thr_grid[T.kc];
-    out->kg = T.kg;
-    out->kc = T.kc;
-    out->err_added = pl.thr_norm > 0 ? (float) ((T.sums.e_gpu[T.kg] + T.sums.e_cpu[T.kc] - e0) / pl.thr_norm) : 0.0f;
-    out->n_gpu = (float) T.sums.n_gpu[T.kg];
-    out->n_cpu = (float) T.sums.n_cpu[T.kc];
-    out->n_cpu_static = (float) T.sums.n_cpu[K0];
-    out->t_cpu_ns = (float) t.t_cpu_ns;
-    out->o_cpu_ns = (float) t.o_cpu_ns;
-    out->solves = (int32_t) t.solves;
-    return 0;
 }
 
 void kx_thresholds_solve(const float * sel, const float * err, int64_t n_ff, const uint8_t * resident, float budget,

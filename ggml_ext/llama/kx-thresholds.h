@@ -14,6 +14,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 struct kx_slots;
@@ -50,12 +51,15 @@ void kx_thr_layer_sums(const float * sel, const float * err, int64_t n_ff, const
 void kx_thr_solve(const kx_thr_sums & s, double budget, double norm, double t_gpu, double t_cpu, double o_gpu,
                   double o_cpu, int32_t * kg, int32_t * kc);
 
-// Turns the thresholds on for the model's slots (budget >= 0: the extra error allowed, relative
-// to the FFN output's norm; 0: no more than the static threshold's) or off (< 0): offsets 0.
-// Throws std::runtime_error when the pack has no calibration or the slots are missing.
-void kx_thresholds_start(kx_slots & slots, const kx_pack & pack, double budget, double gpu_gbs);
+// The thresholds for these slots (budget >= 0: the extra error allowed, relative to the FFN
+// output's norm; 0: no more than the static threshold's), or nullptr for off (< 0); either
+// way the slots' offsets are reset to the static thresholds. gpu_gbs: the device's matvec
+// rate (<= 0: the default). Throws std::runtime_error when the pack has no calibration.
+std::unique_ptr<kx_thresholds> kx_thresholds_new(kx_slots & slots, const kx_pack & pack, double budget,
+                                                 double gpu_gbs);
 // After each decode (kx-boundary.cpp): true when a solve is due (the caller then waits for
 // the context's graphs and calls kx_thresholds_solve_all).
 bool kx_thresholds_tick(kx_thresholds & t);
-// Reads the costs and, per hybrid layer, solves and stores changed offsets.
-void kx_thresholds_solve_all(kx_slots & slots, const kx_pack & pack);
+// Reads the costs and, per hybrid layer, solves and stores changed offsets. moving: the
+// residents change between solves (a balancer runs), so their sums are taken again.
+void kx_thresholds_solve_all(kx_thresholds & t, const kx_slots & slots, const kx_pack & pack, bool moving);

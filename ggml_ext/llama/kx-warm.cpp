@@ -12,7 +12,7 @@
 // page-locked host memory (ggml_kx_select_to_host): no scheduler copy, no wait.
 //
 // When: the first node of layer il+1's CPU split is this op, named "kx_warm". The scheduler
-// (patch 0008, kx-trace.h) then starts the split without waiting for the device; thread 0
+// (patch 0012, kx-trace.h) then starts the split without waiting for the device; thread 0
 // polls the device between its rows and waits for it, the other threads stop as soon as it
 // has (kx_sched_drain_done). The host part then reads from the caches what was warmed. The
 // warm-up only reads: whatever it gets wrong costs bandwidth, never a result.

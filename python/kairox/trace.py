@@ -10,7 +10,7 @@ queued the work (ggml_ext/include/kx-trace.h).
 
 `kairox trace FILE` reads such a file and says how much of each hybrid layer's CPU work
 ran while the GPU worked on the same layer: for every CPU split followed by a GPU split
-whose leading nodes were queued before it ("head", the scheduler's overlap, patch 0008),
+whose leading nodes were queued before it ("head", the scheduler's overlap, patch 0010),
 the two intervals and their intersection. `--png` draws one token's timeline.
 """
 from __future__ import annotations
