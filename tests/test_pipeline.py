@@ -1,5 +1,5 @@
 """The balancer's one-layer-ahead pipeline (kx_balance_params::pipeline; graph nodes in
-llama/kx-ffn.cpp, decisions in llama/kx-balance.cpp).
+llama/kx-ffn.cpp, decisions in llama/kx-pipeline.cpp).
 
 While hybrid layer i computes, layer i+1's active set is predicted from layer i's input and
 its best missing neurons are copied into its slots; what landed enters layer i+1's slot map

@@ -58,17 +58,17 @@ static void kx_balance_decide(kx_balancer & b, size_t rec) {
         kx_balance_layer & L = b.layers[l];
         const auto t0 = std::chrono::steady_clock::now();
         const int32_t n = (int32_t) L.score.size();
-        std::fill(L.active.begin(), L.active.end(), 0);
+        std::fill(L.tmp.active.begin(), L.tmp.active.end(), 0);
         for (int32_t i : L.snap) {
-            L.active[i] = 1;
+            L.tmp.active[i] = 1;
         }
         int32_t na = 0, ne = 0;
-        kx_tam_step(&b.params.tam, &L.st, L.score.data(), L.decided.data(), n, L.cap, L.active.data(), L.stall,
-                    L.admit_mask.data(), L.evict_mask.data(), &na, &ne);
+        kx_tam_step(&b.params.tam, &L.st, L.score.data(), L.decided.data(), n, L.cap, L.tmp.active.data(), L.stall,
+                    L.tmp.admit_mask.data(), L.tmp.evict_mask.data(), &na, &ne);
         L.admit.clear();
         L.evict.clear();
-        kx_mask_ids(L.admit_mask.data(), n, L.admit);
-        kx_mask_ids(L.evict_mask.data(), n, L.evict);
+        kx_mask_ids(L.tmp.admit_mask.data(), n, L.admit);
+        kx_mask_ids(L.tmp.evict_mask.data(), n, L.evict);
         kx_balance_record & r = b.trace[rec + l];
         r.n_load = na;
         r.n_evict = ne;
@@ -238,9 +238,9 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         const int64_t n_ff = pack.n_ff;
         L.score.assign(n_ff, 0.0f);
         L.decided.assign(n_ff, 0);
-        L.active.assign(n_ff, 0);
-        L.admit_mask.assign(n_ff, 0);
-        L.evict_mask.assign(n_ff, 0);
+        L.tmp.active.assign(n_ff, 0);
+        L.tmp.admit_mask.assign(n_ff, 0);
+        L.tmp.evict_mask.assign(n_ff, 0);
         L.slot_of.assign(n_ff, -1);
         L.hot_bits.assign((n_ff + 63) / 64, 0);
         for (int64_t s = 0; s < S.n_slots; ++s) {
@@ -256,9 +256,9 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         L.row_bytes = (int64_t) (S.gate->nb[1] + S.up->nb[1] + S.down->nb[1]);
         L.tag = (int32_t) b->layers.size();
         L.ahead = il > 0 && slots.layers[il - 1].n_slots > 0; // as kx-ffn.cpp builds the nodes
-        L.mark.assign(params.pipeline ? n_ff : 0, 0);
-        L.tcand.resize(params.pipeline ? GGML_MAX_N_THREADS : 1);
-        L.tvict.resize(L.tcand.size());
+        L.tmp.mark.assign(params.pipeline ? n_ff : 0, 0);
+        L.tmp.tcand.resize(params.pipeline ? GGML_MAX_N_THREADS : 1);
+        L.tmp.tvict.resize(L.tmp.tcand.size());
         b->index_of[il] = L.tag;
         if (L.ahead && b->first_ahead < 0) {
             b->first_ahead = L.il;

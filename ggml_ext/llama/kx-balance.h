@@ -56,24 +56,47 @@ struct llama_model;
 struct kx_pack;
 struct kx_slots;
 
+// What one step of a layer's decision uses and throws away: rebuilt by every step, never read
+// by the next one, so none of it is state (the boundary's host decision and the pipeline's
+// three phases fill it; the balancer's thread owns it while it decides).
+struct kx_balance_scratch {
+    std::vector<uint8_t> active, admit_mask, evict_mask; // host decision: decode k's set, the moves
+    std::vector<uint8_t> mark;                     // pipeline: predicted
+    std::vector<uint64_t> cand, vict;              // pipeline: candidates' and victims' keys
+    std::vector<std::vector<uint64_t>> tcand, tvict; // ... per scanning thread
+    std::vector<kx_row_copy> copies;               // the step's row copies, queued at its end
+    // the pipeline's step between its phases (kx-pipeline.cpp: begin, scan on every thread, end)
+    std::chrono::steady_clock::time_point t0;
+    bool skip = false;
+    const int32_t * list = nullptr;
+    int32_t n_list = 0;
+    int32_t n_scan = 1;
+    std::vector<int32_t> posted;     // balancer thread: the predicted list it decides from (the
+                                     // graph's copy may be reused once the posting node returns)
+};
+
+// One hybrid layer's balancer: the committed residency, the decision in flight, the
+// pipeline's pending loads, and the step's scratch apart.
 struct kx_balance_layer {
     int32_t il = 0;
     int32_t cap = 0;                 // slots of the layer
-    int32_t stall = 0;               // enum kx_tam_stall of the step being decided
+    int64_t row_bytes = 0;           // gate + up + down bytes of one neuron
     kx_tam_state st = {};
     std::vector<float>   score;      // TAM score per neuron
     std::vector<uint8_t> decided;    // residency as decided (committed, in flight or pending)
-    std::vector<uint8_t> active, admit_mask, evict_mask; // worker scratch
-    std::vector<int32_t> slot_of;    // committed: neuron -> slot, -1 (what the graph uses)
-    std::vector<uint64_t> hot_bits;  // committed too, a bit per neuron (slot_of >= 0): the boundary
-                                     // counts a decode's hits through it, since after a decode the maps
+    // committed: what the graph uses
+    std::vector<int32_t> slot_of;    // neuron -> slot, -1
+    std::vector<uint64_t> hot_bits;  // a bit per neuron (slot_of >= 0): the boundary counts a
+                                     // decode's hits through it, since after a decode the maps
                                      // are cold and slot_of is 32x larger (KB-70B: 112 KiB a layer, 21.5
                                      // against 10 µs per layer on the H200 host, bench/snap_probe.cpp)
     std::vector<int32_t> free_slots;
+    // between decodes: decode k's list, the decision waiting to be applied, the rows in flight
+    int32_t stall = 0;               // enum kx_tam_stall of the step being decided
     std::vector<int32_t> snap;       // decode k's active ids
-    std::vector<int32_t> admit, evict;           // the decision waiting to be applied
+    bool snap_fresh = false;
+    std::vector<int32_t> admit, evict;
     std::vector<std::pair<int32_t, int32_t>> inflight; // (neuron, slot) being copied
-    int64_t row_bytes = 0;           // gate + up + down bytes of one neuron
     // pipeline
     int32_t tag = 0;                 // the reload engine's batch tag (index among hybrid layers)
     bool    ahead = false;           // prefetched within the decode (layer il-1 is hybrid)
@@ -83,21 +106,10 @@ struct kx_balance_layer {
     bool    hung = false;            // fault injection: its pending batch was queued in name only
     std::chrono::steady_clock::time_point pend_t0; // when the pending batch was queued
     int64_t rec = -1;                // this layer's newest trace record
-    bool    snap_fresh = false;
     std::vector<std::pair<int32_t, int32_t>> pend; // (neuron, slot): rows queued, not yet in the slot map
     std::vector<kx_i32_write> writes;              // device map stores of the step, made at publish
-    std::vector<uint8_t> mark;                     // scratch: predicted
-    std::vector<uint64_t> cand, vict;              // scratch: candidates' and victims' keys
-    std::vector<kx_row_copy> copies;
-    // the step between its phases (kx-pipeline.cpp: begin, scan on every thread, end)
-    std::chrono::steady_clock::time_point t0;
-    bool skip = false;
-    const int32_t * list = nullptr;
-    int32_t n_list = 0;
-    int32_t n_scan = 1;
-    std::vector<std::vector<uint64_t>> tcand, tvict; // per scanning thread
-    std::vector<int32_t> posted;     // balancer thread: the predicted list it decides from (the
-                                     // graph's copy may be reused once the posting node returns)
+
+    kx_balance_scratch tmp;
 };
 
 // The balancer's records in memory (kx_model_balance_trace, the trace file's source): the

@@ -25,7 +25,7 @@
 // One layer ahead (the balancer's pipeline, kx-balance.h): when layer il+1 is hybrid too,
 // layer il also predicts il+1's active set from its own x, and two host nodes bracket the CPU
 // part: the first starts the reloads of il+1's missing neurons (they run while both parts of
-// il compute; three nodes, kx-balance.cpp), the last publishes those that landed into il+1's
+// il compute; three nodes, kx-pipeline.cpp), the last publishes those that landed into il+1's
 // slot map. The scheduler
 // queues il+1's slot part only after this CPU split returns, so it sees a settled map.
 #include "kx-ffn.h"
@@ -75,7 +75,7 @@ static bool kx_warm_layer(const kx_hybrid & hy, int32_t mode, int il) {
            (size_t) il < slots.warm.size();
 }
 
-// the prefetch's three phases (kx-balance.cpp): begin and end on one thread, the scan on all.
+// the prefetch's three phases (kx-pipeline.cpp): begin and end on one thread, the scan on all.
 // Every compute thread calls every node (n_tasks only sizes the work buffer).
 static void kx_pipe_begin_op(ggml_tensor *, const ggml_tensor * list, int ith, int nth, void * hook) {
     if (ith == 0) {

@@ -96,70 +96,70 @@ static void kx_pipe_commit(kx_balancer & b, kx_balance_layer & L) {
 //         of the list, the worst victim keys of a slice of the slots
 //   end   (one thread): the best candidates against the worst victims, evictions, copies
 static void kx_pipe_begin(kx_balancer & b, kx_balance_layer & L, const int32_t * list, int32_t n, int64_t step) {
-    L.t0 = std::chrono::steady_clock::now();
+    L.tmp.t0 = std::chrono::steady_clock::now();
     kx_balance_record & r = kx_pipe_record(b, L, step, true);
     if (b.params.record) {
         b.activity[L.rec].assign(list, list + n);
     }
     const int32_t hits = kx_balance_layer_hits(L, list, n);
-    L.skip = false;
+    L.tmp.skip = false;
     if (!L.pend.empty()) {
         if (kx_pipe_landed(b, L)) {
             kx_pipe_commit(b, L);
         } else {
             r.late |= 1; // still in flight: no decision (its slots are taken)
-            L.skip = true;
+            L.tmp.skip = true;
         }
     }
     const double cpu_s = (double) (n - hits) * L.row_bytes / (b.params.cpu_gbs * 1e9);
     const double gpu_s = (double) hits * L.row_bytes / (b.params.gpu_gbs * 1e9);
-    r.stall = L.skip || L.late_prev ? KX_TAM_STALL_IO : cpu_s > gpu_s ? KX_TAM_STALL_CPU : KX_TAM_STALL_NONE;
-    L.late_prev = L.skip;
+    r.stall = L.tmp.skip || L.late_prev ? KX_TAM_STALL_IO : cpu_s > gpu_s ? KX_TAM_STALL_CPU : KX_TAM_STALL_NONE;
+    L.late_prev = L.tmp.skip;
     r.lam = L.st.lam;
-    if (L.skip) {
-        r.decide_us = (float) (1e6 * kx_seconds_since(L.t0));
+    if (L.tmp.skip) {
+        r.decide_us = (float) (1e6 * kx_seconds_since(L.tmp.t0));
         return;
     }
     kx_tam_adapt(&b.params.tam, &L.st, r.stall);
     for (int32_t k = 0; k < n; ++k) {
-        L.mark[list[k]] = 1;
+        L.tmp.mark[list[k]] = 1;
     }
-    L.list = list;
-    L.n_list = n;
+    L.tmp.list = list;
+    L.tmp.n_list = n;
 }
 
 static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth) {
-    if (L.skip || nth > (int) L.tcand.size()) {
-        GGML_ASSERT(nth <= (int) L.tcand.size() && "balancer: more compute threads than GGML_MAX_N_THREADS");
+    if (L.tmp.skip || nth > (int) L.tmp.tcand.size()) {
+        GGML_ASSERT(nth <= (int) L.tmp.tcand.size() && "balancer: more compute threads than GGML_MAX_N_THREADS");
         return;
     }
     if (ith == 0) {
-        L.n_scan = nth;
+        L.tmp.n_scan = nth;
     }
     const kx_slot_layer & S = b.slots->layers[L.il];
     const float lam = L.st.lam;
     const float tau = kx_tam_tau(&b.params.tam, lam);
     const int64_t n_ff = (int64_t) L.score.size();
     const int64_t f0 = n_ff * ith / nth, f1 = n_ff * (ith + 1) / nth;
-    kx_pipe_scores(L.score.data() + f0, L.mark.data() + f0, f1 - f0, lam);
+    kx_pipe_scores(L.score.data() + f0, L.tmp.mark.data() + f0, f1 - f0, lam);
     // the list slice's neurons were scored by whichever thread owns them: wait for the
     // scores only through the candidates' own slice (each thread scores, then reads, the
     // same neurons: a list entry belongs to the thread whose score slice holds it)
-    std::vector<uint64_t> & cand = L.tcand[ith];
+    std::vector<uint64_t> & cand = L.tmp.tcand[ith];
     cand.clear();
-    const int32_t * lo = std::lower_bound(L.list, L.list + L.n_list, (int32_t) f0);
-    const int32_t * hi = std::lower_bound(L.list, L.list + L.n_list, (int32_t) f1);
+    const int32_t * lo = std::lower_bound(L.tmp.list, L.tmp.list + L.tmp.n_list, (int32_t) f0);
+    const int32_t * hi = std::lower_bound(L.tmp.list, L.tmp.list + L.tmp.n_list, (int32_t) f1);
     for (const int32_t * p = lo; p < hi; ++p) {
         if (!kx_balance_layer_hot(L, *p) && L.score[*p] > tau) {
             cand.push_back(kx_tam_key(L.score[*p], 0, *p));
         }
     }
     // victims: residents not predicted whose neuron is in this thread's score slice
-    std::vector<uint64_t> & vict = L.tvict[ith];
+    std::vector<uint64_t> & vict = L.tmp.tvict[ith];
     vict.clear();
     for (int64_t s = 0; s < S.n_slots; ++s) {
         const int32_t i = S.resident[s];
-        if (i >= f0 && i < f1 && !L.mark[i]) {
+        if (i >= f0 && i < f1 && !L.tmp.mark[i]) {
             vict.push_back(kx_tam_key(L.score[i], 1, i));
         }
     }
@@ -178,19 +178,19 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
 }
 
 static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
-    if (L.skip) {
+    if (L.tmp.skip) {
         return;
     }
     kx_slot_layer & S = b.slots->layers[L.il];
     const kx_pack_layer & pl = b.pack->layers[L.il];
     const kx_tam_config & c = b.params.tam;
     kx_balance_record & r = b.trace[L.rec];
-    std::vector<uint64_t> & cand = L.cand;
-    std::vector<uint64_t> & vict = L.vict;
+    std::vector<uint64_t> & cand = L.tmp.cand;
+    std::vector<uint64_t> & vict = L.tmp.vict;
     cand.clear();
     vict.clear();
-    for (int t = 0; t < L.n_scan; ++t) {
-        cand.insert(cand.end(), L.tcand[t].begin(), L.tcand[t].end());
+    for (int t = 0; t < L.tmp.n_scan; ++t) {
+        cand.insert(cand.end(), L.tmp.tcand[t].begin(), L.tmp.tcand[t].end());
     }
     if (c.max_admit >= 0 && cand.size() > (size_t) c.max_admit) {
         // the best max_admit (keys are unique), then in order
@@ -200,8 +200,8 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
     std::sort(cand.begin(), cand.end(), std::greater<uint64_t>());
     // victims, worst first (only when the free slots do not suffice)
     if (cand.size() > L.free_slots.size()) {
-        for (int t = 0; t < L.n_scan; ++t) {
-            vict.insert(vict.end(), L.tvict[t].begin(), L.tvict[t].end());
+        for (int t = 0; t < L.tmp.n_scan; ++t) {
+            vict.insert(vict.end(), L.tmp.tvict[t].begin(), L.tmp.tvict[t].end());
         }
         const size_t need = std::min(vict.size(), cand.size() - L.free_slots.size());
         if (need < vict.size()) {
@@ -210,12 +210,12 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
         }
         std::sort(vict.begin(), vict.end());
     }
-    for (int32_t k = 0; k < L.n_list; ++k) {
-        L.mark[L.list[k]] = 0;
+    for (int32_t k = 0; k < L.tmp.n_list; ++k) {
+        L.tmp.mark[L.tmp.list[k]] = 0;
     }
     int32_t * slotmap = (int32_t *) S.slotmap->data;
     const llama_layer & ml = b.model->layers[L.il];
-    std::vector<kx_row_copy> & copies = L.copies;
+    std::vector<kx_row_copy> & copies = L.tmp.copies;
     copies.clear();
     size_t nv = 0;
     int32_t ne = 0;
@@ -259,7 +259,7 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
     r.n_evict = ne;
     r.lam = L.st.lam;
     r.reload_bytes = (int64_t) r.n_load * L.row_bytes;
-    r.decide_us = (float) (1e6 * kx_seconds_since(L.t0));
+    r.decide_us = (float) (1e6 * kx_seconds_since(L.tmp.t0));
 }
 
 // the three phases on the calling thread (between decodes)
@@ -297,7 +297,7 @@ void kx_pipe_job(kx_balancer & b) {
     kx_balance_layer & L = *b.pipe_job;
     try {
         kx_pipe_observe(b, b.layers[b.index_of[L.il - 1]], b.pstep); // (ahead: il-1 is hybrid)
-        kx_pipe_prefetch(b, L, L.posted.data(), (int32_t) L.posted.size(), b.pstep);
+        kx_pipe_prefetch(b, L, L.tmp.posted.data(), (int32_t) L.tmp.posted.size(), b.pstep);
     } catch (const std::exception & e) {
         b.error = e.what();
     }
@@ -327,7 +327,7 @@ void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, co
         }
         if (phase == 0 && b->params.decide == KX_DECIDE_WORKER) {
             // the list's graph copy may be reused once this node returns: the thread gets its own
-            L->posted.assign(list + 1, list + 1 + std::max(list[0], 0));
+            L->tmp.posted.assign(list + 1, list + 1 + std::max(list[0], 0));
             {
                 std::lock_guard<std::mutex> lk(b->mu);
                 b->pipe_job = L;
