@@ -79,7 +79,7 @@ for cfg in ${KX_BENCH:-}; do
         ${KX_BENCH_ARGS:-} || echo "config $cfg FAILED"
     echo "config $cfg done at $(( $(date +%s) - t0 )) s"
 done
-# issue 7: slot reload transfer methods, and the live balancer's ablation (KX_LIVE configs)
+# slot reload transfer methods, and the live balancer's ablation (KX_LIVE configs)
 [ -n "${KX_RELOAD:-}" ] && { python3 bench/reload.py --out "$OUT" ${KX_RELOAD_ARGS:-} > "$OUT/reload.log" 2>&1 \
     || echo "reload bench FAILED"; tail -40 "$OUT/reload.log"; echo "reload bench done at $(( $(date +%s) - t0 )) s"; }
 for cfg in ${KX_LIVE:-}; do

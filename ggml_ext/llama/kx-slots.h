@@ -16,8 +16,8 @@
 // A mapped neuron is -1 in coldmap/colddown: each listed neuron is computed exactly once.
 //
 // The slot buffers never move or change size, so graphs (and CUDA graphs) built on them stay
-// valid while their contents are replaced; this issue fills them once, from the hottest
-// neurons by the pack's measured activation frequency.
+// valid while their contents are replaced. kx_slots_build fills them from the hottest neurons
+// by the pack's measured activation frequency; the balancer (kx-balance.h) replaces them.
 #pragma once
 
 #include "ggml.h"
