@@ -10,8 +10,8 @@ row's placement and the efficiency (bound / measured), against the static split'
 the same call and against llama.cpp's best decode at the same budget (bench/offload.py's
 results: -ngl or --fit, llama-bench).
 
-  python3 bench/ablation.py bench/results/balance-live/**/balance-live-KB-*.json \\
-      --offload bench/results -o bench/results/balance-live/ablation.md
+  python3 bench/ablation.py bench/results/**/balance-live-KB-*.json \\
+      --offload bench/results -o bench/results/archive/balance-live/ablation.md
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from offload import result_name  # noqa: E402
 
 # the ablation's steps, in order (kind -> what the row adds); static-split and static-sync are
-# rows of older results only (bench/results/balance-live/fused/), their switches retired
+# rows of older results only (bench/results/archive/balance-live/fused/), their switches retired
 STEPS = {"static-split": "static split, CPU part as four nodes (gate rows, up rows, GLU, axpy)",
          "static-sync": "static split, the scheduler's stock synchronous hand-off copies",
          "static": "static split (profiled hot neurons in the slots)",
@@ -41,9 +41,10 @@ STEPS = {"static-split": "static split, CPU part as four nodes (gate rows, up ro
 
 
 def llama_cpp_best(offload_dir: Path, config: str, budget: float) -> float | None:
-    """llama.cpp's best decode tok/s at that budget (llama-bench rows, -ngl and --fit)."""
-    f = offload_dir / f"{result_name(config, budget)}.json"
-    if not f.exists():
+    """llama.cpp's best decode tok/s at that budget (llama-bench rows, -ngl and --fit), from the
+    offload results in offload_dir or its folders (bench/results: one folder per configuration)."""
+    f = next(iter(sorted(offload_dir.rglob(f"{result_name(config, budget)}.json"))), None)
+    if f is None:
         return None
     rows = json.loads(f.read_text())["rows"]
     best = [r["tg_tok_s"] for r in rows if r["impl"] == "llama.cpp" and r.get("tg_tok_s")]
@@ -89,7 +90,7 @@ def fold(files: list[Path], offload_dir: Path | None) -> list[str]:
     out = ["# Live balancer ablation (folded by bench/ablation.py)", "",
            "tok/s: median (min-max) over the repeats of each row; vs static: median of each run against the "
            "static rows (16 threads, no host warm-up) of its own call; "
-           "vs llama.cpp: its best decode at the same budget (bench/results/offload-*.json). "
+           "vs llama.cpp: its best decode at the same budget (bench/results/*/offload-*.json). "
            "Bound: the row's placement at its own GPU share (docs/benchmarking.md); efficiency = bound / measured "
            "(median row). Every row: teacher-forced text drifting topic every 64 tokens, 16 compute threads unless "
            "given, reloads by the gather kernel. Warm-up: the host threads read the next layer's predicted rows "

@@ -1,5 +1,5 @@
 // The balancer's apply phase, alone: why it costs 7-9 µs per layer step on the H200 machine
-// (KB-70B adaptive rows, bench/results/balance-live/kb70b-ids/) for ~32 loads and ~32 evictions.
+// (KB-70B adaptive rows, bench/results/KB-70B-q4_0-h200/kb70b-ids/) for ~32 loads and ~32 evictions.
 //
 // As in kx_balance_apply: per layer, the last step's loads enter (slot map, host maps, residency
 // bits, slot -> neuron) and this step's evictions leave (the same maps and the down row of the

@@ -9,7 +9,7 @@ token (neurons, MiB), the stall types the balancer saw, its worst wait for a rel
 decision's time per step, and λ at the end. The adaptive row's per-step records go to
 <out>/balance-live-<config>.jsonl, drawn by `kairox report`.
 
-  python3 bench/balance_live.py --config KB-7B --work /tmp/kxbench --out bench/results
+  python3 bench/balance_live.py --config KB-7B --work /tmp/kxbench --out bench/results/KB-7B-f16-h200
 Writes <out>/balance-live-<config>.json (raw, with every command) and .md.
 """
 from __future__ import annotations

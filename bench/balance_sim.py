@@ -3,7 +3,7 @@
 drifts every 64 tokens) replayed through a static placement, TAM at a fixed λ and TAM with
 adaptive λ (`kairox balance`), for several group sizes at one capacity. CPU only.
 
-  python3 bench/balance_sim.py --preset KB-350M --out bench/results
+  python3 bench/balance_sim.py --preset KB-350M --out bench/results/KB-350M-cpu
 
 Writes balance-sim-PRESET.json (raw: every run, the command, the commit) and .md (table).
 The stall type each step ends in comes from a cost model (CPU read and PCIe bandwidths of

@@ -7,7 +7,8 @@ the stock llama-bench alternately, one repetition at a time, at each -ngl, so dr
 git commit and machine facts) and a markdown table.
 
   python3 bench/dense_parity.py --stock-bench /path/to/stock/llama-bench \
-      --model KB-7B-f16.gguf --ngl 0 16 99 --reps 3 --out bench/results/dense-parity-KB-7B
+      --model KB-7B-f16.gguf --ngl 0 16 99 --reps 3 \
+      --out bench/results/KB-7B-f16-h200/dense-parity-KB-7B
 """
 from __future__ import annotations
 

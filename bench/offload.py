@@ -3,8 +3,9 @@
 budget, decoded by the unpatched llama.cpp and by kairox at that budget.
 
   python3 bench/offload.py --config KB-7B --stock-bin /tmp/kx/build-stock/bin \
-      --work /tmp/kxbench --out bench/results
-  python3 bench/offload.py --summarize bench/results     # table + plots of all results
+      --work /tmp/kxbench --out bench/results/KB-7B-f16-h200
+  python3 bench/offload.py --summarize bench/results --summary-dir bench/results/offload
+                                                          # table + plots of all results
 
 Steps (docs/benchmarking.md): write the synthetic model (kairox synth, with its pack)
 unless it exists; measure the machine's bandwidths (kairox.hw); find the largest -ngl
@@ -499,8 +500,9 @@ def summary_lines(r: dict) -> list[str]:
     return lines
 
 
-def summarize(folder: Path, cpu_gbs: float | None = None) -> int:
-    """All offload-*.json in a folder: one table and a plot of decode tok/s per mode.
+def summarize(folder: Path, cpu_gbs: float | None = None, out: Path | None = None) -> int:
+    """All offload-*.json in a folder and its folders (archive/ left out): one table and a plot
+    of decode tok/s per mode, written to out (default: the folder).
 
     cpu_gbs: a CPU read roof (GB/s) for the bound where the run's own probe measured less
     (bounds and efficiencies are recomputed from each row's bytes)."""
@@ -508,7 +510,9 @@ def summarize(folder: Path, cpu_gbs: float | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = sorted((json.loads(p.read_text()) for p in folder.glob("offload-*.json")),
+    out = out or folder
+    results = sorted((json.loads(p.read_text()) for p in folder.rglob("offload-*.json")
+                      if "archive" not in p.relative_to(folder).parts),
                      key=lambda r: (r["model_bytes"], r["budget_gib"]))
     if not results:
         raise SystemExit(f"no offload-*.json in {folder}")
@@ -563,12 +567,13 @@ def summarize(folder: Path, cpu_gbs: float | None = None) -> int:
         ax.legend(fontsize=7)
         ax.set_title(f"{r['model']} @ {r['budget_gib']:g} GiB (ngl {r['ngl']})", fontsize=8)
     fig.tight_layout()
-    fig.savefig(folder / "offload-summary.png", dpi=110)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "offload-summary.png", dpi=110)
     lines += ["", "![decode tok/s](offload-summary.png)", ""] + kairox_mode_lines(results)
-    if plot_budgets(results, folder / "offload-budget.png"):
+    if plot_budgets(results, out / "offload-budget.png"):
         lines += ["Decode tok/s against the VRAM budget (models measured at more than one budget):", "",
                   "![tok/s vs budget](offload-budget.png)", ""]
-    (folder / "offload-summary.md").write_text("\n".join(lines))
+    (out / "offload-summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
 
@@ -661,11 +666,13 @@ def main() -> int:
     ap.add_argument("--ab-pageable", action="store_true",
                     help="hybrid: also a row with the host weights pageable (--no-pinned), for prefill")
     ap.add_argument("--note", default="", help="a line stored with the result (e.g. what the model is)")
-    ap.add_argument("--summarize", metavar="DIR", help="only summarize the results in DIR")
+    ap.add_argument("--summarize", metavar="DIR", help="only summarize the results in DIR and its folders")
+    ap.add_argument("--summary-dir", metavar="DIR", help="with --summarize: where the summary goes (default: DIR)")
     ap.add_argument("--cpu-gbs", type=float, help="with --summarize: CPU read roof for the bound (GB/s)")
     args = ap.parse_args()
     if args.summarize:
-        return summarize(Path(args.summarize), args.cpu_gbs)
+        return summarize(Path(args.summarize), args.cpu_gbs,
+                         Path(args.summary_dir) if args.summary_dir else None)
     if not (args.config and args.stock_bin and args.kairox_bin and args.kairox_lib):
         ap.error("--config, --stock-bin, --kairox-bin and --kairox-lib are required")
     return run_config(args)

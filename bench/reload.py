@@ -16,7 +16,7 @@ $KAIROX_CACHE/bench, default ~/.cache/kairox/bench, by the hash of its source an
 and drives the reload engine (cuda/kx-reload.cu) that the CUDA backend's registry hands out as
 "kx_reload_iface", from the ggml libraries of KAIROX_LIB_DIR (or the installed kairox).
 
-  python3 bench/reload.py --row-bytes 8192 --rows 8192 --out bench/results
+  python3 bench/reload.py --row-bytes 8192 --rows 8192 --out bench/results/reload
 Writes <out>/reload-methods.json (raw, with the command) and .md.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 // The balancer's snapshot after a decode, alone: why it costs 18-22 µs per layer step on the
-// H200 machine (KB-70B, bench/results/balance-live/kb70b-ids/) against ~3.5 on the 2-core VM.
+// H200 machine (KB-70B, bench/results/KB-70B-q4_0-h200/kb70b-ids/) against ~3.5 on the 2-core VM.
 //
 // As in kx_balance_step: 80 layers of 28672 neurons, ~4960 active ids each (ascending), written
 // by the decode's threads (each a slice, as ggml_cpy splits rows), then read by one thread

@@ -15,7 +15,7 @@ gives the FFN's own time per token in each mode, which is what sparsity speeds u
 whole-model speedup is bounded by the share of that floor (Amdahl).
 
   python3 bench/sparse_cpu.py --model KB-350M-relu-f16.gguf --threads 2 --tokens 64 \
-      --reps 3 --out bench/results/sparse-cpu-KB-350M
+      --reps 3 --out bench/results/KB-350M-cpu/sparse-cpu-KB-350M
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@
 // Each pass runs in KX_FFN_CHUNKS chunks per thread, and a thread that is free takes the
 // next one (a shared counter); a pass-b chunk sums into its own accumulator. Why: with the
 // rows split evenly the slowest thread's loop stayed 19-26% above the mean (H200, KB-7B,
-// bench/results/balance-live/two-pass/), so what was left was per-thread speed, not work.
+// bench/results/archive/balance-live/two-pass/), so what was left was per-thread speed, not work.
 // Measured (chunks/): the spread fell to 9-11%, but the slowest loop did not shorten. Kept:
 // it is not slower there, and a thread slowed for other reasons (a small core, a preempted
 // one) no longer holds up the layer. Op param 1 (ggml_kx_ffn_rows_own_shares) gives each
@@ -47,7 +47,7 @@
 // are done it takes another thread's chunks from the back (the part the warm-up reached
 // last, if at all). Why: with even own shares and no stealing, KB-70B's slowest loop was 236
 // µs per layer against a mean of 183 and the decode 23.57 tok/s against 30.63 with chunks
-// taken by any free thread (H200, bench/results/balance-live/kb70b-warm/): an even
+// taken by any free thread (H200, bench/results/archive/balance-live/kb70b-warm/): an even
 // split of the rows is not an even split of the time. The sums stay the same bits: a pass-a
 // chunk writes its gates by rank, a pass-b chunk into its own accumulator, whichever thread
 // takes it.
@@ -60,12 +60,12 @@
 // thread walking one row at a time keeps too few reads in flight. Four rows walked
 // together are four prefetch streams and four independent chains (development VM, 2
 // threads: 8.6-9.7 -> 11.8 GB/s; H200, KB-70B: the decode 1.18-1.27x,
-// bench/results/balance-live/kb70b-rows4/). Several tokens, and the reference path, go row
+// bench/results/archive/balance-live/kb70b-rows4/). Several tokens, and the reference path, go row
 // by row.
 //
 // No software prefetch: requesting the next neuron's gate/up rows and the block's down rows
 // whole into L2 ran 6% slower on the H200 host (KB-7B, 16 threads, interleaved A/B rows,
-// bench/results/balance-live/prefetch/), and the next row 1-2 rows ahead was no faster on
+// bench/results/archive/balance-live/prefetch/), and the next row 1-2 rows ahead was no faster on
 // the development VM (bench/host_op.c).
 #include "kx-ops-cpu.h"
 #include "kx-ops.h"

@@ -31,7 +31,7 @@ void kx_balance_stats(int64_t * out, bool reset) {
 // host decision's masks; the device decision returns id lists, kx-tam.cu). Why: the
 // between-decode rows spent ~2-2.5 ns more per neuron and decode outside the split loop than
 // the static split (H200: KB-7B ~26 µs per layer step, KB-70B 57-78 µs of 82-101,
-// bench/results/balance-live/kb70b-warm/), and a scan of a byte at a time was one branch per
+// bench/results/archive/balance-live/kb70b-warm/), and a scan of a byte at a time was one branch per
 // neuron (KB-70B: 28672 a layer, ~32 set)
 static void kx_mask_ids(const uint8_t * mask, int64_t n, std::vector<int32_t> & out) {
     int64_t i = 0;

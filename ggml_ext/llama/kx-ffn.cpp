@@ -64,7 +64,7 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
 
 // Hybrid layers warm the host's caches with their rows while the CPU waits for the device
 // (kx-warm.cpp). On by default (kx_params::warm): KB-7B 1.05-1.20x, KB-13B 1.03-1.28x in every
-// interleaved pair on the H200 (bench/results/balance-live/warm/); beside a mapped share it
+// interleaved pair on the H200 (bench/results/archive/balance-live/warm/); beside a mapped share it
 // neither gains nor loses.
 // layer il of these slots warms up: a predicted hybrid layer whose list the layer before can
 // write to the host (not with the pipeline, whose ahead nodes sit in the same splits)

@@ -22,7 +22,7 @@
 // on the host, in list order), and the host op then keeps each thread on its own share
 // (ggml_kx_ffn_rows_own_shares), so most rows are in the L2 of the core that reads them: all
 // gate rows first, then the up and down rows (ReLU reads those only for neurons that fire,
-// about half of the listed ones). Measured (H200, bench/results/balance-live/warm/): KB-7B's
+// about half of the listed ones). Measured (H200, bench/results/archive/balance-live/warm/): KB-7B's
 // slowest host loop 110-113 -> 82 µs per layer with own shares, but 117-126 µs when any free
 // thread took the next chunk (lines another core pulled in read slower than DRAM there); the
 // decode 1.05-1.20x (KB-7B), 1.03-1.28x (KB-13B). On by default; kx_params::warm = false turns it off.

@@ -52,7 +52,7 @@ parameters (rate spread 1.2, 32 topics in 4 domains, domain share 0.35, topic sh
 a prompt's words half its domain's common words) were fitted to the papers' statistics
 (density 0.11, 20-40% of neurons carrying 80% of activations, adjacent-token distance
 0.70-0.75, cross-prompt distance 0.53-0.57) on a Gaussian simulation of this gate and
-then measured on the real forward pass (docs/benchmarking.md, bench/results/synth-stats-*).
+then measured on the real forward pass (docs/benchmarking.md, bench/results/*/synth-stats-*).
 
 Types: f32, f16, and q4_0 (KB-70B), quantized while streaming: the pools are quantized
 once and sliced at block boundaries, gates and embeddings are quantized per tensor on all
