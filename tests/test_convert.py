@@ -14,6 +14,7 @@ import pytest
 
 from kairox import convert as convert_mod
 from kairox.checkpoint import Checkpoint, bf16_bits
+from kairox.cli import convert as convert_cli
 from kairox.convert import ConvertError, convert, default_outfile, permute_qk, tokenizer_kvs
 from kairox.reference import LlamaReference, rope_hf
 
@@ -391,7 +392,7 @@ def test_failure_leaves_no_file(small_hf: Path, tmp_path: Path, small_vocab: Pat
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kairox")
-    convert_mod.register(ap.add_subparsers(dest="command"))
+    convert_cli.register(ap.add_subparsers(dest="command"))
     return ap
 
 

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 import kairox.pack as pack
-from kairox.stats import (LayerStats, ModelStats, adjacent_jaccard, cmd_stats, cold_mask,
+from kairox.cli.stats import cmd_stats, register
+from kairox.stats import (LayerStats, ModelStats, adjacent_jaccard, cold_mask,
                           compute_layer_stats, cross_prompt_jaccard, format_table, hot_fraction,
                           plot_stats, prompt_segments, reactivation_after_gap,
-                          reactivation_curve, register, working_set)
+                          reactivation_curve, working_set)
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 

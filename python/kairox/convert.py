@@ -21,7 +21,6 @@ only when complete, so an interrupted conversion never leaves a half-written GGU
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from collections.abc import Callable
@@ -34,8 +33,8 @@ import numpy as np
 from .checkpoint import Checkpoint, CheckpointError, HFConfig
 from .gguffile import encode_tensor, finish_atomically, temp_path_for
 
-# `gguf` and `tqdm` are imported inside the functions that use them: `kairox --help` builds
-# this subcommand's parser and should not pay for importing them.
+# `gguf` and `tqdm` are imported inside the functions that use them: `kairox --help` imports
+# this module (kairox.cli.convert builds the subcommand's parser) and should not pay for them.
 
 GGUF_ARCH = "llama"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -382,41 +381,3 @@ def convert(hf_dir: str | Path, out_path: str | Path, outtype: str = "f16",
                 raise ConvertError(str(e)) from None
     finish_atomically(writer, tmp, out_path, encoded())
     return out_path
-
-
-# -------------------------------------------------------------------------------- CLI
-
-
-def _run(args: argparse.Namespace) -> int:
-    out = Path(args.outfile) if args.outfile else default_outfile(args.hf_dir, args.outtype)
-    try:
-        path = convert(args.hf_dir, out, outtype=args.outtype, vocab_gguf=args.vocab_gguf,
-                       quiet=args.quiet)
-    except ConvertError as e:
-        print(f"kairox convert: error: {e}", file=sys.stderr)
-        return 2
-    if not args.quiet:
-        print(f"wrote {path}", file=sys.stderr)
-    return 0
-
-
-def register(sub: Any) -> argparse.ArgumentParser:
-    """Add the `convert` subcommand to an argparse subparsers object."""
-    p = sub.add_parser(
-        "convert", help="Hugging Face llama-family checkpoint -> GGUF",
-        description="Convert a Hugging Face checkpoint folder (config.json + *.safetensors) of a "
-        "LlamaForCausalLM or MistralForCausalLM model to GGUF. The FFN activation (relu, silu, "
-        "gelu) is recorded so that kairox's llama.cpp computes the one the model was trained with.",
-        epilog="The vocabulary comes from --vocab-gguf if given, else from the checkpoint's "
-        "tokenizer.model (needs the sentencepiece package) or tokenizer.json (byte-level BPE).")
-    p.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint folder holding config.json and safetensors")
-    p.add_argument("-o", "--outfile", metavar="FILE",
-                   help="output GGUF (default: HF_DIR/<folder name>-<outtype>.gguf)")
-    p.add_argument("--outtype", choices=OUTTYPES, default="f16",
-                   help="type of the weight matrices; norms always stay f32 (default: %(default)s)")
-    p.add_argument("--vocab-gguf", metavar="FILE",
-                   help="copy the tokenizer (every tokenizer.* key) from this GGUF instead of "
-                   "reading the checkpoint's tokenizer files")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_run)
-    return p

@@ -1,18 +1,4 @@
-"""`kairox` command line: one entry point, one subcommand per job.
-
-  kairox run [-m MODEL] [-p PROMPT]   generate text (default model: Gemma 3 270M)
-  kairox info [MODEL]                 build facts, or a GGUF's shape and types
-  kairox convert HF_DIR               Hugging Face llama-family checkpoint -> GGUF
-  kairox synth --preset KB-7B         synthetic LLaMA-shaped ReLU model for benchmarks
-  kairox pack MODEL                   the sparse pack next to a model (sketch predictor)
-  kairox prepare MODEL                profile on text: a pack with trained predictors and groups
-  kairox stats PACK                   a pack's activation statistics against the papers'
-  kairox plan MODEL --vram-budget S   the GPU placement for a VRAM budget
-  kairox profile-hw                   this machine's bandwidths, for `kairox plan --hw`
-  kairox trace FILE                   a scheduler trace: CPU/GPU overlap per layer
-  kairox balance MODEL                the online balancer simulated on recorded activations
-  kairox report FILE                  a live-balancer trace drawn over time
-"""
+"""`kairox run` and `kairox info`: generate text with a model, and describe the build or a GGUF."""
 from __future__ import annotations
 
 import argparse
@@ -21,15 +7,16 @@ import time
 import warnings
 from pathlib import Path
 
-from ._version import __version__
-from .argtypes import positive_int
+from .._version import __version__
+from ..argtypes import positive_int
+from ..plan import parse_size
 
 DEFAULT_PROMPT = "The three most important inventions of the printing age were"
 
 
 def _context_length(path: Path) -> int | None:
     """The model's training context, from the GGUF header (None if absent or unreadable)."""
-    from .gguf_header import GGUFHeaderError, scan_header
+    from ..gguf_header import GGUFHeaderError, scan_header
     try:
         kv = scan_header(path).kv
         return int(kv[f"{kv['general.architecture']}.context_length"])
@@ -42,7 +29,7 @@ CTX_STEP = 256
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .default_model import DefaultModelError, default_model_path
+    from ..default_model import DefaultModelError, default_model_path
     if args.model is None:
         try:
             model = default_model_path()
@@ -56,7 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"kairox run: error: model file {what}: {model}" if not model.is_dir() else
                   f"kairox run: error: {model} {what}", file=sys.stderr)
             return 2
-    from . import llama as kxl
+    from .. import llama as kxl
     ctx = args.ctx or min(2048, _context_length(model) or 2048)
     if ctx % CTX_STEP:
         # llama.cpp pads the context to this step; asking for it keeps Python's buffers the same size
@@ -76,7 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.error_budget is not None:
                 hybrid["error_budget"] = args.error_budget
             if args.balancer:
-                from .balancer import BalancerConfig
+                from ..balancer import BalancerConfig
                 hybrid["balancer"] = BalancerConfig(adaptive=args.balancer == "adaptive")
                 hybrid["balancer_pipeline"] = args.pipeline
                 if args.balancer_thread:
@@ -145,7 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"kairox: prompt {n_p} tokens at {pp:.1f} tokens/s, generated {n_e + 1} tokens, decode "
           f"{tg:.1f} tokens/s ({wall:.2f} s wall)", file=sys.stderr)
     if args.balancer:
-        from .report import summary
+        from ..report import summary
         records = llm.balance_trace()
         if records:
             s = summary(records)
@@ -162,7 +149,7 @@ def model_summary(path: Path) -> list[tuple[str, str]]:
     import collections
     import math
     import gguf
-    from .gguf_header import scan_header
+    from ..gguf_header import scan_header
     hdr = scan_header(path)
     arch = hdr.kv.get("general.architecture", "?")
     rows = [("file", str(path)), ("size", f"{path.stat().st_size / 2**20:.1f} MiB"),
@@ -172,7 +159,7 @@ def model_summary(path: Path) -> list[tuple[str, str]]:
         v = hdr.kv.get(f"{arch}.{key}")
         if v is not None:
             rows.append((key, str(v)))
-    from .pack import DEFAULT_ACTIVATION
+    from ..pack import DEFAULT_ACTIVATION
     act = hdr.kv.get(f"{arch}.hidden_activation")
     if act is not None:
         rows.append(("activation", str(act)))
@@ -198,12 +185,12 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"kairox info: error: {path} is not a readable GGUF file ({e})", file=sys.stderr)
             return 2
     else:
-        from ._native import NativeLibraryNotFound, ext, find_bin_dir, find_lib_dir
+        from .._native import NativeLibraryNotFound, ext, find_bin_dir, find_lib_dir
         try:
             lib = find_lib_dir()
             rows += [("native", ext().kx_version().decode()), ("libraries", str(lib)),
                      ("tools", str(find_bin_dir()))]
-            from .llama import llama_cpp
+            from ..llama import llama_cpp
             C = llama_cpp.llama_cpp
             rows += [("gpu offload", "yes" if C.llama_supports_gpu_offload() else "no"),
                      ("system", C.llama_print_system_info().decode().strip())]
@@ -215,13 +202,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="kairox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", action="version", version=f"kairox {__version__}")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    from .plan import parse_size
-
+def register(sub) -> None:
+    """Add the `run` and `info` subcommands to an argparse subparsers object."""
     p = sub.add_parser("run", help="generate text from a prompt, streaming, with tokens/s",
                        description="Generate text with kairox's llama.cpp and print tokens/s. "
                        "Without -m, uses the embedded default model (Gemma 3 270M Q4_K_M, "
@@ -291,29 +273,3 @@ def build_parser() -> argparse.ArgumentParser:
                        "its architecture, shapes and tensor types, read from the GGUF header.")
     p.add_argument("model", nargs="?", help="GGUF file to describe")
     p.set_defaults(func=cmd_info)
-
-    from . import balancecli, convert, hw, packcli, plan, prepare, report, stats, synth, trace
-    convert.register(sub)
-    synth.register(sub)
-    packcli.register(sub)
-    prepare.register(sub)
-    stats.register(sub)
-    plan.register(sub)
-    hw.register(sub)
-    trace.register(sub)
-    balancecli.register(sub)
-    report.register(sub)
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if not getattr(args, "func", None):
-        ap.print_help()
-        return 2
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

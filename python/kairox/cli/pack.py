@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from .argtypes import number_in, positive_int
-from .pack import DOWN_TYPES, PRED_TYPES, PackError, default_down_type, inspect_model, pack_path_for, write_pack
-from .predictor import DEFAULT_MARGIN, sketch_for_model
+from ..argtypes import number_in, positive_int
+from ..pack import DOWN_TYPES, PRED_TYPES, PackError, default_down_type, inspect_model, pack_path_for, write_pack
+from ..predictor import DEFAULT_MARGIN, sketch_for_model
 
 # what `kairox pack --help` says (the module docstring above is for developers)
 HELP = """Write a model's sparse pack, a sidecar GGUF next to it (model.gguf -> model.kxpack.gguf):

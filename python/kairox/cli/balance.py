@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .balancer import (BalancerConfig, SimCosts, read_activation_trace, simulate, static_residents,
+from ..balancer import (BalancerConfig, SimCosts, read_activation_trace, simulate, static_residents,
                        write_activation_trace)
-from .pack import pack_path_for, read_pack
-from .plan import HwProfile, slot_costs
-from .profile import record_trace
-from .synth import topic_prompts
+from ..pack import pack_path_for, read_pack
+from ..plan import HwProfile, slot_costs
+from ..profile import record_trace
+from ..synth import topic_prompts
 
 # what `kairox balance --help` says
 HELP = """Simulate the online neuron balancer on a model's recorded activations: a dense pass on the
