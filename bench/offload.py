@@ -33,8 +33,6 @@ import json
 import os
 import re
 import shlex
-import shutil
-import statistics
 import subprocess
 import sys
 import time

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
-import json
 import shlex
 import sys
 import tempfile
