@@ -70,9 +70,9 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
 // write to the host (not with the pipeline, whose ahead nodes sit in the same splits)
 static bool kx_warm_layer(const kx_hybrid & hy, int32_t mode, int il) {
     const kx_slots & slots = *hy.slots;
-    return slots.warm_on && mode != 1 && !hy.pipeline() && il > 0 && il < hy.pack->n_layer &&
+    return hy.warm_on && mode != 1 && !hy.pipeline() && il > 0 && il < hy.pack->n_layer &&
            slots.layers[il].n_slots > 0 && slots.layers[il].ahead && slots.layers[il].pred_a &&
-           (size_t) il < slots.warm.size();
+           (size_t) il < hy.warm.size();
 }
 
 // the prefetch's three phases (kx-pipeline.cpp): begin and end on one thread, the scan on all.
@@ -151,7 +151,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
     const bool warm_next = kx_warm_layer(hy, mode, il + 1);
     if (warm) {
         // first on the CPU, before anything that reads the split's inputs (kx-warm.h)
-        kx_warm_hook & wh = slots.warm[il];
+        kx_warm_hook & wh = hy.warm[il];
         wh = { &H, gate, up, L.down_t };
         ggml_build_forward_expand(g.gf, sel);
         ggml_tensor * w = on_cpu(ggml_map_custom1(ctx0, H.coldmap, kx_warm_op, GGML_N_TASKS_MAX, &wh));

@@ -11,6 +11,7 @@ kx_hybrid::kx_hybrid(std::shared_ptr<kx_pack> p) : pack(std::move(p)) {
     for (int64_t il = 0; il < pack->n_layer; ++il) {
         hooks.push_back({ this, (int32_t) il });
     }
+    warm.resize(hooks.size());
 }
 
 kx_hybrid * kx_model_hybrid(const llama_model * model) {

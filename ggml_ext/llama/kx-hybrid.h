@@ -15,6 +15,7 @@
 #include "kx-pack.h"
 #include "kx-slots.h"
 #include "kx-thresholds.h"
+#include "kx-warm.h"
 
 #include <cstdint>
 #include <memory>
@@ -38,6 +39,10 @@ struct kx_hybrid {
     std::unique_ptr<kx_balancer>   balancer; // null: the split stays as the slots were filled
     std::unique_ptr<kx_thresholds> thr;      // null: the pack's static thresholds
     std::vector<kx_pipe_hook>      hooks;    // one per model layer
+    // one per model layer (kx-warm.h), written at graph build through the context's const view
+    mutable std::vector<kx_warm_hook> warm;
+    bool warm_on = true; // hybrid layers warm the host caches with the next layer's rows
+                         // (kx_params::warm), read at each graph build
     // changes whenever graphs built before would be wrong: slots replaced, the mapped share,
     // the pipeline's nodes, the select's form (graph reuse compares it, llama_cparams)
     uint32_t graph_gen = 0;

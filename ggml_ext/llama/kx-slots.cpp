@@ -131,7 +131,6 @@ std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         throw std::runtime_error("cannot allocate host memory for the slot maps");
     }
     ggml_backend_buffer_set_usage(slots->buf_host, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    slots->warm.resize(n_layer);
     // the predicted lists the device writes for the host-cache warm-up: page-locked memory the
     // device maps (its host buffer type); without one the warm-up is off for these slots
     const size_t ahead_stride = (sizeof(int32_t) * (size_t) (n_ff + 2) + 63) / 64 * 64;

@@ -23,7 +23,6 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "kx-reload.h"
-#include "kx-warm.h"
 
 #include <cstdint>
 #include <memory>
@@ -71,8 +70,6 @@ struct kx_slot_layer {
 struct kx_slots {
     std::string device;               // ggml device name (CUDA0, or CPU for tests)
     std::vector<kx_slot_layer> layers;
-    bool     warm_on    = true;       // hybrid layers warm the host caches with the next layer's rows
-                                      // (kx-warm.h; kx_params::warm), read at each graph build
     ggml_context *        ctx_dev  = nullptr;
     ggml_context *        ctx_host = nullptr;
     ggml_backend_buffer_t buf_dev  = nullptr;
@@ -84,7 +81,6 @@ struct kx_slots {
     ggml_context *          ctx_map = nullptr;     // the aliases of the host weights
     std::vector<ggml_backend_buffer_t> map_bufs;   // one per alias: its device address range
     ggml_backend_buffer_t buf_ahead = nullptr;     // the layers' `ahead` lists
-    std::vector<kx_warm_hook> warm;                // one per layer (kx-warm.h; set at graph build)
     ~kx_slots();
 };
 
