@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
-from kairox.bench import LocalServer, free_port  # noqa: E402
+from kairox.bench import LocalServer, free_port, git_commit  # noqa: E402
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a steam engine works.",
            "List ten uses for a paperclip.", "Describe the water cycle to a child.",
@@ -83,7 +83,7 @@ def main() -> int:
         wall = time.perf_counter() - t0
     errors = [r for r in results if "error" in r or r.get("tokens") != args.tokens]
     rates = [r["decode_tok_s"] for r in results if r.get("decode_tok_s")]
-    res = {"command": " ".join(cmd), "streams": args.streams, "tokens": args.tokens, "wall_s": wall,
+    res = {"command": " ".join(cmd), "commit": git_commit(), "streams": args.streams, "tokens": args.tokens, "wall_s": wall,
            "results": results, "errors": len(errors),
            "aggregate_tok_s": sum(r.get("tokens") or 0 for r in results) / wall}
     (out / f"{args.name}.json").write_text(json.dumps(res, indent=1) + "\n")
