@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from test_imports import find_cycle
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "ggml_ext" / "llama"
 INCLUDE = re.compile(r'^\s*#\s*include\s+"(kx-[\w-]+)\.h"', re.M)
@@ -26,33 +28,6 @@ def include_graph(folder: Path = LLAMA) -> dict[str, set[str]]:
     return graph
 
 
-def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One circle of the graph as a path (first node repeated at the end), or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        path.append(n)
-        for m in sorted(graph[n]):
-            if state.get(m) == 1:
-                return path[path.index(m):] + [m]
-            if m not in state:
-                found = visit(m)
-                if found:
-                    return found
-        path.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if n not in state:
-            found = visit(n)
-            if found:
-                return found
-    return None
-
-
 def reaches(graph: dict[str, set[str]], a: str, b: str) -> bool:
     seen, todo = set(), [a]
     while todo:
@@ -67,15 +42,15 @@ def reaches(graph: dict[str, set[str]], a: str, b: str) -> bool:
 
 def test_the_checks_can_fail() -> None:
     circle = {"kx-slots": {"kx-balance"}, "kx-balance": {"kx-slots"}, "kx-pack": set()}
-    assert find_circle(circle) == ["kx-balance", "kx-slots", "kx-balance"]
-    assert find_circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle(circle) == ["kx-balance", "kx-slots", "kx-balance"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert reaches({"a": {"b"}, "b": {"c"}, "c": set()}, "a", "c")
 
 
 def test_no_include_circle() -> None:
     graph = include_graph()
     assert {"kx-pack", "kx-slots", "kx-balance", "kx-pipeline", "kx-thresholds", "kx-hybrid"} <= set(graph)
-    assert find_circle(graph) is None, " -> ".join(find_circle(graph) or [])
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
 def test_mechanism_knows_no_policy_and_policies_no_owner() -> None:
