@@ -71,12 +71,24 @@ def run_row(model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[
     return cmd, float(m.group(1))
 
 
+def auto_ngl(exe: Path, model: Path, budget: str, threads: int) -> tuple[int, list]:
+    """The largest -ngl whose GPU buffers (llama.cpp's load log) fit the budget (offload.py's probe)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from offload import Layout, find_ngl
+    from kairox.plan import parse_size
+    budget_mib = parse_size(budget) / (1 << 20)
+    ngl, mem, probes = find_ngl(str(exe), model, Layout(model), budget_mib, threads)
+    print(f"-ngl {ngl} fits {budget}: {mem['total_mib']:.0f} MiB", flush=True)
+    return ngl, probes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--budget", default="7GiB", help="VRAM budget of the hybrid rows (default: %(default)s)")
-    ap.add_argument("--ngl", type=int, required=True,
-                    help="llama.cpp's best -ngl that fits the budget (bench/offload.py searches it)")
+    ap.add_argument("--ngl", required=True,
+                    help="llama.cpp's best -ngl that fits the budget, or 'auto': the largest whose GPU "
+                         "buffers fit, probed as bench/offload.py does; its rows run with -fa 0 and -fa 1")
     ap.add_argument("--sparse", default="predicted")
     ap.add_argument("--bin", required=True, help="folder with kairox's llama-bench")
     ap.add_argument("--gen", type=int, default=128)
@@ -87,8 +99,16 @@ def main() -> int:
     args = ap.parse_args()
     exe = Path(args.bin) / "llama-bench"
     hybrid = ["--vram-budget", args.budget, "--sparse", args.sparse]
+    search = None
+    if args.ngl == "auto":
+        ngl, search = auto_ngl(exe, Path(args.model), args.budget, args.threads)
+        fas = ("0", "1")
+    else:
+        ngl, fas = int(args.ngl), ("1",)
     rows: dict[str, dict] = {
-        f"llama.cpp dense -ngl {args.ngl} -fa 1 (kairox-bench)": {"kind": "bench", "extra": ["-ngl", str(args.ngl), "-fa", "1"]},
+        **{f"llama.cpp dense -ngl {ngl} -fa {fa} (kairox-bench)": {"kind": "bench", "llama": True,
+                                                                  "extra": ["-ngl", str(ngl), "-fa", fa]}
+           for fa in fas},
         f"kairox-bench {' '.join(hybrid)}": {"kind": "bench", "extra": hybrid},
         f"kairox-completion {' '.join(hybrid)}": {"kind": "completion", "extra": hybrid},
         f"kairox run {' '.join(hybrid)}": {"kind": "run", "extra": hybrid},
@@ -111,10 +131,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"tools-bench-{Path(args.model).stem}"
     res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": Path(args.model).name,
-           "budget": args.budget, "gen": args.gen, "threads": args.threads,
+           "budget": args.budget, "gen": args.gen, "threads": args.threads, "ngl_search": search,
            "rows": [{"row": label, "command": " ".join(r["cmd"]), "tok_s": r["tok_s"]} for label, r in rows.items()]}
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-    base = statistics.median(rows[next(iter(rows))]["tok_s"])
+    base = max(statistics.median(r["tok_s"]) for r in rows.values() if r.get("llama"))  # llama.cpp's best
     run_med = statistics.median(rows[f"kairox run {' '.join(hybrid)}"]["tok_s"])
     lines = [f"# {Path(args.model).name} at a {args.budget} VRAM budget, through the binaries",
              "", f"decode of {args.gen} tokens, {args.threads} threads, {args.rounds} interleaved rounds; "

@@ -314,7 +314,8 @@ def ref_act(g: np.ndarray, act: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("wtype,dtype,k,m", [("f16", "f16", 256, 160), ("q4_0", "q8_0", 256, 96),
-                                             ("f32", "f32", 96, 100), ("q8_0", "f16", 128, 64)])
+                                             ("f32", "f32", 96, 100), ("q8_0", "f16", 128, 64),
+                                             ("q4_k", "q8_0", 512, 96), ("q6_k", "f16", 256, 100)])
 @pytest.mark.parametrize("act", ["relu", "silu", "gelu"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_ffn_rows_equals_the_four_ops(g: GGML, wtype: str, dtype: str, k: int, m: int, act: str, T: int):
@@ -487,7 +488,7 @@ def rows4_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8
     16-wide vectors)."""
     rng = np.random.default_rng(29)
     n = 90
-    k = 256 if wtype == "q4_0" else 296
+    k = {"q4_0": 256, "q4_k": 512, "q6_k": 512}.get(wtype, 296)
     m = 96 if dtype == "q8_0" else 101
     gate, up = (rng.standard_normal((2, n, k)) / math.sqrt(k)).astype(np.float32)
     down = rng.standard_normal((n, m)).astype(np.float32)
@@ -502,9 +503,9 @@ def rows4_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8
 
 
 @pytest.mark.parametrize("act", ["relu", "silu", "gelu"])
-@pytest.mark.parametrize("wtype,dtype", [("q4_0", "q8_0"), ("f16", "f16")])
+@pytest.mark.parametrize("wtype,dtype", [("q4_0", "q8_0"), ("f16", "f16"), ("q4_k", "q8_0"), ("q6_k", "f16")])
 def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(g: GGML, wtype: str, dtype: str, act: str):
-    """Gate and up rows four at a time (kx-dot.h: Q4_0, F16; ReLU in pass a and at pass b's
+    """Gate and up rows four at a time (kx-dot.h: Q4_0, Q4_K, Q6_K, F16; ReLU in pass a and at pass b's
     flush, SiLU/GELU both at the block's flush) and down rows four at a time (kx_axpy_rows:
     Q8_0, F16), which one token takes, give the very bits of ggml's vec_dot and the row-by-row
     axpy, which several tokens take: one token against the same token twice, at every group

@@ -1,5 +1,5 @@
 // Dots of up to four rows with one vector, the rows read interleaved (Q4_0 rows with a Q8_0
-// vector, F16 rows with an F16 vector): the inner loop of GGML_OP_KX_FFN_ROWS's gate and up
+// vector, Q4_K and Q6_K rows with a Q8_K vector, F16 rows with an F16 vector): the inner loop of GGML_OP_KX_FFN_ROWS's gate and up
 // rows for one token.
 //
 // Why several rows at once: the host op reads rows scattered over a layer's matrices, one
@@ -24,6 +24,7 @@
 #include "vec.h" // ggml_float
 
 #include <stdbool.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -79,6 +80,133 @@ static inline __attribute__((always_inline)) void kx_dot_q4_0_n(int64_t k, const
 }
 #endif
 
+#if defined(KX_DOT_Q4_0_ROWS)
+#define KX_DOT_K_ROWS 1
+
+// ggml_vec_dot_q4_K_q8_K's AVX2 branch for nr rows at once: per super-block the same 8 int32
+// lanes (scales applied by madd, integer sums exact), the same d and dmin products, the same
+// FMAs into acc (8 lanes) and acc_m (4 lanes) and the same final sums. The row's 12 bytes of
+// 6-bit scales and mins unpack as ggml's kmask steps do; a scale pair shuffle (bytes 2i, 2i+1
+// repeated) is built from i instead of ggml's table.
+static inline __attribute__((always_inline)) void kx_dot_q4_K_n(int64_t k, const int nr, const void * const * rows,
+                                                               const void * vy, float * out) {
+    const block_q4_K * w[4];
+    for (int r = 0; r < nr; ++r) {
+        w[r] = (const block_q4_K *) rows[r];
+    }
+    const block_q8_K * y = (const block_q8_K *) vy;
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[4]   = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    __m128 acc_m[4] = { _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps() };
+    const int64_t nb = k / QK_K;
+    for (int64_t i = 0; i < nb; ++i) {
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
+        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+        for (int r = 0; r < nr; ++r) {
+            const block_q4_K * x = w[r] + i;
+            const float d    = y[i].d * GGML_CPU_FP16_TO_FP32(x->d);
+            const float dmin = -y[i].d * GGML_CPU_FP16_TO_FP32(x->dmin);
+            uint32_t utmp[4];
+            memcpy(utmp, x->scales, 12);
+            utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+            const uint32_t uaux = utmp[1] & kmask1;
+            utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+            utmp[2] = uaux;
+            utmp[0] &= kmask1;
+            const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+            const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s);
+            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+            const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+            const __m256i scales = _mm256_set_m128i(sc128, sc128);
+            const uint8_t * q4 = x->qs;
+            const int8_t  * q8 = y[i].qs;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < QK_K/64; ++j) {
+                const __m256i scale_l = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short) ((4*j + 1) << 8 | 4*j)));
+                const __m256i scale_h = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short) ((4*j + 3) << 8 | (4*j + 2))));
+                const __m256i q4bits = _mm256_loadu_si256((const __m256i *) q4); q4 += 32;
+                const __m256i q4l = _mm256_and_si256(q4bits, m4);
+                const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+                const __m256i q8l = _mm256_loadu_si256((const __m256i *) q8); q8 += 32;
+                const __m256i p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, q8l));
+                const __m256i q8h = _mm256_loadu_si256((const __m256i *) q8); q8 += 32;
+                const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, q8h));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; ++r) {
+        __m128 am = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
+        am = _mm_add_ss(am, _mm_movehdup_ps(am));
+        out[r] = kx_dot_hsum(acc[r]) + _mm_cvtss_f32(am);
+    }
+}
+
+// ggml_vec_dot_q6_K_q8_K's AVX2 branch for nr rows at once (the same lanes, the same
+// subtraction of 32 · Σ scale·bsum, the same FMA and final sum); the 16-bit scale shuffle
+// for index i (bytes 2i eight times, then 2i + 1) is built from i
+static inline __attribute__((always_inline)) void kx_dot_q6_K_n(int64_t k, const int nr, const void * const * rows,
+                                                               const void * vy, float * out) {
+    const block_q6_K * w[4];
+    for (int r = 0; r < nr; ++r) {
+        w[r] = (const block_q6_K *) rows[r];
+    }
+    const block_q8_K * y = (const block_q8_K *) vy;
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m15 = _mm256_set1_epi8(15);
+    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    const int64_t nb = k / QK_K;
+    for (int64_t i = 0; i < nb; ++i) {
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
+        for (int r = 0; r < nr; ++r) {
+            const block_q6_K * x = w[r] + i;
+            const float d = y[i].d * GGML_CPU_FP16_TO_FP32(x->d);
+            const uint8_t * q4 = x->ql;
+            const uint8_t * qh = x->qh;
+            const int8_t  * q8 = y[i].qs;
+            const __m128i scales = _mm_loadu_si128((const __m128i *) x->scales);
+            const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+            const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < QK_K/128; ++j) {
+                const __m256i q4bits1 = _mm256_loadu_si256((const __m256i *) q4); q4 += 32;
+                const __m256i q4bits2 = _mm256_loadu_si256((const __m256i *) q4); q4 += 32;
+                const __m256i q4bitsH = _mm256_loadu_si256((const __m256i *) qh); qh += 32;
+                const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
+                const __m256i q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
+                const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
+                const __m256i q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
+                const __m256i q4_0 = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
+                const __m256i q4_1 = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
+                const __m256i q4_2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
+                const __m256i q4_3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
+                const __m256i q8_0 = _mm256_loadu_si256((const __m256i *) q8); q8 += 32;
+                const __m256i q8_1 = _mm256_loadu_si256((const __m256i *) q8); q8 += 32;
+                const __m256i q8_2 = _mm256_loadu_si256((const __m256i *) q8); q8 += 32;
+                const __m256i q8_3 = _mm256_loadu_si256((const __m256i *) q8); q8 += 32;
+                __m256i p16[4] = { _mm256_maddubs_epi16(q4_0, q8_0), _mm256_maddubs_epi16(q4_1, q8_1),
+                                   _mm256_maddubs_epi16(q4_2, q8_2), _mm256_maddubs_epi16(q4_3, q8_3) };
+                for (int u = 0; u < 4; ++u) {
+                    const int is = 4*j + u;
+                    const __m128i sh = _mm_set_epi64x((long long) (0x0101010101010101ULL * (uint64_t) (2*is + 1)),
+                                                      (long long) (0x0101010101010101ULL * (uint64_t) (2*is)));
+                    p16[u] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, sh)), p16[u]);
+                }
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16[0], p16[1]));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16[2], p16[3]));
+            }
+            sumi = _mm256_sub_epi32(sumi, q8sclsub);
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&d), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; ++r) {
+        out[r] = kx_dot_hsum(acc[r]);
+    }
+}
+#endif
+
 // ggml_vec_dot_f16's generic SIMD branch (the one x86, NEON without SVE, POWER, WASM and
 // LoongArch take) for nr rows at once
 #if defined(GGML_SIMD) && !defined(__ARM_FEATURE_SVE) && !defined(__riscv_v_intrinsic)
@@ -125,6 +253,11 @@ static inline bool kx_dot_rows_ok(enum ggml_type type) {
         return true;
     }
 #endif
+#if defined(KX_DOT_K_ROWS)
+    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
+        return true;
+    }
+#endif
 #if defined(KX_DOT_F16_ROWS)
     if (type == GGML_TYPE_F16) {
         return true;
@@ -144,13 +277,23 @@ static inline bool kx_dot_rows_ok(enum ggml_type type) {
     }
 
 // out[r] = row r · y over k elements, r < nr <= 4, y in the type's vec_dot type (Q4_0: k %
-// 32 == 0, y Q8_0; F16: y F16). False where kx_dot_rows_ok(type) is false (the caller uses
+// 32 == 0, y Q8_0; Q4_K, Q6_K: k % 256 == 0, y Q8_K; F16: y F16). False where kx_dot_rows_ok(type) is false (the caller uses
 // ggml's vec_dot per row).
 static inline bool kx_dot_rows(enum ggml_type type, int64_t k, int nr, const void * const * rows, const void * vy,
                                float * out) {
 #if defined(KX_DOT_Q4_0_ROWS)
     if (type == GGML_TYPE_Q4_0) {
         KX_DOT_ROWS_NR(kx_dot_q4_0_n, k, nr, rows, vy, out)
+        return true;
+    }
+#endif
+#if defined(KX_DOT_K_ROWS)
+    if (type == GGML_TYPE_Q4_K) {
+        KX_DOT_ROWS_NR(kx_dot_q4_K_n, k, nr, rows, vy, out)
+        return true;
+    }
+    if (type == GGML_TYPE_Q6_K) {
+        KX_DOT_ROWS_NR(kx_dot_q6_K_n, k, nr, rows, vy, out)
         return true;
     }
 #endif

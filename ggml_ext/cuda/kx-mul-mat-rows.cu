@@ -5,7 +5,8 @@
 // row once and dots it with all tokens' x (≤ KX_CUDA_MAX_TOKENS in registers), so a batch
 // reads its union of rows once. Rows move in 16-byte loads (F32/F16 straight to registers,
 // Q8_0/Q4_0 staged through shared memory; a quantized row that is not 16-byte aligned
-// falls back to one block per lane read as 16-bit words). x is read
+// falls back to one block per lane read as 16-bit words; K-quants (Q4_K, Q5_K, Q6_K) go
+// the same way with a lane per eighth of a 256-weight super-block). x is read
 // as float, weights are dequantized on the fly: no x quantization pass (the CPU path
 // quantizes x to Q8 for quantized weights; the difference stays within test tolerance).
 // Gated (src[4], the up rows of a ReLU GLU): a neuron whose gate is <= 0 for every token
@@ -65,44 +66,112 @@ static __device__ __forceinline__ float kx_unit_dot(const int4 & raw, const floa
     }
 }
 
-// one quantized block's 32 weights, dequantized (Q8_0: 34 bytes, Q4_0: 18 bytes; 2-byte aligned)
+// K-quants: 256-weight super-blocks of 8 sub-blocks of 32 weights each
 template <ggml_type type>
-static __device__ __forceinline__ void kx_block_dequant(const char * blk, float * wv) {
+static constexpr bool kx_is_k = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
+
+// bytes of one block of the type, and the 32-weight sub-blocks in it (a lane's unit of work)
+template <ggml_type type>
+static constexpr int kx_block_bytes = type == GGML_TYPE_Q8_0 ? (int) sizeof(block_q8_0)
+                                    : type == GGML_TYPE_Q4_0 ? (int) sizeof(block_q4_0)
+                                    : type == GGML_TYPE_Q4_K ? (int) sizeof(block_q4_K)
+                                    : type == GGML_TYPE_Q5_K ? (int) sizeof(block_q5_K)
+                                    : (int) sizeof(block_q6_K);
+template <ggml_type type>
+static constexpr int kx_block_subs = kx_is_k<type> ? QK_K/32 : 1;
+
+// scale and min of sub-block j of a Q4_K/Q5_K super-block: 6-bit values packed in 12 bytes
+// (the layout of ggml's get_scale_min_k4)
+static __device__ __forceinline__ void kx_scale_min_k4(int j, const uint8_t * q, float & sc, float & m) {
+    if (j < 4) {
+        sc = (float) (q[j] & 63);
+        m  = (float) (q[j + 4] & 63);
+    } else {
+        sc = (float) ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        m  = (float) ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+// sub-block j's 32 weights of one quantized block, dequantized as ggml's dequantize_row_*.
+// Bytes are read as 16-bit words: every block size is even, so this is aligned wherever the
+// row is (Q6_K's 210-byte blocks are 2-byte aligned only).
+// Q8_0 (34 bytes), Q4_0 (18): j = 0, the block's 32 weights. Q4_K (144): sub-block j's nibbles
+// are the low (j even) or high (j odd) halves of qs[32 (j/2) ..]; Q5_K (176) adds bit j of
+// qh[l] as 16; Q6_K (210): 128-weight halves h = j/4 of 64 ql and 32 qh bytes, quarter r = j%4
+// reads ql[32 (r%2) + l] (low nibble for r < 2), qh[l] bits 2r, scales 2r + l/16.
+template <ggml_type type>
+static __device__ __forceinline__ void kx_sub_dequant(const char * blk, int j, float * wv) {
     if constexpr (type == GGML_TYPE_Q8_0) {
         const block_q8_0 * b = (const block_q8_0 *) blk;
         const float d = __half2float(b->d);
         const uint16_t * q16 = (const uint16_t *) b->qs;
 #pragma unroll
-        for (int j = 0; j < QK8_0/2; ++j) {
-            const uint16_t u = q16[j];
-            wv[2*j]     = d*(float) (int8_t) (u & 0xFF);
-            wv[2*j + 1] = d*(float) (int8_t) (u >> 8);
+        for (int i = 0; i < QK8_0/2; ++i) {
+            const uint16_t u = q16[i];
+            wv[2*i]     = d*(float) (int8_t) (u & 0xFF);
+            wv[2*i + 1] = d*(float) (int8_t) (u >> 8);
         }
-    } else { // Q4_0: element j = (qs[j] & 0xF) - 8, element j + 16 = (qs[j] >> 4) - 8
+    } else if constexpr (type == GGML_TYPE_Q4_0) { // element i = (qs[i] & 0xF) - 8, element i + 16 = (qs[i] >> 4) - 8
         const block_q4_0 * b = (const block_q4_0 *) blk;
         const float d = __half2float(b->d);
         const uint16_t * q16 = (const uint16_t *) b->qs;
 #pragma unroll
-        for (int j = 0; j < QK4_0/4; ++j) {
-            const uint16_t u = q16[j];
-            wv[2*j]      = d*(float) ((int) (u & 0xF) - 8);
-            wv[2*j + 16] = d*(float) ((int) ((u >> 4) & 0xF) - 8);
-            wv[2*j + 1]  = d*(float) ((int) ((u >> 8) & 0xF) - 8);
-            wv[2*j + 17] = d*(float) ((int) (u >> 12) - 8);
+        for (int i = 0; i < QK4_0/4; ++i) {
+            const uint16_t u = q16[i];
+            wv[2*i]      = d*(float) ((int) (u & 0xF) - 8);
+            wv[2*i + 16] = d*(float) ((int) ((u >> 4) & 0xF) - 8);
+            wv[2*i + 1]  = d*(float) ((int) ((u >> 8) & 0xF) - 8);
+            wv[2*i + 17] = d*(float) ((int) (u >> 12) - 8);
+        }
+    } else if constexpr (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K) {
+        using block = std::conditional_t<type == GGML_TYPE_Q4_K, block_q4_K, block_q5_K>;
+        const block * b = (const block *) blk;
+        const float2 dm = __half22float2(b->dm);
+        float sc, m;
+        kx_scale_min_k4(j, b->scales, sc, m);
+        const float d1 = dm.x*sc, m1 = dm.y*m;
+        const uint16_t * q16 = (const uint16_t *) (b->qs + 32*(j/2));
+        const int sh = 4*(j%2);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const uint32_t u = (uint32_t) q16[i] >> sh;
+            int v0 = (int) (u & 0xF), v1 = (int) ((u >> 8) & 0xF);
+            if constexpr (type == GGML_TYPE_Q5_K) {
+                const uint32_t h = (uint32_t) ((const uint16_t *) b->qh)[i] >> j;
+                v0 += (int) (h & 1) << 4;
+                v1 += (int) ((h >> 8) & 1) << 4;
+            }
+            wv[2*i]     = d1*(float) v0 - m1;
+            wv[2*i + 1] = d1*(float) v1 - m1;
+        }
+    } else {
+        static_assert(type == GGML_TYPE_Q6_K, "a quantized type");
+        const block_q6_K * b = (const block_q6_K *) blk;
+        const float d = __half2float(b->d);
+        const int h = j/4, r = j%4;
+        const uint16_t * ql = (const uint16_t *) (b->ql + 64*h + 32*(r%2));
+        const uint16_t * qh = (const uint16_t *) (b->qh + 32*h);
+        const int shl = 4*(r/2), shh = 2*r;
+        const float s0 = d*(float) b->scales[8*h + 2*r], s1 = d*(float) b->scales[8*h + 2*r + 1];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const uint32_t lo = (uint32_t) ql[i] >> shl, hi = (uint32_t) qh[i] >> shh;
+            const int v0 = (int) ((lo & 0xF) | ((hi & 3) << 4)) - 32;
+            const int v1 = (int) (((lo >> 8) & 0xF) | (((hi >> 8) & 3) << 4)) - 32;
+            const float s = i < 8 ? s0 : s1; // weights 0-15 and 16-31 have their own scale
+            wv[2*i]     = s*(float) v0;
+            wv[2*i + 1] = s*(float) v1;
         }
     }
 }
 
-// acc[t] += block b's 32 weights · x[t][32 b .. 32 b + 32)
-template <ggml_type type>
-static __device__ __forceinline__ void kx_block_dot(const char * blk, const float * __restrict__ x, int64_t sx,
-                                                    int nt, int64_t b, float * acc) {
-    float wv[32];
-    kx_block_dequant<type>(blk, wv);
+// acc[t] += 32 dequantized weights · x[t][col .. col + 32)
+static __device__ __forceinline__ void kx_sub_dot(const float * wv, const float * __restrict__ x, int64_t sx,
+                                                  int nt, int64_t col, float * acc) {
 #pragma unroll
     for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
         if (t < nt) {
-            const float4 * xt = (const float4 *) (x + t*sx + b*32);
+            const float4 * xt = (const float4 *) (x + t*sx + col);
             float s = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -114,12 +183,24 @@ static __device__ __forceinline__ void kx_block_dot(const char * blk, const floa
     }
 }
 
+// blocks per staged chunk: the most whose bytes fit the stage and end on a 16-byte unit, so
+// chunks start on units (Q4_0 256, Q8_0 128, Q4_K 32, Q5_K 26, Q6_K 16)
+template <ggml_type type>
+static constexpr __host__ __device__ int kx_stage_blocks() {
+    int c = KX_MMR_QLOADS*WARP_SIZE*16/kx_block_bytes<type>;
+    while (c*kx_block_bytes<type> % 16 != 0) {
+        --c;
+    }
+    return c;
+}
+
 // x: token t at x + t*sx (floats); adds w[c .. c+len) · x[c .. c+len) into acc.
-// staged (quantized rows whose start and length are multiples of 16 bytes): the warp reads
-// a chunk of whole blocks in 16-byte units, KX_MMR_QLOADS per lane in flight, into shared
-// memory, then each lane dequantizes blocks from there. Why: a lane reading its own 18- or
-// 34-byte block in 2-byte words had one block in flight, the same latency bound the F16
-// path had before its loads were batched.
+// Quantized rows: a lane takes one 32-weight sub-block at a time (a whole Q8_0/Q4_0 block, an
+// eighth of a K-quant super-block). staged (rows whose start and length are multiples of 16
+// bytes): the warp reads a chunk of whole blocks in 16-byte units, KX_MMR_QLOADS per lane in
+// flight, into shared memory, then each lane dequantizes from there. Why: a lane reading its
+// own 18- or 34-byte block in 2-byte words had one block in flight, the same latency bound
+// the F16 path had before its loads were batched.
 template <ggml_type type, bool staged>
 static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row, const float * __restrict__ x,
                                                   int64_t sx, int nt, int64_t k, int lane, float * acc) {
@@ -134,14 +215,15 @@ static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row,
             }
         });
     } else {
-        constexpr int bs = type == GGML_TYPE_Q8_0 ? (int) sizeof(block_q8_0) : (int) sizeof(block_q4_0);
-        const int64_t nb = k/32;
+        constexpr int bs  = kx_block_bytes<type>;
+        constexpr int sub = kx_block_subs<type>;
+        const int64_t nsub = k/32; // sub-blocks in the row
         if constexpr (staged) {
-            // blocks per chunk: as many as fit in the staged units (Q4_0 256, Q8_0 135 -> 128)
-            constexpr int cb = (KX_MMR_QLOADS*WARP_SIZE*16/bs) & ~(WARP_SIZE - 1);
+            constexpr int cb = kx_stage_blocks<type>();
             __shared__ int4 stage[KX_MMR_WARPS][KX_MMR_QLOADS*WARP_SIZE];
             int4 * st = stage[threadIdx.x/WARP_SIZE];
             const int4 * r = (const int4 *) row;
+            const int64_t nb = nsub/sub;
             const int64_t nl = nb*bs/16;
             for (int64_t b0 = 0; b0 < nb; b0 += cb) {
                 const int64_t l0 = b0*bs/16; // chunks hold whole units: cb*bs is a multiple of 16
@@ -157,14 +239,19 @@ static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row,
                     st[lane + u*WARP_SIZE] = raw[u];
                 }
                 __syncwarp();
-                for (int64_t b = lane; b < cb && b0 + b < nb; b += WARP_SIZE) {
-                    kx_block_dot<type>((const char *) st + b*bs, x, sx, nt, b0 + b, acc);
+                const int64_t ns = min((int64_t) cb, nb - b0)*sub;
+                for (int64_t s = lane; s < ns; s += WARP_SIZE) {
+                    float wv[32];
+                    kx_sub_dequant<type>((const char *) st + (s/sub)*bs, (int) (s%sub), wv);
+                    kx_sub_dot(wv, x, sx, nt, (b0*sub + s)*32, acc);
                 }
                 __syncwarp(); // the next chunk overwrites the stage
             }
         } else {
-            for (int64_t b = lane; b < nb; b += WARP_SIZE) {
-                kx_block_dot<type>(row + b*bs, x, sx, nt, b, acc);
+            for (int64_t s = lane; s < nsub; s += WARP_SIZE) {
+                float wv[32];
+                kx_sub_dequant<type>(row + (s/sub)*bs, (int) (s%sub), wv);
+                kx_sub_dot(wv, x, sx, nt, s*32, acc);
             }
         }
     }
@@ -319,7 +406,8 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const int32_t * map = rowmap ? (const int32_t *) rowmap->data : nullptr;
     const float * gate = dst->src[4] ? (const float *) dst->src[4]->data : nullptr; // [n, nt], contiguous
     // quantized rows staged in 16-byte units need 16-byte aligned rows (k % 256 == 0 for
-    // Q4_0 and Q8_0, and a 16-byte aligned base: ggml buffers, mapped GGUF data)
+    // Q4_0 and Q8_0, any k for Q4_K and Q5_K, k % 2048 == 0 for Q6_K; and a 16-byte aligned
+    // base: ggml buffers, mapped GGUF data)
     const bool staged = (uintptr_t) w->data % 16 == 0 && w->nb[1] % 16 == 0;
 #define KX_MMR_LAUNCH(T, S) kx_mul_mat_rows_kernel<T, S><<<grid, block, 0, stream>>>( \
         (const char *) w->data, w->nb[1], (const float *) x->data, sx, list, map, gate, \
@@ -332,6 +420,15 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
             break;
         case GGML_TYPE_Q4_0:
             if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q4_0, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q4_0, false); }
+            break;
+        case GGML_TYPE_Q4_K:
+            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q4_K, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q4_K, false); }
+            break;
+        case GGML_TYPE_Q5_K:
+            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q5_K, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q5_K, false); }
+            break;
+        case GGML_TYPE_Q6_K:
+            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q6_K, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q6_K, false); }
             break;
         default: GGML_ABORT("kx_mul_mat_rows: unsupported type %s", ggml_type_name(w->type));
     }

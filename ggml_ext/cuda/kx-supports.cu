@@ -20,6 +20,9 @@ bool ggml_cuda_kx_supports_op(const ggml_tensor * op) {
                     break;
                 case GGML_TYPE_Q8_0:
                 case GGML_TYPE_Q4_0:
+                case GGML_TYPE_Q4_K: // rows of whole 256-weight super-blocks (ggml's own rule)
+                case GGML_TYPE_Q5_K:
+                case GGML_TYPE_Q6_K:
                     break;
                 default:
                     return false;

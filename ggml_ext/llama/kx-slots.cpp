@@ -55,6 +55,40 @@ static void kx_gather_rows(const ggml_tensor * src, const std::vector<int32_t> &
     ggml_backend_tensor_set(dst, stage.data(), 0, stage.size());
 }
 
+// The slots' row ops over these weights, built as the graphs build them (a list, a row map)
+// and asked of the device: a type its kernels do not read is refused here, by name, instead
+// of left to the scheduler, which would run the op on the CPU and copy the slots there every
+// token.
+static void kx_slots_check_types(ggml_backend_dev_t dev, const ggml_tensor * gate, const ggml_tensor * up,
+                                 const ggml_tensor * down, int64_t n_ff) {
+    ggml_init_params ip = { ggml_tensor_overhead()*16, nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    const int64_t n_embd = gate->ne[0];
+    ggml_tensor * x   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, 1);
+    ggml_tensor * h   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_ff, 1);
+    ggml_tensor * sel = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff + 1);
+    ggml_tensor * map = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff);
+    struct probe { const ggml_tensor * w; const char * what; ggml_tensor * op; };
+    const probe probes[] = {
+        { gate, "ffn_gate", ggml_kx_mul_mat_rows(ctx, ggml_new_tensor_2d(ctx, gate->type, n_embd, 1), x, sel, map) },
+        { up,   "ffn_up",   ggml_kx_mul_mat_rows(ctx, ggml_new_tensor_2d(ctx, up->type, n_embd, 1), x, sel, map) },
+        { down, "pack's down rows", ggml_kx_axpy_rows(ctx, ggml_new_tensor_2d(ctx, down->type, n_embd, 1), h, sel, map) },
+    };
+    std::string bad;
+    for (const probe & p : probes) {
+        if (bad.empty() && !ggml_backend_dev_supports_op(dev, p.op)) {
+            bad = kx_fmt("the neuron slots on %s cannot hold %s rows (the model's %s): its kernels read F32, F16, "
+                         "Q8_0, Q4_0, Q4_K, Q5_K and Q6_K gate/up rows and F32, F16 and Q8_0 down rows; requantize "
+                         "the model to one of those or run it without GPU slots", ggml_backend_dev_name(dev),
+                         ggml_type_name(p.w->type), p.what);
+        }
+    }
+    ggml_free(ctx);
+    if (!bad.empty()) {
+        throw std::runtime_error(bad);
+    }
+}
+
 std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
                                          const std::vector<int64_t> & n_slots, const char * device,
                                          int32_t faults) {
@@ -72,6 +106,7 @@ std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
     ggml_init_params ip = { ggml_tensor_overhead()*(size_t) (12*n_layer + 1), nullptr, true };
     slots->ctx_dev  = ggml_init(ip);
     slots->ctx_host = ggml_init(ip);
+    std::vector<int32_t> checked; // type combinations the device was asked about
     for (int64_t il = 0; il < n_layer; ++il) {
         const int64_t S = std::min<int64_t>(std::max<int64_t>(n_slots[il], 0), n_ff);
         if (S == 0) {
@@ -85,6 +120,12 @@ std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
                     "layer %" PRId64 ": the FFN weights must be in plain host memory for slots (load the "
                     "model with the FFN tensors on the CPU and without repacking)", il));
             }
+        }
+        // quantization mixes vary types by layer (Q4_K_M: Q4_K and Q6_K): each new combination once
+        const int32_t types = (int32_t) ml.ffn_gate->type | (int32_t) ml.ffn_up->type << 8 | (int32_t) pl.down_t->type << 16;
+        if (std::find(checked.begin(), checked.end(), types) == checked.end()) {
+            kx_slots_check_types(dev, ml.ffn_gate, ml.ffn_up, pl.down_t, n_ff);
+            checked.push_back(types);
         }
         kx_slot_layer & L = slots->layers[il];
         L.n_slots = S;

@@ -54,7 +54,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
             return fail(str(e))
         print(f"kairox synth: wrote {path} ({os.path.getsize(path) / 2**30:.2f} GiB)")
     if args.pack or args.pack_only:
-        from ..pack import PackError, write_pack
+        from ..pack import PackError, default_down_type, inspect_model, write_pack
         from ..predictor import sketch_for_model
         try:
             layout = tables = None
@@ -66,8 +66,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
                 predictor, tables = calibrated_thresholds(path, predictor, xs, quiet=args.quiet)
             pk = write_pack(path, predictor=predictor, quiet=args.quiet, layout=layout, thresholds=tables,
                             method={"kind": "synth", "profile_tokens": args.profile if layout else 0},
-                            down_type="f16" if shape.ftype == "f16" else
-                            "q8_0" if shape.ftype == "q4_0" else "f32")
+                            down_type=default_down_type(inspect_model(path)[0]))
         except PackError as e:
             return fail(str(e))
         print(f"kairox synth: wrote {pk} ({os.path.getsize(pk) / 2**30:.2f} GiB)")
@@ -108,7 +107,7 @@ def register(sub) -> None:
                         "0: frequencies unknown (default: %(default)s)")
     p.add_argument("--pack", action="store_true",
                    help="also write the sparse pack (sketch predictor; down rows F16 for F16 "
-                        "models, Q8_0 for Q4_0 ones) so that predicted mode works")
+                        "models, Q8_0 for quantized ones) so that predicted mode works")
     p.add_argument("--pack-only", action="store_true",
                    help="write only the pack of a model an earlier run synthesized at OUTFILE "
                         "(model writing needs no GPU, the pack's --profile uses one: split on a GPU machine)")

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# On the GPU machine: a K-quant model in the hybrid. Builds kairox with CUDA (libllama, the
+# tools, llama-quantize, test-backend-ops) while KB-7B F16 is written, checks the row ops'
+# CUDA kernels against the CPU (test-backend-ops, K-quant cases included), quantizes KB-7B to
+# Q4_K_M with the same build's llama-quantize and writes that model's pack, then measures it
+# at a VRAM budget through the binaries (bench/tools_bench.py: llama.cpp's largest fitting
+# -ngl with -fa 0 and 1, kairox-bench, kairox-completion, kairox run) and per token
+# (bench/offload.py: TPOT p50/p99). Results to $OUT.
+#
+#   bash bench/device/kquant.sh          # repo root; carry vendor/llama.cpp and .whl
+#   KX_TESTS="tests/..." ...            # these tests on the GPU after the kernel checks
+#   KX_TEST_TIMEOUT=200 ...             # stop pytest after that many seconds
+#   KX_KQ_BUDGET=3GiB KX_KQ_TYPE=Q4_K_M # the budget and the quantization (defaults shown)
+#   KX_KQ_STAGE=prepare ...             # build, checks, tests, model and pack only (a first call;
+#                                       # the next call on the still-warm machine finds them)
+#   KX_ROUNDS=3 ...                     # interleaved rounds of the binaries' rows
+set -uo pipefail
+. bench/device/env.sh
+mkdir -p /tmp/kxbench
+TYPE=${KX_KQ_TYPE:-Q4_K_M}
+BUDGET=${KX_KQ_BUDGET:-3GiB}
+F=/tmp/kxbench/KB-7B-f16.gguf
+Q=/tmp/kxbench/KB-7B-$(echo "$TYPE" | tr 'A-Z' 'a-z').gguf
+[ -f "$F" ] || [ -f "$Q" ] || (python3 -m kairox synth --preset KB-7B -o "$F" -q > "$OUT/synth.log" 2>&1 &)
+cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON -DKAIROX_BUILD_TESTS=ON \
+    -DKAIROX_CUDA_ARCHITECTURES=90 > "$W/kx-configure.log" || exit 1
+cmake --build "$W/build-kx" -j "$(nproc)" \
+    --target llama llama-bench llama-completion llama-quantize test-backend-ops > "$W/kx-build.log" 2>&1 \
+    || { tail -30 "$W/kx-build.log"; exit 1; }
+echo "build done ($(( $(date +%s) - t0 )) s)"
+B=$W/build-kx/bin
+export KAIROX_LIB_DIR=$B KAIROX_BIN_DIR=$B
+if [ -z "${KX_SKIP_OPS:-}" ] && [ ! -f "$OUT/.ops-done" ]; then
+    for op in KX_MUL_MAT_ROWS KX_AXPY_ROWS KX_SELECT; do
+        "$B/test-backend-ops" -b CUDA0 -o "$op" > "$OUT/test-backend-ops-$op.log" 2>&1
+        echo "test-backend-ops $op: rc=$? $(grep -cE '^\s+.*OK' "$OUT/test-backend-ops-$op.log") OK, $(grep -c FAIL "$OUT/test-backend-ops-$op.log") FAIL; $(tail -1 "$OUT/test-backend-ops-$op.log")"
+    done
+    grep FAIL "$OUT/test-backend-ops-KX_MUL_MAT_ROWS.log" | head -5
+    touch "$OUT/.ops-done"
+fi
+# the model: F16 written during the build, quantized with this build, its pack (the pack's
+# profile runs the model on the GPU)
+if [ ! -f "$Q" ]; then
+    while pgrep -f "kairox synth --preset KB-7B -o $F" > /dev/null; do sleep 2; done
+    echo "f16 model ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/synth.log" 2>/dev/null)"
+    "$B/llama-quantize" "$F" "$Q" "$TYPE" "$(nproc)" > "$OUT/quantize.log" 2>&1 || { tail -20 "$OUT/quantize.log"; exit 1; }
+    rm -f "$F"
+    echo "quantized to $TYPE ($(( $(date +%s) - t0 )) s): $(du -h "$Q" | cut -f1)"
+fi
+if [ ! -f "${Q%.gguf}.kxpack.gguf" ] && ! pgrep -f "pack-only" > /dev/null; then
+    rm -f /tmp/kxbench/.*.tmp
+    # its own session: a pack that outlasts this call is waited for by the next one
+    setsid nohup python3 -m kairox synth --preset KB-7B -o "$Q" --pack-only -q > "$W/pack.log" 2>&1 < /dev/null &
+    sleep 1
+fi
+if [ -n "${KX_TESTS:-}" ]; then
+    timeout "${KX_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider $KX_TESTS 2>&1 | tee "$OUT/pytest.log" | tail -15
+    echo "tests done ($(( $(date +%s) - t0 )) s)"
+fi
+while pgrep -f "pack-only" > /dev/null; do
+    [ $(( $(date +%s) - t0 )) -gt 560 ] && { echo "pack still running (log $W/pack.log)"; exit 0; }
+    sleep 2
+done
+echo "pack ($(( $(date +%s) - t0 )) s): $(tail -1 "$W/pack.log")"
+[ "${KX_KQ_STAGE:-}" = prepare ] && exit 0
+python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$B" --out "$OUT" \
+    --rounds "${KX_ROUNDS:-3}" --gen 128 --threads "$(nproc)" || echo "tools_bench FAILED"
+echo "tools_bench done ($(( $(date +%s) - t0 )) s)"
+[ -n "${KX_KQ_TPOT:-}" ] && python3 bench/offload.py --config KB-7B --model "$Q" --budget "${BUDGET%GiB}" \
+    --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" --work /tmp/kxbench --out "$OUT" --reps 1 \
+    --modes hybrid --no-dense --keep --note "KB-7B $TYPE (llama-quantize of the F16 synth)" || echo "offload FAILED"
+echo "all done ($(( $(date +%s) - t0 )) s)"
