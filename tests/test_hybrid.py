@@ -248,6 +248,57 @@ def test_gpu_warm_up_keeps_the_output(synth_model: Path) -> None:
     assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
 
 
+def retyped_ffn_bf16(src: Path, dst: Path) -> Path:
+    """A copy of the model `src` whose ffn_gate and ffn_up are BF16 (every key and other
+    tensor as they are), with a pack of its own."""
+    import gguf
+    T = gguf.GGUFValueType
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, r.get_field("general.architecture").contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if f.types[0] == T.ARRAY:
+            sub = f.types[1]
+            val = [bytes(f.parts[i]) for i in f.data] if sub == T.STRING else list(f.contents())
+            w.add_key_value(name, val, T.ARRAY, sub_type=sub)
+        elif f.types[0] == T.STRING:
+            w.add_key_value(name, bytes(f.parts[f.data[0]]), T.STRING)
+        else:
+            w.add_key_value(name, f.contents(), f.types[0])
+    for t in r.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")):
+            f32 = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+            bits = f32.view(np.uint32)
+            bf16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+            w.add_tensor(t.name, bf16, raw_shape=shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_shape=shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from kairox.predictor import sketch_for_model
+    write_pack(dst, predictor=sketch_for_model(dst), quiet=True)
+    return dst
+
+
+def test_gpu_slots_refuse_a_type_their_kernels_cannot_read(synth_model: Path, tmp_path: Path) -> None:
+    """BF16 gate/up rows have a CPU kernel (the model runs sparse on the CPU) but no CUDA row
+    kernel: GPU slots over them are refused with the type and what the kernels read, before
+    any slot is filled, instead of the scheduler copying the slots to the CPU each token."""
+    import kairox
+    from kairox._native import has_gpu
+    model = retyped_ffn_bf16(synth_model, tmp_path / "kb-tiny-bf16.gguf")
+    toks, _, c = run(model, sparse="predicted")  # the CPU reads BF16 rows
+    assert len(toks) == N_GEN and c.rows > 0
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    with pytest.raises(Exception, match=r"cannot hold bf16 rows \(the model's ffn_gate\).*Q4_K"):
+        kairox.Llama(str(model), n_ctx=256, sparse="predicted", gpu_slots=100, n_gpu_layers=-1, verbose=False)
+
+
 def test_placement_is_reported_per_tensor(synth_model: Path) -> None:
     """Hybrid placement without a GPU (slots on the CPU device): every weight in plain
     CPU buffers (mapped from the file: CPU_Mapped); the lookup names the buffer type, None
