@@ -96,6 +96,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", default=None, help="results file stem (default: tools-bench-MODEL)")
+    ap.add_argument("--completion-row", action="append", default=[], metavar="LABEL=FLAGS",
+                    help="one more kairox-completion row: the hybrid's flags and these (any common "
+                         "flag: --mapped-share, --no-kx-warm, -t; repeatable)")
     args = ap.parse_args()
     exe = Path(args.bin) / "llama-bench"
     hybrid = ["--vram-budget", args.budget, "--sparse", args.sparse]
@@ -113,6 +116,10 @@ def main() -> int:
         f"kairox-completion {' '.join(hybrid)}": {"kind": "completion", "extra": hybrid},
         f"kairox run {' '.join(hybrid)}": {"kind": "run", "extra": hybrid},
     }
+    for spec in args.completion_row:
+        label, _, flags = spec.partition("=")
+        rows[f"kairox-completion {' '.join(hybrid)} {flags} ({label})"] = {"kind": "completion",
+                                                                           "extra": hybrid + flags.split()}
     for r in rows.values():
         r["tok_s"], r["cmd"] = [], None
     t0 = time.time()

@@ -14,6 +14,8 @@
 #   KX_KQ_STAGE=prepare ...             # build, checks, tests, model and pack only (a first call;
 #                                       # the next call on the still-warm machine finds them)
 #   KX_ROUNDS=3 ...                     # interleaved rounds of the binaries' rows
+#   KX_KQ_ROWS="mapped 0.3=--mapped-share 0.3;no warm=--no-kx-warm"  # more kairox-completion rows
+#   KX_KQ_NAME=tools-bench-x ...        # the results' file stem
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -63,8 +65,12 @@ while pgrep -f "pack-only" > /dev/null; do
 done
 echo "pack ($(( $(date +%s) - t0 )) s): $(tail -1 "$W/pack.log")"
 [ "${KX_KQ_STAGE:-}" = prepare ] && exit 0
+rows=()
+IFS=';' read -ra extra <<< "${KX_KQ_ROWS:-}"
+for r in "${extra[@]}"; do rows+=(--completion-row "$r"); done
 python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$B" --out "$OUT" \
-    --rounds "${KX_ROUNDS:-3}" --gen 128 --threads "$(nproc)" || echo "tools_bench FAILED"
+    --rounds "${KX_ROUNDS:-3}" --gen 128 --threads "$(nproc)" "${rows[@]}" ${KX_KQ_NAME:+--name "$KX_KQ_NAME"} \
+    || echo "tools_bench FAILED"
 echo "tools_bench done ($(( $(date +%s) - t0 )) s)"
 [ -n "${KX_KQ_TPOT:-}" ] && python3 bench/offload.py --config KB-7B --model "$Q" --budget "${BUDGET%GiB}" \
     --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" --work /tmp/kxbench --out "$OUT" --reps 1 \

@@ -263,15 +263,6 @@ static ggml_tensor * kx_alias(kx_slots & slots, ggml_backend_buffer_type_t buft,
     return t;
 }
 
-// the row kernels on the device (cuda/kx-mul-mat-rows.cu, kx-axpy-rows.cu) read these
-static bool kx_mapped_types_ok(const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down) {
-    auto rows = [](ggml_type t) {
-        return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0;
-    };
-    const ggml_type d = down->type;
-    return rows(gate->type) && rows(up->type) && (d == GGML_TYPE_F32 || d == GGML_TYPE_F16 || d == GGML_TYPE_Q8_0);
-}
-
 void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, const kx_pack & pack, float share) {
     if (!(share >= 0.0f && share < 1.0f)) {
         throw std::runtime_error(kx_fmt("the mapped share must be in [0, 1), not %g", (double) share));
@@ -331,11 +322,7 @@ void kx_slots_set_mapped_share(kx_slots & slots, const llama_model & model, cons
         }
         const llama_layer & ml = model.layers[il];
         const kx_pack_layer & pl = pack.layers[il];
-        if (!kx_mapped_types_ok(ml.ffn_gate, ml.ffn_up, pl.down_t)) {
-            throw std::runtime_error(kx_fmt("layer %" PRId64 ": the device's row kernels cannot read %s/%s gate/up "
-                                            "and %s down rows", il, ggml_type_name(ml.ffn_gate->type),
-                                            ggml_type_name(ml.ffn_up->type), ggml_type_name(pl.down_t->type)));
-        }
+        // the types: the device's row kernels read them (kx_slots_check_types, when the slots were built)
         if (!L.map_gate) {
             L.map_gate = kx_alias(slots, buft, ml.ffn_gate, addr_of(ml.ffn_gate), kx_fmt("blk.%d.kx_map_gate", (int) il).c_str());
             L.map_up   = kx_alias(slots, buft, ml.ffn_up, addr_of(ml.ffn_up), kx_fmt("blk.%d.kx_map_up", (int) il).c_str());
