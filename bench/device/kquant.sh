@@ -72,7 +72,9 @@ python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$
     --rounds "${KX_ROUNDS:-3}" --gen 128 --threads "$(nproc)" "${rows[@]}" ${KX_KQ_NAME:+--name "$KX_KQ_NAME"} \
     || echo "tools_bench FAILED"
 echo "tools_bench done ($(( $(date +%s) - t0 )) s)"
-[ -n "${KX_KQ_TPOT:-}" ] && python3 bench/offload.py --config KB-7B --model "$Q" --budget "${BUDGET%GiB}" \
-    --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" --work /tmp/kxbench --out "$OUT" --reps 1 \
-    --modes hybrid --no-dense --keep --note "KB-7B $TYPE (llama-quantize of the F16 synth)" || echo "offload FAILED"
+if [ -n "${KX_KQ_TPOT:-}" ]; then
+    python3 bench/offload.py --config KB-7B --model "$Q" --budget "${BUDGET%GiB}" \
+        --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" --work /tmp/kxbench --out "$OUT" --reps 1 \
+        --modes hybrid --no-dense --keep --note "KB-7B $TYPE (llama-quantize of the F16 synth)" || echo "offload FAILED"
+fi
 echo "all done ($(( $(date +%s) - t0 )) s)"
