@@ -1,6 +1,7 @@
 """The scheduler trace (kx_params.sched_trace): its analysis on known intervals, and a real run writing it."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -18,8 +19,10 @@ def rec(graph: int, split: int, part: str, backend: str, t0: int, t1: int, first
                        "first": first, "last": last, "t0": t0, "t1": t1})
 
 
-def test_overlap_of_known_intervals(tmp_path: Path) -> None:
-    lines = [
+def known_lines() -> list[str]:
+    """One graph of two hybrid layers whose overlaps are known by hand, a split never stamped
+    and the writer's count of dropped records."""
+    return [
         # graph 0: layer 0's CPU split [100, 200] beside its GPU head [90, 150] -> 50 µs together
         rec(0, 0, "w", "CUDA0", 10, 90, "attn_norm-0"),
         rec(0, 1, "i", "CPU", 90, 100, "x-0"),
@@ -32,8 +35,11 @@ def test_overlap_of_known_intervals(tmp_path: Path) -> None:
         rec(0, 5, "w", "CUDA0", 0, 0),  # never stamped: dropped by the reader
         json.dumps({"dropped": 7}),
     ]
+
+
+def test_overlap_of_known_intervals(tmp_path: Path) -> None:
     f = tmp_path / "t.jsonl"
-    f.write_text("\n".join(lines) + "\n")
+    f.write_text("\n".join(known_lines()) + "\n")
     recs, dropped = kt.read_trace(f)
     assert dropped == 7 and len(recs) == 7
     ov = kt.overlaps(recs)
@@ -62,6 +68,41 @@ def test_overlap_of_known_intervals(tmp_path: Path) -> None:
     f.write_text("garbage\n")
     with pytest.raises(kt.TraceError, match=":1: not a kairox trace"):
         kt.read_trace(f)
+
+
+def gzipped(src: Path, dst: Path) -> Path:
+    dst.write_bytes(gzip.compress(src.read_bytes()))
+    return dst
+
+
+def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The results keep their traces as .jsonl.gz: every reader takes them as they are, told by
+    the gzip magic bytes (so a compressed file without the suffix reads too)."""
+    from kairox.cli import main
+    plain = tmp_path / "t.jsonl"
+    plain.write_text("\n".join(known_lines()) + "\n")
+    gz = gzipped(plain, tmp_path / "t.jsonl.gz")
+    bare = gzipped(plain, tmp_path / "t-compressed")
+    want = kt.read_trace(plain)
+    assert len(want[0]) == 7 and want[1] == 7  # not two empty reads agreeing
+    assert kt.read_trace(gz) == want and kt.read_trace(bare) == want
+    # the command line prints and writes the same figures for both
+    outs = []
+    for f in (plain, gz):
+        js = tmp_path / f"{f.name}.json"
+        assert main(["trace", str(f), "--breakdown", "--json", str(js)]) == 0
+        outs.append((capsys.readouterr().out, json.loads(js.read_text())))
+    assert outs[0] == outs[1] and outs[0][1]["pairs"] == 2
+    # trim reads a compressed source (bench/offload.py trims the runs' traces)
+    assert kt.trim(gz, tmp_path / "g.jsonl", [0]) == kt.trim(plain, tmp_path / "p.jsonl", [0]) == 8
+    assert (tmp_path / "g.jsonl").read_text() == (tmp_path / "p.jsonl").read_text()
+    # a truncated archive is a reading error, not a crash
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gz.read_bytes()[:-12])
+    with pytest.raises(kt.TraceError, match="cannot read the trace"):
+        kt.read_trace(cut)
+    assert main(["trace", str(cut)]) == 2
+    assert "cannot read the trace" in capsys.readouterr().err
 
 
 def test_a_run_writes_its_trace(tmp_path: Path, synth_model: Path, native: Path) -> None:

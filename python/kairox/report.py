@@ -2,9 +2,10 @@
 
 A trace is what `kairox run --kx-trace FILE` (or `bench/tpot.py --balance-trace`) writes:
 one JSON object per step and hybrid layer (struct kx_balance_record: step, layer, n_active,
-n_hit, n_load, n_evict, stall, lam, wait_us, decide_us, reload_bytes; late, decided). The report draws, per
-step, the GPU hit rate (listed neurons computed from slots), the reloads, the stall types and
-λ (mean over layers, with the spread), and prints a summary.
+n_hit, n_load, n_evict, stall, lam, wait_us, decide_us, reload_bytes; late, decided), plain or
+gzip-compressed. The report draws, per step, the GPU hit rate (listed neurons computed from
+slots), the reloads, the stall types and λ (mean over layers, with the spread), and prints a
+summary.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .balancer import STALLS
+from .trace import READ_ERRORS, read_text
 
 FIELDS = ("step", "layer", "n_active", "n_hit", "n_load", "n_evict", "stall", "lam", "wait_us", "decide_us",
           "reload_bytes")
@@ -29,12 +31,11 @@ def write_trace(path: str | Path, records: list[dict[str, Any]]) -> None:
 
 
 def read_trace(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a trace file (JSON lines; gzip-compressed when the name ends in .gz)."""
-    import gzip
-    p = Path(path)
+    """Records of a trace file (JSON lines, plain or gzip-compressed: told by the file's first
+    bytes, as the scheduler trace's reader does)."""
     try:
-        text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+        text = read_text(path)
+    except READ_ERRORS as e:
         raise TraceError(f"{path}: cannot read ({e})") from None
     out = []
     for i, line in enumerate(text.splitlines(), 1):

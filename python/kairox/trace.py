@@ -11,15 +11,18 @@ queued the work (ggml_ext/include/kx-trace.h).
 `kairox trace FILE` reads such a file and says how much of each hybrid layer's CPU work
 ran while the GPU worked on the same layer: for every CPU split followed by a GPU split
 whose leading nodes were queued before it ("head", the scheduler's overlap, patch 0010),
-the two intervals and their intersection. `--png` draws one token's timeline.
+the two intervals and their intersection. `--png` draws one token's timeline. A trace may be
+gzip-compressed (the results keep theirs as .jsonl.gz): open_text reads either.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 _LAYER_RE = re.compile(r"-(\d+)(?:\D.*)?$")
 
@@ -57,12 +60,44 @@ class TraceError(ValueError):
     pass
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+# what reading a text file that may be compressed can raise: the file itself (OSError, and
+# gzip.BadGzipFile, an OSError), a truncated or corrupt stream (EOFError, zlib.error), bytes
+# that are not text
+READ_ERRORS = (OSError, EOFError, zlib.error, UnicodeDecodeError)
+
+
+def is_gzip(path: str | Path) -> bool:
+    """Whether the file starts with gzip's magic bytes: by content, not by name, so a renamed
+    or suffix-less compressed trace reads too."""
+    with open(path, "rb") as f:
+        return f.read(2) == GZIP_MAGIC
+
+
+def open_text(path: str | Path) -> TextIO:
+    """A text file for reading, decompressed on the fly when it is gzip-compressed."""
+    if is_gzip(path):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def read_text(path: str | Path) -> str:
+    """A whole text file, plain or gzip-compressed (raises one of READ_ERRORS)."""
+    with open_text(path) as f:
+        return f.read()
+
+
+def _reason(e: BaseException) -> str:
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
 def read_trace(path: str | Path) -> tuple[list[TraceRec], int]:
-    """Records (complete ones only: both stamps set) and the number the writer dropped."""
+    """Records (complete ones only: both stamps set) and the number the writer dropped.
+    The file may be gzip-compressed (.jsonl.gz)."""
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise TraceError(f"cannot read the trace {path}: {e.strerror or e}") from None
+        lines = read_text(path).splitlines()
+    except READ_ERRORS as e:
+        raise TraceError(f"cannot read the trace {path}: {_reason(e)}") from None
     recs, dropped = [], 0
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -222,10 +257,11 @@ def plot_graph(recs: list[TraceRec], graph: int, path: str | Path, title: str = 
 
 
 def trim(src: str | Path, dst: str | Path, graphs: list[int]) -> int:
-    """Copy the records of some graphs to a smaller trace file; returns lines written."""
+    """Copy the records of some graphs to a smaller trace file (src plain or gzip-compressed,
+    dst plain); returns lines written."""
     keep = set(graphs)
     n = 0
-    with open(src) as f, open(dst, "w") as out:
+    with open_text(src) as f, open(dst, "w") as out:
         for line in f:
             d = json.loads(line)
             if d.get("graph") in keep:

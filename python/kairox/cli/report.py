@@ -12,7 +12,7 @@ from ..report import TraceError, draw, read_trace, summary
 # what `kairox report --help` says (kairox.report's docstring is for developers)
 HELP = """Draw a live balancer trace (written by `kairox run --kx-trace FILE`) over time: the share
 of active neurons the GPU computed, the neurons reloaded, why steps waited and λ, per token,
-and print a summary.
+and print a summary. The trace may be gzip-compressed (.jsonl.gz).
 """
 
 
@@ -41,7 +41,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("report", help="draw a live-balancer trace (hit rate, reloads, stalls, λ)",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", help="JSON-lines trace from `kairox run --kx-trace` or bench/tpot.py --balance-trace")
+    p.add_argument("trace", help="JSON-lines trace from `kairox run --kx-trace` or bench/tpot.py --balance-trace, "
+                   "plain or gzip-compressed")
     p.add_argument("--png", help="draw the four panels into this PNG")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_report)

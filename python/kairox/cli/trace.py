@@ -14,6 +14,7 @@ from ..trace import (TraceError, breakdown, breakdown_text, longest_graph, pick_
 HELP = """Read a scheduler trace (written by any tool with --kx-sched-trace FILE, or `kairox.Llama(
 sched_trace=FILE)`) and report, per hybrid layer, how long the CPU and the GPU worked and
 how much of the CPU's work ran while the GPU worked. --png draws one token's timeline.
+The trace may be gzip-compressed (.jsonl.gz).
 """
 
 
@@ -43,7 +44,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("trace", help="read a scheduler trace (--kx-sched-trace FILE): CPU/GPU overlap per layer, timeline",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", help="trace file written by a run with --kx-sched-trace FILE (sched_trace= in Python)")
+    p.add_argument("trace", help="trace file written by a run with --kx-sched-trace FILE (sched_trace= in Python), "
+                   "plain or gzip-compressed")
     p.add_argument("--png", help="draw one step's timeline to this PNG")
     p.add_argument("--graph", type=int, help="which graph to draw (default: a typical overlapped step)")
     p.add_argument("--json", help="write the summary figures to this JSON file")
