@@ -277,6 +277,15 @@ LLAMA_API bool    kx_params_hybrid(const struct kx_params * kp);
 // process. Returns enum kx_status (err filled unless KX_OK).
 LLAMA_API int32_t kx_model_params_apply(struct kx_params * kp, struct llama_model_params * mp, char * err,
                                         size_t err_size);
+// The same for the model at model_path (NULL: as above). A sparse run without the hybrid
+// then reads the pack's measured list density (kx.listed_density) before the model loads:
+// the FFN of a layer whose predicted lists hold more than 60% of its neurons runs dense, and
+// keeps llama.cpp's repacked weights; only the other layers' FFN weights load unrepacked.
+LLAMA_API int32_t kx_model_params_apply_model(struct kx_params * kp, struct llama_model_params * mp,
+                                              const char * model_path, char * err, size_t err_size);
+// Layers whose FFN runs sparse in predicted mode (the rest dense: their lists are too dense
+// to gain), out of the model's; 0 without a pack.
+LLAMA_API int32_t kx_model_sparse_layers(const struct llama_model * model);
 // Applies kp to a context of a model loaded with kx_model_params_apply's parameters: loads
 // the pack, places the slots (counts given, from the plan, or filling the VRAM budget,
 // measured around a warm-up batch), selects the sparse mode, sets the mapped share, starts

@@ -379,3 +379,15 @@ void kx_context_refresh_sparse(llama_context * ctx) {
 int32_t llama_context::kx_get_sparse() const {
     return cparams.kx_sparse_mode;
 }
+
+int32_t kx_model_sparse_layers(const llama_model * model) {
+    const kx_pack * pack = model ? kx_model_pack(model) : nullptr;
+    if (!pack) {
+        return 0;
+    }
+    int32_t n = 0;
+    for (const kx_pack_layer & L : pack->layers) {
+        n += L.pays;
+    }
+    return n;
+}

@@ -43,9 +43,8 @@
 // Prefill stays dense: above this many tokens per ubatch the union of active sets
 // approaches the whole layer and dense GEMM kernels beat row gathers.
 static constexpr int64_t kx_sparse_max_tokens = 8;
-// A selection denser than this runs every row (still through the sparse kernels, which
-// then cost what the dense matvec costs); it bounds the worst case of a bad prediction.
-static constexpr float   kx_max_density = 0.6f;
+// kx_max_density (kx-pack.h): a selection denser than that runs every row; it bounds the
+// worst case of a bad prediction.
 
 static bool kx_host_plain(const ggml_tensor * w) {
     // repacked CPU weights (extra buffer types) are not host buffers: their rows are
@@ -272,8 +271,9 @@ ggml_tensor * kx_build_ffn_sparse(
         cur->ne[1] > kx_sparse_max_tokens || ggml_nrows(cur) != cur->ne[1]) {
         return nullptr;
     }
-    if (mode == 2 && !L.pred_a) {
-        return nullptr;
+    const bool slots = hy->slots && hy->slots->layers[il].n_slots > 0;
+    if (mode == 2 && (!L.pred_a || (!slots && !L.pays))) {
+        return nullptr; // no predictor, or lists too dense to gain: the dense FFN
     }
     if (!kx_host_plain(up) || !kx_host_plain(gate)) {
         static bool warned = false;
@@ -290,7 +290,7 @@ ggml_tensor * kx_build_ffn_sparse(
     if (!ggml_is_contiguous(cur)) {
         cur = ggml_cont(ctx0, cur);
     }
-    const kx_slot_layer * H = hy->slots && hy->slots->layers[il].n_slots > 0 ? &hy->slots->layers[il] : nullptr;
+    const kx_slot_layer * H = slots ? &hy->slots->layers[il] : nullptr;
     if (H) {
         return kx_build_ffn_hybrid(g, cur, up, gate, type_op, mode, act, *hy, L, *H, il);
     }

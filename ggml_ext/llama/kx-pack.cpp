@@ -154,6 +154,27 @@ std::string model_str(const gguf_ptr & gp, const std::string & key) {
     return id >= 0 && gguf_get_kv_type(gp.g, id) == GGUF_TYPE_STRING ? gguf_get_val_str(gp.g, id) : "";
 }
 
+// the optional kx.listed_density: F32 [n_layer] in [0, 1], or absent (empty)
+std::vector<float> listed_density(const gguf_ptr & gp, const std::string & path, int64_t n_layer) {
+    const char * key = "kx.listed_density";
+    const int64_t id = gguf_find_key(gp.g, key);
+    if (id < 0) {
+        return {};
+    }
+    if (gguf_get_kv_type(gp.g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(gp.g, id) != GGUF_TYPE_FLOAT32 ||
+        (int64_t) gguf_get_arr_n(gp.g, id) != n_layer) {
+        throw kx_pack_error(kx_fmt("pack %s: %s must be %" PRId64 " float32 values", path.c_str(), key, n_layer));
+    }
+    const float * v = (const float *) gguf_get_arr_data(gp.g, id);
+    std::vector<float> out(v, v + n_layer);
+    for (float x : out) {
+        if (!(x >= 0.0f && x <= 1.0f)) {
+            throw kx_pack_error(kx_fmt("pack %s: %s has values outside [0, 1]", path.c_str(), key));
+        }
+    }
+    return out;
+}
+
 // the model's FFN activation as kairox records it (python: pack._base_model)
 std::string model_activation(const gguf_ptr & gp, const std::string & arch) {
     std::string act = model_str(gp, arch + ".hidden_activation");
@@ -550,5 +571,24 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
             std::memcpy(pack->layers[il].rowmap->data, rowmaps[il].data(), (size_t) n_ff*sizeof(int32_t));
         }
     }
+    const std::vector<float> listed = listed_density(gp, path, n_layer);
+    for (int64_t il = 0; il < (int64_t) listed.size(); ++il) {
+        pack->layers[il].listed = listed[il];
+        pack->layers[il].pays   = kx_layer_pays(listed[il]);
+    }
     return pack;
+}
+
+std::vector<float> kx_pack_listed_density(const std::string & pack_path) {
+    try {
+        gguf_ptr gp;
+        open_gguf(gp, pack_path, "pack");
+        const int64_t id = gguf_find_key(gp.g, "kx.base.n_layer");
+        if (id < 0 || gguf_get_kv_type(gp.g, id) != GGUF_TYPE_UINT32) {
+            return {};
+        }
+        return listed_density(gp, pack_path, gguf_get_val_u32(gp.g, id));
+    } catch (const kx_pack_error &) {
+        return {}; // the full load says what is wrong with it
+    }
 }

@@ -19,6 +19,12 @@ struct llama_model;
 #define KX_THR_K  11
 #define KX_THR_K0 5
 
+// A predicted list holding more than this share of a layer's neurons runs every row (the
+// select's fallback; the sparse kernels then cost what the dense matvec costs). It is also
+// the line under which a layer's sparse FFN gains: a layer whose calibrated lists hold more
+// runs llama.cpp's dense FFN (repacked weights where the CPU backend has them).
+static constexpr float kx_max_density = 0.6f;
+
 struct kx_pack_layer {
     ggml_tensor * down_t = nullptr; // [n_embd, n_ff] ggml ne: one row per pack position
     ggml_tensor * rowmap = nullptr; // I32 [n_ff]: neuron id -> row of down_t; null if identity
@@ -33,6 +39,10 @@ struct kx_pack_layer {
     std::vector<float> thr_sel;     // [n_ff * KX_THR_K], neuron-major
     std::vector<float> thr_err;
     float thr_norm = 0.0f;          // the layer's mean FFN output norm on the calibration tokens
+    // share of the neurons the predicted lists held on calibration tokens (the pack's optional
+    // kx.listed_density; -1: not measured) and whether predicted mode runs this layer sparse
+    float listed = -1.0f;
+    bool  pays   = true;
 };
 
 struct kx_pack {
@@ -63,6 +73,15 @@ struct kx_pack_error : std::runtime_error {
 
 std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::string & model_path,
                                       const std::string & pack_path);
+
+// The pack's kx.listed_density, read from its header alone (before the model loads, to choose
+// which layers keep llama.cpp's repacked FFN weights); empty when the pack has none or cannot
+// be read (the full load reports a bad pack)
+std::vector<float> kx_pack_listed_density(const std::string & pack_path);
+// whether predicted mode gains on a layer whose lists hold that share (-1: unknown, assumed)
+inline bool kx_layer_pays(float listed) {
+    return listed < kx_max_density;
+}
 
 // ---- integrity (kx-pack-check.cpp)
 // XXH3-64 (seed 0) of n bytes: the pack's checksums

@@ -147,7 +147,64 @@ static std::vector<std::string> kx_cpu_patterns(const std::vector<std::string> &
     return pats;
 }
 
+static std::string kx_pack_path_for(const std::string & model_path);
+
+// Tensors matching pats go to buft, ahead of the caller's own overrides (kept after ours)
+static void kx_override(llama_model_params * mp, std::vector<std::string> pats, ggml_backend_buffer_type_t buft) {
+    std::lock_guard<std::mutex> lk(kx_override_mu);
+    const std::vector<std::string> & kept = kx_override_patterns.emplace_back(std::move(pats));
+    std::vector<llama_model_tensor_buft_override> & arr = kx_override_arrays.emplace_back();
+    for (const std::string & p : kept) {
+        arr.push_back({ p.c_str(), buft });
+    }
+    for (const llama_model_tensor_buft_override * o = mp->tensor_buft_overrides; o && o->pattern; ++o) {
+        arr.push_back(*o);
+    }
+    arr.push_back({ nullptr, nullptr });
+    mp->tensor_buft_overrides = arr.data();
+}
+
+// The FFN tensors of the layers predicted mode runs sparse (ids), in plain host memory
+// (kairox's huge-page buffers: an override to the CPU backend's own type would still be
+// repacked, llama.cpp counts its extra types as CPU); the others keep whatever buffer
+// llama.cpp picks (repacked where the CPU backend repacks)
+static void kx_plain_ffn(llama_model_params * mp, const std::vector<int> & ids) {
+    std::string alt;
+    for (int il : ids) {
+        alt += (alt.empty() ? "" : "|") + std::to_string(il);
+    }
+    kx_override(mp, { "^blk\\.(" + alt + ")\\.ffn_(gate|up|down)\\.weight$" }, kx_host_buffer_type(false, 0));
+}
+
+// A sparse run without the hybrid: unrepacked FFN weights for the layers it runs sparse; all
+// of them unless the pack measured its lists (exact mode lists what fires, not what the
+// predictor says: all of them)
+static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp, const char * model_path) {
+    const bool named = kp->sparse_pack && *kp->sparse_pack;
+    const std::string pack = named ? kp->sparse_pack : model_path ? kx_pack_path_for(model_path) : "";
+    const std::vector<float> listed = kp->sparse == KX_SPARSE_EXACT || pack.empty() ? std::vector<float>()
+                                                                                     : kx_pack_listed_density(pack);
+    if (listed.empty()) {
+        mp->use_extra_bufts = false; // repacked rows are interleaved: row gathers cannot read them
+        return;
+    }
+    std::vector<int> ids;
+    for (size_t il = 0; il < listed.size(); ++il) {
+        if (kx_layer_pays(listed[il])) {
+            ids.push_back((int) il);
+        }
+    }
+    if (!ids.empty()) {
+        kx_plain_ffn(mp, ids);
+    }
+}
+
 int32_t kx_model_params_apply(kx_params * kp, llama_model_params * mp, char * err, size_t err_size) {
+    return kx_model_params_apply_model(kp, mp, nullptr, err, err_size);
+}
+
+int32_t kx_model_params_apply_model(kx_params * kp, llama_model_params * mp, const char * model_path, char * err,
+                                    size_t err_size) {
     if (!kp || !mp) {
         return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_model_params_apply: kp and mp are required");
     }
@@ -159,7 +216,7 @@ int32_t kx_model_params_apply(kx_params * kp, llama_model_params * mp, char * er
     if (!kx_params_hybrid(kp)) {
         if (kp->sparse == KX_SPARSE_EXACT || kp->sparse == KX_SPARSE_PREDICTED ||
             (kp->sparse == KX_SPARSE_AUTO && kp->sparse_pack && *kp->sparse_pack)) {
-            mp->use_extra_bufts = false; // repacked rows are interleaved: row gathers cannot read them
+            kx_sparse_model_params(kp, mp, model_path);
         }
         return kx_fail(err, err_size, KX_OK, "");
     }
@@ -183,18 +240,8 @@ int32_t kx_model_params_apply(kx_params * kp, llama_model_params * mp, char * er
     }
     ggml_backend_buffer_type_t host = pinned ? kx_host_buffer_type(true, kp->faults)
         : ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
-    std::lock_guard<std::mutex> lk(kx_override_mu);
-    std::vector<std::string> & pats = kx_override_patterns.emplace_back(kx_cpu_patterns(dense_cpu));
-    std::vector<llama_model_tensor_buft_override> & arr = kx_override_arrays.emplace_back();
-    for (const std::string & p : pats) {
-        arr.push_back({ p.c_str(), host });
-    }
     // the caller's own overrides after ours: the FFN must be in host memory for the split
-    for (const llama_model_tensor_buft_override * o = mp->tensor_buft_overrides; o && o->pattern; ++o) {
-        arr.push_back(*o);
-    }
-    arr.push_back({ nullptr, nullptr });
-    mp->tensor_buft_overrides = arr.data();
+    kx_override(mp, kx_cpu_patterns(dense_cpu), host);
     mp->use_extra_bufts = false;
     if (pinned) {
         // llama.cpp keeps mapped weights in pageable CPU buffers whatever an override asks
@@ -400,6 +447,18 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
     const int32_t mode = kp->sparse != KX_SPARSE_AUTO ? kp->sparse
                        : kx_model_pack_has_predictor(model) ? KX_SPARSE_PREDICTED : KX_SPARSE_EXACT;
     if (!hybrid) {
+        if (mode == KX_SPARSE_PREDICTED && kx_model_sparse_layers(model) == 0) {
+            const kx_pack & pk = *kx_model_pack(model);
+            float lo = 1.0f, hi = 0.0f;
+            for (const kx_pack_layer & L : pk.layers) {
+                lo = std::min(lo, L.listed);
+                hi = std::max(hi, L.listed);
+            }
+            LLAMA_LOG_WARN("kairox: the sparse FFN would not gain on this model: its predicted lists hold %.0f-%.0f%% "
+                           "of each layer's neurons (it gains below %.0f%%); running dense, with llama.cpp's "
+                           "weights as it loads them\n", 100.0 * lo, 100.0 * hi, 100.0 * kx_max_density);
+            return;
+        }
         kx_check(kx_context_set_sparse(ctx, mode, e, sizeof(e)), KX_ERR_PACK, "", e);
         return;
     }

@@ -19,7 +19,7 @@ if "llama_cpp.llama_cpp" not in _sys.modules:
         pass  # kairox.Llama will say so; convert/synth/info work without it
 
 _LLAMA_NAMES = ("Llama", "ModelLoadError", "SparsePackError", "SparsePackWarning", "SparseApproximationWarning",
-                "HostMemoryWarning", "VramBudgetError")
+                "SparseNoGainWarning", "HostMemoryWarning", "VramBudgetError")
 __all__ = [*_LLAMA_NAMES, "__version__"]
 
 

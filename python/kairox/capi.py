@@ -112,6 +112,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_params_default": ([], Params),
         "kx_params_hybrid": ([P(Params)], ctypes.c_bool),
         "kx_model_params_apply": ([P(Params), vp, cp, sz], i32),
+        "kx_model_params_apply_model": ([P(Params), vp, cp, cp, sz], i32),
+        "kx_model_sparse_layers": ([vp], i32),
         "kx_context_apply": ([vp, cp, P(Params), cp, sz], i32),
         "kx_context_vram": ([vp, P(VramReport)], ctypes.c_bool),
         "kx_budget_margin": ([i64], i64),

@@ -248,6 +248,11 @@ class SparseApproximationWarning(UserWarning):
     """Exact mode on a model whose activation is not ReLU: close to dense, not equal."""
 
 
+class SparseNoGainWarning(UserWarning):
+    """Predicted mode asked for, but the pack measured lists too dense to gain in every layer:
+    the model runs dense, with llama.cpp's repacked weights."""
+
+
 class HostMemoryWarning(UserWarning):
     """Page-locking the hybrid's host weights was refused: they stay pageable (the run is
     right; GPU copies of them go through the driver's staging, prefill is slower)."""
@@ -365,7 +370,8 @@ class Llama(llama_cpp.Llama):
 
             def kx_default_params():
                 p = default_params()
-                rc = _lib.kx_model_params_apply(ctypes.byref(self._kx_params), ctypes.addressof(p), err, len(err))
+                rc = _lib.kx_model_params_apply_model(ctypes.byref(self._kx_params), ctypes.addressof(p),
+                                                      os.fsencode(model_path), err, len(err))
                 if rc:
                     failed.append((rc, err.value.decode("utf-8", "replace")))
                 return p
@@ -416,6 +422,13 @@ class Llama(llama_cpp.Llama):
             raise (VramBudgetError if rc == capi.Status.BUDGET else RuntimeError if rc == capi.Status.FAILED
                    else ValueError)(why)
         self.sparse = SPARSE_MODES[_lib.kx_context_get_sparse(self._ctx.ctx)]
+        if (rc == capi.Status.OK and self.sparse == "dense" and self.kx_options.wants_sparse
+                and _lib.kx_model_pack_activation(self._model.model)):
+            # the pack measured lists too dense to gain in every layer (the runtime's warning says how dense)
+            warnings.warn(SparseNoGainWarning("kairox: the sparse FFN would not gain on this model (its pack's "
+                                              "predicted lists hold 60% of each layer's neurons or more): "
+                                              "running dense"),
+                          stacklevel=4)
         self._warn_if_approximate(stacklevel=4)
         v = capi.VramReport()
         if _lib.kx_context_vram(self._ctx.ctx, ctypes.byref(v)):
@@ -584,6 +597,12 @@ class Llama(llama_cpp.Llama):
             raise ValueError(err.value.decode("utf-8", "replace"))
         self.sparse = mode
         self._warn_if_approximate(stacklevel=3)
+
+    @property
+    def sparse_layers(self) -> int:
+        """Layers whose FFN runs sparse: in predicted mode those whose pack-measured lists
+        are sparse enough to gain (every layer when the pack has no such measure), else 0."""
+        return int(_lib.kx_model_sparse_layers(self._model.model)) if self.sparse == "predicted" else 0
 
     def _warn_if_approximate(self, stacklevel: int) -> None:
         act = _lib.kx_model_pack_activation(self._model.model)

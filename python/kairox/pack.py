@@ -69,6 +69,11 @@ K_ACT = "kx.base.activation"
 K_FP = "kx.base.fingerprint"
 K_GROUP_SIZE = "kx.group_size"
 K_STATS = "kx.stats"  # optional (version 2): JSON activation statistics, `kairox stats`
+# optional: per layer, the share of its neurons the predicted lists held on calibration
+# tokens; the runtime reads it before the model loads and runs a layer whose lists hold more
+# than LISTED_GAINS_BELOW dense (with llama.cpp's repacked weights)
+K_LISTED = "kx.listed_density"
+LISTED_GAINS_BELOW = 0.6  # ggml_ext/llama/kx-pack.h kx_max_density
 
 
 class PackError(ValueError):
@@ -287,6 +292,7 @@ class Pack:
     stats: str | None = field(default=None, repr=False)  # kx.stats JSON (version 2)
     thr_grid: np.ndarray | None = field(default=None, repr=False)  # float32 [n_layer, K] (kairox.thresholds)
     thr_norm: np.ndarray | None = field(default=None, repr=False)  # float32 [n_layer]: mean FFN output norm
+    listed_density: list[float] | None = None  # kx.listed_density (optional)
 
     @property
     def n_groups(self) -> int:
@@ -428,14 +434,16 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
                down_type: str = "f32", method: dict[str, Any] | None = None,
                predictor: PackPredictor | None = None, ahead: PackPredictor | None = None,
                layout: PackLayout | None = None, stats: str | None = None,
-               thresholds: Any = None, quiet: bool = False, workers: int | None = None) -> Path:
+               thresholds: Any = None, listed_density: Any = None, quiet: bool = False,
+               workers: int | None = None) -> Path:
     """Write a pack for the model at `model_path`; returns the pack's path.
 
     Without `layout` the pack is an identity pack (original neuron order, groups of
     consecutive neurons, frequencies unknown, threshold 0). With `predictor` (`ahead`),
     every layer also gets kx_pred_* (kx_ahead_*) from its `layer(il)`; `stats` is stored
     as kx.stats; `thresholds` (kairox.thresholds.ThresholdTables, needs `predictor`) the
-    load-aware thresholds' calibration. The model is only read. The pack is streamed, one layer at a time, to a
+    load-aware thresholds' calibration; `listed_density` (n_layer values in [0, 1]) the share of
+    each layer's neurons its predicted lists held on calibration tokens. The model is only read. The pack is streamed, one layer at a time, to a
     temporary file and renamed into place when complete. Layers are computed `workers`
     at a time in forked processes (None: from the model's size, the cores and the free
     memory), written in order.
@@ -479,6 +487,10 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
         if pr.rank > min(base.n_ff, base.n_embd):
             raise PackError(f"predictor rank {pr.rank} exceeds min(n_ff, n_embd) = "
                             f"{min(base.n_ff, base.n_embd)} of {model_path}")
+    if listed_density is not None:
+        ld = np.asarray(listed_density, np.float64)
+        if ld.shape != (base.n_layer,) or not np.all((ld >= 0) & (ld <= 1)):
+            raise PackError(f"listed_density must be {base.n_layer} values in [0, 1]")
     if layout is not None:
         thr = np.asarray(layout.threshold, np.float32)
         if thr.shape != (base.n_layer,) or not np.all(np.isfinite(thr)) or np.any(thr < 0):
@@ -509,6 +521,8 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
     w.add_uint32(K_GROUP_SIZE, group_size)
     if stats is not None:
         w.add_string(K_STATS, stats)
+    if listed_density is not None:
+        w.add_array(K_LISTED, [float(v) for v in listed_density])
 
     Q = gguf.GGMLQuantizationType
     dq = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}[down_type]
@@ -806,7 +820,13 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     if extra:
         raise PackError(f"pack {path} holds unexpected tensor {extra[0]!r} "
                         f"({len(extra)} in all); it is not part of pack version {version}")
-    return Pack(path, version, created_by, method, base, fp, group_size, layers, threshold, stats, thr_grid, thr_norm)
+    listed = None
+    if r.get_field(K_LISTED) is not None:
+        listed = [float(v) for v in r.get_field(K_LISTED).contents()]
+        if len(listed) != base.n_layer or not all(0.0 <= v <= 1.0 for v in listed):
+            raise PackError(f"pack {path}: {K_LISTED} must be {base.n_layer} values in [0, 1]")
+    return Pack(path, version, created_by, method, base, fp, group_size, layers, threshold, stats, thr_grid, thr_norm,
+                listed)
 
 
 def read_pack_stats(pack_path: str | Path) -> str | None:

@@ -437,6 +437,12 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
     stats = ModelStats(model.name, base.n_layer, base.n_ff, n_tokens, layers, stats_extra)
     seconds["stats"] = time.perf_counter() - t0
 
+    # whether predicted mode gains, layer by layer (the runtime reads the same densities)
+    listed = listed_density(fits)
+    stats.extra["listed_density"] = listed
+    stats.extra["sparse_layers"], stats.extra["gain"] = gain_report(listed)
+    say(stats.extra["gain"])
+
     # 7. pack, with the load-aware thresholds' calibration on held-out tokens
     t0 = time.perf_counter()
     tables = _threshold_tables(model, data, fits, cfg)
@@ -601,6 +607,26 @@ def _threshold_tables(model: Path, data: _ProfileData, fits: list[dict], cfg: Pr
     return calibrate(model, lambda il: tuple(fits[il]["arrays"][f"same_{k}"] for k in "abc"), xs, quiet=cfg.quiet)
 
 
+def listed_density(fits: list[dict]) -> list[float]:
+    """Per layer, the share of its neurons the same-layer predictor lists on held-out tokens:
+    the true density times the over-prediction (listed / truly active)."""
+    return [float(min(1.0, f["same"]["density"] * f["same"]["overprediction"])) for f in fits]
+
+
+def gain_report(listed: list[float]) -> tuple[int, str]:
+    """How many layers predicted mode runs sparse, and a sentence saying so: a layer whose
+    lists hold LISTED_GAINS_BELOW of its neurons or more runs dense (the sparse kernels then
+    cost what the dense matvec costs, without llama.cpp's repacked weights)."""
+    from .pack import LISTED_GAINS_BELOW
+    n = sum(v < LISTED_GAINS_BELOW for v in listed)
+    lo, hi = min(listed), max(listed)
+    head = f"predicted lists hold {100 * lo:.0f}-{100 * hi:.0f}% of a layer's neurons"
+    if n == 0:
+        return 0, (f"{head}: the sparse FFN will not gain on this model (it gains below "
+                   f"{100 * LISTED_GAINS_BELOW:.0f}%); --sparse predicted runs it dense")
+    return n, f"{head}: {n} of {len(listed)} layers run sparse in predicted mode, the others dense"
+
+
 def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.ndarray,
            fits: list[dict], groups: list[dict], rank: int, stats: Any, target: float | None,
            tables: Any = None) -> Path:
@@ -620,7 +646,8 @@ def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.
         return write_pack(model, out, group_size=cfg.group_size,
                           down_type=cfg.down_type or default_down_type(hdr), method=method,
                           predictor=trio("same"), ahead=trio("ahead"),
-                          layout=layout, stats=stats.to_json(), thresholds=tables, quiet=cfg.quiet)
+                          layout=layout, stats=stats.to_json(), thresholds=tables, quiet=cfg.quiet,
+                          listed_density=listed_density(fits))
     except PackError as e:
         raise PrepareError(str(e)) from None
 

@@ -56,6 +56,7 @@ def cmd_prepare(args: Any) -> int:
     print(format_table(res.stats))
     times = ", ".join(f"{k} {v:.1f} s" for k, v in res.seconds.items())
     print(f"\nkairox prepare: wrote {res.pack} ({times})")
+    print(f"kairox prepare: {res.stats.extra['gain']}")
     print(f"kairox prepare: run it with: kairox run -m {model} --sparse predicted")
     return 0
 

@@ -1,0 +1,130 @@
+"""Sparsity that pays or steps aside: a pack records how dense its predicted lists were on
+calibration tokens (kx.listed_density); before the model loads the runtime reads it, keeps
+llama.cpp's repacked FFN weights for the layers whose lists are too dense to gain (60% of the
+neurons or more) and runs those layers dense; when no layer gains the whole model runs dense
+and says so."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kairox.pack import PackError, read_pack, write_pack
+from kairox.prepare import gain_report, listed_density
+
+from test_sparse import completion, make_llm
+
+
+@pytest.fixture(scope="module")
+def q4_model(tmp_path_factory: pytest.TempPathFactory, native: Path) -> Path:
+    """A synthetic ReLU model in Q4_0 (a type the CPU backend repacks), wide enough for the
+    repacked layouts (rows in groups of 8, 256-wide)."""
+    from kairox.synth import Shape, synth
+    return synth(tmp_path_factory.mktemp("gain") / "kb-q4.gguf", Shape(2, 256, 1024, 4, 2, "q4_0"), seed=7,
+                 quiet=True)
+
+
+def packed(model: Path, tmp_path: Path, listed: list[float] | None) -> Path:
+    from kairox.predictor import sketch_for_model
+    return write_pack(model, tmp_path / "p.kxpack.gguf", predictor=sketch_for_model(model), down_type="q8_0",
+                      listed_density=listed, quiet=True)
+
+
+def ffn_buffers(llm) -> list[str]:
+    return [llm.tensor_buffer_type(f"blk.{il}.ffn_{k}.weight") for il in range(2) for k in ("gate", "up", "down")]
+
+
+def greedy(llm, n: int = 24) -> tuple[list[int], np.ndarray]:
+    llm.eval([1, 2, 3, 4])
+    toks = []
+    for _ in range(n):
+        toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([toks[-1]])
+    return toks, np.array(llm.scores[:llm.n_tokens])
+
+
+@pytest.fixture(scope="module")
+def dense(q4_model: Path) -> tuple[list[str], list[int], np.ndarray]:
+    llm = make_llm(q4_model)
+    try:
+        bufs = ffn_buffers(llm)
+        if "CPU_REPACK" not in bufs:
+            pytest.skip(f"this CPU does not repack Q4_0 weights ({bufs})")
+        return (bufs, *greedy(llm))
+    finally:
+        llm.close()
+
+
+def test_the_pack_round_trips_its_listed_density(q4_model: Path, tmp_path: Path) -> None:
+    assert read_pack(packed(q4_model, tmp_path, [0.25, 0.75])).listed_density == [0.25, 0.75]
+    assert read_pack(packed(q4_model, tmp_path, None)).listed_density is None
+    for bad in ([0.5], [0.5, 1.5], [0.5, float("nan")]):
+        with pytest.raises(PackError, match="listed_density"):
+            packed(q4_model, tmp_path, bad)
+
+
+def test_a_pack_that_cannot_gain_runs_dense_repacked_and_says_so(q4_model: Path, tmp_path: Path, dense,
+                                                                  native: Path) -> None:
+    import kairox
+    bufs, want_toks, want = dense
+    pack = packed(q4_model, tmp_path, [0.9, 0.7])
+    with pytest.warns(kairox.SparseNoGainWarning, match="would not gain"):
+        llm = make_llm(q4_model, sparse="predicted", sparse_pack=str(pack))
+    try:
+        assert llm.sparse == "dense" and llm.sparse_layers == 0
+        assert ffn_buffers(llm) == bufs  # llama.cpp's own (repacked) weights
+        toks, got = greedy(llm)
+        assert toks == want_toks
+        np.testing.assert_array_equal(got, want)  # the dense path itself
+    finally:
+        llm.close()
+    r = completion(native, q4_model, "--sparse", "predicted", "--sparse-pack", str(pack))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "the sparse FFN would not gain on this model" in r.stderr and "70-90%" in r.stderr
+    assert "FFN mode predicted" not in r.stderr
+
+
+def test_only_the_layers_that_gain_run_sparse(q4_model: Path, tmp_path: Path, dense, native: Path) -> None:
+    from kairox._native import sparse_counters
+    bufs, want_toks, want = dense
+    pack = packed(q4_model, tmp_path, [0.2, 0.8])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm = make_llm(q4_model, sparse="predicted", sparse_pack=str(pack))
+    try:
+        assert llm.sparse == "predicted" and llm.sparse_layers == 1
+        got_bufs = ffn_buffers(llm)
+        assert "REPACK" not in "".join(got_bufs[:3])  # layer 0: plain rows, read by the sparse kernels
+        assert got_bufs[3:] == bufs[3:]               # layer 1: as llama.cpp loads it
+        sparse_counters(reset=True)
+        toks, got = greedy(llm)
+        c = sparse_counters(reset=True)
+        assert c.calls == llm.n_tokens  # one selection per decode (one token each): layer 0's only
+        assert toks == want_toks
+        assert float(np.abs(got - want).max()) <= 1e-2 * float(np.abs(want).max())
+    finally:
+        llm.close()
+    r = completion(native, q4_model, "--sparse", "predicted", "--sparse-pack", str(pack))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "FFN mode predicted (1 of 2 layers sparse)" in r.stderr
+
+
+def test_without_a_measure_every_layer_runs_sparse(q4_model: Path, tmp_path: Path) -> None:
+    llm = make_llm(q4_model, sparse="predicted", sparse_pack=str(packed(q4_model, tmp_path, None)))
+    try:
+        assert llm.sparse == "predicted" and llm.sparse_layers == 2
+        assert not any("REPACK" in b for b in ffn_buffers(llm))
+    finally:
+        llm.close()
+
+
+def test_prepare_reports_the_gain_per_layer() -> None:
+    fits = [{"same": {"density": 0.1, "overprediction": 2.0}}, {"same": {"density": 0.5, "overprediction": 1.9}}]
+    listed = listed_density(fits)
+    assert listed == pytest.approx([0.2, 0.95])
+    n, text = gain_report(listed)
+    assert n == 1 and "1 of 2 layers run sparse" in text
+    n, text = gain_report([0.7, 0.95])
+    assert n == 0 and "will not gain on this model" in text and "70-95%" in text
