@@ -57,7 +57,10 @@ def cmd_prepare(args: Any) -> int:
     times = ", ".join(f"{k} {v:.1f} s" for k, v in res.seconds.items())
     print(f"\nkairox prepare: wrote {res.pack} ({times})")
     print(f"kairox prepare: {res.stats.extra['gain']}")
-    print(f"kairox prepare: run it with: kairox run -m {model} --sparse predicted")
+    if res.stats.extra.get("sparse_layers"):
+        print(f"kairox prepare: run it with: kairox run -m {model} --sparse predicted")
+    else:
+        print(f"kairox prepare: run the model dense (the default): kairox run -m {model}")
     return 0
 
 
