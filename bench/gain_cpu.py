@@ -19,7 +19,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,15 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 from kairox.bench import git_commit, machine_facts  # noqa: E402
-
-
-def bench_row(exe: Path, model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[str], float, str]:
-    cmd = [str(exe), "-m", model, "-p", "0", "-n", str(gen), "-r", "1", "-t", str(threads), "-o", "json", *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if r.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")
-    said = [ln for ln in r.stderr.splitlines() if ln.startswith("kairox:") or "kairox: " in ln]
-    return cmd, float(json.loads(r.stdout)[0]["avg_ts"]), "\n".join(said)
+from tools_bench import bench_row  # noqa: E402  (bench/ is the script's own folder)
 
 
 def main() -> int:
@@ -53,11 +44,11 @@ def main() -> int:
     rows = {}
     for spec in args.row:
         label, _, flags = spec.partition("=")
-        rows[label] = {"extra": shlex.split(flags), "tok_s": [], "cmd": None, "said": ""}
+        rows[label] = {"extra": shlex.split(flags), "tok_s": [], "cmd": None}
     t0 = time.time()
     for k in range(args.rounds):
         for label, r in rows.items():
-            r["cmd"], ts, r["said"] = bench_row(exe, args.model, args.gen, args.threads, r["extra"])
+            r["cmd"], ts = bench_row(exe, args.model, args.gen, args.threads, r["extra"])
             r["tok_s"].append(ts)
             print(f"round {k + 1}: {label}: {ts:.2f} tok/s ({time.time() - t0:.0f} s)", flush=True)
     out = Path(args.out)
@@ -65,8 +56,7 @@ def main() -> int:
     stem = args.name or f"gain-cpu-{Path(args.model).stem}"
     res = {"commit": git_commit(), "command": shlex.join([sys.executable, *sys.argv]), "machine": machine_facts(),
            "model": Path(args.model).name, "gen": args.gen, "threads": args.threads, "rounds": args.rounds,
-           "rows": [{"row": label, "command": shlex.join(r["cmd"]), "tok_s": r["tok_s"], "said": r["said"]}
-                    for label, r in rows.items()]}
+           "rows": [{"row": label, "command": shlex.join(r["cmd"]), "tok_s": r["tok_s"]} for label, r in rows.items()]}
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     base = statistics.median(next(iter(rows.values()))["tok_s"])
     lines = [f"# {Path(args.model).name}: decode through kairox-bench, {args.threads} threads",
@@ -75,8 +65,6 @@ def main() -> int:
     for label, r in rows.items():
         med = statistics.median(r["tok_s"])
         lines.append(f"| {label} | {med:.2f} | {min(r['tok_s']):.2f}-{max(r['tok_s']):.2f} | {med / base:.2f}x |")
-    lines += ["", "What the runtime said:", ""]
-    lines += [f"- {label}: {r['said'] or '(nothing)'}" for label, r in rows.items()]
     lines += ["", "Commands:", "", "```", *[shlex.join(r["cmd"]) for r in rows.values()], "```", ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -415,21 +415,16 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     switch (w->type) {
         case GGML_TYPE_F32:  KX_MMR_LAUNCH(GGML_TYPE_F32, false); break;
         case GGML_TYPE_F16:  KX_MMR_LAUNCH(GGML_TYPE_F16, false); break;
-        case GGML_TYPE_Q8_0:
-            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q8_0, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q8_0, false); }
-            break;
-        case GGML_TYPE_Q4_0:
-            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q4_0, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q4_0, false); }
-            break;
-        case GGML_TYPE_Q4_K:
-            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q4_K, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q4_K, false); }
-            break;
-        case GGML_TYPE_Q5_K:
-            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q5_K, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q5_K, false); }
-            break;
-        case GGML_TYPE_Q6_K:
-            if (staged) { KX_MMR_LAUNCH(GGML_TYPE_Q6_K, true); } else { KX_MMR_LAUNCH(GGML_TYPE_Q6_K, false); }
-            break;
+// quantized rows: staged through shared memory where the rows allow it (see above)
+#define KX_MMR_QUANT(T) case T: \
+            if (staged) { KX_MMR_LAUNCH(T, true); } else { KX_MMR_LAUNCH(T, false); } \
+            break
+        KX_MMR_QUANT(GGML_TYPE_Q8_0);
+        KX_MMR_QUANT(GGML_TYPE_Q4_0);
+        KX_MMR_QUANT(GGML_TYPE_Q4_K);
+        KX_MMR_QUANT(GGML_TYPE_Q5_K);
+        KX_MMR_QUANT(GGML_TYPE_Q6_K);
+#undef KX_MMR_QUANT
         default: GGML_ABORT("kx_mul_mat_rows: unsupported type %s", ggml_type_name(w->type));
     }
 #undef KX_MMR_LAUNCH
