@@ -36,7 +36,7 @@ def gpu_used_mib() -> float | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=["stock", "kairox"], required=True)
-    ap.add_argument("--mode", default="dense", choices=["dense", "exact", "predicted"])
+    ap.add_argument("--mode", default="dense", choices=["dense", "exact", "predicted", "threshold"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", required=True, help="JSON list of token ids: prompt, then decoded tokens")
     ap.add_argument("--prompt-len", type=int, default=64)

@@ -116,14 +116,20 @@ def test_run_never_runs_dense_in_silence(native, tiny_relu_gguf, tmp_path):
     assert "FFN dense" in r.stderr
 
 
-def test_run_says_exact_mode_is_approximate_off_relu(native, tiny_silu_gguf, tmp_path):
+def test_run_says_threshold_mode_is_approximate_off_relu(native, tiny_silu_gguf, tmp_path):
+    """Off ReLU, threshold mode is the declared approximation; exact stays exact (its FFN runs
+    dense: every neuron of a gated model fires) and says nothing runs sparse."""
     from kairox.pack import write_pack
     model = tmp_path / "silu.gguf"
     model.write_bytes(tiny_silu_gguf.read_bytes())
     write_pack(model, quiet=True)
+    r = kairox("run", "-m", str(model), "-n", "4", "--sparse", "threshold")
+    assert r.returncode == 0, r.stderr
+    assert "warning: kairox: threshold mode on a silu model" in r.stderr, r.stderr
+    assert "FFN threshold, 2 of 2 layers sparse" in r.stderr, r.stderr
     r = kairox("run", "-m", str(model), "-n", "4", "--sparse", "exact")
     assert r.returncode == 0, r.stderr
-    assert "warning: kairox: exact mode on a silu model" in r.stderr and "FFN exact" in r.stderr
+    assert "warning" not in r.stderr and "FFN exact, 0 of 2 layers sparse" in r.stderr, r.stderr
 
 
 def test_run_missing_model(tmp_path):

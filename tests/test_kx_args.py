@@ -90,7 +90,7 @@ def test_environment_names(native: Path, synth_model: Path, dense_text: str, tmp
     (("--balancer", "sometimes"), "--balancer must be off, fixed or adaptive"),
     (("--balancer-lambda", "2"), "--balancer-lambda must be a number in [0.05, 0.95]"),
     (("--balancer-max-admit", "many"), "--balancer-max-admit must be a whole number"),
-    (("--sparse", "fast"), "--sparse must be dense, exact or predicted"),
+    (("--sparse", "fast"), "--sparse must be dense, exact, predicted or threshold"),
     (("--kx-error-budget", "-1"), "--kx-error-budget must be a number in [0, 1]"),
 ])
 def test_bad_values_are_refused_with_a_sentence(native: Path, synth_model: Path, args: tuple[str, ...],  # noqa: F811
@@ -192,7 +192,7 @@ def test_llama_bench_lists_and_columns(native: Path, synth_model: Path) -> None:
 
 @pytest.mark.parametrize("args,message", [
     (("--vram-budget", "lots"), "--vram-budget must be a size > 0"),
-    (("--sparse", "fast"), "--sparse must be auto, dense, exact or predicted"),
+    (("--sparse", "fast"), "--sparse must be auto, dense, exact, predicted or threshold"),
     (("--balancer", "sometimes"), "--balancer must be off, fixed or adaptive"),
     (("--gpu-slots", "x"), "--gpu-slots must be a whole number >= 0"),
 ])

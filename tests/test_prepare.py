@@ -219,6 +219,36 @@ def test_prepare_gated_hits_target_sparsity(tmp_path: Path, tiny_silu_gguf: Path
         assert ls.threshold > 0 and ls.recall > 0.9
 
 
+def test_prepare_gated_thresholds_within_perplexity_budget(tmp_path: Path, tiny_silu_gguf: Path) -> None:
+    """Without a target sparsity, a SiLU model's thresholds are the search's (kairox.threshold_search):
+    within the budget on the held-out tokens, and the pack holds exactly them; measured again
+    at the pack's thresholds, the perplexity is the one the search reported."""
+    from kairox.prepare import PrepareConfig, Segments, prepare
+    from kairox.quality import Emulator, Rule
+
+    res = prepare(tiny_silu_gguf, PrepareConfig(work_dir=tmp_path, out=tmp_path / "b.kxpack.gguf",
+                                                ppl_budget=0.05, **SMALL))
+    b = res.stats.extra["ppl_budget"]
+    pack = read_pack(res.pack, tiny_silu_gguf)
+    assert pack.method["ppl_budget"] == 0.05 and pack.method["target_sparsity"] is None
+    np.testing.assert_array_equal(pack.threshold, np.asarray(b["thresholds"], np.float32))
+    assert np.all(pack.threshold > 0) and 0.0 < b["share"] and b["rise"] <= 0.05
+    over = [s for s in b["steps"] if s["share"] > b["share"]]
+    assert over and all(s["ppl"] > b["dense_ppl"] * 1.05 for s in over)  # the next step up did not fit
+    segs = Segments.load(next(tmp_path.glob("corpus-*/segments.npz")))
+    held = [segs.seg(k) for k in range(len(segs.length)) if segs.heldout[k]]
+    chosen, n = [], 0
+    for seg in held:
+        if n >= b["tokens"]:
+            break
+        chosen.append(seg)
+        n += len(seg)
+    with Emulator(tiny_silu_gguf, n_ctx=SMALL["n_ctx"], n_batch=SMALL["n_ctx"], threads=2) as emu:
+        r = emu.perplexity(chosen, Rule.of_cats(pack.threshold))
+    assert r.ppl == pytest.approx(b["ppl"], rel=1e-5)
+    assert np.mean(b["sparsity"]) == pytest.approx(r.sparsity.fraction("gate"), abs=0.1)
+
+
 def _write(p: Path, data: bytes) -> Path:
     p.write_bytes(data)
     return p

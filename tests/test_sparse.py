@@ -272,7 +272,7 @@ def test_completion_tool_refuses_bad_pack(native: Path, relu_model: Path, tmp_pa
 def test_completion_tool_rejects_unknown_mode(native: Path, relu_model: Path) -> None:
     r = completion(native, relu_model, "--sparse", "fast")
     assert r.returncode != 0
-    assert "--sparse must be dense, exact or predicted" in r.stderr
+    assert "--sparse must be dense, exact, predicted or threshold" in r.stderr
 
 
 # --------------------------------------------------------------- architectures
@@ -312,16 +312,20 @@ def arch_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return request.param, model, n_layer
 
 
-def test_exact_mode_other_architectures(arch_model: tuple[str, Path, int]) -> None:
-    """qwen2 (silu) and gemma3 (gelu) through the same sparse FFN helper. With threshold 0
-    every neuron of a smooth activation counts as active, so the selection falls back to
-    all rows: the sparse kernels compute the whole layer and must agree with dense.
+def test_exact_and_threshold_modes_other_architectures(arch_model: tuple[str, Path, int]) -> None:
+    """qwen2 (silu) and gemma3 (gelu) through the same sparse FFN helper.
+
+    Exact mode lists the neurons that fire, and every neuron of a smooth activation fires:
+    its FFN is llama.cpp's own, on the weights as llama.cpp loads them, so the logits are
+    dense's bit for bit and no sparse op runs. Threshold mode with the pack's thresholds (0
+    here) computes the same neurons through the sparse kernels: the selection falls back to
+    all rows, and the kernels must agree with dense.
 
     Gemma 3's activations are large and its dense path rounds every FFN activation to
     8 bits (Q8_K/Q8_0 dot products) where the sparse down projection sums them in F32, so
     logits differ by over a logit there; dense with and without weight repacking already
-    differs by 0.12 in relative (Frobenius) logit error, exact vs dense by 0.28. The check:
-    the same greedy tokens, and a relative error within 4x that noise, against
+    differs by 0.12 in relative (Frobenius) logit error, threshold vs dense by 0.28. The
+    check: the same greedy tokens, and a relative error within 4x that noise, against
     dense loaded the same way as the sparse run (without repacking). A wrong FFN gives ~1.
     """
     import kairox
@@ -333,14 +337,25 @@ def test_exact_mode_other_architectures(arch_model: tuple[str, Path, int]) -> No
         t_rp, l_rp = greedy(llm, 24)                  # dense, weights repacked where possible
     finally:
         llm.close()
-    with pytest.warns(kairox.SparseApproximationWarning, match="exact mode on a (silu|gelu) model"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                # exact is exact: nothing to warn about
         llm = kairox.Llama(str(model), sparse="exact", **kw)
     try:
-        assert llm.sparse == "exact", llm.sparse_error
+        assert llm.sparse == "exact" and llm.sparse_layers == 0, llm.sparse_error
+        sparse_counters(reset=True)
+        t_x, l_x = greedy(llm, 24)
+        assert sparse_counters(reset=True).calls == 0
+    finally:
+        llm.close()
+    assert t_x == t_rp and np.array_equal(l_x, l_rp)
+    with pytest.warns(kairox.SparseApproximationWarning, match="threshold mode on a (silu|gelu) model"):
+        llm = kairox.Llama(str(model), sparse="threshold", **kw)
+    try:
+        assert llm.sparse == "threshold" and llm.sparse_layers == n_layer, llm.sparse_error
         llm.set_sparse("dense")
         t_d, l_d = greedy(llm, 24)                    # dense, same weights as the sparse run
         with pytest.warns(kairox.SparseApproximationWarning):
-            llm.set_sparse("exact")
+            llm.set_sparse("threshold")
         sparse_counters(reset=True)
         t_e, l_e = greedy(llm, 24)
         c = sparse_counters(reset=True)
@@ -351,7 +366,7 @@ def test_exact_mode_other_architectures(arch_model: tuple[str, Path, int]) -> No
     centred = l_d - l_d.mean(axis=1, keepdims=True)
     rel = float(np.linalg.norm(l_e - l_d) / np.linalg.norm(centred))
     noise = float(np.linalg.norm(l_rp - l_d) / np.linalg.norm(centred))
-    print(f"{arch}: exact vs dense relative logit error {rel:.3g} (dense repacked vs not {noise:.3g})")
+    print(f"{arch}: threshold (0) vs dense relative logit error {rel:.3g} (dense repacked vs not {noise:.3g})")
     assert rel <= max(4 * noise, 1e-5), (arch, rel, noise)
 
 

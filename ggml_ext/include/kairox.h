@@ -15,7 +15,11 @@ extern "C" {
 enum kx_sparse_mode {
     KX_SPARSE_DENSE     = 0, // the model's own FFN (pack ignored)
     KX_SPARSE_EXACT     = 1, // gate for all neurons; up/down only where the activation fires
+                             // (|act| > 0: equal to dense; a gated model's FFN, where every
+                             // neuron fires, runs dense)
     KX_SPARSE_PREDICTED = 2, // the pack's predictor picks the neurons; gate/up/down on those
+    KX_SPARSE_THRESHOLD = 3, // gate for all neurons; up/down where |act| > the pack's per-layer
+                             // threshold (an approximation on gated models; exact on ReLU)
 };
 
 // Reads and validates the sparse pack at pack_path (docs/pack-format.md) against the model
@@ -201,7 +205,8 @@ LLAMA_API void    kx_thresholds_solve(const float * sel, const float * err, int6
 // Defaults reproduce llama.cpp: no pack, dense FFN, nothing moved.
 
 #define KX_SPARSE_AUTO (-1) // dense unless a pack or a hybrid placement is asked for; then
-                            // predicted when the pack has a predictor, else exact
+                            // predicted when the pack has a predictor, else exact (ReLU) or
+                            // threshold (gated models)
 
 enum kx_balancer_mode {
     KX_BALANCER_OFF      = 0, // the static split: the slots keep the pack's hottest neurons
@@ -316,7 +321,7 @@ LLAMA_API void    kx_budget_shrink(int64_t * counts, int32_t n_layer, int64_t ov
 // NULL when the model has no such tensor: where a placement put each weight
 LLAMA_API const char * kx_model_tensor_buffer_type(const struct llama_model * model, const char * name);
 
-// "dense" / "exact" / "predicted" -> mode, -1 for anything else
+// "dense" / "exact" / "predicted" / "threshold" -> mode, -1 for anything else
 LLAMA_API int32_t kx_sparse_mode_from_str(const char * s);
 
 // Matrix-vector throughput of a weight type (enum ggml_type) on the CPU (on_gpu 0) or the

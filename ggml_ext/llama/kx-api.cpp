@@ -330,6 +330,7 @@ int32_t kx_sparse_mode_from_str(const char * s) {
     if (!std::strcmp(s, "dense"))     { return KX_SPARSE_DENSE; }
     if (!std::strcmp(s, "exact"))     { return KX_SPARSE_EXACT; }
     if (!std::strcmp(s, "predicted")) { return KX_SPARSE_PREDICTED; }
+    if (!std::strcmp(s, "threshold")) { return KX_SPARSE_THRESHOLD; }
     return -1;
 }
 
@@ -339,8 +340,8 @@ int32_t kx_context_set_sparse(llama_context * ctx, int32_t mode, char * err, siz
         return 1;
     }
     const llama_model & model = ctx->get_model();
-    if (mode < KX_SPARSE_DENSE || mode > KX_SPARSE_PREDICTED) {
-        kx_set_err(err, err_size, "unknown sparse mode (0 dense, 1 exact, 2 predicted)");
+    if (mode < KX_SPARSE_DENSE || mode > KX_SPARSE_THRESHOLD) {
+        kx_set_err(err, err_size, "unknown sparse mode (0 dense, 1 exact, 2 predicted, 3 threshold)");
         return 1;
     }
     const kx_pack * pack = kx_model_pack(&model);

@@ -1,7 +1,7 @@
 // The neuron-sparse FFN graph for llama, qwen2 and gemma3 (one helper for all three).
 //
 //   exact:     g   = W_gate·x                       (all neurons: the truth)
-//              sel = kx_select(act(g) > threshold)
+//              sel = kx_select(act(g) > 0)          (threshold mode: > the pack's threshold)
 //   predicted: s   = B·(A·x) + c                    (the pack's low-rank predictor)
 //              sel = kx_select(s > 0)
 //              g   = kx_mul_mat_rows(W_gate, x, sel)
@@ -10,6 +10,8 @@
 //              y   = kx_axpy_rows(W_down^T, h, sel) (pack rows, via the row map if permuted)
 //
 // Rows outside sel are 0 in g (predicted) and u, so h is 0 there and glu needs no mask.
+// A gated model's activation is nonzero almost everywhere, so its exact mode would list every
+// neuron: outside the hybrid its FFN stays llama.cpp's (same result, full speed).
 // On the CPU the last three (and the predicted path's gate rows) run as one node,
 // kx_ffn_rows (cpu/kx-ffn-rows.c: one barrier instead of three, each thread streaming its
 // own neurons' rows; KB-7B's static split 1.26x faster on the H200, docs/benchmarking.md).
@@ -46,6 +48,16 @@ static constexpr int64_t kx_sparse_max_tokens = 8;
 // kx_max_density (kx-pack.h): a selection denser than that runs every row; it bounds the
 // worst case of a bad prediction.
 
+// exact and threshold modes compute every neuron's gate and select on act(gate)
+static bool kx_mode_gates_all(int32_t mode) {
+    return mode == KX_SPARSE_EXACT || mode == KX_SPARSE_THRESHOLD;
+}
+
+// the |act(gate)| a neuron must exceed: 0 keeps exact mode exact on any model
+static float kx_mode_threshold(int32_t mode, const kx_pack_layer & L) {
+    return mode == KX_SPARSE_THRESHOLD ? L.threshold : 0.0f;
+}
+
 static bool kx_host_plain(const ggml_tensor * w) {
     // repacked CPU weights (extra buffer types) are not host buffers: their rows are
     // interleaved, so a row gather cannot read them
@@ -69,7 +81,7 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
 // write to the host (not with the pipeline, whose ahead nodes sit in the same splits)
 static bool kx_warm_layer(const kx_hybrid & hy, int32_t mode, int il) {
     const kx_slots & slots = *hy.slots;
-    return hy.warm_on && mode != 1 && !hy.pipeline() && il > 0 && il < hy.pack->n_layer &&
+    return hy.warm_on && mode == KX_SPARSE_PREDICTED && !hy.pipeline() && il > 0 && il < hy.pack->n_layer &&
            slots.layers[il].n_slots > 0 && slots.layers[il].ahead && slots.layers[il].pred_a &&
            (size_t) il < hy.warm.size();
 }
@@ -133,11 +145,11 @@ static ggml_tensor * kx_build_ffn_hybrid(
 
     ggml_tensor * sel;
     ggml_tensor * g_all = nullptr;
-    if (mode == 1) {
-        // exact: the true gate of every neuron, from the host weights
+    if (kx_mode_gates_all(mode)) {
+        // exact / threshold: the true gate of every neuron, from the host weights
         g_all = on_cpu(ggml_mul_mat(ctx0, gate, cur));
         g.cb(g_all, "ffn_gate", il);
-        sel = on_cpu(ggml_kx_select(ctx0, g_all, L.threshold, kx_max_density, act));
+        sel = on_cpu(ggml_kx_select(ctx0, g_all, kx_mode_threshold(mode, L), kx_max_density, act));
     } else {
         ggml_tensor * s = kx_predict(ctx0, cur, L, &H);
         g.cb(s, "kx_pred", il);
@@ -272,8 +284,11 @@ ggml_tensor * kx_build_ffn_sparse(
         return nullptr;
     }
     const bool slots = hy->slots && hy->slots->layers[il].n_slots > 0;
-    if (mode == 2 && (!L.pred_a || (!slots && !L.pays))) {
-        return nullptr; // no predictor, or lists too dense to gain: the dense FFN
+    if (mode == KX_SPARSE_PREDICTED && !L.pred_a) {
+        return nullptr; // no predictor: the dense FFN
+    }
+    if (!slots && (mode == KX_SPARSE_EXACT ? act != KX_SELECT_RELU : !L.pays)) {
+        return nullptr; // every neuron fires, or the lists are too dense to gain: the dense FFN
     }
     if (!kx_host_plain(up) || !kx_host_plain(gate)) {
         static bool warned = false;
@@ -297,10 +312,10 @@ ggml_tensor * kx_build_ffn_sparse(
 
     ggml_tensor * sel;
     ggml_tensor * gv = nullptr;
-    if (mode == 1) {
+    if (kx_mode_gates_all(mode)) {
         gv = ggml_mul_mat(ctx0, gate, cur);
         g.cb(gv, "ffn_gate", il);
-        sel = ggml_kx_select(ctx0, gv, L.threshold, kx_max_density, act);
+        sel = ggml_kx_select(ctx0, gv, kx_mode_threshold(mode, L), kx_max_density, act);
     } else {
         ggml_tensor * s = kx_predict(ctx0, cur, L, nullptr);
         g.cb(s, "kx_pred", il);
@@ -308,7 +323,7 @@ ggml_tensor * kx_build_ffn_sparse(
     }
     g.cb(sel, "kx_sel", il);
     ggml_tensor * y = ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, nullptr, L.rowmap,
-                                       mode == 1 ? gv : nullptr, act);
+                                       gv, act);
     g.cb(y, "ffn_out", il);
     return y;
 }

@@ -579,16 +579,18 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     return pack;
 }
 
-std::vector<float> kx_pack_listed_density(const std::string & pack_path) {
+kx_pack_preview kx_pack_preview_read(const std::string & pack_path) {
+    kx_pack_preview pv;
     try {
         gguf_ptr gp;
         open_gguf(gp, pack_path, "pack");
+        pv.activation = get_str(gp, pack_path, "kx.base.activation");
         const int64_t id = gguf_find_key(gp.g, "kx.base.n_layer");
-        if (id < 0 || gguf_get_kv_type(gp.g, id) != GGUF_TYPE_UINT32) {
-            return {};
+        if (id >= 0 && gguf_get_kv_type(gp.g, id) == GGUF_TYPE_UINT32) {
+            pv.listed = listed_density(gp, pack_path, gguf_get_val_u32(gp.g, id));
         }
-        return listed_density(gp, pack_path, gguf_get_val_u32(gp.g, id));
     } catch (const kx_pack_error &) {
         return {}; // the full load says what is wrong with it
     }
+    return pv;
 }

@@ -74,10 +74,14 @@ struct kx_pack_error : std::runtime_error {
 std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::string & model_path,
                                       const std::string & pack_path);
 
-// The pack's kx.listed_density, read from its header alone (before the model loads, to choose
-// which layers keep llama.cpp's repacked FFN weights); empty when the pack has none or cannot
-// be read (the full load reports a bad pack)
-std::vector<float> kx_pack_listed_density(const std::string & pack_path);
+// What the load path needs before the model loads (which layers keep llama.cpp's repacked FFN
+// weights), read from the pack's header alone: all empty when it cannot be read (the full load
+// reports a bad pack)
+struct kx_pack_preview {
+    std::string        activation; // kx.base.activation
+    std::vector<float> listed;     // kx.listed_density; empty when the pack has none
+};
+kx_pack_preview kx_pack_preview_read(const std::string & pack_path);
 // whether predicted mode gains on a layer whose lists hold that share (-1: unknown, assumed)
 inline bool kx_layer_pays(float listed) {
     return listed < kx_max_density;

@@ -177,13 +177,16 @@ static void kx_plain_ffn(llama_model_params * mp, const std::vector<int> & ids) 
 }
 
 // A sparse run without the hybrid: unrepacked FFN weights for the layers it runs sparse; all
-// of them unless the pack measured its lists (exact mode lists what fires, not what the
-// predictor says: all of them)
+// of them unless the pack measured its lists. Exact mode lists what fires: on a ReLU model
+// every layer runs sparse, on a gated one (every neuron fires) none.
 static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp, const char * model_path) {
     const bool named = kp->sparse_pack && *kp->sparse_pack;
     const std::string pack = named ? kp->sparse_pack : model_path ? kx_pack_path_for(model_path) : "";
-    const std::vector<float> listed = kp->sparse == KX_SPARSE_EXACT || pack.empty() ? std::vector<float>()
-                                                                                     : kx_pack_listed_density(pack);
+    const kx_pack_preview pv = pack.empty() ? kx_pack_preview() : kx_pack_preview_read(pack);
+    if (kp->sparse == KX_SPARSE_EXACT && !pv.activation.empty() && pv.activation != "relu") {
+        return; // llama.cpp's weights as it loads them: the FFN runs dense
+    }
+    const std::vector<float> listed = kp->sparse == KX_SPARSE_EXACT ? std::vector<float>() : pv.listed;
     if (listed.empty()) {
         mp->use_extra_bufts = false; // repacked rows are interleaved: row gathers cannot read them
         return;
@@ -214,8 +217,7 @@ int32_t kx_model_params_apply_model(kx_params * kp, llama_model_params * mp, con
                                                             "process, and its records must fit in memory)", kp->sched_trace));
     }
     if (!kx_params_hybrid(kp)) {
-        if (kp->sparse == KX_SPARSE_EXACT || kp->sparse == KX_SPARSE_PREDICTED ||
-            (kp->sparse == KX_SPARSE_AUTO && kp->sparse_pack && *kp->sparse_pack)) {
+        if (kp->sparse > KX_SPARSE_DENSE || (kp->sparse == KX_SPARSE_AUTO && kp->sparse_pack && *kp->sparse_pack)) {
             kx_sparse_model_params(kp, mp, model_path);
         }
         return kx_fail(err, err_size, KX_OK, "");
@@ -336,8 +338,8 @@ static void kx_check(int32_t rc, int32_t code, const char * what, const char * e
 
 static void kx_params_validate(const kx_params * kp, bool hybrid) {
     auto bad = [](const std::string & m) { throw kx_apply_error(KX_ERR_PARAMS, m); };
-    if (kp->sparse < KX_SPARSE_AUTO || kp->sparse > KX_SPARSE_PREDICTED) {
-        bad(kx_fmt("unknown sparse mode %d (-1 auto, 0 dense, 1 exact, 2 predicted)", kp->sparse));
+    if (kp->sparse < KX_SPARSE_AUTO || kp->sparse > KX_SPARSE_THRESHOLD) {
+        bad(kx_fmt("unknown sparse mode %d (-1 auto, 0 dense, 1 exact, 2 predicted, 3 threshold)", kp->sparse));
     }
     if (kp->vram_budget < 0) {
         bad("the VRAM budget must be a size > 0");
@@ -383,8 +385,8 @@ static void kx_params_validate(const kx_params * kp, bool hybrid) {
     if (kp->error_budget >= 0.0f && !hybrid) {
         bad("load-aware thresholds split the hybrid FFN: give GPU slots, a VRAM budget or a plan");
     }
-    if (kp->error_budget >= 0.0f && kp->sparse == KX_SPARSE_EXACT) {
-        bad("load-aware thresholds move the predictor's thresholds: they need the predicted mode (exact stays exact)");
+    if (kp->error_budget >= 0.0f && (kp->sparse == KX_SPARSE_EXACT || kp->sparse == KX_SPARSE_THRESHOLD)) {
+        bad("load-aware thresholds move the predictor's thresholds: they need the predicted mode");
     }
 }
 
@@ -426,8 +428,7 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
     const bool hybrid = kx_params_hybrid(kp);
     kx_params_validate(kp, hybrid);
     const bool has_pack_name = kp->sparse_pack && *kp->sparse_pack;
-    const bool wants_sparse = kp->sparse == KX_SPARSE_EXACT || kp->sparse == KX_SPARSE_PREDICTED ||
-                              (kp->sparse == KX_SPARSE_AUTO && (has_pack_name || hybrid));
+    const bool wants_sparse = kp->sparse > KX_SPARSE_DENSE || (kp->sparse == KX_SPARSE_AUTO && (has_pack_name || hybrid));
     if (!wants_sparse) {
         return;
     }
@@ -444,17 +445,19 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
         kx_model_set_slots(model, nullptr, 0, nullptr, e, sizeof(e));
     }
     kx_check(kx_model_load_pack(model, model_path.c_str(), pack.c_str(), e, sizeof(e)), refuse, why, e);
+    const bool gated = std::strcmp(kx_model_pack_activation(model), "relu") != 0;
     const int32_t mode = kp->sparse != KX_SPARSE_AUTO ? kp->sparse
-                       : kx_model_pack_has_predictor(model) ? KX_SPARSE_PREDICTED : KX_SPARSE_EXACT;
+                       : kx_model_pack_has_predictor(model) ? KX_SPARSE_PREDICTED
+                       : gated ? KX_SPARSE_THRESHOLD : KX_SPARSE_EXACT;
     if (!hybrid) {
-        if (mode == KX_SPARSE_PREDICTED && kx_model_sparse_layers(model) == 0) {
+        if (mode != KX_SPARSE_EXACT && kx_model_sparse_layers(model) == 0) {
             const kx_pack & pk = *kx_model_pack(model);
             float lo = 1.0f, hi = 0.0f;
             for (const kx_pack_layer & L : pk.layers) {
                 lo = std::min(lo, L.listed);
                 hi = std::max(hi, L.listed);
             }
-            LLAMA_LOG_WARN("kairox: the sparse FFN would not gain on this model: its predicted lists hold %.0f-%.0f%% "
+            LLAMA_LOG_WARN("kairox: the sparse FFN would not gain on this model: its measured lists hold %.0f-%.0f%% "
                            "of each layer's neurons (it gains below %.0f%%); running dense, with llama.cpp's "
                            "weights as it loads them\n", 100.0 * lo, 100.0 * hi, 100.0 * kx_max_density);
             return;

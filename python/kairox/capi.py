@@ -11,7 +11,7 @@ import ctypes
 import enum
 
 # enum kx_sparse_mode (and KX_SPARSE_AUTO)
-SPARSE_MODES = ("dense", "exact", "predicted")
+SPARSE_MODES = ("dense", "exact", "predicted", "threshold")
 SPARSE_AUTO = -1
 # enum kx_balancer_mode
 BALANCER_MODES = ("off", "fixed", "adaptive")

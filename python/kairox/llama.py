@@ -6,15 +6,17 @@ can only gain from: keyword arguments neither class knows raise TypeError (the b
 class silently swallows them, so a typo would go unnoticed), and a model that fails to
 load raises ModelLoadError (a ValueError, as before) that carries llama.cpp's reason.
 
-Sparse FFN: `Llama(path, sparse="exact" | "predicted" | "dense", sparse_pack=PACK)`.
+Sparse FFN: `Llama(path, sparse="exact" | "predicted" | "threshold" | "dense", sparse_pack=PACK)`.
 The pack defaults to MODEL.kxpack.gguf next to the model; naming a pack without a mode
-picks "predicted" when the pack has a predictor, else "exact". A sparse mode or hybrid
+picks "predicted" when the pack has a predictor, else "exact" (ReLU) or "threshold" (gated
+models). A sparse mode or hybrid
 that cannot run (pack missing, corrupt or made for another model; slots without a GPU)
 raises SparsePackError saying why; with `fallback="dense"` the model runs dense instead and
 a SparsePackWarning says why. `llm.sparse` always tells the mode in force.
-`llm.set_sparse(mode)` switches later (the next decode rebuilds its graph). Exact mode on a
-model whose activation is not ReLU emits a SparseApproximationWarning: it skips the
-activations at or below the pack's threshold, so its output is close to dense, not equal.
+`llm.set_sparse(mode)` switches later (the next decode rebuilds its graph). Exact mode
+computes every neuron that fires, so a gated (SiLU/GELU) model's FFN runs dense; threshold
+mode on such a model emits a SparseApproximationWarning: it skips the activations at or below
+the pack's per-layer thresholds, so its output is close to dense, not equal.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ _BASE_KWARGS = frozenset(
 class KairoxOptions:
     """Options kairox adds to llama_cpp.Llama. Each field is a keyword of kairox.Llama;
     the defaults reproduce llama.cpp exactly."""
-    sparse: str | None = None        # dense | exact | predicted; None: auto if a pack is named
+    sparse: str | None = None        # dense | exact | predicted | threshold; None: auto if a pack is named
     sparse_pack: str | None = None   # the pack; None: MODEL.kxpack.gguf next to the model
     # hybrid FFN: neurons per layer kept on the GPU (an int for every layer, or one per
     # layer); the rest run on the CPU from host weights, at the same time. None: no slots.
@@ -151,9 +153,8 @@ class KairoxOptions:
         if self.error_budget is not None and not self.wants_slots:
             raise ValueError("error_budget (load-aware thresholds) splits the hybrid FFN: give gpu_slots, "
                              "vram_budget or a plan")
-        if self.error_budget is not None and self.sparse == "exact":
-            raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode "
-                             "(exact stays exact)")
+        if self.error_budget is not None and self.sparse in ("exact", "threshold"):
+            raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode")
         for name in ("pinned", "warm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}")
@@ -165,7 +166,7 @@ class KairoxOptions:
             raise ValueError("give either gpu_slots or a plan (the plan holds the slot counts), not both")
         if self.wants_slots and self.sparse == "dense":
             raise ValueError("gpu_slots, vram_budget and plan place FFN neurons on the GPU: they need a sparse "
-                             "mode (exact or predicted), not dense")
+                             "mode (exact, predicted or threshold), not dense")
 
     @property
     def rates(self) -> Rates:
@@ -426,13 +427,13 @@ class Llama(llama_cpp.Llama):
                 and _lib.kx_model_pack_activation(self._model.model)):
             # the pack measured lists too dense to gain in every layer (the runtime's warning says how dense)
             warnings.warn(SparseNoGainWarning("kairox: the sparse FFN would not gain on this model (its pack's "
-                                              "predicted lists hold 60% of each layer's neurons or more): "
+                                              "measured lists hold 60% of each layer's neurons or more): "
                                               "running dense"),
                           stacklevel=4)
         self._warn_if_approximate(stacklevel=4)
         v = capi.VramReport()
         if _lib.kx_context_vram(self._ctx.ctx, ctypes.byref(v)):
-            counts = [len(self.slot_residents(il)) for il in range(_C.llama_model_n_layer(self._model.model))]
+            counts = [len(self.slot_residents(il)) for il in range(self.n_layer)]
             self.vram = VramReport(v.budget, v.base, v.slots, v.used, counts)
 
     def vram_used(self) -> int | None:
@@ -587,7 +588,7 @@ class Llama(llama_cpp.Llama):
         return bool(_lib.kx_model_pack_has_predictor(self._model.model))
 
     def set_sparse(self, mode: str) -> None:
-        """Switch the FFN mode (dense, exact, predicted) for the following decodes.
+        """Switch the FFN mode (dense, exact, predicted, threshold) for the following decodes.
 
         Raises ValueError when the mode needs a pack (or a predictor) that is not loaded."""
         if mode not in SPARSE_MODES:
@@ -599,17 +600,26 @@ class Llama(llama_cpp.Llama):
         self._warn_if_approximate(stacklevel=3)
 
     @property
+    def n_layer(self) -> int:
+        return int(_C.llama_model_n_layer(self._model.model))
+
+    @property
     def sparse_layers(self) -> int:
-        """Layers whose FFN runs sparse: in predicted mode those whose pack-measured lists
-        are sparse enough to gain (every layer when the pack has no such measure), else 0."""
-        return int(_lib.kx_model_sparse_layers(self._model.model)) if self.sparse == "predicted" else 0
+        """Layers whose FFN runs sparse outside the hybrid: in predicted and threshold mode those
+        whose pack-measured lists are sparse enough to gain (every layer when the pack has no
+        such measure); in exact mode every layer of a ReLU model and none of a gated one."""
+        if self.sparse in ("predicted", "threshold"):
+            return int(_lib.kx_model_sparse_layers(self._model.model))
+        if self.sparse == "exact" and _lib.kx_model_pack_activation(self._model.model) == b"relu":
+            return self.n_layer
+        return 0
 
     def _warn_if_approximate(self, stacklevel: int) -> None:
         act = _lib.kx_model_pack_activation(self._model.model)
-        if self.sparse == "exact" and act is not None and act != b"relu":
+        if self.sparse == "threshold" and act is not None and act != b"relu":
             warnings.warn(SparseApproximationWarning(
-                f"kairox: exact mode on a {act.decode()} model skips the activations at or below the pack's "
-                "threshold: the output is close to dense, not equal (exact equals dense on ReLU models)"),
+                f"kairox: threshold mode on a {act.decode()} model skips the activations at or below the pack's "
+                "per-layer thresholds: the output is close to dense, not equal"),
                 stacklevel=stacklevel)
 
     def close(self) -> None:

@@ -7,9 +7,12 @@ Stages, each cached under one work folder so an interrupted run continues where 
               per document into a training part and a held-out tail, tokenized, cut into
               segments of n_ctx tokens (each one prompt with an empty KV cache).
 2. thresholds gated SiLU/GELU models only: a first profiling pass over part of the training
-              text histograms |act(gate)| per layer; the threshold of layer l is the
-              `target_sparsity` quantile (CATS). ReLU models use threshold 0 (active =
-              nonzero).
+              text histograms |act(gate)| per layer; the thresholds are the largest whose
+              perplexity on held-out text rises by at most `ppl_budget` over dense
+              (kairox.threshold_search: per layer the same share of the activation mass
+              left out, measured in process by kairox.quality), or, given
+              `target_sparsity`, that quantile in every layer (CATS). ReLU models use
+              threshold 0 (active = nonzero).
 3. profile    every segment, in native code (kairox.profile): per token and layer the
               active mask (bit-packed, all tokens) and the FFN input (float16, up to
               `max_fit_tokens` training tokens plus the held-out ones), streamed to disk;
@@ -25,7 +28,7 @@ Stages, each cached under one work folder so an interrupted run continues where 
 6. stats      the papers' locality measures (kairox.stats) on all profiled tokens.
 7. pack       the sidecar pack (version 2): rows in group order, frequencies, thresholds,
               both predictors, the statistics as kx.stats.
-8. perplexity optional (`ppl_targets`): llama-perplexity on the held-out text, dense vs exact
+8. perplexity optional (`ppl_targets`): llama-perplexity on the held-out text, dense vs threshold
               at each target sparsity vs predicted.
 
 Memory stays bounded by one layer's training rows (N x n_embd floats + N x n_ff bits).
@@ -51,6 +54,7 @@ import numpy as np
 
 from .pack import (BaseModel, PackError, PackLayout, PackPredictor, default_down_type, fingerprint, inspect_model,
                    pack_path_for)
+from .threshold_search import DEFAULT_BUDGET
 
 PROFILE_FORMAT = 1  # bump when the cache layout changes: old work folders are then ignored
 
@@ -63,7 +67,9 @@ class PrepareError(RuntimeError):
 class PrepareConfig:
     """Parameters of `kairox prepare`; defaults work for any supported model."""
     calib: list[Path] = field(default_factory=list)  # text files; empty: the bundled corpus
-    target_sparsity: float | None = None  # gated models; None: DEFAULT_TARGET. ReLU: ignored
+    target_sparsity: float | None = None  # gated models: the same sparsity in every layer. ReLU: ignored
+    ppl_budget: float = DEFAULT_BUDGET    # gated models without target_sparsity: perplexity rise allowed
+    budget_tokens: int = 4096        # held-out tokens each step of the budget search measures
     group_size: int = 32
     rank: int | None = None          # predictor rank; None: from the parameter budget
     budget: float = 0.06             # both predictors together, fraction of model parameters
@@ -83,7 +89,6 @@ class PrepareConfig:
     quiet: bool = False
 
 
-DEFAULT_TARGET = 0.5  # gated models: CATS reports little loss at 50% (measured: docs/results)
 MIN_SEGMENT = 64      # a document tail shorter than this is not worth a segment
 
 
@@ -337,7 +342,7 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
     except PackError as e:
         raise PrepareError(str(e)) from None
     gated = base.activation != "relu"
-    target = (cfg.target_sparsity if cfg.target_sparsity is not None else DEFAULT_TARGET) if gated else None
+    target = cfg.target_sparsity if gated else None
     docs = read_corpus(cfg.calib) if cfg.calib else default_corpus()
     corpus_key = _key(PROFILE_FORMAT, [(d.name, hashlib.sha256(d.text.encode()).hexdigest()) for d in docs],
                       cfg.n_ctx, cfg.max_tokens, cfg.heldout)
@@ -368,7 +373,7 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
 
         # 2. thresholds
         t0 = time.perf_counter()
-        hist = None
+        hist, chosen = None, None
         if gated:
             hist_order, n = [], 0
             for k in train:
@@ -379,8 +384,12 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
             agg = _profile_pass(prof, segs, hist_order, work / "hist", np.zeros(base.n_layer, np.float32),
                                 None, "thresholds", cfg, on_segment)
             hist = agg.hist
-            thr = np.array([threshold_for_sparsity(hist[il], target)[0] for il in range(base.n_layer)],
-                           np.float32)
+            if target is not None:
+                thr = np.array([threshold_for_sparsity(hist[il], target)[0] for il in range(base.n_layer)],
+                               np.float32)
+            else:
+                chosen = _budget_thresholds(model, segs, held, hist, work, cfg, say)
+                thr = np.asarray(chosen["thresholds"], np.float32)
         else:
             thr = np.zeros(base.n_layer, np.float32)
         seconds["thresholds"] = time.perf_counter() - t0
@@ -405,6 +414,7 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
     data = _ProfileData(pdir, base, segs, order, keep_x)
     n_tokens = int(segs.length.sum())
     stats_extra: dict[str, Any] = {"target_sparsity": target, "calibration": [d.name for d in docs],
+                                   **({"ppl_budget": chosen} if chosen else {}),
                                    "tokens": {"train": int(segs.length[train].sum()),
                                               "heldout": int(segs.length[held].sum())}}
 
@@ -482,7 +492,9 @@ def _check_config(cfg: PrepareConfig) -> None:
     for t in cfg.ppl_targets:
         if not 0.0 <= t < 1.0:
             bad(f"perplexity targets must be in [0, 1), got {t}")
-    for name in ("group_size", "max_tokens", "max_fit_tokens", "hist_tokens", "ppl_chunks"):
+    if not 0.0 < cfg.ppl_budget < 1.0:
+        bad(f"the perplexity budget must be in (0, 1), got {cfg.ppl_budget}")
+    for name in ("group_size", "max_tokens", "max_fit_tokens", "hist_tokens", "ppl_chunks", "budget_tokens"):
         if getattr(cfg, name) < 1:
             bad(f"{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
 
@@ -641,6 +653,7 @@ def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.
                              dtype, {"kind": "fit", "input": "same-layer" if kind == "same" else "previous-layer",
                                      "target_recall": cfg.target_recall})
     method = {"kind": "prepare", "grouping": "metis", "target_sparsity": target,
+              "ppl_budget": cfg.ppl_budget if target is None and any(thr > 0) else None,
               "tokens": stats.tokens, "seed": cfg.seed}
     try:
         return write_pack(model, out, group_size=cfg.group_size,
@@ -650,6 +663,38 @@ def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.
                           listed_density=listed_density(fits))
     except PackError as e:
         raise PrepareError(str(e)) from None
+
+
+# ----------------------------------------------------------- thresholds by perplexity budget
+
+
+def _budget_thresholds(model: Path, segs: Segments, held: list[int], hist: np.ndarray, work: Path,
+                       cfg: PrepareConfig, say: Callable) -> dict[str, Any]:
+    """kairox.threshold_search over the first `budget_tokens` held-out tokens, measured by
+    the in-process emulator of kairox.quality; cached in the work folder (keyed by the
+    budget and the tokens, the histograms being fixed by the folder's corpus)."""
+    from .quality import Emulator, Rule
+    from .threshold_search import search
+
+    segments, n = [], 0
+    for k in held:
+        if n >= cfg.budget_tokens:
+            break
+        segments.append(segs.seg(k))
+        n += len(segments[-1])
+    if not segments:
+        raise PrepareError("the perplexity budget needs held-out text: give more calibration text")
+    cache = work / f"thresholds-{_key(cfg.ppl_budget, n, cfg.hist_tokens)}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    with Emulator(model, n_ctx=cfg.n_ctx, n_batch=min(cfg.n_ctx, 256), threads=cfg.threads) as emu:
+        def ppl_of(thr: np.ndarray) -> tuple[float, float]:
+            r = emu.perplexity(segments, Rule.of_cats(thr) if np.any(thr > 0) else Rule.none())
+            return r.ppl, r.sparsity.fraction("gate")
+        res = search(hist, ppl_of, cfg.ppl_budget, say=say).to_json()
+    res["tokens"] = n
+    _atomic_json(cache, res)
+    return res
 
 
 # -------------------------------------------------------------------------- perplexity
@@ -704,18 +749,18 @@ def _ppl_stage(model: Path, final: Path, work: Path, hist: np.ndarray | None, th
     for t in targets:
         tthr = (np.array([threshold_for_sparsity(hist[il], t)[0] for il in range(base.n_layer)], np.float32)
                 if gated else np.zeros(base.n_layer, np.float32))
-        key = f"exact-{_key(tthr.tolist())}"
+        key = f"threshold-{_key(tthr.tolist())}"
         if key not in done:  # a pack that differs from the final one in its thresholds only
             tmp = work / "ppl-target.kxpack.gguf"
             layers = pack.layers
             write_pack(model, tmp, group_size=pack.group_size, down_type=layers[0].down_type,
                        layout=PackLayout(lambda il: (layers[il].perm, layers[il].group, layers[il].freq), tthr),
                        quiet=True)
-        r = measure(key, sparse="exact", pack=work / "ppl-target.kxpack.gguf")
+        r = measure(key, sparse="threshold", pack=work / "ppl-target.kxpack.gguf")
         curve.append({"target_sparsity": t, "ppl": r["ppl"], "err": r["err"]})
     res["ppl_curve"] = curve
     return res
 
 
-__all__ = ["DEFAULT_TARGET", "Document", "PrepareConfig", "PrepareError", "PrepareResult",
+__all__ = ["DEFAULT_BUDGET", "Document", "PrepareConfig", "PrepareError", "PrepareResult",
            "default_corpus", "make_segments", "perplexity", "prepare", "read_corpus", "split_document"]

@@ -15,6 +15,7 @@ full activation tensor.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 from typing import Any
@@ -90,21 +91,76 @@ def threshold_for_sparsity(hist: np.ndarray, target: float) -> tuple[float, floa
     fraction gives threshold 0 and the zero fraction as the sparsity."""
     if not 0.0 <= target < 1.0:
         raise ValueError(f"target sparsity must be in [0, 1), got {target}")
-    h = np.asarray(hist, np.float64)
-    total = h.sum()
-    if total <= 0:
-        raise ProfileError("the histogram is empty: no activation was recorded")
-    edges = hist_edges()
-    cum = np.cumsum(h) / total
+    h = _checked_hist(hist)
+    cum = np.cumsum(h) / h.sum()
     if cum[0] >= target:
         return 0.0, float(cum[0])
-    k = int(np.searchsorted(cum, target))  # first bin whose cumulative fraction reaches it
-    below = cum[k - 1]
-    frac = (target - below) / max(cum[k] - below, 1e-300)
+    return _threshold_at(cum, target), float(target)
+
+
+def threshold_for_mass(hist: np.ndarray, share: float) -> tuple[float, float]:
+    """(threshold, expected sparsity) such that the |act| values <= the threshold carry about
+    `share` of the layer's total |act| (its L1 mass; each bin's values counted at its
+    geometric centre). Skipping them leaves out that share of the activation mass: equal
+    shares give every layer about the same relative error, where equal sparsity would cut
+    deeper into layers whose activations are spread evenly."""
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"mass share must be in [0, 1), got {share}")
+    h = _checked_hist(hist)
+    mass = np.cumsum(h * _bin_centres()) / max(float(np.sum(h * _bin_centres())), 1e-300)
+    if mass[0] >= share or share == 0.0:
+        return 0.0, float(h[0] / h.sum())
+    thr = _threshold_at(mass, share)
+    return thr, sparsity_at(hist, thr)
+
+
+def sparsity_at(hist: np.ndarray, threshold: float) -> float:
+    """The share of |act| values <= threshold (log-linear inside its bin): the sparsity the
+    rule |act| > threshold gives on the histogram's tokens."""
+    h = _checked_hist(hist)
+    edges = hist_edges()
+    cum = np.cumsum(h) / h.sum()
+    if threshold <= 0.0:
+        return float(cum[0])
+    k = int(np.searchsorted(edges, threshold, side="right")) - 1  # bin holding it
+    lo, hi = _bin_bounds(edges, k)
+    frac = float(np.clip((np.log(threshold) - np.log(lo)) / (np.log(hi) - np.log(lo)), 0.0, 1.0))
+    return float(cum[k - 1] + frac * (cum[k] - cum[k - 1]))
+
+
+def _checked_hist(hist: np.ndarray) -> np.ndarray:
+    h = np.asarray(hist, np.float64)
+    if h.sum() <= 0:
+        raise ProfileError("the histogram is empty: no activation was recorded")
+    return h
+
+
+def _bin_bounds(edges: np.ndarray, k: int) -> tuple[float, float]:
+    """Bin k's range for log interpolation: bin 1's open lower end is read as one bin width
+    below its upper edge, the last bin's open upper end as one width above its lower edge."""
     lo = edges[k] if edges[k] > 0 else edges[2] / (edges[3] / edges[2])
     hi = edges[k + 1] if k + 1 < len(edges) else edges[k] * (edges[k] / edges[k - 1])
-    thr = float(np.exp(np.log(lo) + frac * (np.log(hi) - np.log(lo))))
-    return thr, float(target)
+    return float(lo), float(hi)
+
+
+def _bin_centres() -> np.ndarray:
+    edges = hist_edges()
+    c = np.zeros(len(edges))
+    for k in range(1, len(edges)):
+        lo, hi = _bin_bounds(edges, k)
+        c[k] = math.sqrt(lo * hi)
+    return c
+
+
+def _threshold_at(cum: np.ndarray, target: float) -> float:
+    """The threshold where the cumulative curve `cum` (per bin, from bin 0) reaches target,
+    log-linear inside the bin that crosses it; cum[0] < target."""
+    edges = hist_edges()
+    k = int(np.searchsorted(cum, target))  # first bin whose cumulative share reaches it
+    below = cum[k - 1]
+    frac = (target - below) / max(cum[k] - below, 1e-300)
+    lo, hi = _bin_bounds(edges, k)
+    return float(np.exp(np.log(lo) + frac * (np.log(hi) - np.log(lo))))
 
 
 @dataclass
@@ -367,7 +423,7 @@ def unpack_masks(packed: np.ndarray, n_ff: int) -> np.ndarray:
     return np.unpackbits(packed, axis=1, count=n_ff, bitorder="little").astype(bool)
 
 
-__all__ = ["ACT_IDS", "Aggregates", "BaseModel", "ProfileError", "Profiler", "Rows",
+__all__ = ["ACT_IDS", "Aggregates", "BaseModel", "ProfileError", "Profiler", "Rows", "sparsity_at", "threshold_for_mass",
            "hist_edges", "stats_on_prompts", "threshold_for_sparsity", "unpack_masks"]
 
 

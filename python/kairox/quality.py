@@ -44,7 +44,7 @@ import numpy as np
 from .pack import BaseModel, inspect_model
 
 # kairox.Llama's sparse mode that skips neurons with |act(gate)| <= the pack's threshold
-CATS_MODE = "exact"
+CATS_MODE = "threshold"
 
 # TEAL inputs, by the llama.cpp graph names (name-L) of the tensors that feed the projections
 TEAL_INPUTS: dict[str, tuple[str, ...]] = {

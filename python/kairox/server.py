@@ -31,8 +31,8 @@ except ImportError as e:  # the [server] extra is not installed
 
 class KairoxModelSettings(ModelSettings):
     """llama-cpp-python's model settings and kairox's, one option each."""
-    sparse: Optional[Literal["dense", "exact", "predicted"]] = Field(
-        default=None, description="kairox: FFN mode (default: dense, or predicted/exact with a pack or a hybrid option)")
+    sparse: Optional[Literal["dense", "exact", "predicted", "threshold"]] = Field(
+        default=None, description="kairox: FFN mode (default: dense, or predicted with a pack or a hybrid option)")
     sparse_pack: Optional[str] = Field(default=None, description="kairox: sparse pack (default: MODEL.kxpack.gguf)")
     vram_budget: Optional[str] = Field(
         default=None, description="kairox: hybrid FFN under this GPU memory budget (e.g. 7GiB)")

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..argtypes import number_in, positive_int
 from ..pack import DOWN_TYPES, PackError, fingerprint
-from ..prepare import DEFAULT_TARGET, PrepareConfig, PrepareError, default_work_dir, prepare
+from ..prepare import DEFAULT_BUDGET, PrepareConfig, PrepareError, default_work_dir, prepare
 from ..stats import format_table
 
 # what `kairox prepare --help` says (kairox.prepare's docstring is for developers)
@@ -28,6 +28,7 @@ def _fractions(v: str) -> tuple[float, ...]:
 def cmd_prepare(args: Any) -> int:
     cfg = PrepareConfig(
         calib=[Path(c) for c in args.calib or []], target_sparsity=args.target_sparsity,
+        ppl_budget=args.ppl_budget,
         group_size=args.group_size, rank=args.rank, max_tokens=args.tokens,
         max_fit_tokens=args.fit_tokens, heldout=args.heldout, n_ctx=args.ctx,
         target_recall=args.recall, threads=args.threads, seed=args.seed, down_type=args.down_type,
@@ -56,6 +57,11 @@ def cmd_prepare(args: Any) -> int:
     print(format_table(res.stats))
     times = ", ".join(f"{k} {v:.1f} s" for k, v in res.seconds.items())
     print(f"\nkairox prepare: wrote {res.pack} ({times})")
+    if b := res.stats.extra.get("ppl_budget"):
+        sp = b["sparsity"]
+        print(f"kairox prepare: thresholds within a perplexity budget of +{b['budget']:.1%}: held-out perplexity "
+              f"{b['dense_ppl']:.4f} dense, {b['ppl']:.4f} thresholded ({b['rise']:+.2%}); they skip "
+              f"{sum(sp) / len(sp):.1%} of the neurons (layers {min(sp):.0%}-{max(sp):.0%})")
     print(f"kairox prepare: {res.stats.extra['gain']}")
     if res.stats.extra.get("sparse_layers"):
         print(f"kairox prepare: run it with: kairox run -m {model} --sparse predicted")
@@ -73,10 +79,14 @@ def register(sub: Any) -> None:
     p.add_argument("--calib", action="append", metavar="TEXTFILE",
                    help="calibration text, UTF-8, one document per file; repeat for several "
                         "(default: the bundled public-domain corpus, see kairox/data/calib/SOURCES.md)")
+    p.add_argument("--ppl-budget", type=number_in(0.0, 1.0), default=DEFAULT_BUDGET, metavar="F",
+                   help="gated SiLU/GELU models: the per-layer thresholds on |act(gate)| are the largest "
+                        "whose perplexity on held-out text rises by at most F over dense (default: "
+                        "%(default)s = 2%%); each layer leaves out the same share of its activation mass. "
+                        "ReLU models always use their exact zeros")
     p.add_argument("--target-sparsity", type=number_in(0.0, 1.0), metavar="S",
-                   help=f"gated SiLU/GELU models: fraction of neurons to leave inactive per token, "
-                        f"via a per-layer threshold on |act(gate)| (default: {DEFAULT_TARGET}); "
-                        f"ReLU models always use their exact zeros")
+                   help="gated models, instead of --ppl-budget: the same fraction of neurons left "
+                        "inactive per token in every layer, whatever it costs in quality")
     p.add_argument("--group-size", type=positive_int, default=32, metavar="G",
                    help="neurons per group, the unit of loading (default: %(default)s)")
     p.add_argument("--rank", type=positive_int, metavar="R",
@@ -98,7 +108,7 @@ def register(sub: Any) -> None:
                    help="storage of the down rows (default: f32 for F32 models, else f16)")
     p.add_argument("--ppl-curve", type=_fractions, metavar="S1,S2,...",
                    help="also measure held-out perplexity (llama-perplexity): dense, predicted, "
-                        "and exact at these target sparsities, e.g. 0.3,0.4,0.5,0.6 (slow)")
+                        "and threshold mode at these target sparsities, e.g. 0.3,0.4,0.5,0.6 (slow)")
     p.add_argument("--ppl-chunks", type=positive_int, default=8, metavar="N",
                    help="perplexity chunks of --ctx tokens (default: %(default)s)")
     p.add_argument("--work-dir", metavar="DIR",

@@ -94,8 +94,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     for w in caught:
         print(f"kairox run: warning: {w.message}", file=sys.stderr)
+    sparse_layers = f", {llm.sparse_layers} of {llm.n_layer} layers sparse" if llm.sparse != "dense" else ""
     print(f"kairox: {model.name} ({llm.n_ctx()} ctx, {llm.context_params.n_threads} threads, "
-          f"FFN {llm.sparse})", file=sys.stderr)
+          f"FFN {llm.sparse}{sparse_layers})", file=sys.stderr)
     if llm.vram is not None:
         print(f"kairox: {llm.vram.text()}", file=sys.stderr)
     n_prompt = len(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=True))
@@ -219,10 +220,12 @@ def register(sub) -> None:
                    help="layers on the GPU; -1 = all (default: 0, or all with a hybrid FFN option)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--sparse", choices=["dense", "exact", "predicted"], default=None,
-                   help="FFN mode: dense (the model's own), exact (only neurons that fire; same "
-                   "output for ReLU models) or predicted (the pack's predictor picks them); "
-                   "default: dense, or predicted/exact when --sparse-pack is given")
+    p.add_argument("--sparse", choices=["dense", "exact", "predicted", "threshold"], default=None,
+                   help="FFN mode: dense (the model's own), exact (only neurons that fire: the dense "
+                   "output; a gated model's FFN runs dense, all its neurons fire), predicted (the pack's "
+                   "predictor picks them) or threshold (as exact, skipping activations at or below the "
+                   "pack's per-layer thresholds: close to dense on gated models); default: dense, or "
+                   "predicted when --sparse-pack is given")
     p.add_argument("--sparse-pack", default=None,
                    help="sparse pack (default with --sparse: MODEL.kxpack.gguf next to the model; "
                    "make one with `kairox pack MODEL`)")
