@@ -16,7 +16,13 @@ Weight bytes per token, as a fraction of the dense model's, from the GGUF's tens
 TEAL's column access needs transposed copies of q/k/v/o/gate/up (kairox holds down
 transposed already): the bytes added are reported once.
 
+With --budget F it also runs kairox.threshold_search's perplexity-budget search on the same
+held-out segments over both of its ladders (the same share of activation mass per layer, as
+`kairox prepare` uses; the same sparsity per layer, CATS's uniform rule) and reports the
+sparsity each buys within the budget.
+
   KAIROX_LIB_DIR=... PYTHONPATH=python python3 bench/sparsity_quality.py
+  ... --levels --methods --budget 0.02      # only the budget search
 """
 from __future__ import annotations
 
@@ -113,6 +119,15 @@ def markdown(res: dict) -> str:
                      f"{pred['all']:.3f} | {pred['layers']:.3f} |" if pred else
                      f"| {r['method']} | {r['target']:.2f} | {r['ppl']:.3f} | {r['delta_pct']:+.2f}% | {real} | "
                      f"{r['bytes']['all']:.3f} | {r['bytes']['layers']:.3f} | - | - |")
+    for name, sr in res.get("budget_search", {}).items():
+        if name == next(iter(res["budget_search"])):
+            lines += ["", f"Perplexity budget +{sr['budget']:.1%} (kairox.threshold_search on these segments):", "",
+                      "| ladder | level | ppl | vs dense | expected sparsity (mean, layers) | steps | "
+                      "bytes layers (threshold / predicted) |", "|---|---|---|---|---|---|---|"]
+        sp = sr["sparsity"]
+        lines.append(f"| {name} | {sr['share']:.4f} | {sr['ppl']:.3f} | {100 * sr['rise']:+.2f}% | "
+                     f"{np.mean(sp):.3f} ({min(sp):.2f}-{max(sp):.2f}) | {len(sr['steps'])} | "
+                     f"{sr['bytes']['threshold']['layers']:.3f} / {sr['bytes']['predicted']['layers']:.3f} |")
     wb = res["weight_bytes"]
     lines += ["", "CATS bytes: kairox's threshold mode (gate read whole, up/down rows skipped); "
               "predicted mode: the gate's rows skipped too, the predictor's own cost not counted. "
@@ -130,9 +145,11 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="GGUF model (default: Gemma 3 270M Q4_K_M)")
-    ap.add_argument("--levels", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5],
+    ap.add_argument("--levels", type=float, nargs="*", default=[0.1, 0.2, 0.3, 0.4, 0.5],
                     help="target sparsities (dense is always measured)")
-    ap.add_argument("--methods", nargs="+", default=["cats", "teal"], choices=["cats", "teal"])
+    ap.add_argument("--methods", nargs="*", default=["cats", "teal"], choices=["cats", "teal"])
+    ap.add_argument("--budget", type=float, default=None, metavar="F",
+                    help="also search CATS thresholds within a perplexity rise of F, on both ladders")
     ap.add_argument("--ctx", type=int, default=512, help="tokens per segment")
     ap.add_argument("--calib-segments", type=int, default=8, help="training segments for calibration")
     ap.add_argument("--eval-segments", type=int, default=8, help="held-out segments for perplexity")
@@ -182,6 +199,23 @@ def main(argv: list[str] | None = None) -> int:
         for method in a.methods:
             for t in sorted(x for x in a.levels if x > 0):
                 rows.append(measure(method, t))
+        searches = {}
+        if a.budget is not None:
+            from kairox.quality import Rule
+            from kairox.threshold_search import mass_ladder, quantile_ladder, search
+
+            hist = cal.hist("gate")
+
+            def ppl_of(thr: np.ndarray) -> tuple[float, float]:
+                r = em.perplexity(held, Rule.of_cats(thr) if np.any(thr > 0) else Rule.none())
+                return r.ppl, r.sparsity.fraction("gate")
+            say = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
+            for ladder in (mass_ladder(hist), quantile_ladder(hist)):
+                sr = search(ladder, ppl_of, a.budget, say=say)
+                searches[ladder.name] = sr.to_json()
+                g = wb.cats(sr.sparsity, False), wb.cats(sr.sparsity, True)
+                searches[ladder.name]["bytes"] = {"threshold": {"all": g[0][0], "layers": g[0][1]},
+                                                  "predicted": {"all": g[1][0], "layers": g[1][1]}}
     for r in rows:
         r["delta_pct"] = 100.0 * (r["ppl"] / dense["ppl"] - 1.0)
     res = {"model": model.name, "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -195,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
            "weight_bytes": {"dense": wb.dense, "dense_layers": wb.dense_layers, "head": wb.head,
                             "embd_row": wb.embd_row, "teal_layout": wb.teal_layout_bytes(),
                             "per_layer": wb.layers},
-           "rows": rows, "seconds": time.perf_counter() - t_all}
+           "rows": rows, "budget_search": searches, "seconds": time.perf_counter() - t_all}
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = f"sparsity-quality-{model.stem}"
+    stem = f"sparsity-quality-{model.stem}" + ("" if a.levels and a.methods else "-budget")
     (a.out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     md = markdown(res)
     (a.out / f"{stem}.md").write_text(md)

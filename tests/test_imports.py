@@ -24,7 +24,7 @@ LAYERS = {
     # the binding: kairox.Llama, the native TAM replay, measurement helpers
     "runtime": "llama tam bench",
     # what turns a model into a pack: profiling, fitting, grouping, preparing, converting, synthesizing
-    "offline": "predictor fit grouping profile prepare convert synth tiny",
+    "offline": "predictor fit grouping profile quality threshold_search prepare convert synth tiny",
     "tools": "hw server tools report trace",
     # the command line: kairox.cli, one module per subcommand group; `python -m kairox`
     "cli": "cli cli.__main__ cli.run cli.convert cli.synth cli.pack cli.prepare cli.stats cli.plan cli.hw "

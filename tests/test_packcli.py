@@ -157,3 +157,22 @@ def test_an_existing_output_is_replaced_only_with_force(capsys: pytest.CaptureFi
     rc, out, err = run(capsys, str(model), "-o", str(other), "-q", "--force")
     assert rc == 0, err
     assert read_pack(other, model).base.n_layer == 2
+
+
+def test_gated_model_pack_runs_dense(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                     tiny_gguf: Callable[..., Path]) -> None:
+    """At threshold 0 every neuron of a SiLU model fires: the pack says its lists hold every
+    neuron, and a sparse run keeps the model dense (llama.cpp's own FFN) and says so."""
+    import kairox
+    model = Path(shutil.copy(tiny_gguf("f32", hidden_act="silu", vocab_size=SMALL), tmp_path / "s.gguf"))
+    rc, out, err = run(capsys, str(model), "-q")
+    assert rc == 0, err
+    assert "every neuron of a silu model fires at threshold 0" in out and "kairox prepare" in out
+    pack = read_pack(model.with_name("s.kxpack.gguf"), model)
+    assert pack.listed_density == [1.0, 1.0]
+    with pytest.warns(kairox.SparseNoGainWarning):
+        llm = kairox.Llama(str(model), sparse="predicted", n_ctx=64, verbose=False)
+    try:
+        assert llm.sparse == "dense" and llm.sparse_layers == 0
+    finally:
+        llm.close()

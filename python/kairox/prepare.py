@@ -674,7 +674,7 @@ def _budget_thresholds(model: Path, segs: Segments, held: list[int], hist: np.nd
     the in-process emulator of kairox.quality; cached in the work folder (keyed by the
     budget and the tokens, the histograms being fixed by the folder's corpus)."""
     from .quality import Emulator, Rule
-    from .threshold_search import search
+    from .threshold_search import mass_ladder, search
 
     segments, n = [], 0
     for k in held:
@@ -691,7 +691,7 @@ def _budget_thresholds(model: Path, segs: Segments, held: list[int], hist: np.nd
         def ppl_of(thr: np.ndarray) -> tuple[float, float]:
             r = emu.perplexity(segments, Rule.of_cats(thr) if np.any(thr > 0) else Rule.none())
             return r.ppl, r.sparsity.fraction("gate")
-        res = search(hist, ppl_of, cfg.ppl_budget, say=say).to_json()
+        res = search(mass_ladder(hist), ppl_of, cfg.ppl_budget, say=say).to_json()
     res["tokens"] = n
     _atomic_json(cache, res)
     return res

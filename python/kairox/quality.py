@@ -184,6 +184,18 @@ class Calibration:
     def thresholds(self, kind: str, target: float) -> np.ndarray:
         return np.array([self.threshold(kind, il, target) for il in range(len(self.samples[kind]))], np.float32)
 
+    def hist(self, kind: str) -> np.ndarray:
+        """[n_layer, bins] histograms of the samples on the profiler's bins
+        (kairox.profile.hist_edges; exact zeros in bin 0), for kairox.threshold_search."""
+        from .profile import hist_edges
+        edges = hist_edges()
+        out = np.zeros((len(self.samples[kind]), len(edges)), np.int64)
+        for il, v in enumerate(self.samples[kind]):
+            k = np.searchsorted(edges, v, side="right") - 1
+            k[v == 0] = 0
+            out[il] = np.bincount(k, minlength=len(edges))
+        return out
+
     def rule(self, method: str, target: float) -> Rule:
         """A uniform rule: every layer (and, for TEAL, every input) at sparsity `target`."""
         if target == 0.0 or method == "none":

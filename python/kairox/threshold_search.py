@@ -23,16 +23,39 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .profile import threshold_for_mass
+from .profile import threshold_for_mass, threshold_for_sparsity
 
 DEFAULT_BUDGET = 0.02   # perplexity may rise by 2% over dense on held-out text
-FIRST_SHARE = 0.005     # the first mass share tried; then doubled until over budget
-MAX_SHARE = 0.64        # the last one tried (well past any useful quality)
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """One knob from dense to very sparse: `at(level)` gives per layer (thresholds, expected
+    sparsity); the search doubles the level from `first` until past the budget or `last`."""
+    name: str
+    at: Callable[[float], tuple[np.ndarray, np.ndarray]]
+    first: float
+    last: float
+
+
+def mass_ladder(hist: np.ndarray) -> Ladder:
+    """Level e: every layer leaves out the share e of its |act| mass."""
+    return Ladder("mass", lambda e: _per_layer(hist, threshold_for_mass, e), 0.005, 0.64)
+
+
+def quantile_ladder(hist: np.ndarray) -> Ladder:
+    """Level s: every layer skips the share s of its neurons (CATS's uniform sparsity)."""
+    return Ladder("quantile", lambda q: _per_layer(hist, threshold_for_sparsity, q), 0.05, 0.8)
+
+
+def _per_layer(hist: np.ndarray, fn: Callable, level: float) -> tuple[np.ndarray, np.ndarray]:
+    pairs = [fn(hist[il], level) for il in range(len(hist))]
+    return np.array([p[0] for p in pairs], np.float32), np.array([p[1] for p in pairs], np.float64)
 
 
 @dataclass
 class SearchStep:
-    share: float            # activation mass share left out per layer
+    share: float            # the ladder's level
     ppl: float
     sparsity: float         # mean over layers of the share of neurons skipped (measured)
 
@@ -44,7 +67,8 @@ class SearchStep:
 class SearchResult:
     budget: float
     dense_ppl: float
-    share: float                    # the chosen share (0: no threshold fits the budget)
+    ladder: str
+    share: float                    # the chosen level (0: no threshold fits the budget)
     thresholds: np.ndarray          # float32 [n_layer]
     sparsity: np.ndarray            # float64 [n_layer], expected from the histograms
     steps: list[SearchStep] = field(default_factory=list)
@@ -59,47 +83,41 @@ class SearchResult:
         return self.ppl / self.dense_ppl - 1.0
 
     def to_json(self) -> dict:
-        return {"budget": self.budget, "dense_ppl": self.dense_ppl, "share": self.share, "ppl": self.ppl,
+        return {"budget": self.budget, "dense_ppl": self.dense_ppl, "ladder": self.ladder, "share": self.share,
+                "ppl": self.ppl,
                 "rise": self.rise, "thresholds": self.thresholds.tolist(), "sparsity": self.sparsity.tolist(),
                 "steps": [s.to_json() for s in self.steps]}
 
 
-def thresholds_for_share(hist: np.ndarray, share: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer (threshold, expected sparsity) leaving out `share` of its |act| mass."""
-    pairs = [threshold_for_mass(hist[il], share) for il in range(len(hist))]
-    return (np.array([p[0] for p in pairs], np.float32), np.array([p[1] for p in pairs], np.float64))
-
-
-def search(hist: np.ndarray, ppl_of: Callable[[np.ndarray], tuple[float, float]], budget: float = DEFAULT_BUDGET,
+def search(ladder: Ladder, ppl_of: Callable[[np.ndarray], tuple[float, float]], budget: float = DEFAULT_BUDGET,
            *, bisections: int = 4, say: Callable[[str], None] = lambda m: None) -> SearchResult:
-    """The largest mass share whose thresholds keep perplexity within (1 + budget) x dense.
+    """The highest level of `ladder` whose thresholds keep perplexity within (1 + budget) x dense.
 
-    hist: [n_layer, bins] |act(gate)| histograms (kairox.profile). ppl_of(thresholds) ->
-    (perplexity, mean measured sparsity); thresholds of 0 measure dense. Perplexity rises
-    with the share (more is skipped); the search assumes so and keeps the best share seen
-    within budget, so a non-monotone step can only make it cautious."""
+    ppl_of(thresholds) -> (perplexity, mean measured sparsity); thresholds of 0 measure dense.
+    Perplexity rises with the level (more is skipped); the search assumes so and keeps the
+    best level seen within budget, so a non-monotone step can only make it cautious."""
     if not 0.0 < budget < 1.0:
         raise ValueError(f"the perplexity budget must be in (0, 1), got {budget}")
-    n_layer = len(hist)
-    dense, _ = ppl_of(np.zeros(n_layer, np.float32))
+    zero, _ = ladder.at(ladder.first)
+    dense, _ = ppl_of(np.zeros_like(zero))
     limit = dense * (1.0 + budget)
-    say(f"thresholds by perplexity budget: dense {dense:.4f}, limit {limit:.4f} (+{budget:.1%})")
+    say(f"thresholds by perplexity budget ({ladder.name}): dense {dense:.4f}, limit {limit:.4f} (+{budget:.1%})")
     steps: list[SearchStep] = []
 
-    def within(share: float) -> bool:
-        thr, _ = thresholds_for_share(hist, share)
+    def within(level: float) -> bool:
+        thr, _ = ladder.at(level)
         ppl, sp = ppl_of(thr)
-        steps.append(SearchStep(share, ppl, sp))
-        say(f"  mass share {share:.4f}: perplexity {ppl:.4f} ({ppl / dense - 1.0:+.2%}), sparsity {sp:.1%}")
+        steps.append(SearchStep(level, ppl, sp))
+        say(f"  {ladder.name} {level:.4f}: perplexity {ppl:.4f} ({ppl / dense - 1.0:+.2%}), sparsity {sp:.1%}")
         return ppl <= limit
 
     ok, bad = 0.0, None
-    share = FIRST_SHARE
-    while share <= MAX_SHARE:
-        if not within(share):
-            bad = share
+    level = ladder.first
+    while level <= ladder.last:
+        if not within(level):
+            bad = level
             break
-        ok, share = share, share * 2.0
+        ok, level = level, level * 2.0
     if bad is not None:
         lo = ok if ok > 0 else bad / 2.0 ** bisections  # nothing fit yet: bisect below the first
         hi = bad
@@ -109,12 +127,11 @@ def search(hist: np.ndarray, ppl_of: Callable[[np.ndarray], tuple[float, float]]
                 ok = lo = mid
             else:
                 hi = mid
-    thr, sparsity = thresholds_for_share(hist, ok) if ok > 0 else (np.zeros(n_layer, np.float32),
-                                                                   np.zeros(n_layer))
-    res = SearchResult(budget, dense, ok, thr, sparsity, steps)
-    say(f"chose mass share {ok:.4f}: perplexity {res.ppl:.4f} ({res.rise:+.2%}), "
+    thr, sparsity = ladder.at(ok) if ok > 0 else (np.zeros_like(zero), np.zeros(len(zero)))
+    res = SearchResult(budget, dense, ladder.name, ok, thr, sparsity, steps)
+    say(f"chose {ladder.name} {ok:.4f}: perplexity {res.ppl:.4f} ({res.rise:+.2%}), "
         f"expected sparsity {sparsity.mean():.1%} (layers {sparsity.min():.0%}-{sparsity.max():.0%})")
     return res
 
 
-__all__ = ["DEFAULT_BUDGET", "SearchResult", "SearchStep", "search", "thresholds_for_share"]
+__all__ = ["DEFAULT_BUDGET", "Ladder", "SearchResult", "SearchStep", "mass_ladder", "quantile_ladder", "search"]

@@ -59,8 +59,12 @@ def cmd_pack(args: argparse.Namespace) -> int:
         if args.predictor == "sketch":
             margin = DEFAULT_MARGIN if args.margin is None else args.margin
             predictor = sketch_for_model(model, args.rank, margin, args.pred_type)
+        # its thresholds are 0, and every neuron of a gated (SiLU/GELU) model fires above 0: its
+        # lists hold every neuron, so the runtime keeps such a model dense (docs/prepare.md)
+        gated = base.activation != "relu"
         path = write_pack(model, out, group_size=args.group_size, down_type=down_type,
-                          predictor=predictor, quiet=args.quiet)
+                          predictor=predictor, quiet=args.quiet,
+                          listed_density=[1.0] * base.n_layer if gated else None)
     except PackError as e:
         return fail(str(e))
     except OSError as e:
@@ -73,6 +77,9 @@ def cmd_pack(args: argparse.Namespace) -> int:
     print(f"kairox pack: {base.n_layer} layers x {base.n_ff} neurons ({base.architecture}, "
           f"{base.activation}), groups of {args.group_size}, down rows {down_type}, {pred}; "
           f"{wall:.1f} s")
+    if gated:
+        print(f"kairox pack: every neuron of a {base.activation} model fires at threshold 0, so its sparse modes run "
+              f"it dense; `kairox prepare {model}` measures thresholds within a perplexity budget")
     return 0
 
 
