@@ -3,7 +3,8 @@
 # KB-7B Q4_K_M with its pack in /tmp: where a decode step's time goes at the VRAM budget.
 # A scheduler trace of kairox-completion's free generation (`kairox trace`: per layer the CPU
 # part, the GPU part queued beside it, the hand-offs; a typical step's timeline and its
-# longest splits), then kairox-bench over CPU thread counts. Results to $OUT.
+# longest splits), then kairox-bench over CPU thread counts and flash attention, and with
+# CUDA graphs off (whether the GPU splits run as graphs). Results to $OUT.
 #
 #   bash bench/device/chain.sh           # repo root, on the machine kquant.sh prepared
 #   KX_KQ_BUDGET=3GiB KX_KQ_TYPE=Q4_K_M  # as kquant.sh
@@ -45,7 +46,11 @@ for name, k in (("CPU split", 1), ("GPU between", 2), ("CPU idle gap", 3)):
 PY
 gzip -f "$OUT/trace-chain.jsonl"
 echo "trace done ($(( $(date +%s) - t0 )) s)"
-"$B/llama-bench" -m "$Q" -p 0 -n 128 -r 3 -t "${KX_CHAIN_THREADS:-4,8,12,16}" "${FLAGS[@]}" -o md \
+"$B/llama-bench" -m "$Q" -p 0 -n 128 -r 3 -t "${KX_CHAIN_THREADS:-4,8,12,16}" -fa 0,1 "${FLAGS[@]}" -o md \
     > "$OUT/threads.md" 2> "$OUT/threads.log" || tail -20 "$OUT/threads.log"
 cat "$OUT/threads.md"
+# whether the GPU splits run as CUDA graphs: the same rows with them off
+GGML_CUDA_DISABLE_GRAPHS=1 "$B/llama-bench" -m "$Q" -p 0 -n 128 -r 3 -t "$N" -fa 0,1 "${FLAGS[@]}" -o md \
+    > "$OUT/no-graphs.md" 2> "$OUT/no-graphs.log" || tail -20 "$OUT/no-graphs.log"
+cat "$OUT/no-graphs.md"
 echo "all done ($(( $(date +%s) - t0 )) s)"
