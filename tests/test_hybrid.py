@@ -287,7 +287,8 @@ def retyped_ffn_bf16(src: Path, dst: Path) -> Path:
 def test_gpu_slots_refuse_a_type_their_kernels_cannot_read(synth_model: Path, tmp_path: Path) -> None:
     """BF16 gate/up rows have a CPU kernel (the model runs sparse on the CPU) but no CUDA row
     kernel: GPU slots over them are refused with the type and what the kernels read, before
-    any slot is filled, instead of the scheduler copying the slots to the CPU each token."""
+    the model loads (read from the model's and the pack's headers), instead of the scheduler
+    copying the slots to the CPU each token."""
     import kairox
     from kairox._native import has_gpu
     model = retyped_ffn_bf16(synth_model, tmp_path / "kb-tiny-bf16.gguf")
@@ -295,8 +296,9 @@ def test_gpu_slots_refuse_a_type_their_kernels_cannot_read(synth_model: Path, tm
     assert len(toks) == N_GEN and c.rows > 0
     if not has_gpu():
         pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
-    with pytest.raises(Exception, match=r"cannot hold bf16 rows \(the model's ffn_gate\).*Q4_K"):
+    with pytest.raises(ValueError, match=r"cannot hold bf16 rows \(the model's ffn_gate\).*Q4_K") as e:
         kairox.Llama(str(model), n_ctx=256, sparse="predicted", gpu_slots=100, n_gpu_layers=-1, verbose=False)
+    assert not isinstance(e.value, kairox.ModelLoadError)
 
 
 def test_placement_is_reported_per_tensor(synth_model: Path) -> None:

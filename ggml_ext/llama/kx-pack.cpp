@@ -579,6 +579,34 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     return pack;
 }
 
+std::vector<kx_slot_types> kx_slot_types_read(const std::string & model_path, const std::string & pack_path,
+                                               int64_t * n_embd, int64_t * n_ff) {
+    try {
+        gguf_ptr mp, pp;
+        open_gguf(mp, model_path, "model");
+        open_gguf(pp, pack_path, "pack");
+        const int64_t n_layer = get_u32(pp, pack_path, "kx.base.n_layer");
+        *n_embd = get_u32(pp, pack_path, "kx.base.n_embd");
+        *n_ff   = get_u32(pp, pack_path, "kx.base.n_ff");
+        auto type_of = [](const ggml_context * meta, const std::string & name) {
+            const ggml_tensor * t = ggml_get_tensor(const_cast<ggml_context *>(meta), name.c_str());
+            return t ? (int32_t) t->type : -1;
+        };
+        std::vector<kx_slot_types> out(n_layer);
+        for (int64_t il = 0; il < n_layer; ++il) {
+            const std::string b = "blk." + std::to_string(il) + ".";
+            out[il] = { type_of(mp.meta, b + "ffn_gate.weight"), type_of(mp.meta, b + "ffn_up.weight"),
+                        type_of(pp.meta, b + "kx_down_t") };
+            if (out[il].gate < 0 || out[il].up < 0 || out[il].down < 0) {
+                return {};
+            }
+        }
+        return out;
+    } catch (const kx_pack_error &) {
+        return {}; // the full load says what is wrong with them
+    }
+}
+
 kx_pack_preview kx_pack_preview_read(const std::string & pack_path) {
     kx_pack_preview pv;
     try {

@@ -82,6 +82,14 @@ struct kx_pack_preview {
     std::vector<float> listed;     // kx.listed_density; empty when the pack has none
 };
 kx_pack_preview kx_pack_preview_read(const std::string & pack_path);
+// The row types a neuron slot of each layer holds (enum ggml_type: the model's ffn_gate and
+// ffn_up, the pack's down rows), read from both files' headers before the model loads, with
+// the pack's n_embd and n_ff; empty when either cannot be read (the full load says why)
+struct kx_slot_types {
+    int32_t gate, up, down;
+};
+std::vector<kx_slot_types> kx_slot_types_read(const std::string & model_path, const std::string & pack_path,
+                                               int64_t * n_embd, int64_t * n_ff);
 // whether predicted mode gains on a layer whose lists hold that share (-1: unknown, assumed)
 inline bool kx_layer_pays(float listed) {
     return listed < kx_max_density;

@@ -202,6 +202,31 @@ static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp
     }
 }
 
+// GPU slots over row types the device cannot read, refused before the model loads (the slot
+// build asks the same again, for callers that place slots later)
+static void kx_check_slot_types(const kx_params * kp, const char * model_path) {
+    if (!model_path) {
+        return;
+    }
+    const bool named = kp->sparse_pack && *kp->sparse_pack;
+    ggml_backend_dev_t dev = nullptr;
+    try {
+        dev = kx_slots_device(kp->slots_device && *kp->slots_device ? kp->slots_device : nullptr);
+    } catch (const std::exception &) {
+        return; // no such device: the context's apply says so
+    }
+    int64_t n_embd = 0, n_ff = 0;
+    std::vector<int32_t> checked;
+    for (const kx_slot_types & t : kx_slot_types_read(model_path, named ? kp->sparse_pack : kx_pack_path_for(model_path),
+                                                      &n_embd, &n_ff)) {
+        const int32_t key = t.gate | t.up << 8 | t.down << 16;
+        if (std::find(checked.begin(), checked.end(), key) == checked.end()) {
+            kx_slots_check_types(dev, t.gate, t.up, t.down, n_embd, n_ff);
+            checked.push_back(key);
+        }
+    }
+}
+
 int32_t kx_model_params_apply(kx_params * kp, llama_model_params * mp, char * err, size_t err_size) {
     return kx_model_params_apply_model(kp, mp, nullptr, err, err_size);
 }
@@ -221,6 +246,11 @@ int32_t kx_model_params_apply_model(kx_params * kp, llama_model_params * mp, con
             kx_sparse_model_params(kp, mp, model_path);
         }
         return kx_fail(err, err_size, KX_OK, "");
+    }
+    try {
+        kx_check_slot_types(kp, model_path);
+    } catch (const std::exception & e) {
+        return kx_fail(err, err_size, KX_ERR_PARAMS, e.what());
     }
     std::vector<std::string> dense_cpu;
     if (kp->plan && *kp->plan) {

@@ -29,7 +29,7 @@ kx_slots::~kx_slots() {
     ggml_free(ctx_host);
 }
 
-static ggml_backend_dev_t kx_slots_device(const char * name) {
+ggml_backend_dev_t kx_slots_device(const char * name) {
     if (name) {
         ggml_backend_dev_t dev = ggml_backend_dev_by_name(name);
         if (!dev) {
@@ -55,24 +55,24 @@ static void kx_gather_rows(const ggml_tensor * src, const std::vector<int32_t> &
     ggml_backend_tensor_set(dst, stage.data(), 0, stage.size());
 }
 
-// The slots' row ops over these weights, built as the graphs build them (a list, a row map)
+// The slots' row ops over these row types, built as the graphs build them (a list, a row map)
 // and asked of the device: a type its kernels do not read is refused here, by name, instead
 // of left to the scheduler, which would run the op on the CPU and copy the slots there every
 // token.
-static void kx_slots_check_types(ggml_backend_dev_t dev, const ggml_tensor * gate, const ggml_tensor * up,
-                                 const ggml_tensor * down, int64_t n_ff) {
+void kx_slots_check_types(ggml_backend_dev_t dev, int32_t gate, int32_t up, int32_t down, int64_t n_embd,
+                          int64_t n_ff) {
     ggml_init_params ip = { ggml_tensor_overhead()*16, nullptr, true };
     ggml_context * ctx = ggml_init(ip);
-    const int64_t n_embd = gate->ne[0];
     ggml_tensor * x   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, 1);
     ggml_tensor * h   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_ff, 1);
     ggml_tensor * sel = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff + 1);
     ggml_tensor * map = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_ff);
-    struct probe { const ggml_tensor * w; const char * what; ggml_tensor * op; };
+    auto row = [&](int32_t type) { return ggml_new_tensor_2d(ctx, (ggml_type) type, n_embd, 1); };
+    struct probe { int32_t type; const char * what; ggml_tensor * op; };
     const probe probes[] = {
-        { gate, "ffn_gate", ggml_kx_mul_mat_rows(ctx, ggml_new_tensor_2d(ctx, gate->type, n_embd, 1), x, sel, map) },
-        { up,   "ffn_up",   ggml_kx_mul_mat_rows(ctx, ggml_new_tensor_2d(ctx, up->type, n_embd, 1), x, sel, map) },
-        { down, "pack's down rows", ggml_kx_axpy_rows(ctx, ggml_new_tensor_2d(ctx, down->type, n_embd, 1), h, sel, map) },
+        { gate, "ffn_gate", ggml_kx_mul_mat_rows(ctx, row(gate), x, sel, map) },
+        { up,   "ffn_up",   ggml_kx_mul_mat_rows(ctx, row(up), x, sel, map) },
+        { down, "pack's down rows", ggml_kx_axpy_rows(ctx, row(down), h, sel, map) },
     };
     std::string bad;
     for (const probe & p : probes) {
@@ -80,7 +80,7 @@ static void kx_slots_check_types(ggml_backend_dev_t dev, const ggml_tensor * gat
             bad = kx_fmt("the neuron slots on %s cannot hold %s rows (the model's %s): its kernels read F32, F16, "
                          "Q8_0, Q4_0, Q4_K, Q5_K and Q6_K gate/up rows and F32, F16 and Q8_0 down rows; requantize "
                          "the model to one of those or run it without GPU slots", ggml_backend_dev_name(dev),
-                         ggml_type_name(p.w->type), p.what);
+                         ggml_type_name((ggml_type) p.type), p.what);
         }
     }
     ggml_free(ctx);
@@ -124,7 +124,7 @@ std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         // quantization mixes vary types by layer (Q4_K_M: Q4_K and Q6_K): each new combination once
         const int32_t types = (int32_t) ml.ffn_gate->type | (int32_t) ml.ffn_up->type << 8 | (int32_t) pl.down_t->type << 16;
         if (std::find(checked.begin(), checked.end(), types) == checked.end()) {
-            kx_slots_check_types(dev, ml.ffn_gate, ml.ffn_up, pl.down_t, n_ff);
+            kx_slots_check_types(dev, ml.ffn_gate->type, ml.ffn_up->type, pl.down_t->type, n_embd, n_ff);
             checked.push_back(types);
         }
         kx_slot_layer & L = slots->layers[il];

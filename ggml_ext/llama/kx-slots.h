@@ -84,6 +84,13 @@ struct kx_slots {
     ~kx_slots();
 };
 
+// The device slots for `device` live on (nullptr: the first GPU); throws when there is none.
+ggml_backend_dev_t kx_slots_device(const char * device);
+// Throws std::runtime_error with one sentence naming the type when dev's kernels cannot read
+// slots of these row types (enum ggml_type), asked with the ops as the graphs build them.
+void kx_slots_check_types(ggml_backend_dev_t dev, int32_t gate, int32_t up, int32_t down, int64_t n_embd,
+                          int64_t n_ff);
+
 // Builds slots for every layer with n_slots[il] > 0 (clamped to n_ff) on device `device`
 // (nullptr: the first GPU). Throws std::runtime_error with one sentence on failure.
 // faults: kx_params.faults (KX_FAULT_SLOTS refuses the slots' buffer).

@@ -249,6 +249,10 @@ class SparseApproximationWarning(UserWarning):
     """Exact mode on a model whose activation is not ReLU: close to dense, not equal."""
 
 
+class _ParamsRefused(ValueError):
+    """kx_model_params_apply_model refused kairox's options (a ValueError with its sentence)."""
+
+
 class SparseNoGainWarning(UserWarning):
     """Predicted mode asked for, but the pack measured lists too dense to gain in every layer:
     the model runs dense, with llama.cpp's repacked weights."""
@@ -367,14 +371,13 @@ class Llama(llama_cpp.Llama):
         err = ctypes.create_string_buffer(1024)
         with _params_lock:
             default_params = _C.llama_model_default_params
-            failed: list[tuple[int, str]] = []
 
             def kx_default_params():
                 p = default_params()
-                rc = _lib.kx_model_params_apply_model(ctypes.byref(self._kx_params), ctypes.addressof(p),
-                                                      os.fsencode(model_path), err, len(err))
-                if rc:
-                    failed.append((rc, err.value.decode("utf-8", "replace")))
+                if _lib.kx_model_params_apply_model(ctypes.byref(self._kx_params), ctypes.addressof(p),
+                                                    os.fsencode(model_path), err, len(err)):
+                    # raised inside the base class's constructor: the model is not loaded
+                    raise _ParamsRefused(err.value.decode("utf-8", "replace"))
                 return p
             _C.llama_model_default_params = kx_default_params
             try:
@@ -386,7 +389,7 @@ class Llama(llama_cpp.Llama):
                 pageable = _lib.kx_host_pageable_bytes()
                 super().__init__(model_path, *args, **kwargs)
                 pageable = _lib.kx_host_pageable_bytes() - pageable
-            except ModelLoadError:
+            except (ModelLoadError, _ParamsRefused):
                 raise
             except ValueError as e:
                 why = _errors.take()
@@ -395,9 +398,6 @@ class Llama(llama_cpp.Llama):
                 raise
             finally:
                 _C.llama_model_default_params = default_params
-        if failed:
-            self.close()
-            raise ValueError(failed[0][1])
         if pageable > 0:
             # the runtime's own line went where the base class sends the load's output
             warnings.warn(HostMemoryWarning(f"kairox: {pageable / 2**20:.2f} MiB of host weights stay pageable "
