@@ -21,7 +21,7 @@ while pgrep -f "pack-only" > /dev/null; do sleep 2; done
 [ -f "${Q%.gguf}.kxpack.gguf" ] || { echo "no pack for $Q"; exit 1; }
 N=$(nproc)
 FLAGS=(--vram-budget "$BUDGET" --sparse predicted)
-"$B/llama-completion" -m "$Q" -p "The history of the city begins with" -n 192 --temp 0 -no-cnv -t "$N" \
+"$B/llama-completion" -m "$Q" -p "The history of the city begins with" -n 192 -c 512 --temp 0 -no-cnv -t "$N" \
     "${FLAGS[@]}" --kx-sched-trace "$OUT/trace-chain.jsonl" > "$OUT/completion.txt" 2> "$OUT/completion.log" \
     || { tail -20 "$OUT/completion.log"; exit 1; }
 grep -E "eval time|kairox" "$OUT/completion.log" | head -8

@@ -268,6 +268,10 @@ class Emulator:
             cp = _C.llama_context_default_params()
             cp.n_ctx, cp.n_batch, cp.n_ubatch = self.n_ctx, self.n_batch, self.n_batch
             cp.n_threads = cp.n_threads_batch = threads or max(1, os.cpu_count() or 1)
+            # with a GPU in the build, llama.cpp would still run a batch's big matmuls (and the
+            # attention) there, and the callback would be handed device memory
+            cp.op_offload = False
+            cp.offload_kqv = False
             if f32_kv:
                 cp.type_k = cp.type_v = GGML_TYPE_F32
             if flash_attn is not None:  # None: llama.cpp's choice (auto)
