@@ -201,17 +201,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measure(method, t))
         searches = {}
         if a.budget is not None:
-            from kairox.quality import Rule
             from kairox.threshold_search import mass_ladder, quantile_ladder, search
 
             hist = cal.hist("gate")
-
-            def ppl_of(thr: np.ndarray) -> tuple[float, float]:
-                r = em.perplexity(held, Rule.of_cats(thr) if np.any(thr > 0) else Rule.none())
-                return r.ppl, r.sparsity.fraction("gate")
             say = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
             for ladder in (mass_ladder(hist), quantile_ladder(hist)):
-                sr = search(ladder, ppl_of, a.budget, say=say)
+                sr = search(ladder, lambda thr: em.cats_perplexity(held, thr), a.budget, say=say)
                 searches[ladder.name] = sr.to_json()
                 g = wb.cats(sr.sparsity, False), wb.cats(sr.sparsity, True)
                 searches[ladder.name]["bytes"] = {"threshold": {"all": g[0][0], "layers": g[0][1]},

@@ -149,6 +149,11 @@ static std::vector<std::string> kx_cpu_patterns(const std::vector<std::string> &
 
 static std::string kx_pack_path_for(const std::string & model_path);
 
+// the pack kp names, else MODEL.kxpack.gguf next to the model ("" without either)
+static std::string kx_params_pack_path(const kx_params * kp, const char * model_path) {
+    return kp->sparse_pack && *kp->sparse_pack ? kp->sparse_pack : model_path ? kx_pack_path_for(model_path) : "";
+}
+
 // Tensors matching pats go to buft, ahead of the caller's own overrides (kept after ours)
 static void kx_override(llama_model_params * mp, std::vector<std::string> pats, ggml_backend_buffer_type_t buft) {
     std::lock_guard<std::mutex> lk(kx_override_mu);
@@ -164,7 +169,7 @@ static void kx_override(llama_model_params * mp, std::vector<std::string> pats, 
     mp->tensor_buft_overrides = arr.data();
 }
 
-// The FFN tensors of the layers predicted mode runs sparse (ids), in plain host memory
+// The FFN tensors of the layers predicted and threshold mode run sparse (ids), in plain host memory
 // (kairox's huge-page buffers: an override to the CPU backend's own type would still be
 // repacked, llama.cpp counts its extra types as CPU); the others keep whatever buffer
 // llama.cpp picks (repacked where the CPU backend repacks)
@@ -180,8 +185,7 @@ static void kx_plain_ffn(llama_model_params * mp, const std::vector<int> & ids) 
 // of them unless the pack measured its lists. Exact mode lists what fires: on a ReLU model
 // every layer runs sparse, on a gated one (every neuron fires) none.
 static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp, const char * model_path) {
-    const bool named = kp->sparse_pack && *kp->sparse_pack;
-    const std::string pack = named ? kp->sparse_pack : model_path ? kx_pack_path_for(model_path) : "";
+    const std::string pack = kx_params_pack_path(kp, model_path);
     const kx_pack_preview pv = pack.empty() ? kx_pack_preview() : kx_pack_preview_read(pack);
     if (kp->sparse == KX_SPARSE_EXACT && !pv.activation.empty() && pv.activation != "relu") {
         return; // llama.cpp's weights as it loads them: the FFN runs dense
@@ -208,7 +212,6 @@ static void kx_check_slot_types(const kx_params * kp, const char * model_path) {
     if (!model_path) {
         return;
     }
-    const bool named = kp->sparse_pack && *kp->sparse_pack;
     ggml_backend_dev_t dev = nullptr;
     try {
         dev = kx_slots_device(kp->slots_device && *kp->slots_device ? kp->slots_device : nullptr);
@@ -217,8 +220,7 @@ static void kx_check_slot_types(const kx_params * kp, const char * model_path) {
     }
     int64_t n_embd = 0, n_ff = 0;
     std::vector<int32_t> checked;
-    for (const kx_slot_types & t : kx_slot_types_read(model_path, named ? kp->sparse_pack : kx_pack_path_for(model_path),
-                                                      &n_embd, &n_ff)) {
+    for (const kx_slot_types & t : kx_slot_types_read(model_path, kx_params_pack_path(kp, model_path), &n_embd, &n_ff)) {
         const int32_t key = t.gate | t.up << 8 | t.down << 16;
         if (std::find(checked.begin(), checked.end(), key) == checked.end()) {
             kx_slots_check_types(dev, t.gate, t.up, t.down, n_embd, n_ff);
@@ -467,7 +469,7 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
     // without the hybrid, a budget would leave every layer on the GPU, dense
     const int32_t refuse = budgeted ? KX_ERR_BUDGET : KX_ERR_PACK;
     const char * why = budgeted ? "the VRAM budget needs kairox's hybrid FFN, which is unavailable: " : "";
-    const std::string pack = has_pack_name ? kp->sparse_pack : kx_pack_path_for(model_path);
+    const std::string pack = kx_params_pack_path(kp, model_path.c_str());
     char e[1024];
     if (kx_model_slots(model)) {
         // a model applied to again (llama-bench reuses one across rows): its old slots go

@@ -673,7 +673,7 @@ def _budget_thresholds(model: Path, segs: Segments, held: list[int], hist: np.nd
     """kairox.threshold_search over the first `budget_tokens` held-out tokens, measured by
     the in-process emulator of kairox.quality; cached in the work folder (keyed by the
     budget and the tokens, the histograms being fixed by the folder's corpus)."""
-    from .quality import Emulator, Rule
+    from .quality import Emulator
     from .threshold_search import mass_ladder, search
 
     segments, n = [], 0
@@ -688,10 +688,8 @@ def _budget_thresholds(model: Path, segs: Segments, held: list[int], hist: np.nd
     if cache.exists():
         return json.loads(cache.read_text())
     with Emulator(model, n_ctx=cfg.n_ctx, n_batch=min(cfg.n_ctx, 256), threads=cfg.threads) as emu:
-        def ppl_of(thr: np.ndarray) -> tuple[float, float]:
-            r = emu.perplexity(segments, Rule.of_cats(thr) if np.any(thr > 0) else Rule.none())
-            return r.ppl, r.sparsity.fraction("gate")
-        res = search(mass_ladder(hist), ppl_of, cfg.ppl_budget, say=say).to_json()
+        res = search(mass_ladder(hist), lambda thr: emu.cats_perplexity(segments, thr), cfg.ppl_budget,
+                     say=say).to_json()
     res["tokens"] = n
     _atomic_json(cache, res)
     return res

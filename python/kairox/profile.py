@@ -163,6 +163,37 @@ def _threshold_at(cum: np.ndarray, target: float) -> float:
     return float(np.exp(np.log(lo) + frac * (np.log(hi) - np.log(lo))))
 
 
+def tokenize(C: Any, vocab: Any, text: str, add_bos: bool = False) -> np.ndarray:
+    """`text`'s tokens with llama.cpp's tokenizer (C: kairox.llama._C)."""
+    data = text.encode("utf-8")
+    cap = len(data) + 16
+    buf = (C.llama_token * cap)()
+    n = C.llama_tokenize(vocab, data, len(data), buf, cap, add_bos, False)
+    if n < 0:
+        raise ProfileError("tokenization overflowed its buffer")
+    return np.array(buf[:n], dtype=np.int32)
+
+
+def vocab_bos(C: Any, vocab: Any) -> int | None:
+    """The BOS token a prompt starts with, None when the vocabulary adds none."""
+    if not C.llama_vocab_get_add_bos(vocab):
+        return None
+    return int(C.llama_vocab_bos(vocab))
+
+
+def fill_batch(bt: Any, tokens: np.ndarray, lo: int, hi: int) -> Any:
+    """tokens[lo:hi] at positions lo.., one sequence, logits for every token (else llama.cpp
+    drops the last layer's other rows); returns the batch."""
+    bt.n_tokens = hi - lo
+    for j in range(hi - lo):
+        bt.token[j] = int(tokens[lo + j])
+        bt.pos[j] = lo + j
+        bt.n_seq_id[j] = 1
+        bt.seq_id[j][0] = 0
+        bt.logits[j] = 1
+    return bt
+
+
 @dataclass
 class Rows:
     """One decode's rows for one layer: FFN inputs and bit-packed active masks."""
@@ -261,18 +292,10 @@ class Profiler:
             raise ValueError(f"thresholds must be {self.base.n_layer} finite values >= 0")
 
     def tokenize(self, text: str, add_bos: bool = False) -> np.ndarray:
-        data = text.encode("utf-8")
-        cap = len(data) + 16
-        buf = (self._C.llama_token * cap)()
-        n = self._C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, False)
-        if n < 0:
-            raise ProfileError("tokenization overflowed its buffer")
-        return np.array(buf[:n], dtype=np.int32)
+        return tokenize(self._C, self.vocab, text, add_bos)
 
     def bos(self) -> int | None:
-        if not self._C.llama_vocab_get_add_bos(self.vocab):
-            return None
-        return int(self._C.llama_vocab_bos(self.vocab))
+        return vocab_bos(self._C, self.vocab)
 
     def run(self, tokens: np.ndarray) -> list[Rows]:
         """Profile one segment (at most n_ctx tokens, from an empty cache)."""
@@ -285,14 +308,7 @@ class Profiler:
         ms: list[list[np.ndarray]] = [[] for _ in range(b.n_layer)]
         for lo in range(0, n, self.n_batch):
             hi = min(lo + self.n_batch, n)
-            bt = self.batch
-            bt.n_tokens = hi - lo
-            for j in range(hi - lo):
-                bt.token[j] = int(tokens[lo + j])
-                bt.pos[j] = lo + j
-                bt.n_seq_id[j] = 1
-                bt.seq_id[j][0] = 0
-                bt.logits[j] = 1
+            bt = fill_batch(self.batch, tokens, lo, hi)
             self.lib.kx_collector_begin(self.collector)
             rc = C.llama_decode(self.ctx, bt)
             if rc != 0:
@@ -423,8 +439,8 @@ def unpack_masks(packed: np.ndarray, n_ff: int) -> np.ndarray:
     return np.unpackbits(packed, axis=1, count=n_ff, bitorder="little").astype(bool)
 
 
-__all__ = ["ACT_IDS", "Aggregates", "BaseModel", "ProfileError", "Profiler", "Rows", "sparsity_at", "threshold_for_mass",
-           "hist_edges", "stats_on_prompts", "threshold_for_sparsity", "unpack_masks"]
+__all__ = ["ACT_IDS", "Aggregates", "BaseModel", "ProfileError", "Profiler", "Rows", "fill_batch", "sparsity_at", "threshold_for_mass",
+           "hist_edges", "stats_on_prompts", "threshold_for_sparsity", "tokenize", "unpack_masks", "vocab_bos"]
 
 
 def record_trace(model_path: str | Path, pack_path: str | Path | None, prompts: list[list[int]],

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from .pack import BaseModel, inspect_model
+from .profile import fill_batch, hist_edges, tokenize, vocab_bos
 
 # kairox.Llama's sparse mode that skips neurons with |act(gate)| <= the pack's threshold
 CATS_MODE = "threshold"
@@ -187,7 +188,6 @@ class Calibration:
     def hist(self, kind: str) -> np.ndarray:
         """[n_layer, bins] histograms of the samples on the profiler's bins
         (kairox.profile.hist_edges; exact zeros in bin 0), for kairox.threshold_search."""
-        from .profile import hist_edges
         edges = hist_edges()
         out = np.zeros((len(self.samples[kind]), len(edges)), np.int64)
         for il, v in enumerate(self.samples[kind]):
@@ -228,8 +228,8 @@ class Emulator:
 
     f32_kv keeps the KV cache in F32 and flash_attn=False turns flash attention off (both as
     kairox.Llama's tests run, for comparisons with a float tolerance); the defaults are
-    llama.cpp's (F16 cache, flash attention where supported). callback=False loads the same context without a callback (the reference
-    the callback is tested against)."""
+    llama.cpp's (F16 cache, flash attention where supported). callback=False loads the same
+    context without a callback (the reference the callback is tested against)."""
 
     def __init__(self, model_path: str | Path, *, n_ctx: int = 512, n_batch: int = 512,
                  threads: int | None = None, f32_kv: bool = False, flash_attn: bool | None = None,
@@ -346,18 +346,10 @@ class Emulator:
     # ---- decoding
 
     def tokenize(self, text: str, add_bos: bool = False) -> np.ndarray:
-        data = text.encode("utf-8")
-        cap = len(data) + 16
-        buf = (self._C.llama_token * cap)()
-        n = self._C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, False)
-        if n < 0:
-            raise QualityError("tokenization overflowed its buffer")
-        return np.array(buf[:n], dtype=np.int32)
+        return tokenize(self._C, self.vocab, text, add_bos)
 
     def bos(self) -> int | None:
-        if not self._C.llama_vocab_get_add_bos(self.vocab):
-            return None
-        return int(self._C.llama_vocab_bos(self.vocab))
+        return vocab_bos(self._C, self.vocab)
 
     def _run(self, tokens: np.ndarray, on_logits: Callable[[int, np.ndarray], None] | None) -> None:
         """Decode one segment from an empty cache; on_logits(first_pos, logits [n, vocab])
@@ -369,14 +361,7 @@ class Emulator:
         C.llama_memory_clear(C.llama_get_memory(self.ctx), True)
         for lo in range(0, n, self.n_batch):
             hi = min(lo + self.n_batch, n)
-            bt = self.batch
-            bt.n_tokens = hi - lo
-            for j in range(hi - lo):
-                bt.token[j] = int(tokens[lo + j])
-                bt.pos[j] = lo + j
-                bt.n_seq_id[j] = 1
-                bt.seq_id[j][0] = 0
-                bt.logits[j] = 1
+            bt = fill_batch(self.batch, tokens, lo, hi)
             self._seen[:] = 0
             self._error = None
             rc = C.llama_decode(self.ctx, bt)
@@ -440,6 +425,13 @@ class Emulator:
         hdr, _ = inspect_model(self.path)
         t = next((t for t in hdr.tensors if t.name == "blk.0.attn_output.weight"), None)
         return int(t.ne[0]) if t is not None else self.base.n_embd
+
+    def cats_perplexity(self, segments: Sequence[np.ndarray], thresholds: np.ndarray) -> tuple[float, float]:
+        """(perplexity, realized gate sparsity) of `segments` under CATS at per-layer `thresholds`
+        (all 0: dense): what kairox.threshold_search measures at each step."""
+        thr = np.asarray(thresholds, np.float32)
+        r = self.perplexity(segments, Rule.of_cats(thr) if np.any(thr > 0) else Rule.none())
+        return r.ppl, r.sparsity.fraction("gate")
 
     def perplexity(self, segments: Sequence[np.ndarray], rule: Rule | None = None,
                    progress: Callable[[int], None] | None = None) -> PerplexityResult:
