@@ -170,13 +170,21 @@ def bound(b: dict, bw: dict) -> dict:
     return {"seconds": parts[key], "limit": key, "parts": parts}
 
 
-def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int) -> tuple[int, dict, list]:
-    """Largest -ngl whose GPU buffers fit the budget, by probing (linear model + checks)."""
+def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int,
+             n_gen: int | None = None) -> tuple[int, dict, list]:
+    """Largest -ngl whose GPU buffers fit the budget, by probing (linear model + checks); with
+    n_gen, at the context of a decode-only row of that many tokens instead of the prefill test's."""
     tried: dict[int, dict] = {}
+
+    def measure(k: int) -> dict:
+        if n_gen is None:
+            return probe(stock, model, k, threads)
+        return gpu_buffers(run([stock, "-m", str(model), "-p", "0", "-n", str(n_gen), "-r", "1", "-t", str(threads),
+                                "-o", "json", "-v", "-ngl", str(k)]).stderr)
 
     def mem(k: int) -> float:
         if k not in tried:
-            tried[k] = probe(stock, model, k, threads)
+            tried[k] = measure(k)
             log(f"ngl {k}: {tried[k]['total_mib']:.0f} MiB ({tried[k]['offloaded']})")
         return tried[k]["total_mib"]
 
@@ -191,7 +199,7 @@ def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: i
             k -= 1
         while k + 1 < top and mem(k + 1) <= budget_mib:
             k += 1
-    return k, tried.get(k) or probe(stock, model, k, threads), [{"ngl": a, **b} for a, b in sorted(tried.items())]
+    return k, tried.get(k) or measure(k), [{"ngl": a, **b} for a, b in sorted(tried.items())]
 
 
 def summarize_tpot(res: dict) -> dict:

@@ -29,10 +29,12 @@ def test_auto_slots_fill_what_the_base_leaves() -> None:
 
 
 def test_budgets_that_cannot_fit_say_why() -> None:
-    with pytest.raises(VramBudgetError, match="too small.*took 600 MiB"):
+    with pytest.raises(VramBudgetError, match="too small.*took 600 MiB.*at least 664 MiB"):
         auto_slots(500 * MiB, 600 * MiB, COSTS)
-    with pytest.raises(VramBudgetError, match="predictors need 10 MiB"):
+    with pytest.raises(VramBudgetError, match="too small.*margin of 64 MiB"):
         auto_slots(620 * MiB, 600 * MiB, COSTS)
+    # room for the base and its margin but not for the slots' predictors: no slots
+    assert auto_slots(670 * MiB, 600 * MiB, COSTS) == 0
     with pytest.raises(VramBudgetError, match="over the budget.*--reserve"):
         check_slots(700 * MiB, 600 * MiB, COSTS, [1000] * 4)
 
@@ -110,6 +112,47 @@ def test_the_runtime_loads_a_plan(tmp_path: Path, synth_model: Path) -> None:
     other = _plan(tmp_path, "other.gguf", 2, [1, 1])
     with pytest.raises(ValueError, match="made for other.gguf"):
         kairox.Llama(str(synth_model), sparse="predicted", plan=str(other), slots_device="CPU", verbose=False)
+
+
+def test_a_budget_below_the_dense_tensors_runs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """On a GPU: a budget that cannot hold every dense tensor beside the KV cache and compute
+    buffers is not refused. A dry run of the load measures those; the tensors worth the least
+    per byte wait in host memory; the run stays under the budget and computes what the
+    all-GPU placement computes. A budget below the KV cache and compute buffers is refused
+    with their sizes."""
+    import kairox
+    from kairox._native import has_gpu
+    from kairox.gguf_header import scan_header
+    from kairox.synth import Shape
+    from test_hybrid import PROMPT, permuted_tiny
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    model = permuted_tiny(tmp_path_factory.mktemp("place") / "kb-wide.gguf", Shape(4, 1024, 2816, 16, 16, "f16"), 3)
+    dense = {t.name: t.nbytes for t in scan_header(model).tensors
+             if "ffn_" not in t.name and t.name != "token_embd.weight" and len(t.ne) >= 2 and t.ne[1] > 1}
+    toks = PROMPT + list(range(100, 140))
+
+    def decode(budget: int) -> tuple[np.ndarray, VramReport, dict[str, str | None]]:
+        llm = kairox.Llama(str(model), sparse="predicted", vram_budget=budget, n_ctx=256, n_batch=1, n_ubatch=1,
+                           logits_all=True, verbose=False)
+        try:
+            llm.eval(toks)
+            assert llm.vram is not None and llm.vram_used() <= budget
+            return np.array(llm.scores[:llm.n_tokens]), llm.vram, {t: llm.tensor_buffer_type(t) for t in dense}
+        finally:
+            llm.close()
+    want, full, where = decode(4 << 30)
+    assert set(where.values()) == {"CUDA0"}
+    # half the dense bytes cannot stay: the rest of the base and the margin still fit
+    budget = full.base + margin_for(full.base) - sum(dense.values()) // 2
+    got, v, where = decode(budget)
+    on_cpu = [t for t, b in where.items() if b != "CUDA0"]
+    assert on_cpu and sum(dense[t] for t in on_cpu) >= sum(dense.values()) // 2 - 16 * MiB
+    assert v.used <= budget and v.base < full.base
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= 2e-3 * scale  # the same model, CPU and GPU kernels
+    with pytest.raises(VramBudgetError, match="too small: the KV cache .* and compute buffers .* alone take"):
+        decode(margin_for(0) + 1 * MiB)
 
 
 @pytest.mark.parametrize("kw,match", [

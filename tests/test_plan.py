@@ -51,6 +51,34 @@ def test_handoffs_can_keep_a_small_tensor_on_the_cpu() -> None:
     assert on == [True, True, True]
 
 
+def test_the_runtime_knapsack_is_the_reference(native: Path) -> None:
+    """kx_plan_dense, the load path's knapsack (C++), against solve_dense on random tensors of
+    mixed types and measured rates, budgets from nothing to more than all."""
+    import ctypes
+    from kairox.llama import _lib
+    rng = np.random.default_rng(11)
+    hw = HwProfile(cpu_gbs=60.0, gpu_gbs=2000.0, handoff_us=23.5, cpu_type_gbs={"q4_0": 25.0})
+    moved = kept = 0
+    for _ in range(40):
+        n = int(rng.integers(1, 50))
+        items = [DenseItem(f"t{i}", int(rng.integers(1, 200 * MiB)), str(rng.choice(["f16", "q4_0"])))
+                 for i in range(n)]
+        budget = int(rng.integers(0, int(sum(it.nbytes for it in items) * 1.2)))
+        unit = int(rng.choice([MiB, 16 * MiB]))
+        want, t = solve_dense(items, budget, hw, unit=unit)
+        nb = (ctypes.c_int64 * n)(*[it.nbytes for it in items])
+        cpu = (ctypes.c_double * n)(*[it.nbytes / hw.cpu_rate(it.type) for it in items])
+        gpu = (ctypes.c_double * n)(*[it.nbytes / hw.gpu_rate(it.type) for it in items])
+        on = (ctypes.c_bool * n)()
+        got = _lib.kx_plan_dense(nb, cpu, gpu, n, budget, unit, hw.handoff_us * 1e-6 / 2, on)
+        assert got == pytest.approx(t, rel=1e-12) and list(on) == want
+        moved += want.count(False)
+        kept += want.count(True)
+    assert moved and kept  # both sides were chosen
+    assert _lib.kx_plan_dense(None, None, None, 0, 1 << 30, MiB, 0.0, None) == 0.0  # nothing to place
+    assert _lib.kx_plan_dense(None, None, None, 3, 1 << 30, MiB, 0.0, None) < 0  # bad arguments
+
+
 def brute_slots(freqs, gbytes, budget, hw):
     def t(f, k):
         f = np.sort(f)[::-1]

@@ -288,6 +288,19 @@ LLAMA_API int32_t kx_model_params_apply(struct kx_params * kp, struct llama_mode
 // keeps llama.cpp's repacked weights; only the other layers' FFN weights load unrepacked.
 LLAMA_API int32_t kx_model_params_apply_model(struct kx_params * kp, struct llama_model_params * mp,
                                               const char * model_path, char * err, size_t err_size);
+// The same with the context's parameters (NULL: llama_context_default_params()). Under a VRAM
+// budget a dry run of the load (no memory allocated) measures the KV cache and compute buffers;
+// when the dense tensors do not fit beside them, the tensor-level knapsack (kx_plan_dense) keeps
+// those worth the least per byte on the CPU instead of refusing the budget.
+LLAMA_API int32_t kx_model_params_apply_ctx(struct kx_params * kp, struct llama_model_params * mp,
+                                            const struct llama_context_params * cp, const char * model_path,
+                                            char * err, size_t err_size);
+// The dense tensors' knapsack (python/kairox/plan.py solve_dense is the reference): n tensors in
+// execution order, each nbytes (rounded up to unit) taking cpu_s or gpu_s seconds per token, a
+// device switch between neighbours costing handoff_s (half a round trip), execution starting and
+// ending on the CPU. Fills on_gpu (n values) and returns the modelled seconds per token.
+LLAMA_API double  kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double * gpu_s, int32_t n,
+                                int64_t budget, int64_t unit, double handoff_s, bool * on_gpu);
 // Layers whose FFN runs sparse in predicted mode (the rest dense: their lists are too dense
 // to gain), out of the model's; 0 without a pack.
 LLAMA_API int32_t kx_model_sparse_layers(const struct llama_model * model);

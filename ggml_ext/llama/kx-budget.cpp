@@ -27,28 +27,20 @@ int64_t kx_budget_margin(int64_t budget) {
 int64_t kx_budget_auto_slots(int64_t budget, int64_t base, int64_t per_neuron, int64_t pred, int64_t n_layer,
                              int64_t n_ff, char * err, size_t err_size) {
     const int64_t margin = kx_budget_margin(budget);
-    const int64_t left   = budget - margin - base - pred;
-    const std::string least = kx_mib_str(base + pred + margin); // the smallest budget that holds 0 slots
-    if (budget < base) {
+    if (budget < base + margin) {
         kx_set_err(err, err_size, kx_fmt(
             "a VRAM budget of %s is too small: the dense tensors, KV cache and compute buffers alone took %s on "
-            "the GPU. Give at least %s, or lower n_ctx / n_ubatch, or keep some dense tensors on the CPU with a "
-            "`kairox plan` file", kx_mib_str(budget).c_str(), kx_mib_str(base).c_str(), least.c_str()));
-        return -1;
-    }
-    if (left < 0) {
-        kx_set_err(err, err_size, kx_fmt(
-            "a VRAM budget of %s leaves %s after the dense tensors, KV cache and compute buffers (%s); the GPU "
-            "predictors need %s and a margin of %s: give at least %s", kx_mib_str(budget).c_str(),
-            kx_mib_str(budget - base).c_str(), kx_mib_str(base).c_str(), kx_mib_str(pred).c_str(),
-            kx_mib_str(margin).c_str(), least.c_str()));
+            "the GPU, with a margin of %s. Give at least %s, or lower n_ctx / n_ubatch", kx_mib_str(budget).c_str(),
+            kx_mib_str(base).c_str(), kx_mib_str(margin).c_str(), kx_mib_str(base + margin).c_str()));
         return -1;
     }
     if (per_neuron <= 0 || n_layer <= 0) {
         kx_set_err(err, err_size, "kx_budget_auto_slots: per_neuron and n_layer must be positive");
         return -1;
     }
-    return std::max<int64_t>(0, std::min(n_ff, left / (per_neuron * n_layer)));
+    // no room for the slots' predictors: no slots, every FFN runs on the CPU
+    const int64_t left = budget - margin - base - pred;
+    return left < 0 ? 0 : std::min(n_ff, left / (per_neuron * n_layer));
 }
 
 int32_t kx_budget_check_slots(int64_t budget, int64_t base, int64_t per_neuron, int64_t pred, int64_t n_ff,

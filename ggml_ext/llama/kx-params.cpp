@@ -6,6 +6,7 @@
 #include "kairox.h"
 #include "kx-context.h"
 #include "kx-hybrid.h"
+#include "kx-placement.h"
 #include "kx-trace.h"
 
 #include "llama-context.h"
@@ -235,6 +236,38 @@ int32_t kx_model_params_apply(kx_params * kp, llama_model_params * mp, char * er
 
 int32_t kx_model_params_apply_model(kx_params * kp, llama_model_params * mp, const char * model_path, char * err,
                                     size_t err_size) {
+    return kx_model_params_apply_ctx(kp, mp, nullptr, model_path, err, err_size);
+}
+
+// The dense tensors that must wait on the CPU for the budget (kx-placement.cpp), from a dry run
+// of the load with the FFN in host memory as the real load will have it
+static std::vector<std::string> kx_budget_dense_cpu(const kx_params * kp, const llama_model_params & mp,
+                                                    const llama_context_params * cp, const char * model_path,
+                                                    ggml_backend_dev_t dev) {
+    const std::vector<std::string> pats = kx_cpu_patterns({});
+    std::vector<llama_model_tensor_buft_override> ov;
+    for (const std::string & p : pats) {
+        ov.push_back({ p.c_str(), ggml_backend_cpu_buffer_type() });
+    }
+    for (const llama_model_tensor_buft_override * o = mp.tensor_buft_overrides; o && o->pattern; ++o) {
+        ov.push_back(*o);
+    }
+    ov.push_back({ nullptr, nullptr });
+    llama_model_params dry = mp;
+    dry.tensor_buft_overrides = ov.data();
+    dry.use_extra_bufts = false;
+    kx_dense_rates rates;
+    if (kp->balance.cpu_gbs > 0) {
+        rates.cpu_gbs = kp->balance.cpu_gbs;
+    }
+    if (kp->balance.gpu_gbs > 0) {
+        rates.gpu_gbs = kp->balance.gpu_gbs;
+    }
+    return kx_place_dense(dry, cp ? *cp : llama_context_default_params(), model_path, dev, kp->vram_budget, rates);
+}
+
+int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const llama_context_params * cp,
+                                  const char * model_path, char * err, size_t err_size) {
     if (!kp || !mp) {
         return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_model_params_apply: kp and mp are required");
     }
@@ -271,6 +304,13 @@ int32_t kx_model_params_apply_model(kx_params * kp, llama_model_params * mp, con
                            "(--gpu-slots) with the slots on the CPU to run the split without one");
         }
         kp->vram_free_at_load = kx_dev_free(dev);
+        if (dense_cpu.empty() && model_path) {
+            try {
+                dense_cpu = kx_budget_dense_cpu(kp, *mp, cp, model_path, dev);
+            } catch (const std::exception & e) {
+                return kx_fail(err, err_size, KX_ERR_BUDGET, e.what());
+            }
+        }
     }
     ggml_backend_buffer_type_t host = pinned ? kx_host_buffer_type(true, kp->faults)
         : ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));

@@ -37,20 +37,16 @@ def _mib(b: int) -> str:
 
 
 def auto_slots(budget: int, base: int, costs: SlotCosts) -> int:
-    """Slots per layer (the same for every layer) that fill what the budget leaves."""
-    left = budget - margin_for(budget) - base - costs.pred
-    least = _mib(base + costs.pred + margin_for(budget))  # the smallest budget that holds 0 slots
-    if budget < base:
+    """Slots per layer (the same for every layer) that fill what the budget leaves; 0 when
+    the slots' predictors do not fit (every FFN then runs on the CPU)."""
+    margin = margin_for(budget)
+    if budget < base + margin:
         raise VramBudgetError(
             f"a VRAM budget of {_mib(budget)} is too small: the dense tensors, KV cache and compute buffers "
-            f"alone took {_mib(base)} on the GPU. Give at least {least}, "
-            f"or lower n_ctx / n_ubatch, or keep some dense tensors on the CPU with a `kairox plan` file")
-    if left < 0:
-        raise VramBudgetError(
-            f"a VRAM budget of {_mib(budget)} leaves {_mib(budget - base)} after the dense tensors, KV cache and "
-            f"compute buffers ({_mib(base)}); the GPU predictors need {_mib(costs.pred)} and a margin of "
-            f"{_mib(margin_for(budget))}: give at least {least}")
-    return max(0, min(costs.n_ff, left // (costs.per_neuron * costs.n_layer)))
+            f"alone took {_mib(base)} on the GPU, with a margin of {_mib(margin)}. Give at least "
+            f"{_mib(base + margin)}, or lower n_ctx / n_ubatch")
+    left = budget - margin - base - costs.pred
+    return 0 if left < 0 else max(0, min(costs.n_ff, left // (costs.per_neuron * costs.n_layer)))
 
 
 def check_slots(budget: int, base: int, costs: SlotCosts, counts: Sequence[int]) -> None:

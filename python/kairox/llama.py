@@ -250,7 +250,7 @@ class SparseApproximationWarning(UserWarning):
 
 
 class _ParamsRefused(ValueError):
-    """kx_model_params_apply_model refused kairox's options (a ValueError with its sentence)."""
+    """kx_model_params_apply_ctx refused kairox's options (a ValueError with its sentence)."""
 
 
 class SparseNoGainWarning(UserWarning):
@@ -328,6 +328,25 @@ _errors = _ErrorLog()
 
 _lib = capi.declare(_C._lib)
 
+def _context_params(kwargs: dict[str, Any]) -> Any:
+    """The context parameters the base class will make of kwargs: a VRAM budget's dry run
+    measures the KV cache and compute buffers with them before the model loads."""
+    sig = inspect.signature(llama_cpp.Llama.__init__).parameters
+
+    def get(k: str) -> Any:
+        return kwargs.get(k, sig[k].default)
+    cp = _C.llama_context_default_params()
+    n_ctx = int(get("n_ctx"))
+    n_batch = min(n_ctx, int(get("n_batch"))) if n_ctx else int(get("n_batch"))
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, min(n_batch, int(get("n_ubatch")))
+    cp.offload_kqv = bool(get("offload_kqv"))
+    cp.flash_attn_type = _C.LLAMA_FLASH_ATTN_TYPE_ENABLED if get("flash_attn") else _C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    for k in ("op_offload", "swa_full", "type_k", "type_v"):
+        if get(k) is not None:
+            setattr(cp, k, get(k))
+    return cp
+
+
 # llama.cpp reads model params once, inside the base constructor; kairox's placement adjusts
 # them there (kx_model_params_apply), so the base class's params come from a patched default
 _params_lock = threading.Lock()
@@ -369,15 +388,18 @@ class Llama(llama_cpp.Llama):
                 # them mapped, pageable)
                 kwargs.setdefault("use_mmap", False)
         err = ctypes.create_string_buffer(1024)
+        cparams = _context_params(kwargs)
         with _params_lock:
             default_params = _C.llama_model_default_params
 
             def kx_default_params():
                 p = default_params()
-                if _lib.kx_model_params_apply_model(ctypes.byref(self._kx_params), ctypes.addressof(p),
-                                                    os.fsencode(model_path), err, len(err)):
+                rc = _lib.kx_model_params_apply_ctx(ctypes.byref(self._kx_params), ctypes.addressof(p),
+                                                    ctypes.addressof(cparams), os.fsencode(model_path), err, len(err))
+                if rc:
                     # raised inside the base class's constructor: the model is not loaded
-                    raise _ParamsRefused(err.value.decode("utf-8", "replace"))
+                    why = err.value.decode("utf-8", "replace")
+                    raise VramBudgetError(why) if rc == capi.Status.BUDGET else _ParamsRefused(why)
                 return p
             _C.llama_model_default_params = kx_default_params
             try:
@@ -389,7 +411,7 @@ class Llama(llama_cpp.Llama):
                 pageable = _lib.kx_host_pageable_bytes()
                 super().__init__(model_path, *args, **kwargs)
                 pageable = _lib.kx_host_pageable_bytes() - pageable
-            except (ModelLoadError, _ParamsRefused):
+            except (ModelLoadError, _ParamsRefused, VramBudgetError):
                 raise
             except ValueError as e:
                 why = _errors.take()

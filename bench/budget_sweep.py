@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Decode speed against the VRAM budget, through the binaries: kairox-bench at each budget
+(its own placement: dense tensors that do not fit wait on the CPU, neuron slots fill what is
+left) beside llama.cpp's best placement that fits the same budget (the largest -ngl whose GPU
+buffers fit, probed at the rows' own context as bench/offload.py probes, run with -fa 0 and
+-fa 1), from the same build.
+
+Each round runs every budget's rows once, budgets in order. A budget kairox refuses is
+recorded with its message, not skipped. Writes raw results (JSON with the exact commands and
+the commit), a Markdown table and a plot of tok/s against the budget.
+
+    python3 bench/budget_sweep.py --model KB-7B-f16.gguf --budgets 1,2,4,7,10,14 --bin BUILD/bin --out OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offload import MiB, Layout, find_ngl  # noqa: E402
+from tools_bench import bench_row, commit  # noqa: E402
+
+
+def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float,
+               sparse: str) -> tuple[list[str], float | None, str]:
+    extra = ["--vram-budget", f"{budget_gib:g}GiB", "--sparse", sparse, "-fa", "1"]
+    try:
+        cmd, ts = bench_row(exe, model, gen, threads, extra)
+        return cmd, ts, ""
+    except RuntimeError as e:  # a refused budget: its message is the result
+        msg = str(e)
+        return extra, None, msg[msg.rfind("kairox:"):].strip() if "kairox:" in msg else msg[-400:]
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("kairox", "kairox-bench --vram-budget"), ("llama", "llama.cpp best -ngl/-fa")):
+        pts = [(b["budget_gib"], b[key]["median"]) for b in res["budgets"] if b[key]["median"]]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xlabel("VRAM budget (GiB)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_yscale("log")
+    ax.set_title(f"{res['model']}: decode against the VRAM budget")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--budgets", default="1,2,3,4,6,8,10,12,14", help="GiB, comma-separated (default: %(default)s)")
+    ap.add_argument("--sparse", default="predicted")
+    ap.add_argument("--bin", required=True, help="folder with kairox's llama-bench")
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--name", default=None, help="results file stem (default: budget-sweep-MODEL)")
+    args = ap.parse_args()
+    exe = Path(args.bin) / "llama-bench"
+    model = Path(args.model)
+    lay = Layout(model)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    t0 = time.time()
+    rows = []
+    for b in budgets:
+        ngl, _, search = find_ngl(str(exe), model, lay, b * 1024, args.threads, n_gen=args.gen)
+        rows.append({"budget_gib": b, "ngl": ngl, "ngl_search": search,
+                     "kairox": {"tok_s": [], "cmd": None, "error": ""},
+                     "llama": {f: {"tok_s": [], "cmd": None} for f in ("0", "1")}})
+        print(f"{b:g} GiB: llama.cpp -ngl {ngl} fits ({time.time() - t0:.0f} s)", flush=True)
+    for k in range(args.rounds):
+        for r in rows:
+            cmd, ts, err = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"], args.sparse)
+            r["kairox"]["cmd"], r["kairox"]["error"] = cmd, err
+            if ts is not None:
+                r["kairox"]["tok_s"].append(ts)
+            for fa, lr in r["llama"].items():
+                lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, ["-ngl", str(r["ngl"]), "-fa", fa])
+                lr["tok_s"].append(t)
+            print(f"round {k + 1}: {r['budget_gib']:g} GiB: kairox {ts if ts is not None else err} / llama.cpp "
+                  f"{[lr['tok_s'][-1] for lr in r['llama'].values()]} ({time.time() - t0:.0f} s)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"budget-sweep-{model.stem}"
+    budgets_out = []
+    for r in rows:
+        best_fa = max(r["llama"], key=lambda f: statistics.median(r["llama"][f]["tok_s"]))
+        lr = r["llama"][best_fa]
+        kx = r["kairox"]
+        budgets_out.append({
+            "budget_gib": r["budget_gib"], "ngl_search": r["ngl_search"],
+            "kairox": {"command": " ".join(kx["cmd"]), "tok_s": kx["tok_s"], "error": kx["error"],
+                       "median": statistics.median(kx["tok_s"]) if kx["tok_s"] else None},
+            "llama": {"ngl": r["ngl"], "fa": best_fa, "command": " ".join(lr["cmd"]), "tok_s": lr["tok_s"],
+                      "median": statistics.median(lr["tok_s"]),
+                      "all": {f: v["tok_s"] for f, v in r["llama"].items()}}})
+    res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": model.name,
+           "model_mib": round(model.stat().st_size / MiB), "sparse": args.sparse, "gen": args.gen,
+           "threads": args.threads, "rounds": args.rounds, "budgets": budgets_out}
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    lines = [f"# {model.name} ({res['model_mib']} MiB): decode against the VRAM budget", "",
+             f"decode of {args.gen} tokens, {args.threads} threads, {args.rounds} round(s); commit {res['commit']}",
+             "", "| budget | kairox-bench tok/s | llama.cpp best (-ngl, -fa) tok/s | kairox / llama.cpp |",
+             "|---:|---:|---:|---:|"]
+    for b in budgets_out:
+        kx, lr = b["kairox"], b["llama"]
+        spread = lambda v: f" ({min(v):.2f}-{max(v):.2f})" if len(v) > 1 else ""  # noqa: E731
+        kxs = f"{kx['median']:.2f}{spread(kx['tok_s'])}" if kx["median"] else f"refused: {kx['error']}"
+        ratio = f"{kx['median'] / lr['median']:.2f}x" if kx["median"] else "-"
+        lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {lr['median']:.2f}{spread(lr['tok_s'])} "
+                     f"(-ngl {lr['ngl']}, -fa {lr['fa']}) | {ratio} |")
+    lines += ["", "Commands (kairox-bench; llama.cpp's rows are the same binary with -ngl and -fa):", "", "```",
+              *[b["kairox"]["command"] for b in budgets_out], "```", ""]
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    try:
+        plot(res, out / f"{stem}.png")
+    except ImportError:
+        pass
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

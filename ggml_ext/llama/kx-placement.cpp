@@ -1,0 +1,235 @@
+// Tensor-level placement under a VRAM budget (include/kairox.h: kx_plan_dense,
+// kx_model_params_apply_ctx). python/kairox/plan.py (solve_dense) is the readable reference;
+// tests compare the two on random tensors.
+//
+// The hybrid keeps every dense tensor (attention, norms, output head) on the GPU and fills
+// what the budget leaves with neuron slots. When the dense tensors do not fit beside the KV
+// cache and compute buffers, the budget is not refused: a dry run of the load (llama.cpp's
+// no_alloc: tensors and buffers sized, nothing allocated) measures the KV cache and compute
+// buffers for the context's parameters, and the knapsack keeps on the GPU the dense tensors
+// that save the most time per byte, counting the hand-off a device switch between two
+// consecutive tensors costs. Decode is memory-bound: a tensor costs bytes / rate per token.
+#include "kairox.h"
+#include "kx-pack.h"
+#include "kx-placement.h"
+
+#include "llama-ext.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <regex>
+#include <string>
+#include <vector>
+
+double kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double * gpu_s, int32_t n, int64_t budget,
+                     int64_t unit, double handoff_s, bool * on_gpu) {
+    if (n < 0 || unit <= 0 || (n > 0 && (!nbytes || !cpu_s || !gpu_s || !on_gpu))) {
+        return -1.0;
+    }
+    const int64_t cap = std::max<int64_t>(0, budget / unit);
+    const double  inf = std::numeric_limits<double>::infinity();
+    std::vector<int64_t> w((size_t) n);
+    for (int32_t i = 0; i < n; ++i) {
+        w[i] = (nbytes[i] + unit - 1) / unit;
+    }
+    // cost[c*2 + d]: the best time using c units with the last tensor on device d (0 CPU, 1 GPU);
+    // choice keeps each step's previous device to walk the best path back
+    std::vector<double> cost((size_t) (cap + 1) * 2, inf), next(cost.size());
+    std::vector<int8_t> choice((size_t) n * (cap + 1) * 2, 0);
+    cost[0] = 0.0; // execution starts on the CPU (the token embedding)
+    for (int32_t i = 0; i < n; ++i) {
+        std::fill(next.begin(), next.end(), inf);
+        int8_t * ch = choice.data() + (size_t) i * (cap + 1) * 2;
+        for (int d = 0; d < 2; ++d) {
+            const double  t     = d == 0 ? cpu_s[i] : gpu_s[i];
+            const int64_t shift = d == 0 ? 0 : w[i];
+            if (shift > cap) {
+                continue; // does not fit even alone
+            }
+            for (int prev = 0; prev < 2; ++prev) {
+                const double hop = prev != d ? handoff_s : 0.0;
+                for (int64_t c = 0; c + shift <= cap; ++c) {
+                    const double v = cost[c * 2 + prev] + t + hop;
+                    double & dst = next[(c + shift) * 2 + d];
+                    if (v < dst) {
+                        dst = v;
+                        ch[(c + shift) * 2 + d] = (int8_t) prev;
+                    }
+                }
+            }
+        }
+        cost.swap(next);
+    }
+    // end on the CPU: sampling reads the logits on the host
+    int64_t bc = 0;
+    int     bd = 0;
+    double  best = inf;
+    for (int64_t c = 0; c <= cap; ++c) {
+        for (int d = 0; d < 2; ++d) {
+            const double v = cost[c * 2 + d] + (d == 1 ? handoff_s : 0.0);
+            if (v < best) {
+                best = v;
+                bc = c;
+                bd = d;
+            }
+        }
+    }
+    for (int32_t i = n - 1; i >= 0; --i) {
+        on_gpu[i] = bd == 1;
+        const int prev = choice[((size_t) i * (cap + 1) + bc) * 2 + bd];
+        if (bd == 1) {
+            bc -= w[i];
+        }
+        bd = prev;
+    }
+    return best;
+}
+
+// "blk.3.attn_q.weight" -> (3, "attn_q.weight"); (-1, name) outside the blocks
+static std::pair<int, std::string> kx_tensor_layer(const std::string & name) {
+    static const std::regex blk("blk\\.(\\d+)\\.(.+)");
+    std::smatch m;
+    if (std::regex_match(name, m, blk)) {
+        return { std::stoi(m[1]), m[2] };
+    }
+    return { -1, name };
+}
+
+// "attn_q.weight 0-11,14; output.weight": what a placement put on the CPU, by kind
+static std::string kx_names_text(const std::vector<std::string> & names) {
+    std::map<std::string, std::vector<int>> kinds;
+    std::vector<std::string> order, other;
+    for (const std::string & n : names) {
+        const auto [il, kind] = kx_tensor_layer(n);
+        if (il < 0) {
+            other.push_back(n);
+            continue;
+        }
+        if (!kinds.count(kind)) {
+            order.push_back(kind);
+        }
+        kinds[kind].push_back(il);
+    }
+    std::string out;
+    for (const std::string & k : order) {
+        std::vector<int> & ids = kinds[k];
+        std::sort(ids.begin(), ids.end());
+        std::string r;
+        for (size_t a = 0; a < ids.size();) {
+            size_t b = a;
+            while (b + 1 < ids.size() && ids[b + 1] == ids[b] + 1) {
+                ++b;
+            }
+            r += (r.empty() ? "" : ",") + (a == b ? std::to_string(ids[a]) : kx_fmt("%d-%d", ids[a], ids[b]));
+            a = b + 1;
+        }
+        out += (out.empty() ? "" : "; ") + k + " " + r;
+    }
+    for (const std::string & n : other) {
+        out += (out.empty() ? "" : "; ") + n;
+    }
+    return out;
+}
+
+static std::string kx_mib(int64_t b) {
+    return kx_fmt("%.0f MiB", (double) b / (1 << 20));
+}
+
+std::vector<std::string> kx_place_dense(const llama_model_params & mp_in, const llama_context_params & cp,
+                                        const char * model_path, ggml_backend_dev_t dev, int64_t budget,
+                                        const kx_dense_rates & rates) {
+    // the dry run, quiet: llama.cpp's load log would repeat the real load's
+    ggml_log_callback cb0 = nullptr;
+    void * ud0 = nullptr;
+    llama_log_get(&cb0, &ud0);
+    struct quiet { ggml_log_callback cb; void * ud; } q = { cb0, ud0 };
+    llama_log_set([](ggml_log_level level, const char * text, void * ud) {
+        const quiet * q = (const quiet *) ud;
+        if (level == GGML_LOG_LEVEL_ERROR && q->cb) {
+            q->cb(level, text, q->ud);
+        }
+    }, &q);
+    llama_model_params mp = mp_in;
+    mp.no_alloc  = true;
+    mp.load_mode = LLAMA_LOAD_MODE_NONE;
+    llama_model * model = llama_model_load_from_file(model_path, mp);
+    llama_context * ctx = model ? llama_init_from_model(model, cp) : nullptr;
+    llama_log_set(cb0, ud0);
+    if (!ctx) {
+        if (model) {
+            llama_model_free(model);
+        }
+        throw std::runtime_error(kx_fmt("the VRAM budget's dry run could not %s %s", model ? "make a context for" : "load",
+                                        model_path));
+    }
+    int64_t weights = 0, kv = 0, compute = 0;
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+        if (ggml_backend_buft_get_device(buft) == dev) {
+            weights += (int64_t) mb.model;
+            kv      += (int64_t) mb.context;
+            compute += (int64_t) mb.compute;
+        }
+    }
+    // the matrices on the device are the items; vectors (norms) stay with the fixed part
+    struct item { std::string name; int64_t bytes; };
+    std::vector<item> items;
+    int64_t movable = 0;
+    for (const auto & [name, t] : model->tensors_by_name) {
+        if (!t->buffer || ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer)) != dev || t->ne[1] <= 1) {
+            continue;
+        }
+        items.push_back({ name, (int64_t) ggml_nbytes(t) });
+        movable += (int64_t) ggml_nbytes(t);
+    }
+    llama_free(ctx);
+    llama_model_free(model);
+
+    const int64_t margin = kx_budget_margin(budget);
+    if (weights + kv + compute + margin <= budget) {
+        return {}; // everything dense fits: the slots take what is left
+    }
+    const int64_t fixed = kv + compute + (weights - movable);
+    if (fixed + margin > budget) {
+        throw std::runtime_error(kx_fmt(
+            "a VRAM budget of %s is too small: the KV cache (%s) and compute buffers (%s) alone take %s on the GPU "
+            "with a margin of %s. Give at least %s, or lower n_ctx / n_ubatch", kx_mib(budget).c_str(),
+            kx_mib(kv).c_str(), kx_mib(compute).c_str(), kx_mib(fixed).c_str(), kx_mib(margin).c_str(),
+            kx_mib(fixed + margin).c_str()));
+    }
+    // execution order: by layer, then by name (the reference's order)
+    std::stable_sort(items.begin(), items.end(), [](const item & a, const item & b) {
+        const auto la = kx_tensor_layer(a.name), lb = kx_tensor_layer(b.name);
+        const int ka = la.first >= 0 ? la.first : a.name == "output.weight" ? std::numeric_limits<int>::max() : -1;
+        const int kb = lb.first >= 0 ? lb.first : b.name == "output.weight" ? std::numeric_limits<int>::max() : -1;
+        return ka != kb ? ka < kb : a.name < b.name;
+    });
+    const int32_t n = (int32_t) items.size();
+    std::vector<int64_t> nb(n);
+    std::vector<double> cpu(n), gpu(n);
+    for (int32_t i = 0; i < n; ++i) {
+        nb[i]  = items[i].bytes;
+        cpu[i] = (double) items[i].bytes / (rates.cpu_gbs * 1e9);
+        gpu[i] = (double) items[i].bytes / (rates.gpu_gbs * 1e9);
+    }
+    std::unique_ptr<bool[]> on_gpu(new bool[std::max(n, 1)]);
+    const double t = kx_plan_dense(nb.data(), cpu.data(), gpu.data(), n, budget - margin - fixed, kx_plan_dense_unit,
+                                   rates.handoff_us * 1e-6 / 2, on_gpu.get());
+    std::vector<std::string> cpu_names;
+    int64_t cpu_bytes = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        if (!on_gpu[i]) {
+            cpu_names.push_back(items[i].name);
+            cpu_bytes += items[i].bytes;
+        }
+    }
+    LLAMA_LOG_INFO("kairox: VRAM budget %s: the dense tensors (%s) do not fit beside the KV cache (%s) and compute "
+                   "buffers (%s); %zu of %d kept on the CPU (%s), modelled %.2f ms per token: %s\n",
+                   kx_mib(budget).c_str(), kx_mib(weights).c_str(), kx_mib(kv).c_str(), kx_mib(compute).c_str(),
+                   cpu_names.size(), n, kx_mib(cpu_bytes).c_str(), t * 1e3, kx_names_text(cpu_names).c_str());
+    return cpu_names;
+}

@@ -1,0 +1,27 @@
+// Tensor-level placement under a VRAM budget (kx-placement.cpp): which dense tensors stay on
+// the CPU when they do not all fit on the GPU beside the KV cache and compute buffers.
+#pragma once
+
+#include "llama.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// the knapsack's resolution: 1 MiB keeps a Q4 attention matrix of a 7B model (9 MiB) from
+// being rounded to twice its size, and the table small (KB-70B at 22 GiB: 18 MB)
+static constexpr int64_t kx_plan_dense_unit = 1 << 20;
+
+// decode rates of the cost model (kairox.costs.Rates, plan.HwProfile.handoff_us)
+struct kx_dense_rates {
+    double cpu_gbs    = 100.0;
+    double gpu_gbs    = 2000.0;
+    double handoff_us = 23.5; // one CPU<->GPU round trip of the hidden state
+};
+
+// The dense tensors (by name) to keep on the CPU so that everything fits under budget on dev;
+// empty when all fit. mp: the model parameters with the FFN already kept in host memory.
+// Throws with the sizes when the KV cache and compute buffers alone do not fit.
+std::vector<std::string> kx_place_dense(const llama_model_params & mp, const llama_context_params & cp,
+                                        const char * model_path, ggml_backend_dev_t dev, int64_t budget,
+                                        const kx_dense_rates & rates);
