@@ -43,9 +43,9 @@ from .plan import HwProfile, Plan, parse_size
 llama_cpp = load_llama_cpp()
 _C = llama_cpp.llama_cpp
 
-_BASE_KWARGS = frozenset(
-    p.name for p in inspect.signature(llama_cpp.Llama.__init__).parameters.values()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY)
+# the base constructor's parameters, read at import (the server puts kairox.Llama in its place)
+_BASE_PARAMS = inspect.signature(llama_cpp.Llama.__init__).parameters
+_BASE_KWARGS = frozenset(p.name for p in _BASE_PARAMS.values() if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,10 +331,8 @@ _lib = capi.declare(_C._lib)
 def _context_params(kwargs: dict[str, Any]) -> Any:
     """The context parameters the base class will make of kwargs: a VRAM budget's dry run
     measures the KV cache and compute buffers with them before the model loads."""
-    sig = inspect.signature(llama_cpp.Llama.__init__).parameters
-
     def get(k: str) -> Any:
-        return kwargs.get(k, sig[k].default)
+        return kwargs.get(k, _BASE_PARAMS[k].default)
     cp = _C.llama_context_default_params()
     n_ctx = int(get("n_ctx"))
     n_batch = min(n_ctx, int(get("n_batch"))) if n_ctx else int(get("n_batch"))
