@@ -7,6 +7,7 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kairox.budget import VramBudgetError, VramReport, auto_slots, check_slots, margin_for, shrink
