@@ -33,9 +33,11 @@ def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float,
     try:
         cmd, ts = bench_row(exe, model, gen, threads, extra)
         return cmd, ts, ""
-    except RuntimeError as e:  # a refused budget: its message is the result
+    except RuntimeError as e:  # a refused budget (its message) or a failed run: the result either way
         msg = str(e)
-        return extra, None, msg[msg.rfind("kairox:"):].strip() if "kairox:" in msg else msg[-400:]
+        if "kairox:" in msg:
+            return extra, None, "refused: " + msg[msg.rfind("kairox:"):].strip()
+        return extra, None, "failed: " + " / ".join(msg.strip().splitlines()[-2:])[-300:]
 
 
 def plot(res: dict, path: Path) -> None:
@@ -117,7 +119,7 @@ def main() -> int:
     for b in budgets_out:
         kx, lr = b["kairox"], b["llama"]
         spread = lambda v: f" ({min(v):.2f}-{max(v):.2f})" if len(v) > 1 else ""  # noqa: E731
-        kxs = f"{kx['median']:.2f}{spread(kx['tok_s'])}" if kx["median"] else f"refused: {kx['error']}"
+        kxs = f"{kx['median']:.2f}{spread(kx['tok_s'])}" if kx["median"] else kx["error"]
         ratio = f"{kx['median'] / lr['median']:.2f}x" if kx["median"] else "-"
         lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {lr['median']:.2f}{spread(lr['tok_s'])} "
                      f"(-ngl {lr['ngl']}, -fa {lr['fa']}) | {ratio} |")

@@ -168,8 +168,12 @@ std::vector<std::string> kx_place_dense(const llama_model_params & mp_in, const 
                                         model_path));
     }
     int64_t weights = 0, kv = 0, compute = 0;
+    // a device's host buffer types (CUDA_Host) name the device too: what counts is device memory
+    auto on_dev = [dev](ggml_backend_buffer_type_t buft) {
+        return !ggml_backend_buft_is_host(buft) && ggml_backend_buft_get_device(buft) == dev;
+    };
     for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
-        if (ggml_backend_buft_get_device(buft) == dev) {
+        if (on_dev(buft)) {
             weights += (int64_t) mb.model;
             kv      += (int64_t) mb.context;
             compute += (int64_t) mb.compute;
@@ -180,7 +184,7 @@ std::vector<std::string> kx_place_dense(const llama_model_params & mp_in, const 
     std::vector<item> items;
     int64_t movable = 0;
     for (const auto & [name, t] : model->tensors_by_name) {
-        if (!t->buffer || ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer)) != dev || t->ne[1] <= 1) {
+        if (!t->buffer || !on_dev(ggml_backend_buffer_get_type(t->buffer)) || t->ne[1] <= 1) {
             continue;
         }
         items.push_back({ name, (int64_t) ggml_nbytes(t) });
