@@ -23,7 +23,6 @@
 #include <fstream>
 #include <map>
 #include <mutex>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -118,19 +117,14 @@ static std::vector<std::string> kx_cpu_patterns(const std::vector<std::string> &
     std::vector<std::string> pats = { "blk\\.\\d+\\.ffn_(gate|up|down)\\.weight" };
     std::map<std::string, std::vector<std::string>> kinds;
     std::vector<std::string> other;
-    static const std::regex blk("blk\\.(\\d+)\\.(.+)");
-    auto esc = [](const std::string & s) {
-        static const std::regex special("[.^$|()\\[\\]{}*+?\\\\]");
-        return std::regex_replace(s, special, "\\$&");
-    };
     std::vector<std::string> order;
     for (const std::string & n : names) {
-        std::smatch m;
-        if (std::regex_match(n, m, blk)) {
-            if (!kinds.count(m[2])) {
-                order.push_back(m[2]);
+        const auto [il, kind] = kx_tensor_layer(n);
+        if (il >= 0) {
+            if (!kinds.count(kind)) {
+                order.push_back(kind);
             }
-            kinds[m[2]].push_back(m[1]);
+            kinds[kind].push_back(std::to_string(il));
         } else {
             other.push_back(n);
         }
@@ -140,10 +134,10 @@ static std::vector<std::string> kx_cpu_patterns(const std::vector<std::string> &
         for (const std::string & i : kinds[k]) {
             ids += (ids.empty() ? "" : "|") + i;
         }
-        pats.push_back("^blk\\.(" + ids + ")\\." + esc(k) + "$");
+        pats.push_back("^blk\\.(" + ids + ")\\." + kx_regex_escape(k) + "$");
     }
     for (const std::string & n : other) {
-        pats.push_back("^" + esc(n) + "$");
+        pats.push_back("^" + kx_regex_escape(n) + "$");
     }
     return pats;
 }

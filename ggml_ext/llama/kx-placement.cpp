@@ -22,7 +22,7 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <regex>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -90,14 +90,31 @@ double kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double 
     return best;
 }
 
-// "blk.3.attn_q.weight" -> (3, "attn_q.weight"); (-1, name) outside the blocks
-static std::pair<int, std::string> kx_tensor_layer(const std::string & name) {
-    static const std::regex blk("blk\\.(\\d+)\\.(.+)");
-    std::smatch m;
-    if (std::regex_match(name, m, blk)) {
-        return { std::stoi(m[1]), m[2] };
+std::pair<int, std::string> kx_tensor_layer(const std::string & name) {
+    // by hand: a name is split for every tensor at every load
+    static const std::string pre = "blk.";
+    if (name.compare(0, pre.size(), pre) == 0) {
+        size_t i = pre.size();
+        int il = 0;
+        while (i < name.size() && name[i] >= '0' && name[i] <= '9' && il < 1000000) {
+            il = il * 10 + (name[i++] - '0');
+        }
+        if (i > pre.size() && i + 1 < name.size() && name[i] == '.') {
+            return { il, name.substr(i + 1) };
+        }
     }
     return { -1, name };
+}
+
+std::string kx_regex_escape(const std::string & s) {
+    std::string out;
+    for (char c : s) {
+        if (c != 0 && std::strchr(".^$|()[]{}*+?\\", c)) {
+            out += '\\';
+        }
+        out += c;
+    }
+    return out;
 }
 
 // "attn_q.weight 0-11,14; output.weight": what a placement put on the CPU, by kind

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 // the knapsack's resolution: 1 MiB keeps a Q4 attention matrix of a 7B model (9 MiB) from
@@ -18,6 +19,11 @@ struct kx_dense_rates {
     double gpu_gbs    = 2000.0;
     double handoff_us = 23.5; // one CPU<->GPU round trip of the hidden state
 };
+
+// "blk.3.attn_q.weight" -> (3, "attn_q.weight"); (-1, name) outside the blocks
+std::pair<int, std::string> kx_tensor_layer(const std::string & name);
+// s with the characters special to llama.cpp's override patterns (ECMAScript regex) escaped
+std::string kx_regex_escape(const std::string & s);
 
 // The dense tensors (by name) to keep on the CPU so that everything fits under budget on dev;
 // empty when all fit. mp: the model parameters with the FFN already kept in host memory.
