@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload import MiB, Layout, find_ngl  # noqa: E402
-from tools_bench import bench_row, commit  # noqa: E402
+from tools_bench import add_run_args, bench_row, commit  # noqa: E402
 
 
 def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float,
@@ -63,12 +62,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--budgets", default="1,2,3,4,6,8,10,12,14", help="GiB, comma-separated (default: %(default)s)")
     ap.add_argument("--sparse", default="predicted")
-    ap.add_argument("--bin", required=True, help="folder with kairox's llama-bench")
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--name", default=None, help="results file stem (default: budget-sweep-MODEL)")
+    add_run_args(ap, gen=32, rounds=1, stem="budget-sweep")
     args = ap.parse_args()
     exe = Path(args.bin) / "llama-bench"
     model = Path(args.model)

@@ -82,6 +82,16 @@ def auto_ngl(exe: Path, model: Path, budget: str, threads: int) -> tuple[int, li
     return ngl, probes
 
 
+def add_run_args(ap: argparse.ArgumentParser, gen: int, rounds: int, stem: str) -> None:
+    """The options every through-the-binaries bench shares: build, tokens, rounds, threads, output."""
+    ap.add_argument("--bin", required=True, help="folder with kairox's llama-bench")
+    ap.add_argument("--gen", type=int, default=gen)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--name", default=None, help=f"results file stem (default: {stem}-MODEL)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -90,12 +100,7 @@ def main() -> int:
                     help="llama.cpp's best -ngl that fits the budget, or 'auto': the largest whose GPU "
                          "buffers fit, probed as bench/offload.py does; its rows run with -fa 0 and -fa 1")
     ap.add_argument("--sparse", default="predicted")
-    ap.add_argument("--bin", required=True, help="folder with kairox's llama-bench")
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--name", default=None, help="results file stem (default: tools-bench-MODEL)")
+    add_run_args(ap, gen=128, rounds=3, stem="tools-bench")
     ap.add_argument("--completion-row", action="append", default=[], metavar="LABEL=FLAGS",
                     help="one more kairox-completion row: the hybrid's flags and these (any common "
                          "flag: --mapped-share, --no-kx-warm, -t; repeatable)")

@@ -115,28 +115,15 @@ static std::vector<std::string> kx_cpu_patterns(const std::vector<std::string> &
     // hybrid layers compute their FFN on the CPU from host weights (and copy the hot rows to
     // the GPU slots): the FFN tensors stay in host memory whatever -ngl offloads
     std::vector<std::string> pats = { "blk\\.\\d+\\.ffn_(gate|up|down)\\.weight" };
-    std::map<std::string, std::vector<std::string>> kinds;
-    std::vector<std::string> other;
-    std::vector<std::string> order;
-    for (const std::string & n : names) {
-        const auto [il, kind] = kx_tensor_layer(n);
-        if (il >= 0) {
-            if (!kinds.count(kind)) {
-                order.push_back(kind);
-            }
-            kinds[kind].push_back(std::to_string(il));
-        } else {
-            other.push_back(n);
-        }
-    }
-    for (const std::string & k : order) {
+    const kx_tensor_kinds g = kx_tensors_by_kind(names);
+    for (const std::string & k : g.order) {
         std::string ids;
-        for (const std::string & i : kinds[k]) {
-            ids += (ids.empty() ? "" : "|") + i;
+        for (int il : g.layers.at(k)) {
+            ids += (ids.empty() ? "" : "|") + std::to_string(il);
         }
         pats.push_back("^blk\\.(" + ids + ")\\." + kx_regex_escape(k) + "$");
     }
-    for (const std::string & n : other) {
+    for (const std::string & n : g.other) {
         pats.push_back("^" + kx_regex_escape(n) + "$");
     }
     return pats;

@@ -92,14 +92,14 @@ double kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double 
 
 std::pair<int, std::string> kx_tensor_layer(const std::string & name) {
     // by hand: a name is split for every tensor at every load
-    static const std::string pre = "blk.";
-    if (name.compare(0, pre.size(), pre) == 0) {
-        size_t i = pre.size();
+    constexpr size_t pre = 4; // "blk."
+    if (name.compare(0, pre, "blk.") == 0) {
+        size_t i = pre;
         int il = 0;
         while (i < name.size() && name[i] >= '0' && name[i] <= '9' && il < 1000000) {
             il = il * 10 + (name[i++] - '0');
         }
-        if (i > pre.size() && i + 1 < name.size() && name[i] == '.') {
+        if (i > pre && i + 1 < name.size() && name[i] == '.') {
             return { il, name.substr(i + 1) };
         }
     }
@@ -117,24 +117,28 @@ std::string kx_regex_escape(const std::string & s) {
     return out;
 }
 
-// "attn_q.weight 0-11,14; output.weight": what a placement put on the CPU, by kind
-static std::string kx_names_text(const std::vector<std::string> & names) {
-    std::map<std::string, std::vector<int>> kinds;
-    std::vector<std::string> order, other;
+kx_tensor_kinds kx_tensors_by_kind(const std::vector<std::string> & names) {
+    kx_tensor_kinds g;
     for (const std::string & n : names) {
         const auto [il, kind] = kx_tensor_layer(n);
         if (il < 0) {
-            other.push_back(n);
+            g.other.push_back(n);
             continue;
         }
-        if (!kinds.count(kind)) {
-            order.push_back(kind);
+        if (!g.layers.count(kind)) {
+            g.order.push_back(kind);
         }
-        kinds[kind].push_back(il);
+        g.layers[kind].push_back(il);
     }
+    return g;
+}
+
+// "attn_q.weight 0-11,14; output.weight": what a placement put on the CPU, by kind
+static std::string kx_names_text(const std::vector<std::string> & names) {
+    kx_tensor_kinds g = kx_tensors_by_kind(names);
     std::string out;
-    for (const std::string & k : order) {
-        std::vector<int> & ids = kinds[k];
+    for (const std::string & k : g.order) {
+        std::vector<int> & ids = g.layers[k];
         std::sort(ids.begin(), ids.end());
         std::string r;
         for (size_t a = 0; a < ids.size();) {
@@ -147,7 +151,7 @@ static std::string kx_names_text(const std::vector<std::string> & names) {
         }
         out += (out.empty() ? "" : "; ") + k + " " + r;
     }
-    for (const std::string & n : other) {
+    for (const std::string & n : g.other) {
         out += (out.empty() ? "" : "; ") + n;
     }
     return out;

@@ -5,6 +5,7 @@
 #include "llama.h"
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +23,14 @@ struct kx_dense_rates {
 
 // "blk.3.attn_q.weight" -> (3, "attn_q.weight"); (-1, name) outside the blocks
 std::pair<int, std::string> kx_tensor_layer(const std::string & name);
+// tensor names grouped by kind ("attn_q.weight": its layers, in the order given), kinds in
+// first-seen order; names outside the blocks apart
+struct kx_tensor_kinds {
+    std::vector<std::string> order;
+    std::map<std::string, std::vector<int>> layers;
+    std::vector<std::string> other;
+};
+kx_tensor_kinds kx_tensors_by_kind(const std::vector<std::string> & names);
 // s with the characters special to llama.cpp's override patterns (ECMAScript regex) escaped
 std::string kx_regex_escape(const std::string & s);
 
