@@ -214,7 +214,7 @@ std::vector<std::string> kx_place_dense(const llama_model_params & mp_in, const 
     llama_free(ctx);
     llama_model_free(model);
 
-    const int64_t margin = kx_budget_margin(budget);
+    const int64_t margin = kx_budget_margin(budget) + kx_place_alloc_slack;
     if (weights + kv + compute + margin <= budget) {
         return {}; // everything dense fits: the slots take what is left
     }

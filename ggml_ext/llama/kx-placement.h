@@ -14,6 +14,12 @@
 // being rounded to twice its size, and the table small (KB-70B at 22 GiB: 18 MB)
 static constexpr int64_t kx_plan_dense_unit = 1 << 20;
 
+// device memory a load takes beyond llama.cpp's buffer sizes, which the dry run cannot see:
+// the driver rounds each allocation up (2 MiB pages) and the backend's streams and handles
+// take some. Measured on the H200: KB-350M's base was 5 MiB over its model, KV and compute
+// buffers; the placement keeps this much free so the runtime's own base reading fits too.
+static constexpr int64_t kx_place_alloc_slack = 16 << 20;
+
 // decode rates of the cost model (kairox.costs.Rates, plan.HwProfile.handoff_us)
 struct kx_dense_rates {
     double cpu_gbs    = 100.0;
