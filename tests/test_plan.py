@@ -211,6 +211,38 @@ def _random_slot_case(rng: np.random.Generator) -> tuple[list[np.ndarray], list[
     return freqs, gbytes, int(total * rng.uniform(0.05, 0.9)), [str(rng.choice(["f16", "q4_0", ""])) for _ in range(L)]
 
 
+def test_the_runtime_slot_solve_is_the_reference(native: Path) -> None:
+    """kx_plan_slots, the load path's per-layer slot solve (C++), against solve_slots: group
+    frequencies in id order (heavy-tailed, with ties), mixed group sizes and weight types,
+    close and far CPU/GPU rates, budgets from nothing to more than all."""
+    import ctypes
+    from kairox.llama import _lib
+    rng = np.random.default_rng(23)
+    spread = set()
+    for case in range(60):
+        hw = HW if case % 2 else HwProfile(cpu_gbs=50.0, gpu_gbs=120.0, cpu_type_gbs={"q4_0": 20.0})
+        freqs, gbytes, budget, types = _random_slot_case(rng)
+        freqs = [rng.permutation(f) for f in freqs]
+        if case % 3 == 0:
+            freqs = [np.round(f, 1) for f in freqs]  # equal frequencies: ties break alike
+        if case % 10 == 0:
+            budget = int(sum(len(f) * g for f, g in zip(freqs, gbytes)) * 1.1)
+        rows = [int(rng.integers(1, 64)) for _ in freqs]
+        want, t = solve_slots(freqs, gbytes, budget, hw, rows, types)
+        L = len(freqs)
+        taken = (ctypes.c_int64 * L)()
+        got = _lib.kx_plan_slots((ctypes.c_double * sum(map(len, freqs)))(*np.concatenate(freqs)),
+                                 (ctypes.c_int64 * L)(*map(len, freqs)), (ctypes.c_int64 * L)(*gbytes),
+                                 (ctypes.c_int64 * L)(*rows), (ctypes.c_double * L)(*[hw.cpu_rate(ty) for ty in types]),
+                                 (ctypes.c_double * L)(*[hw.gpu_rate(ty) for ty in types]), L, budget, taken)
+        assert list(taken) == [len(w) for w in want] and got == pytest.approx(t, rel=1e-12)
+        spread.add(len({len(w) for w in want}) > 1)
+    assert spread == {True, False}  # the layers got different counts, and (a full budget) equal ones
+    zero = (ctypes.c_int64 * 1)(0)
+    assert _lib.kx_plan_slots(None, None, None, None, None, None, 0, MiB, None) == 0.0  # no layers
+    assert _lib.kx_plan_slots(None, zero, zero, zero, None, None, 1, MiB, zero) < 0  # bad arguments
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_exact_slot_solve_is_the_optimum(seed: int) -> None:
     """The MILP reference against every subset of every layer's groups (tiny cases)."""

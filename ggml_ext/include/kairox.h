@@ -301,6 +301,15 @@ LLAMA_API int32_t kx_model_params_apply_ctx(struct kx_params * kp, struct llama_
 // ending on the CPU. Fills on_gpu (n values) and returns the modelled seconds per token.
 LLAMA_API double  kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double * gpu_s, int32_t n,
                                 int64_t budget, int64_t unit, double handoff_s, bool * on_gpu);
+// Neuron slots per layer (python/kairox/plan.py solve_slots is the reference): layer l has
+// n_group[l] groups whose expected active rows per token are freq[off_l ..] (the layers' values
+// one after another), each group_bytes[l] bytes over rows_per_group[l] rows; the layer's FFN
+// takes max(CPU rows, GPU rows) x row bytes / that side's rate (bytes/s) since both sides run at
+// once. Fills taken[l] (that layer's hottest groups resident) within budget bytes and returns
+// the modelled seconds per token; < 0 for bad arguments.
+LLAMA_API double  kx_plan_slots(const double * freq, const int64_t * n_group, const int64_t * group_bytes,
+                                const int64_t * rows_per_group, const double * cpu_bps, const double * gpu_bps,
+                                int32_t n_layer, int64_t budget, int64_t * taken);
 // Layers whose FFN runs sparse in predicted mode (the rest dense: their lists are too dense
 // to gain), out of the model's; 0 without a pack.
 LLAMA_API int32_t kx_model_sparse_layers(const struct llama_model * model);

@@ -1,6 +1,5 @@
-// Tensor-level placement under a VRAM budget (include/kairox.h: kx_plan_dense,
-// kx_model_params_apply_ctx). python/kairox/plan.py (solve_dense) is the readable reference;
-// tests compare the two on random tensors.
+// Tensor-level placement under a VRAM budget on the load path (include/kairox.h:
+// kx_model_params_apply_ctx); its knapsack is kx_plan_dense (kx-plan.cpp).
 //
 // The hybrid keeps every dense tensor (attention, norms, output head) on the GPU and fills
 // what the budget leaves with neuron slots. When the dense tensors do not fit beside the KV
@@ -25,70 +24,6 @@
 #include <cstring>
 #include <string>
 #include <vector>
-
-double kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double * gpu_s, int32_t n, int64_t budget,
-                     int64_t unit, double handoff_s, bool * on_gpu) {
-    if (n < 0 || unit <= 0 || (n > 0 && (!nbytes || !cpu_s || !gpu_s || !on_gpu))) {
-        return -1.0;
-    }
-    const int64_t cap = std::max<int64_t>(0, budget / unit);
-    const double  inf = std::numeric_limits<double>::infinity();
-    std::vector<int64_t> w((size_t) n);
-    for (int32_t i = 0; i < n; ++i) {
-        w[i] = (nbytes[i] + unit - 1) / unit;
-    }
-    // cost[c*2 + d]: the best time using c units with the last tensor on device d (0 CPU, 1 GPU);
-    // choice keeps each step's previous device to walk the best path back
-    std::vector<double> cost((size_t) (cap + 1) * 2, inf), next(cost.size());
-    std::vector<int8_t> choice((size_t) n * (cap + 1) * 2, 0);
-    cost[0] = 0.0; // execution starts on the CPU (the token embedding)
-    for (int32_t i = 0; i < n; ++i) {
-        std::fill(next.begin(), next.end(), inf);
-        int8_t * ch = choice.data() + (size_t) i * (cap + 1) * 2;
-        for (int d = 0; d < 2; ++d) {
-            const double  t     = d == 0 ? cpu_s[i] : gpu_s[i];
-            const int64_t shift = d == 0 ? 0 : w[i];
-            if (shift > cap) {
-                continue; // does not fit even alone
-            }
-            for (int prev = 0; prev < 2; ++prev) {
-                const double hop = prev != d ? handoff_s : 0.0;
-                for (int64_t c = 0; c + shift <= cap; ++c) {
-                    const double v = cost[c * 2 + prev] + t + hop;
-                    double & dst = next[(c + shift) * 2 + d];
-                    if (v < dst) {
-                        dst = v;
-                        ch[(c + shift) * 2 + d] = (int8_t) prev;
-                    }
-                }
-            }
-        }
-        cost.swap(next);
-    }
-    // end on the CPU: sampling reads the logits on the host
-    int64_t bc = 0;
-    int     bd = 0;
-    double  best = inf;
-    for (int64_t c = 0; c <= cap; ++c) {
-        for (int d = 0; d < 2; ++d) {
-            const double v = cost[c * 2 + d] + (d == 1 ? handoff_s : 0.0);
-            if (v < best) {
-                best = v;
-                bc = c;
-                bd = d;
-            }
-        }
-    }
-    for (int32_t i = n - 1; i >= 0; --i) {
-        on_gpu[i] = bd == 1;
-        const int prev = choice[((size_t) i * (cap + 1) + bc) * 2 + bd];
-        if (bd == 1) {
-            bc -= w[i];
-        }
-        bd = prev;
-    }
-    return best;
-}
 
 std::pair<int, std::string> kx_tensor_layer(const std::string & name) {
     // by hand: a name is split for every tensor at every load

@@ -116,6 +116,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_model_params_apply_ctx": ([P(Params), vp, vp, cp, cp, sz], i32),
         "kx_plan_dense": ([P(i64), P(ctypes.c_double), P(ctypes.c_double), i32, i64, i64, ctypes.c_double,
                            P(ctypes.c_bool)], ctypes.c_double),
+        "kx_plan_slots": ([P(ctypes.c_double), P(i64), P(i64), P(i64), P(ctypes.c_double), P(ctypes.c_double), i32,
+                           i64, P(i64)], ctypes.c_double),
         "kx_model_sparse_layers": ([vp], i32),
         "kx_context_apply": ([vp, cp, P(Params), cp, sz], i32),
         "kx_context_vram": ([vp, P(VramReport)], ctypes.c_bool),

@@ -156,7 +156,8 @@ def solve_slots(freqs: list[np.ndarray], group_bytes: list[int], budget: int, hw
     rows = rows_per_group or [1] * L
     # bytes per expected active neuron: a group's bytes over its rows
     per_row = [group_bytes[l] / rows[l] for l in range(L)]
-    cpu_mass = [float(np.sum(f)) for f in freqs]
+    # sequential sums in id order (np.sum is pairwise): the runtime's port sums alike, to the bit
+    cpu_mass = [float(np.cumsum(np.asarray(f, np.float64))[-1]) if len(f) else 0.0 for f in freqs]
     gpu_mass = [0.0] * L
     taken = [0] * L
 
