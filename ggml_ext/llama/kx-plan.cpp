@@ -76,7 +76,6 @@ double kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double 
     return best;
 }
 
-
 double kx_plan_slots(const double * freq, const int64_t * n_group, const int64_t * group_bytes,
                      const int64_t * rows_per_group, const double * cpu_bps, const double * gpu_bps, int32_t n_layer,
                      int64_t budget, int64_t * taken) {
