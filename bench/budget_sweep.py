@@ -57,41 +57,16 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--budgets", default="1,2,3,4,6,8,10,12,14", help="GiB, comma-separated (default: %(default)s)")
-    ap.add_argument("--sparse", default="predicted")
-    add_run_args(ap, gen=32, rounds=1, stem="budget-sweep")
-    args = ap.parse_args()
-    exe = Path(args.bin) / "llama-bench"
-    model = Path(args.model)
-    lay = Layout(model)
-    budgets = [float(b) for b in args.budgets.split(",")]
-    t0 = time.time()
-    rows = []
-    for b in budgets:
-        ngl, _, search = find_ngl(str(exe), model, lay, b * 1024, args.threads, n_gen=args.gen)
-        rows.append({"budget_gib": b, "ngl": ngl, "ngl_search": search,
-                     "kairox": {"tok_s": [], "cmd": None, "error": ""},
-                     "llama": {f: {"tok_s": [], "cmd": None} for f in ("0", "1")}})
-        print(f"{b:g} GiB: llama.cpp -ngl {ngl} fits ({time.time() - t0:.0f} s)", flush=True)
-    for k in range(args.rounds):
-        for r in rows:
-            cmd, ts, err = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"], args.sparse)
-            r["kairox"]["cmd"], r["kairox"]["error"] = cmd, err
-            if ts is not None:
-                r["kairox"]["tok_s"].append(ts)
-            for fa, lr in r["llama"].items():
-                lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, ["-ngl", str(r["ngl"]), "-fa", fa])
-                lr["tok_s"].append(t)
-            print(f"round {k + 1}: {r['budget_gib']:g} GiB: kairox {ts if ts is not None else err} / llama.cpp "
-                  f"{[lr['tok_s'][-1] for lr in r['llama'].values()]} ({time.time() - t0:.0f} s)", flush=True)
+def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
+    """The results so far (budgets with at least one round) as JSON, Markdown and a plot: a run
+    cut short by the call's deadline keeps the budgets it finished."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"budget-sweep-{model.stem}"
     budgets_out = []
     for r in rows:
+        if not all(v["tok_s"] for v in r["llama"].values()):
+            continue
         best_fa = max(r["llama"], key=lambda f: statistics.median(r["llama"][f]["tok_s"]))
         lr = r["llama"][best_fa]
         kx = r["kairox"]
@@ -124,6 +99,40 @@ def main() -> int:
         plot(res, out / f"{stem}.png")
     except ImportError:
         pass
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--budgets", default="1,2,3,4,6,8,10,12,14", help="GiB, comma-separated (default: %(default)s)")
+    ap.add_argument("--sparse", default="predicted")
+    add_run_args(ap, gen=32, rounds=1, stem="budget-sweep")
+    args = ap.parse_args()
+    exe = Path(args.bin) / "llama-bench"
+    model = Path(args.model)
+    lay = Layout(model)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    t0 = time.time()
+    rows = []
+    for b in budgets:
+        ngl, _, search = find_ngl(str(exe), model, lay, b * 1024, args.threads, n_gen=args.gen)
+        rows.append({"budget_gib": b, "ngl": ngl, "ngl_search": search,
+                     "kairox": {"tok_s": [], "cmd": None, "error": ""},
+                     "llama": {f: {"tok_s": [], "cmd": None} for f in ("0", "1")}})
+        print(f"{b:g} GiB: llama.cpp -ngl {ngl} fits ({time.time() - t0:.0f} s)", flush=True)
+    for k in range(args.rounds):
+        for r in rows:
+            cmd, ts, err = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"], args.sparse)
+            r["kairox"]["cmd"], r["kairox"]["error"] = cmd, err
+            if ts is not None:
+                r["kairox"]["tok_s"].append(ts)
+            for fa, lr in r["llama"].items():
+                lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, ["-ngl", str(r["ngl"]), "-fa", fa])
+                lr["tok_s"].append(t)
+            print(f"round {k + 1}: {r['budget_gib']:g} GiB: kairox {ts if ts is not None else err} / llama.cpp "
+                  f"{[lr['tok_s'][-1] for lr in r['llama'].values()]} ({time.time() - t0:.0f} s)", flush=True)
+            lines = write(rows, args, model)
     print("\n".join(lines))
     return 0
 
