@@ -191,3 +191,33 @@ def test_budget_on_the_gpu(synth_model: Path) -> None:
         warnings.simplefilter("ignore")
         with pytest.raises(VramBudgetError, match="too small"):
             kairox.Llama(str(synth_model), sparse="predicted", vram_budget=1 * MiB, n_ctx=256, verbose=False)
+
+
+def test_budget_counts_per_layer_on_the_gpu(synth_model: Path) -> None:
+    """On a GPU, a budget that holds about half the FFN: the runtime's per-layer counts are
+    the reference's (budget.auto_slot_counts on the pack's frequencies and the measured base)."""
+    import kairox
+    from kairox._native import has_gpu
+    from kairox.budget import auto_slot_counts
+    from kairox.pack import pack_path_for, read_pack
+    from kairox.plan import slot_costs
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    costs = slot_costs(synth_model)
+    freqs = [layer.freq for layer in read_pack(pack_path_for(synth_model), synth_model).layers]
+    assert not all(np.all(f == 1) for f in freqs)  # measured: the solve, not the equal split, decides
+    llm = kairox.Llama(str(synth_model), sparse="predicted", vram_budget=512 * MiB, n_ctx=256, verbose=False)
+    base = llm.vram.base
+    llm.close()
+    half = costs.pred + costs.n_layer * costs.n_ff * costs.per_neuron // 2
+    budget = base + margin_for(base + half) + half
+    llm = kairox.Llama(str(synth_model), sparse="predicted", vram_budget=budget, n_ctx=256, verbose=False)
+    try:
+        v = llm.vram
+        assert v is not None and v.used <= budget
+        want = auto_slot_counts(budget, v.base, costs, freqs)
+        assert 0 < sum(want) < costs.n_layer * costs.n_ff
+        assert v.slot_counts == want
+        llm.eval(list(range(1, 40)))
+    finally:
+        llm.close()

@@ -126,3 +126,46 @@ def test_budget_arithmetic_equals_the_reference(native: Path) -> None:
         _lib.kx_budget_shrink(arr, n_layer, over, costs.per_neuron)
         assert list(arr) == budget.shrink(counts, over, costs)
     assert 0 < n_refused < 400  # both paths were taken
+
+
+def test_budget_slot_counts_equal_the_reference(native: Path) -> None:
+    """kx_budget_auto_counts, the runtime's per-layer counts under a budget, against
+    budget.auto_slot_counts: measured frequencies that differ between layers (the solve gives
+    them different counts), unknown ones (all 1: the same count everywhere), budgets from
+    refused to more than the whole FFN."""
+    from kairox import budget
+    from kairox.llama import _lib
+    from kairox.plan import HwProfile, SlotCosts
+    MiB = 1 << 20
+    rng = np.random.default_rng(11)
+    err = ctypes.create_string_buffer(1024)
+    seen = set()
+    for case in range(80):
+        n_layer, n_ff = int(rng.integers(1, 12)), int(rng.integers(1, 3000))
+        costs = SlotCosts(n_layer=n_layer, n_ff=n_ff, per_neuron=int(rng.integers(256, 40000)),
+                          pred=int(rng.integers(0, 64)) * MiB, gate_row=0)
+        # layers of different density: a few hot neurons in some, a flat tail in others
+        freqs = [np.clip(rng.exponential(rng.uniform(0.01, 0.4), n_ff), 0, 1).astype(np.float32) for _ in range(n_layer)]
+        if case % 5 == 0:
+            freqs = [np.ones(n_ff, np.float32) for _ in range(n_layer)]
+        hw = HwProfile() if case % 2 else HwProfile(cpu_gbs=60.0, gpu_gbs=900.0)
+        base = int(rng.integers(0, 2048)) * MiB
+        whole = costs.pred + n_layer * n_ff * costs.per_neuron
+        b = base + int(rng.uniform(-0.05, 1.2) * whole) + budget.margin_for(base + whole)
+        try:
+            want, why = budget.auto_slot_counts(b, base, costs, freqs, hw), ""
+        except budget.VramBudgetError as e:
+            want, why = None, str(e)
+        out = (ctypes.c_int64 * n_layer)()
+        flat = np.concatenate(freqs).astype(np.float32)
+        got = _lib.kx_budget_auto_counts(b, base, costs.per_neuron, costs.pred, n_layer, n_ff,
+                                         flat.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), hw.cpu_gbs, hw.gpu_gbs,
+                                         out, err, len(err))
+        if want is None:
+            assert got == 1 and err.value.decode() == why
+            seen.add("refused")
+            continue
+        assert got == 0 and list(out) == want, (case, b, base, costs)
+        assert sum(want) * costs.per_neuron + costs.pred + base + budget.margin_for(b) <= b or not any(want)
+        seen.add("equal" if len(set(want)) == 1 else "solved")
+    assert seen == {"refused", "equal", "solved"}

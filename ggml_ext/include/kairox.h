@@ -332,6 +332,13 @@ LLAMA_API int64_t kx_budget_margin(int64_t budget);
 // slots per layer that fill what the budget leaves after base, or -1 with err set
 LLAMA_API int64_t kx_budget_auto_slots(int64_t budget, int64_t base, int64_t per_neuron, int64_t pred,
                                        int64_t n_layer, int64_t n_ff, char * err, size_t err_size);
+// per-layer slot counts that fill what the budget leaves after base (python: budget.auto_slot_counts):
+// the slot solve (kx_plan_slots) over freq, the n_layer x n_ff measured activation frequencies
+// (the pack's, by neuron id), at the stall model's rates (GB/s; <= 0: 100 and 2000). The same
+// count in every layer when the frequencies are unknown (NULL or all 1). 0, or 1 with err set.
+LLAMA_API int32_t kx_budget_auto_counts(int64_t budget, int64_t base, int64_t per_neuron, int64_t pred,
+                                        int32_t n_layer, int64_t n_ff, const float * freq, double cpu_gbs,
+                                        double gpu_gbs, int64_t * counts, char * err, size_t err_size);
 // 0 when counts fit beside base, else 1 with err set
 LLAMA_API int32_t kx_budget_check_slots(int64_t budget, int64_t base, int64_t per_neuron, int64_t pred,
                                         int64_t n_ff, const int64_t * counts, int32_t n_layer,

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 static constexpr int64_t kx_mib = 1 << 20;
 
@@ -41,6 +42,36 @@ int64_t kx_budget_auto_slots(int64_t budget, int64_t base, int64_t per_neuron, i
     // no room for the slots' predictors: no slots, every FFN runs on the CPU
     const int64_t left = budget - margin - base - pred;
     return left < 0 ? 0 : std::min(n_ff, left / (per_neuron * n_layer));
+}
+
+int32_t kx_budget_auto_counts(int64_t budget, int64_t base, int64_t per_neuron, int64_t pred, int32_t n_layer,
+                              int64_t n_ff, const float * freq, double cpu_gbs, double gpu_gbs, int64_t * counts,
+                              char * err, size_t err_size) {
+    const int64_t s = kx_budget_auto_slots(budget, base, per_neuron, pred, n_layer, n_ff, err, err_size);
+    if (s < 0) {
+        return 1;
+    }
+    std::fill(counts, counts + n_layer, s);
+    const int64_t n = (int64_t) n_layer * n_ff;
+    // a pack without measured frequencies (all 1) says nothing about which layer's neurons
+    // are worth more: every layer gets the same count
+    if (!freq || std::all_of(freq, freq + n, [](float f) { return f == 1.0f; })) {
+        return 0;
+    }
+    const int64_t left = budget - kx_budget_margin(budget) - base - pred;
+    if (left <= 0) {
+        return 0; // s is 0: the predictors alone do not fit
+    }
+    const std::vector<double>  f(freq, freq + n);
+    const std::vector<int64_t> groups((size_t) n_layer, n_ff), bytes((size_t) n_layer, per_neuron), rows((size_t) n_layer, 1);
+    const std::vector<double>  cpu((size_t) n_layer, (cpu_gbs > 0 ? cpu_gbs : 100.0) * 1e9);
+    const std::vector<double>  gpu((size_t) n_layer, (gpu_gbs > 0 ? gpu_gbs : 2000.0) * 1e9);
+    if (kx_plan_slots(f.data(), groups.data(), bytes.data(), rows.data(), cpu.data(), gpu.data(), n_layer, left,
+                      counts) < 0) {
+        kx_set_err(err, err_size, "kx_budget_auto_counts: the slot solve refused its arguments");
+        return 1;
+    }
+    return 0;
 }
 
 int32_t kx_budget_check_slots(int64_t budget, int64_t base, int64_t per_neuron, int64_t pred, int64_t n_ff,

@@ -570,12 +570,19 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
         v.budget = kp->vram_budget;
         v.base = kp->vram_free_at_load - kx_dev_free(dev);
         if (automatic) {
-            const int64_t s = kx_budget_auto_slots(v.budget, v.base, costs.per_neuron, costs.pred, n_layer, costs.n_ff,
-                                                   e, sizeof(e));
-            if (s < 0) {
+            // each layer's count from the pack's measured frequencies: the budget's bytes go to
+            // the neurons that save the most time per byte, whichever layer they are in
+            const kx_pack & pk = *kx_model_pack(model);
+            std::vector<float> freq;
+            freq.reserve((size_t) n_layer * costs.n_ff);
+            for (const kx_pack_layer & pl : pk.layers) {
+                freq.insert(freq.end(), pl.freq.begin(), pl.freq.end());
+            }
+            counts.assign((size_t) n_layer, 0);
+            if (kx_budget_auto_counts(v.budget, v.base, costs.per_neuron, costs.pred, n_layer, costs.n_ff, freq.data(),
+                                      kp->balance.cpu_gbs, kp->balance.gpu_gbs, counts.data(), e, sizeof(e))) {
                 throw kx_apply_error(KX_ERR_BUDGET, e);
             }
-            counts.assign((size_t) n_layer, s);
         } else if (kx_budget_check_slots(v.budget, v.base, costs.per_neuron, costs.pred, costs.n_ff, counts.data(),
                                          n_layer, e, sizeof(e))) {
             throw kx_apply_error(KX_ERR_BUDGET, e);

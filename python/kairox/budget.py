@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .plan import SlotCosts
+import numpy as np
+
+from .plan import HwProfile, SlotCosts, solve_slots
 
 MiB = 1 << 20
 
@@ -47,6 +49,23 @@ def auto_slots(budget: int, base: int, costs: SlotCosts) -> int:
             f"{_mib(base + margin)}, or lower n_ctx / n_ubatch")
     left = budget - margin - base - costs.pred
     return 0 if left < 0 else max(0, min(costs.n_ff, left // (costs.per_neuron * costs.n_layer)))
+
+
+def auto_slot_counts(budget: int, base: int, costs: SlotCosts, freqs: Sequence[np.ndarray] | None,
+                     hw: HwProfile | None = None) -> list[int]:
+    """Slots per layer that fill what the budget leaves: the slot solve (plan.solve_slots) over
+    each layer's measured activation frequencies (the pack's), so the bytes go to the neurons
+    that save the most seconds per byte, whichever layer they are in. Every layer gets
+    `auto_slots`' count when the frequencies are unknown (None, or all 1)."""
+    s = auto_slots(budget, base, costs)
+    if freqs is None or all(np.all(np.asarray(f) == 1) for f in freqs):
+        return [s] * costs.n_layer
+    left = budget - margin_for(budget) - base - costs.pred
+    if left <= 0:
+        return [0] * costs.n_layer
+    slots, _ = solve_slots([np.asarray(f, np.float64) for f in freqs], [costs.per_neuron] * costs.n_layer, left,
+                           hw or HwProfile())
+    return [len(x) for x in slots]
 
 
 def check_slots(budget: int, base: int, costs: SlotCosts, counts: Sequence[int]) -> None:

@@ -123,6 +123,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_context_vram": ([vp, P(VramReport)], ctypes.c_bool),
         "kx_budget_margin": ([i64], i64),
         "kx_budget_auto_slots": ([i64, i64, i64, i64, i64, i64, cp, sz], i64),
+        "kx_budget_auto_counts": ([i64, i64, i64, i64, i32, i64, P(ctypes.c_float), ctypes.c_double, ctypes.c_double,
+                                   P(i64), cp, sz], i32),
         "kx_budget_check_slots": ([i64, i64, i64, i64, i64, P(i64), i32, cp, sz], i32),
         "kx_budget_shrink": ([P(i64), i32, i64, i64], None),
         "kx_model_load_pack": ([vp, cp, cp, cp, sz], i32),
