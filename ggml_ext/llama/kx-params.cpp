@@ -225,18 +225,23 @@ int32_t kx_model_params_apply_model(kx_params * kp, llama_model_params * mp, con
 static std::vector<std::string> kx_budget_dense_cpu(const kx_params * kp, const llama_model_params & mp,
                                                     const llama_context_params * cp, const char * model_path,
                                                     ggml_backend_dev_t dev) {
-    const std::vector<std::string> pats = kx_cpu_patterns({});
-    std::vector<llama_model_tensor_buft_override> ov;
-    for (const std::string & p : pats) {
-        ov.push_back({ p.c_str(), ggml_backend_cpu_buffer_type() });
-    }
-    for (const llama_model_tensor_buft_override * o = mp.tensor_buft_overrides; o && o->pattern; ++o) {
-        ov.push_back(*o);
-    }
-    ov.push_back({ nullptr, nullptr });
-    llama_model_params dry = mp;
-    dry.tensor_buft_overrides = ov.data();
-    dry.use_extra_bufts = false;
+    const llama_context_params cparams = cp ? *cp : llama_context_default_params();
+    // the FFN (and the named tensors) in host memory, then the caller's own overrides, as the load has them
+    auto dry = [&](const std::vector<std::string> & names) {
+        const std::vector<std::string> pats = kx_cpu_patterns(names);
+        std::vector<llama_model_tensor_buft_override> ov;
+        for (const std::string & p : pats) {
+            ov.push_back({ p.c_str(), ggml_backend_cpu_buffer_type() });
+        }
+        for (const llama_model_tensor_buft_override * o = mp.tensor_buft_overrides; o && o->pattern; ++o) {
+            ov.push_back(*o);
+        }
+        ov.push_back({ nullptr, nullptr });
+        llama_model_params m = mp;
+        m.tensor_buft_overrides = ov.data();
+        m.use_extra_bufts = false;
+        return kx_dry_run(m, cparams, model_path, dev);
+    };
     kx_dense_rates rates;
     if (kp->balance.cpu_gbs > 0) {
         rates.cpu_gbs = kp->balance.cpu_gbs;
@@ -244,7 +249,7 @@ static std::vector<std::string> kx_budget_dense_cpu(const kx_params * kp, const 
     if (kp->balance.gpu_gbs > 0) {
         rates.gpu_gbs = kp->balance.gpu_gbs;
     }
-    return kx_place_dense(dry, cp ? *cp : llama_context_default_params(), model_path, dev, kp->vram_budget, rates);
+    return kx_place_dense(dry, kp->vram_budget, rates);
 }
 
 int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const llama_context_params * cp,

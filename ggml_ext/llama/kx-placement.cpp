@@ -8,6 +8,7 @@
 // buffers for the context's parameters, and the knapsack keeps on the GPU the dense tensors
 // that save the most time per byte, counting the hand-off a device switch between two
 // consecutive tensors costs. Decode is memory-bound: a tensor costs bytes / rate per token.
+// The choice is dry-run again, since moving tensors changes the compute buffers.
 #include "kairox.h"
 #include "kx-pack.h"
 #include "kx-placement.h"
@@ -22,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -96,9 +98,8 @@ static std::string kx_mib(int64_t b) {
     return kx_fmt("%.0f MiB", (double) b / (1 << 20));
 }
 
-std::vector<std::string> kx_place_dense(const llama_model_params & mp_in, const llama_context_params & cp,
-                                        const char * model_path, ggml_backend_dev_t dev, int64_t budget,
-                                        const kx_dense_rates & rates) {
+kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_params & cp, const char * model_path,
+                        ggml_backend_dev_t dev) {
     // the dry run, quiet: llama.cpp's load log would repeat the real load's
     ggml_log_callback cb0 = nullptr;
     void * ud0 = nullptr;
@@ -123,43 +124,49 @@ std::vector<std::string> kx_place_dense(const llama_model_params & mp_in, const 
         throw std::runtime_error(kx_fmt("the VRAM budget's dry run could not %s %s", model ? "make a context for" : "load",
                                         model_path));
     }
-    int64_t weights = 0, kv = 0, compute = 0;
+    kx_dry_sizes d;
     // a device's host buffer types (CUDA_Host) name the device too: what counts is device memory
     auto on_dev = [dev](ggml_backend_buffer_type_t buft) {
         return !ggml_backend_buft_is_host(buft) && ggml_backend_buft_get_device(buft) == dev;
     };
     for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
         if (on_dev(buft)) {
-            weights += (int64_t) mb.model;
-            kv      += (int64_t) mb.context;
-            compute += (int64_t) mb.compute;
+            d.weights += (int64_t) mb.model;
+            d.kv      += (int64_t) mb.context;
+            d.compute += (int64_t) mb.compute;
         }
     }
     // the matrices on the device are the items; vectors (norms) stay with the fixed part
-    struct item { std::string name; int64_t bytes; };
-    std::vector<item> items;
-    int64_t movable = 0;
     for (const auto & [name, t] : model->tensors_by_name) {
         if (!t->buffer || !on_dev(ggml_backend_buffer_get_type(t->buffer)) || t->ne[1] <= 1) {
             continue;
         }
-        items.push_back({ name, (int64_t) ggml_nbytes(t) });
-        movable += (int64_t) ggml_nbytes(t);
+        d.items.emplace_back(name, (int64_t) ggml_nbytes(t));
+        d.movable += (int64_t) ggml_nbytes(t);
     }
     llama_free(ctx);
     llama_model_free(model);
+    return d;
+}
 
+std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates) {
+    const kx_dry_sizes d = dry({});
     const int64_t margin = kx_budget_margin(budget) + kx_place_alloc_slack;
-    if (weights + kv + compute + margin <= budget) {
+    if (d.total() + margin <= budget) {
         return {}; // everything dense fits: the slots take what is left
     }
-    const int64_t fixed = kv + compute + (weights - movable);
+    const int64_t fixed = d.kv + d.compute + (d.weights - d.movable);
     if (fixed + margin > budget) {
         throw std::runtime_error(kx_fmt(
             "a VRAM budget of %s is too small: the KV cache (%s) and compute buffers (%s) alone take %s on the GPU "
             "with a margin of %s. Give at least %s, or lower n_ctx / n_ubatch", kx_mib(budget).c_str(),
-            kx_mib(kv).c_str(), kx_mib(compute).c_str(), kx_mib(fixed).c_str(), kx_mib(margin).c_str(),
+            kx_mib(d.kv).c_str(), kx_mib(d.compute).c_str(), kx_mib(fixed).c_str(), kx_mib(margin).c_str(),
             kx_mib(fixed + margin).c_str()));
+    }
+    struct item { std::string name; int64_t bytes; };
+    std::vector<item> items;
+    for (const auto & [name, bytes] : d.items) {
+        items.push_back({ name, bytes });
     }
     // execution order: by layer, then by name (the reference's order)
     std::stable_sort(items.begin(), items.end(), [](const item & a, const item & b) {
@@ -176,20 +183,42 @@ std::vector<std::string> kx_place_dense(const llama_model_params & mp_in, const 
         cpu[i] = (double) items[i].bytes / (rates.cpu_gbs * 1e9);
         gpu[i] = (double) items[i].bytes / (rates.gpu_gbs * 1e9);
     }
+    // The compute buffers grow once tensors move: llama.cpp runs a large batch's matmul on the
+    // GPU even when its weight is in host memory, copying the weight into the GPU's compute
+    // buffer (op offload), so the buffer sized with everything on the GPU undercounts. Each
+    // choice is dry-run again and the knapsack given less room by what it was over (KB-7B F16
+    // on the H200: 160-170 MiB over at 1-4 GiB without this; one round usually suffices).
+    int64_t room = budget - margin - fixed;
     std::unique_ptr<bool[]> on_gpu(new bool[std::max(n, 1)]);
-    const double t = kx_plan_dense(nb.data(), cpu.data(), gpu.data(), n, budget - margin - fixed, kx_plan_dense_unit,
-                                   rates.handoff_us * 1e-6 / 2, on_gpu.get());
-    std::vector<std::string> cpu_names;
-    int64_t cpu_bytes = 0;
-    for (int32_t i = 0; i < n; ++i) {
-        if (!on_gpu[i]) {
-            cpu_names.push_back(items[i].name);
-            cpu_bytes += items[i].bytes;
+    for (int round = 0; ; ++round) {
+        const double t = kx_plan_dense(nb.data(), cpu.data(), gpu.data(), n, room, kx_plan_dense_unit,
+                                       rates.handoff_us * 1e-6 / 2, on_gpu.get());
+        std::vector<std::string> cpu_names;
+        int64_t cpu_bytes = 0;
+        for (int32_t i = 0; i < n; ++i) {
+            if (!on_gpu[i]) {
+                cpu_names.push_back(items[i].name);
+                cpu_bytes += items[i].bytes;
+            }
         }
+        const kx_dry_sizes got = dry(cpu_names);
+        const int64_t over = got.total() + margin - budget;
+        if (over <= 0 || round == 3 || cpu_bytes == d.movable) {
+            if (over > 0) {
+                throw std::runtime_error(kx_fmt(
+                    "a VRAM budget of %s is too small: with %s of the dense tensors on the CPU, the rest (%s), the KV "
+                    "cache (%s) and compute buffers (%s) take %s on the GPU with a margin of %s. Give at least %s, or "
+                    "lower n_ctx / n_ubatch", kx_mib(budget).c_str(), kx_mib(cpu_bytes).c_str(),
+                    kx_mib(got.weights).c_str(), kx_mib(got.kv).c_str(), kx_mib(got.compute).c_str(),
+                    kx_mib(got.total()).c_str(), kx_mib(margin).c_str(), kx_mib(got.total() + margin).c_str()));
+            }
+            LLAMA_LOG_INFO("kairox: VRAM budget %s: the dense tensors (%s) do not fit beside the KV cache (%s) and "
+                           "compute buffers (%s, %s with these on the CPU); %zu of %d kept on the CPU (%s), modelled "
+                           "%.2f ms per token: %s\n", kx_mib(budget).c_str(), kx_mib(d.weights).c_str(),
+                           kx_mib(d.kv).c_str(), kx_mib(d.compute).c_str(), kx_mib(got.compute).c_str(),
+                           cpu_names.size(), n, kx_mib(cpu_bytes).c_str(), t * 1e3, kx_names_text(cpu_names).c_str());
+            return cpu_names;
+        }
+        room -= over;
     }
-    LLAMA_LOG_INFO("kairox: VRAM budget %s: the dense tensors (%s) do not fit beside the KV cache (%s) and compute "
-                   "buffers (%s); %zu of %d kept on the CPU (%s), modelled %.2f ms per token: %s\n",
-                   kx_mib(budget).c_str(), kx_mib(weights).c_str(), kx_mib(kv).c_str(), kx_mib(compute).c_str(),
-                   cpu_names.size(), n, kx_mib(cpu_bytes).c_str(), t * 1e3, kx_names_text(cpu_names).c_str());
-    return cpu_names;
 }

@@ -5,6 +5,7 @@
 #include "llama.h"
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -40,9 +41,21 @@ kx_tensor_kinds kx_tensors_by_kind(const std::vector<std::string> & names);
 // s with the characters special to llama.cpp's override patterns (ECMAScript regex) escaped
 std::string kx_regex_escape(const std::string & s);
 
-// The dense tensors (by name) to keep on the CPU so that everything fits under budget on dev;
-// empty when all fit. mp: the model parameters with the FFN already kept in host memory.
-// Throws with the sizes when the KV cache and compute buffers alone do not fit.
-std::vector<std::string> kx_place_dense(const llama_model_params & mp, const llama_context_params & cp,
-                                        const char * model_path, ggml_backend_dev_t dev, int64_t budget,
-                                        const kx_dense_rates & rates);
+// What a dry run of the load (no_alloc: every buffer sized, nothing allocated) takes on a
+// device, in bytes, and the dense matrices there (name, bytes) that could move to the CPU.
+struct kx_dry_sizes {
+    int64_t weights = 0;
+    int64_t kv      = 0;
+    int64_t compute = 0;
+    int64_t movable = 0; // bytes of items
+    std::vector<std::pair<std::string, int64_t>> items;
+    int64_t total() const { return weights + kv + compute; }
+};
+kx_dry_sizes kx_dry_run(const llama_model_params & mp, const llama_context_params & cp, const char * model_path,
+                        ggml_backend_dev_t dev);
+// the caller's dry run with these dense tensors (by name) also kept on the CPU
+using kx_dry_run_fn = std::function<kx_dry_sizes(const std::vector<std::string> & cpu_names)>;
+
+// The dense tensors (by name) to keep on the CPU so that everything fits under budget; empty
+// when all fit. Throws with the sizes when the KV cache and compute buffers alone do not fit.
+std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates);
