@@ -44,6 +44,10 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+# dense shares of the budget the planner tries (0, 1/PLAN_SPLITS, ..., all)
+PLAN_SPLITS = 20
+
+
 class PlanError(ValueError):
     pass
 
@@ -411,13 +415,19 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
             gbytes.append(ffn_bytes[l] * gs // n_ff)
             rows.append(gs)
     avail = budget - reserved
-    # Dense tensors first (every token reads all of them), then slots with what is left;
-    # dense bytes are capped so that the FFN keeps at least a quarter of the budget when
-    # both compete. A fixed split, not yet a measured trade-off: solving both jointly needs
-    # the runtime's measured per-layer costs.
-    on_gpu, t_dense = solve_dense(dense, int(avail * 0.75), hw)
-    used = sum(it.nbytes for it, g in zip(dense, on_gpu) if g)
-    slots, t_ffn = solve_slots(freqs, gbytes, avail - used, hw, rows, ffn_type)
+    # Dense tensors and slots compete for the same bytes: a dense byte is read every token, a
+    # slot byte only when its neuron fires, so dense first usually wins (the runtime's rule),
+    # but not where a layer's GPU side would become its critical path. The split is solved
+    # over a grid of dense shares, each the dense knapsack then the slot solve on the rest,
+    # keeping the least modelled time (ties to the larger dense share).
+    best = None
+    for k in range(PLAN_SPLITS, -1, -1):
+        on_gpu_k, t_dense_k = solve_dense(dense, avail * k // PLAN_SPLITS, hw)
+        used_k = sum(it.nbytes for it, g in zip(dense, on_gpu_k) if g)
+        slots_k, t_ffn_k = solve_slots(freqs, gbytes, avail - used_k, hw, rows, ffn_type)
+        if best is None or t_dense_k + t_ffn_k < best[0] * (1 - 1e-9):
+            best = (t_dense_k + t_ffn_k, on_gpu_k, t_dense_k, used_k, slots_k, t_ffn_k)
+    _, on_gpu, t_dense, used, slots, t_ffn = best
     share = [float(np.sum(f[s]) / max(np.sum(f), 1e-30)) for f, s in zip(freqs, slots)]
     return Plan(Path(model_path).name, budget, hw, [it.name for it, g in zip(dense, on_gpu) if g],
                 [it.name for it, g in zip(dense, on_gpu) if not g], [s.tolist() for s in slots], n_groups,
