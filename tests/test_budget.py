@@ -210,7 +210,7 @@ def test_budget_counts_per_layer_on_the_gpu(synth_model: Path) -> None:
     base = llm.vram.base
     llm.close()
     half = costs.pred + costs.n_layer * costs.n_ff * costs.per_neuron // 2
-    budget = base + margin_for(base + half) + half
+    budget = base + margin_for(0) + 24 * MiB + half  # the placement's margin and slack: nothing dense moves
     llm = kairox.Llama(str(synth_model), sparse="predicted", vram_budget=budget, n_ctx=256, verbose=False)
     try:
         v = llm.vram

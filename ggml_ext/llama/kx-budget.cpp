@@ -71,6 +71,29 @@ int32_t kx_budget_auto_counts(int64_t budget, int64_t base, int64_t per_neuron, 
         kx_set_err(err, err_size, "kx_budget_auto_counts: the slot solve refused its arguments");
         return 1;
     }
+    // The solve stops where a layer's GPU side would become its critical path, by the rates
+    // alone; the bytes it leaves go to every layer with room, as evenly as they allow: a layer
+    // whose neurons all live on the GPU has no host part to wait for at all, which the rates do
+    // not see (and the budget's bytes are otherwise unused)
+    int64_t spare = left / per_neuron;
+    for (int32_t i = 0; i < n_layer; ++i) {
+        spare -= counts[i];
+    }
+    while (spare > 0) {
+        int64_t live = 0;
+        for (int32_t i = 0; i < n_layer; ++i) {
+            live += counts[i] < n_ff;
+        }
+        if (live == 0) {
+            break;
+        }
+        const int64_t k = (spare + live - 1) / live;
+        for (int32_t i = 0; i < n_layer && spare > 0; ++i) {
+            const int64_t take = std::min({ k, n_ff - counts[i], spare });
+            counts[i] += take;
+            spare -= take;
+        }
+    }
     return 0;
 }
 

@@ -10,6 +10,7 @@
 #include "kx-trace.h"
 
 #include "llama-context.h"
+#include "llama-ext.h"
 #include "llama-impl.h"
 #include "llama-model.h"
 
@@ -359,6 +360,21 @@ static std::string kx_vram_text(const kx_vram_report & v) {
                   mib(v.used - v.base - v.slots).c_str());
 }
 
+// llama.cpp's own buffers on dev (the graph's compute buffers grow when the hybrid graph
+// replaces the dense one): what the base does not explain is pools and workspaces
+static std::string kx_dev_buffers_text(llama_context * ctx, ggml_backend_dev_t dev) {
+    int64_t model = 0, kv = 0, compute = 0;
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+        if (!ggml_backend_buft_is_host(buft) && ggml_backend_buft_get_device(buft) == dev) {
+            model += (int64_t) mb.model;
+            kv += (int64_t) mb.context;
+            compute += (int64_t) mb.compute;
+        }
+    }
+    auto mib = [](int64_t b) { return kx_fmt("%.0f MiB", (double) b / (1 << 20)); };
+    return kx_fmt("model %s, KV cache %s, compute %s", mib(model).c_str(), mib(kv).c_str(), mib(compute).c_str());
+}
+
 // device memory in use after one full batch (the largest graph) and one decode step; the
 // context is left empty (memory cleared, timings reset)
 static int64_t kx_warm_used(llama_context * ctx, ggml_backend_dev_t dev, int64_t free0) {
@@ -610,7 +626,8 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
         st.vram = v;
         st.has_vram = true;
         if (v.used > v.budget) {
-            throw kx_apply_error(KX_ERR_BUDGET, "over the VRAM budget after a warm-up batch: " + kx_vram_text(v));
+            throw kx_apply_error(KX_ERR_BUDGET, "over the VRAM budget after a warm-up batch: " + kx_vram_text(v) +
+                                                "; llama.cpp's buffers there now: " + kx_dev_buffers_text(ctx, dev));
         }
         LLAMA_LOG_INFO("kairox: %s\n", kx_vram_text(v).c_str());
         kx_start_balancer(model, kp); // afresh: the warm-up's steps are not the run's

@@ -65,7 +65,19 @@ def auto_slot_counts(budget: int, base: int, costs: SlotCosts, freqs: Sequence[n
         return [0] * costs.n_layer
     slots, _ = solve_slots([np.asarray(f, np.float64) for f in freqs], [costs.per_neuron] * costs.n_layer, left,
                            hw or HwProfile())
-    return [len(x) for x in slots]
+    out = [len(x) for x in slots]
+    # the solve stops where a layer's GPU side would become its critical path (by the rates
+    # alone); what it leaves goes to every layer with room, as evenly as they allow: a layer
+    # wholly on the GPU has no host part to wait for, which the rates do not see
+    spare = left // costs.per_neuron - sum(out)
+    while spare > 0 and any(c < costs.n_ff for c in out):
+        live = sum(c < costs.n_ff for c in out)
+        k = -(-spare // live)
+        for i, c in enumerate(out):
+            take = min(k, costs.n_ff - c, spare)
+            out[i] += take
+            spare -= take
+    return out
 
 
 def check_slots(budget: int, base: int, costs: SlotCosts, counts: Sequence[int]) -> None:
