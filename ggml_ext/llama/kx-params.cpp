@@ -629,7 +629,8 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
             throw kx_apply_error(KX_ERR_BUDGET, "over the VRAM budget after a warm-up batch: " + kx_vram_text(v) +
                                                 "; llama.cpp's buffers there now: " + kx_dev_buffers_text(ctx, dev));
         }
-        LLAMA_LOG_INFO("kairox: %s\n", kx_vram_text(v).c_str());
+        LLAMA_LOG_INFO("kairox: %s; llama.cpp's buffers there: %s\n", kx_vram_text(v).c_str(),
+                       kx_dev_buffers_text(ctx, dev).c_str());
         kx_start_balancer(model, kp); // afresh: the warm-up's steps are not the run's
         kx_start_thresholds(ctx, kp);
     }
