@@ -11,7 +11,8 @@ set -uo pipefail
 . bench/device/env.sh
 M=/tmp/kxbench/KB-350M-f16.gguf
 mkdir -p /tmp/kxbench
-[ -f "${M%.gguf}.kxpack.gguf" ] || (nice python3 -m kairox synth --preset KB-350M -o "$M" --pack -q > "$OUT/synth.log" 2>&1 &)
+# the model during the build; its pack after it (profiling runs the built library)
+[ -f "$M" ] || (nice python3 -m kairox synth --preset KB-350M -o "$M" -q > "$OUT/synth.log" 2>&1 &)
 cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON -DKAIROX_CUDA_ARCHITECTURES=90 \
     > "$W/kx-configure.log" || exit 1
 cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench > "$W/kx-build.log" 2>&1 \
@@ -21,7 +22,8 @@ B=$W/build-kx/bin
 export KAIROX_LIB_DIR=$B
 [ -n "${KX_TESTS:-}" ] && timeout 120 python3 -m pytest -q -p no:cacheprovider $KX_TESTS 2>&1 | tee "$OUT/pytest.log" | tail -8
 while pgrep -f "kairox synth --preset KB-350M" > /dev/null; do sleep 1; done
-[ -f "${M%.gguf}.kxpack.gguf" ] || { tail -5 "$OUT/synth.log"; exit 1; }
+[ -f "${M%.gguf}.kxpack.gguf" ] || python3 -m kairox synth --preset KB-350M -o "$M" --pack-only -q >> "$OUT/synth.log" 2>&1 \
+    || { tail -5 "$OUT/synth.log"; exit 1; }
 for b in ${KX_DIAG_BUDGETS:-0.3 0.6 2}; do
     timeout 60 "$B/llama-bench" -m "$M" -p 0 -n 16 -r 1 -t "$(nproc)" -o md --vram-budget "${b}GiB" --sparse predicted \
         -fa 1 -v > "$OUT/diag-$b.log" 2>&1
