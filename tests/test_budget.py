@@ -162,7 +162,7 @@ def test_a_budget_below_the_dense_tensors_runs(tmp_path_factory: pytest.TempPath
 
 @pytest.mark.parametrize("kw,match", [
     ({"vram_budget": "lots"}, "vram_budget"), ({"vram_budget": 0}, "vram_budget"),
-    ({"vram_budget": "1GiB", "sparse": "dense"}, "sparse mode"),
+    ({"gpu_slots": 3, "sparse": "dense"}, "sparse mode"),
     ({"plan": "x.json", "gpu_slots": 3}, "not both")])
 def test_bad_hybrid_options_are_refused(synth_model: Path, kw: dict, match: str) -> None:
     import kairox
@@ -221,3 +221,38 @@ def test_budget_counts_per_layer_on_the_gpu(synth_model: Path) -> None:
         llm.eval(list(range(1, 40)))
     finally:
         llm.close()
+
+
+def test_a_budget_without_a_pack_places_whole_tensors(tmp_path: Path) -> None:
+    """On a GPU: a model without a pack (never prepared, or MoE, or dense) runs under a budget
+    by whole tensors, its FFN's among them; what does not fit computes on the CPU, the logits
+    are the all-GPU run's, and nothing of the sparse path runs."""
+    import kairox
+    from kairox._native import has_gpu
+    from kairox.gguf_header import scan_header
+    from kairox.synth import Shape, synth
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    model = synth(tmp_path / "kb-wide.gguf", Shape(4, 1024, 2816, 16, 16, "f16"), quiet=True)
+    mats = {t.name: t.nbytes for t in scan_header(model).tensors
+            if t.name != "token_embd.weight" and len(t.ne) >= 2 and t.ne[1] > 1}
+    toks = list(range(1, 40))
+
+    def decode(budget: int, **kw: object) -> tuple[np.ndarray, VramReport, dict[str, str | None]]:
+        llm = kairox.Llama(str(model), vram_budget=budget, n_ctx=256, logits_all=True, verbose=False, **kw)
+        try:
+            assert llm.sparse == "dense"
+            llm.eval(toks)
+            assert llm.vram is not None and llm.vram_used() <= budget and llm.vram.slots == 0
+            return np.array(llm.scores[:llm.n_tokens]), llm.vram, {t: llm.tensor_buffer_type(t) for t in mats}
+        finally:
+            llm.close()
+    want, full, where = decode(4 << 30)
+    assert set(where.values()) == {"CUDA0"}  # the FFN too: no pack keeps it in host memory
+    budget = full.base + margin_for(0) + 16 * MiB - sum(mats.values()) // 2
+    for kw in ({}, {"sparse": "dense"}):
+        got, v, where = decode(budget, **kw)
+        on_cpu = [t for t, b in where.items() if b != "CUDA0"]
+        assert on_cpu and sum(mats[t] for t in on_cpu) >= sum(mats.values()) // 2 - 16 * MiB
+        assert v.used <= budget
+        assert float(np.abs(got - want).max()) <= 2e-3 * float(np.abs(want).max())

@@ -112,10 +112,13 @@ static std::deque<std::vector<std::string>> kx_override_patterns;
 static std::deque<std::vector<llama_model_tensor_buft_override>> kx_override_arrays;
 
 // A regex per tensor kind (^blk\.(3|7)\.attn_q\.weight$), so llama.cpp's per-tensor matching stays short
-static std::vector<std::string> kx_cpu_patterns(const std::vector<std::string> & names) {
+static std::vector<std::string> kx_cpu_patterns(const std::vector<std::string> & names, bool ffn = true) {
     // hybrid layers compute their FFN on the CPU from host weights (and copy the hot rows to
     // the GPU slots): the FFN tensors stay in host memory whatever -ngl offloads
-    std::vector<std::string> pats = { "blk\\.\\d+\\.ffn_(gate|up|down)\\.weight" };
+    std::vector<std::string> pats;
+    if (ffn) {
+        pats.push_back("blk\\.\\d+\\.ffn_(gate|up|down)\\.weight");
+    }
     const kx_tensor_kinds g = kx_tensors_by_kind(names);
     for (const std::string & k : g.order) {
         std::string ids;
@@ -135,6 +138,23 @@ static std::string kx_pack_path_for(const std::string & model_path);
 // the pack kp names, else MODEL.kxpack.gguf next to the model ("" without either)
 static std::string kx_params_pack_path(const kx_params * kp, const char * model_path) {
     return kp->sparse_pack && *kp->sparse_pack ? kp->sparse_pack : model_path ? kx_pack_path_for(model_path) : "";
+}
+
+// A VRAM budget with nothing to put in neuron slots: `--sparse dense`, or the automatic mode
+// and no pack (a model never prepared, an MoE model, a dense one). The budget then places
+// whole tensors, the FFN's included (ATSInfer's tensor-level placement), and nothing else of
+// kairox runs; slot counts, a plan, the balancer, a mapped share and thresholds need a pack.
+static bool kx_params_tensors_only(const kx_params * kp, const char * model_path) {
+    if (kp->vram_budget <= 0 || kp->gpu_slots >= 0 || kp->n_gpu_slots_layers > 0 || (kp->plan && *kp->plan) ||
+        kp->balancer != KX_BALANCER_OFF || kp->mapped_share > 0.0f || kp->error_budget >= 0.0f) {
+        return false;
+    }
+    if (kp->sparse == KX_SPARSE_DENSE) {
+        return true;
+    }
+    const std::string pack = kx_params_pack_path(kp, model_path);
+    return kp->sparse == KX_SPARSE_AUTO && !(kp->sparse_pack && *kp->sparse_pack) && !pack.empty() &&
+           !std::ifstream(pack).good();
 }
 
 // Tensors matching pats go to buft, ahead of the caller's own overrides (kept after ours)
@@ -225,11 +245,11 @@ int32_t kx_model_params_apply_model(kx_params * kp, llama_model_params * mp, con
 // of the load with the FFN in host memory as the real load will have it
 static std::vector<std::string> kx_budget_dense_cpu(const kx_params * kp, const llama_model_params & mp,
                                                     const llama_context_params * cp, const char * model_path,
-                                                    ggml_backend_dev_t dev) {
+                                                    ggml_backend_dev_t dev, bool ffn_on_host) {
     const llama_context_params cparams = cp ? *cp : llama_context_default_params();
     // the FFN (and the named tensors) in host memory, then the caller's own overrides, as the load has them
     auto dry = [&](const std::vector<std::string> & names) {
-        const std::vector<std::string> pats = kx_cpu_patterns(names);
+        const std::vector<std::string> pats = kx_cpu_patterns(names, ffn_on_host);
         std::vector<llama_model_tensor_buft_override> ov;
         for (const std::string & p : pats) {
             ov.push_back({ p.c_str(), ggml_backend_cpu_buffer_type() });
@@ -269,6 +289,24 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
         }
         return kx_fail(err, err_size, KX_OK, "");
     }
+    if (kx_params_tensors_only(kp, model_path)) {
+        // whole tensors under the budget, the FFN's among them: what does not fit loads on the
+        // CPU side (llama.cpp repacks it there as it would for -ot ...=CPU)
+        ggml_backend_dev_t dev = kx_params_device(kp);
+        if (!dev || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) {
+            return kx_fail(err, err_size, KX_ERR_PARAMS, "a VRAM budget needs a GPU, and this build or machine has none");
+        }
+        kp->vram_free_at_load = kx_dev_free(dev);
+        try {
+            const std::vector<std::string> cpu = kx_budget_dense_cpu(kp, *mp, cp, model_path, dev, false);
+            if (!cpu.empty()) {
+                kx_override(mp, kx_cpu_patterns(cpu, false), ggml_backend_cpu_buffer_type());
+            }
+        } catch (const std::exception & e) {
+            return kx_fail(err, err_size, KX_ERR_BUDGET, e.what());
+        }
+        return kx_fail(err, err_size, KX_OK, "");
+    }
     try {
         kx_check_slot_types(kp, model_path);
     } catch (const std::exception & e) {
@@ -293,7 +331,7 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
         kp->vram_free_at_load = kx_dev_free(dev);
         if (dense_cpu.empty() && model_path) {
             try {
-                dense_cpu = kx_budget_dense_cpu(kp, *mp, cp, model_path, dev);
+                dense_cpu = kx_budget_dense_cpu(kp, *mp, cp, model_path, dev, true);
             } catch (const std::exception & e) {
                 return kx_fail(err, err_size, KX_ERR_BUDGET, e.what());
             }
@@ -498,7 +536,34 @@ static void kx_place(llama_context * ctx, llama_model * model, const kx_params *
     kx_start_thresholds(ctx, kp);
 }
 
+// a budget of whole tensors (kx_params_tensors_only): the placement was made before the load;
+// here the same readings as the hybrid's, checked after a warm-up batch
+static void kx_apply_tensors_only(llama_context * ctx, const kx_params * kp) {
+    ggml_backend_dev_t dev = kx_params_device(kp);
+    if (!dev || kp->vram_free_at_load < 0) {
+        throw kx_apply_error(KX_ERR_PARAMS, "a VRAM budget is measured from before the model loads: load it with "
+                                            "parameters from kx_model_params_apply");
+    }
+    kx_vram_report v = {};
+    v.budget = kp->vram_budget;
+    v.base   = kp->vram_free_at_load - kx_dev_free(dev);
+    v.used   = kx_warm_used(ctx, dev, kp->vram_free_at_load);
+    kx_ctx_state & st = kx_ctx_state_of(ctx);
+    st.vram = v;
+    st.has_vram = true;
+    if (v.used > v.budget) {
+        throw kx_apply_error(KX_ERR_BUDGET, "over the VRAM budget after a warm-up batch: " + kx_vram_text(v) +
+                                            "; llama.cpp's buffers there now: " + kx_dev_buffers_text(ctx, dev));
+    }
+    LLAMA_LOG_INFO("kairox: no sparse pack: the VRAM budget places whole tensors, the FFN's among them; %s; "
+                   "llama.cpp's buffers there: %s\n", kx_vram_text(v).c_str(), kx_dev_buffers_text(ctx, dev).c_str());
+}
+
 static void kx_apply(llama_context * ctx, const std::string & model_path, const kx_params * kp) {
+    if (kx_params_tensors_only(kp, model_path.c_str())) {
+        kx_apply_tensors_only(ctx, kp);
+        return;
+    }
     const bool hybrid = kx_params_hybrid(kp);
     kx_params_validate(kp, hybrid);
     const bool has_pack_name = kp->sparse_pack && *kp->sparse_pack;

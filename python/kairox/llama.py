@@ -164,9 +164,10 @@ class KairoxOptions:
             raise TypeError(f"plan must be a path, not {type(self.plan).__name__}")
         if self.plan is not None and self.gpu_slots is not None:
             raise ValueError("give either gpu_slots or a plan (the plan holds the slot counts), not both")
-        if self.wants_slots and self.sparse == "dense":
-            raise ValueError("gpu_slots, vram_budget and plan place FFN neurons on the GPU: they need a sparse "
-                             "mode (exact, predicted or threshold), not dense")
+        if (self.gpu_slots is not None or self.plan is not None) and self.sparse == "dense":
+            raise ValueError("gpu_slots and plan place FFN neurons on the GPU: they need a sparse mode (exact, "
+                             "predicted or threshold), not dense (vram_budget with sparse='dense' places whole "
+                             "tensors)")
 
     @property
     def rates(self) -> Rates:
