@@ -10,7 +10,6 @@
 #include "kx-trace.h"
 
 #include "llama-context.h"
-#include "llama-ext.h"
 #include "llama-impl.h"
 #include "llama-model.h"
 
@@ -398,19 +397,12 @@ static std::string kx_vram_text(const kx_vram_report & v) {
                   mib(v.used - v.base - v.slots).c_str());
 }
 
-// llama.cpp's own buffers on dev (the graph's compute buffers grow when the hybrid graph
-// replaces the dense one): what the base does not explain is pools and workspaces
+// llama.cpp's own buffers on dev: what the measured base and use hold beyond them is pools,
+// workspaces and kairox's own (slots, predictors)
 static std::string kx_dev_buffers_text(llama_context * ctx, ggml_backend_dev_t dev) {
-    int64_t model = 0, kv = 0, compute = 0;
-    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
-        if (!ggml_backend_buft_is_host(buft) && ggml_backend_buft_get_device(buft) == dev) {
-            model += (int64_t) mb.model;
-            kv += (int64_t) mb.context;
-            compute += (int64_t) mb.compute;
-        }
-    }
-    auto mib = [](int64_t b) { return kx_fmt("%.0f MiB", (double) b / (1 << 20)); };
-    return kx_fmt("model %s, KV cache %s, compute %s", mib(model).c_str(), mib(kv).c_str(), mib(compute).c_str());
+    const kx_dev_bytes b = kx_dev_buffers(ctx, dev);
+    auto mib = [](int64_t x) { return kx_fmt("%.0f MiB", (double) x / (1 << 20)); };
+    return kx_fmt("model %s, KV cache %s, compute %s", mib(b.weights).c_str(), mib(b.kv).c_str(), mib(b.compute).c_str());
 }
 
 // device memory in use after one full batch (the largest graph) and one decode step; the

@@ -98,6 +98,23 @@ static std::string kx_mib(int64_t b) {
     return kx_fmt("%.0f MiB", (double) b / (1 << 20));
 }
 
+// a device's host buffer types (CUDA_Host) name the device too: what counts is device memory
+bool kx_buft_on_dev(ggml_backend_buffer_type_t buft, ggml_backend_dev_t dev) {
+    return !ggml_backend_buft_is_host(buft) && ggml_backend_buft_get_device(buft) == dev;
+}
+
+kx_dev_bytes kx_dev_buffers(llama_context * ctx, ggml_backend_dev_t dev) {
+    kx_dev_bytes b;
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+        if (kx_buft_on_dev(buft, dev)) {
+            b.weights += (int64_t) mb.model;
+            b.kv      += (int64_t) mb.context;
+            b.compute += (int64_t) mb.compute;
+        }
+    }
+    return b;
+}
+
 kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_params & cp, const char * model_path,
                         ggml_backend_dev_t dev) {
     // the dry run, quiet: llama.cpp's load log would repeat the real load's
@@ -125,20 +142,10 @@ kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_pa
                                         model_path));
     }
     kx_dry_sizes d;
-    // a device's host buffer types (CUDA_Host) name the device too: what counts is device memory
-    auto on_dev = [dev](ggml_backend_buffer_type_t buft) {
-        return !ggml_backend_buft_is_host(buft) && ggml_backend_buft_get_device(buft) == dev;
-    };
-    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
-        if (on_dev(buft)) {
-            d.weights += (int64_t) mb.model;
-            d.kv      += (int64_t) mb.context;
-            d.compute += (int64_t) mb.compute;
-        }
-    }
+    static_cast<kx_dev_bytes &>(d) = kx_dev_buffers(ctx, dev);
     // the matrices on the device are the items; vectors (norms) stay with the fixed part
     for (const auto & [name, t] : model->tensors_by_name) {
-        if (!t->buffer || !on_dev(ggml_backend_buffer_get_type(t->buffer)) || t->ne[1] <= 1) {
+        if (!t->buffer || !kx_buft_on_dev(ggml_backend_buffer_get_type(t->buffer), dev) || t->ne[1] <= 1) {
             continue;
         }
         d.items.emplace_back(name, (int64_t) ggml_nbytes(t));

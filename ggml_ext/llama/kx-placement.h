@@ -43,10 +43,17 @@ std::string kx_regex_escape(const std::string & s);
 
 // What a dry run of the load (no_alloc: every buffer sized, nothing allocated) takes on a
 // device, in bytes, and the dense matrices there (name, bytes) that could move to the CPU.
-struct kx_dry_sizes {
+// llama.cpp's buffers of a context and its model on dev (device memory, not its host buffer
+// types), bytes
+struct kx_dev_bytes {
     int64_t weights = 0;
     int64_t kv      = 0;
     int64_t compute = 0;
+};
+kx_dev_bytes kx_dev_buffers(llama_context * ctx, ggml_backend_dev_t dev);
+bool kx_buft_on_dev(ggml_backend_buffer_type_t buft, ggml_backend_dev_t dev);
+
+struct kx_dry_sizes : kx_dev_bytes {
     int64_t movable = 0; // bytes of items
     std::vector<std::pair<std::string, int64_t>> items;
     int64_t total() const { return weights + kv + compute; }
