@@ -103,6 +103,18 @@ def test_slot_allocation_matches_brute_force(seed: int) -> None:
     assert t == pytest.approx(brute_slots(freqs, MiB, budget, hw), rel=1e-9)
 
 
+def test_expert_tensors_count_the_share_a_token_reads() -> None:
+    """An MoE expert tensor (8 of 64 experts read per token) saves an eighth of what an
+    attention matrix of its size saves per byte of VRAM: with room for one, attention stays."""
+    hw = HwProfile(cpu_gbs=50.0, gpu_gbs=1000.0, handoff_us=0.0)
+    attn = DenseItem("blk.0.attn_q.weight", 64 * MiB)
+    exps = DenseItem("blk.0.ffn_up_exps.weight", 64 * MiB, read=8 / 64)
+    for order in ([attn, exps], [exps, attn]):
+        on, t = solve_dense(order, 64 * MiB, hw, unit=MiB)
+        assert [it.name for it, g in zip(order, on) if g] == [attn.name]
+        assert t == pytest.approx(64 * MiB / 1e12 + 64 * MiB * 8 / 64 / 50e9)
+
+
 def test_busier_layers_get_more_slots() -> None:
     freqs = [np.full(100, 0.5), np.full(100, 2.0)]
     slots, _ = solve_slots(freqs, [MiB, MiB], 60 * MiB, HW)

@@ -148,7 +148,11 @@ kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_pa
         if (!t->buffer || !kx_buft_on_dev(ggml_backend_buffer_get_type(t->buffer), dev) || t->ne[1] <= 1) {
             continue;
         }
-        d.items.emplace_back(name, (int64_t) ggml_nbytes(t));
+        const llama_hparams & hp = model->hparams;
+        const int il = kx_tensor_layer(name).first;
+        const bool expert = t->ne[2] > 1 && name.find("_exps") != std::string::npos && hp.n_expert > 0 && il >= 0;
+        d.items.push_back({ name, (int64_t) ggml_nbytes(t),
+                            expert ? (double) hp.n_expert_used((uint32_t) il) / hp.n_expert : 1.0 });
         d.movable += (int64_t) ggml_nbytes(t);
     }
     llama_free(ctx);
@@ -170,13 +174,9 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
             kx_mib(d.kv).c_str(), kx_mib(d.compute).c_str(), kx_mib(fixed).c_str(), kx_mib(margin).c_str(),
             kx_mib(fixed + margin).c_str()));
     }
-    struct item { std::string name; int64_t bytes; };
-    std::vector<item> items;
-    for (const auto & [name, bytes] : d.items) {
-        items.push_back({ name, bytes });
-    }
+    std::vector<kx_place_item> items = d.items;
     // execution order: by layer, then by name (the reference's order)
-    std::stable_sort(items.begin(), items.end(), [](const item & a, const item & b) {
+    std::stable_sort(items.begin(), items.end(), [](const kx_place_item & a, const kx_place_item & b) {
         const auto la = kx_tensor_layer(a.name), lb = kx_tensor_layer(b.name);
         const int ka = la.first >= 0 ? la.first : a.name == "output.weight" ? std::numeric_limits<int>::max() : -1;
         const int kb = lb.first >= 0 ? lb.first : b.name == "output.weight" ? std::numeric_limits<int>::max() : -1;
@@ -187,8 +187,8 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
     std::vector<double> cpu(n), gpu(n);
     for (int32_t i = 0; i < n; ++i) {
         nb[i]  = items[i].bytes;
-        cpu[i] = (double) items[i].bytes / (rates.cpu_gbs * 1e9);
-        gpu[i] = (double) items[i].bytes / (rates.gpu_gbs * 1e9);
+        cpu[i] = (double) items[i].bytes * items[i].read / (rates.cpu_gbs * 1e9);
+        gpu[i] = (double) items[i].bytes * items[i].read / (rates.gpu_gbs * 1e9);
     }
     // The compute buffers grow once tensors move: llama.cpp runs a large batch's matmul on the
     // GPU even when its weight is in host memory, copying the weight into the GPU's compute

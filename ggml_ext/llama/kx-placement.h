@@ -53,9 +53,16 @@ struct kx_dev_bytes {
 kx_dev_bytes kx_dev_buffers(llama_context * ctx, ggml_backend_dev_t dev);
 bool kx_buft_on_dev(ggml_backend_buffer_type_t buft, ggml_backend_dev_t dev);
 
+// a dense matrix the placement may move: its bytes, and the share of them a token reads (an
+// MoE expert tensor: n_expert_used / n_expert, as ATSInfer counts them; 1 otherwise)
+struct kx_place_item {
+    std::string name;
+    int64_t     bytes;
+    double      read;
+};
 struct kx_dry_sizes : kx_dev_bytes {
     int64_t movable = 0; // bytes of items
-    std::vector<std::pair<std::string, int64_t>> items;
+    std::vector<kx_place_item> items;
     int64_t total() const { return weights + kv + compute; }
 };
 kx_dry_sizes kx_dry_run(const llama_model_params & mp, const llama_context_params & cp, const char * model_path,

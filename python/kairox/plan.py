@@ -101,6 +101,9 @@ class DenseItem:
     name: str
     nbytes: int
     type: str = ""  # ggml type name ("f16", "q4_0"): picks the measured rate
+    # the share of its bytes a token reads: an MoE expert tensor's n_expert_used / n_expert
+    # (ATSInfer counts experts apart: per byte of VRAM they save less than attention does)
+    read: float = 1.0
 
 
 def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = 16 * MiB) -> tuple[list[bool], float]:
@@ -109,8 +112,8 @@ def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = 
     n = len(items)
     cap = max(0, budget // unit)
     w = [-(-it.nbytes // unit) for it in items]
-    cpu = [it.nbytes / hw.cpu_rate(it.type) for it in items]
-    gpu = [it.nbytes / hw.gpu_rate(it.type) for it in items]
+    cpu = [it.nbytes * it.read / hw.cpu_rate(it.type) for it in items]
+    gpu = [it.nbytes * it.read / hw.gpu_rate(it.type) for it in items]
     hop = hw.handoff_us * 1e-6 / 2  # one direction of a round trip
     INF = math.inf
     # cost[c][d]: best time using c units with the last tensor on device d (0 CPU, 1 GPU)
@@ -375,6 +378,7 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
                         f"reserved for the KV cache and compute buffers")
     arch = hdr.kv["general.architecture"]
     n_layer = int(hdr.kv[f"{arch}.block_count"])
+    n_expert, n_used = int(hdr.kv.get(f"{arch}.expert_count", 0)), int(hdr.kv.get(f"{arch}.expert_used_count", 0))
     ffn_bytes = [0] * n_layer
     ffn_type = [""] * n_layer  # the gate's: most of a neuron's bytes are read at its type
     dense: list[DenseItem] = []
@@ -385,7 +389,8 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
             if m.group(2) == "gate":
                 ffn_type[int(m.group(1))] = _type_name(t.type_id)
         elif t.name != "token_embd.weight" and len(t.ne) >= 2:  # the embedding is a row lookup
-            dense.append(DenseItem(t.name, t.nbytes, _type_name(t.type_id)))
+            expert = len(t.ne) >= 3 and t.ne[2] > 1 and "_exps" in t.name and n_expert > 0
+            dense.append(DenseItem(t.name, t.nbytes, _type_name(t.type_id), n_used / n_expert if expert else 1.0))
     order = {"output.weight": 10**9}
 
     def key(it: DenseItem) -> tuple[int, str]:
