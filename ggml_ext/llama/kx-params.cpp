@@ -528,6 +528,20 @@ static void kx_place(llama_context * ctx, llama_model * model, const kx_params *
     kx_start_thresholds(ctx, kp);
 }
 
+// the budget's readings kept with the context, then checked: over the budget after the
+// warm-up refuses, naming llama.cpp's device buffers; else one log line (what: its opening)
+static void kx_vram_keep(llama_context * ctx, ggml_backend_dev_t dev, const kx_vram_report & v, const char * what) {
+    kx_ctx_state & st = kx_ctx_state_of(ctx);
+    st.vram = v;
+    st.has_vram = true;
+    if (v.used > v.budget) {
+        throw kx_apply_error(KX_ERR_BUDGET, "over the VRAM budget after a warm-up batch: " + kx_vram_text(v) +
+                                            "; llama.cpp's buffers there now: " + kx_dev_buffers_text(ctx, dev));
+    }
+    LLAMA_LOG_INFO("kairox: %s%s; llama.cpp's buffers there: %s\n", what, kx_vram_text(v).c_str(),
+                   kx_dev_buffers_text(ctx, dev).c_str());
+}
+
 // a budget of whole tensors (kx_params_tensors_only): the placement was made before the load;
 // here the same readings as the hybrid's, checked after a warm-up batch
 static void kx_apply_tensors_only(llama_context * ctx, const kx_params * kp) {
@@ -540,15 +554,7 @@ static void kx_apply_tensors_only(llama_context * ctx, const kx_params * kp) {
     v.budget = kp->vram_budget;
     v.base   = kp->vram_free_at_load - kx_dev_free(dev);
     v.used   = kx_warm_used(ctx, dev, kp->vram_free_at_load);
-    kx_ctx_state & st = kx_ctx_state_of(ctx);
-    st.vram = v;
-    st.has_vram = true;
-    if (v.used > v.budget) {
-        throw kx_apply_error(KX_ERR_BUDGET, "over the VRAM budget after a warm-up batch: " + kx_vram_text(v) +
-                                            "; llama.cpp's buffers there now: " + kx_dev_buffers_text(ctx, dev));
-    }
-    LLAMA_LOG_INFO("kairox: no sparse pack: the VRAM budget places whole tensors, the FFN's among them; %s; "
-                   "llama.cpp's buffers there: %s\n", kx_vram_text(v).c_str(), kx_dev_buffers_text(ctx, dev).c_str());
+    kx_vram_keep(ctx, dev, v, "no sparse pack: the VRAM budget places whole tensors, the FFN's among them; ");
 }
 
 static void kx_apply(llama_context * ctx, const std::string & model_path, const kx_params * kp) {
@@ -679,15 +685,7 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
         for (int64_t c : counts) {
             v.n_slots += std::min(c, costs.n_ff);
         }
-        kx_ctx_state & st = kx_ctx_state_of(ctx);
-        st.vram = v;
-        st.has_vram = true;
-        if (v.used > v.budget) {
-            throw kx_apply_error(KX_ERR_BUDGET, "over the VRAM budget after a warm-up batch: " + kx_vram_text(v) +
-                                                "; llama.cpp's buffers there now: " + kx_dev_buffers_text(ctx, dev));
-        }
-        LLAMA_LOG_INFO("kairox: %s; llama.cpp's buffers there: %s\n", kx_vram_text(v).c_str(),
-                       kx_dev_buffers_text(ctx, dev).c_str());
+        kx_vram_keep(ctx, dev, v, "");
         kx_start_balancer(model, kp); // afresh: the warm-up's steps are not the run's
         kx_start_thresholds(ctx, kp);
     }
