@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Decode speed against the VRAM budget, through the binaries: kairox-bench at each budget
 (its own placement: dense tensors that do not fit wait on the CPU, neuron slots fill what is
-left) beside llama.cpp's best placement that fits the same budget (the largest -ngl whose GPU
-buffers fit, probed at the rows' own context as bench/offload.py probes, run with -fa 0 and
--fa 1), from the same build.
+left; without a pack, whole tensors) beside llama.cpp's best placement that fits the same
+budget, from the same build: the largest -ngl whose GPU buffers fit, and every layer on the GPU
+but the FFN weights of the fewest first layers (-ot ...=CPU; an MoE model's experts with
+--n-cpu-moe), each probed at the rows' own context as bench/offload.py probes and run with
+-fa 0 and -fa 1; the fastest of these is the row's llama.cpp figure.
 
 Each round runs every budget's rows once, budgets in order. A budget kairox refuses is
 recorded with its message, not skipped. Writes raw results (JSON with the exact commands and
@@ -22,13 +24,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import MiB, Layout, find_ngl  # noqa: E402
+from offload import MiB, Layout, ffn_cpu_flags, find_ffn_cpu, find_ngl  # noqa: E402
 from tools_bench import add_run_args, bench_row, commit  # noqa: E402
 
 
 def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float,
                sparse: str) -> tuple[list[str], float | None, str]:
-    extra = ["--vram-budget", f"{budget_gib:g}GiB", "--sparse", sparse, "-fa", "1"]
+    extra = ["--vram-budget", f"{budget_gib:g}GiB", *(["--sparse", sparse] if sparse != "auto" else []), "-fa", "1"]
     try:
         cmd, ts = bench_row(exe, model, gen, threads, extra)
         return cmd, ts, ""
@@ -44,7 +46,7 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("kairox", "kairox-bench --vram-budget"), ("llama", "llama.cpp best -ngl/-fa")):
+    for key, label in (("kairox", "kairox-bench --vram-budget"), ("llama", "llama.cpp best -ngl/-ot/-fa")):
         pts = [(b["budget_gib"], b[key]["median"]) for b in res["budgets"] if b[key]["median"]]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel("VRAM budget (GiB)")
@@ -67,14 +69,14 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
     for r in rows:
         if not all(v["tok_s"] for v in r["llama"].values()):
             continue
-        best_fa = max(r["llama"], key=lambda f: statistics.median(r["llama"][f]["tok_s"]))
-        lr = r["llama"][best_fa]
+        best = max(r["llama"], key=lambda f: statistics.median(r["llama"][f]["tok_s"]))
+        lr = r["llama"][best]
         kx = r["kairox"]
         budgets_out.append({
-            "budget_gib": r["budget_gib"], "ngl_search": r["ngl_search"],
+            "budget_gib": r["budget_gib"], "ngl_search": r["ngl_search"], "ffn_cpu_search": r["ffn_cpu_search"],
             "kairox": {"command": " ".join(kx["cmd"]), "tok_s": kx["tok_s"], "error": kx["error"],
                        "median": statistics.median(kx["tok_s"]) if kx["tok_s"] else None},
-            "llama": {"ngl": r["ngl"], "fa": best_fa, "command": " ".join(lr["cmd"]), "tok_s": lr["tok_s"],
+            "llama": {"flags": best, "command": " ".join(lr["cmd"]), "tok_s": lr["tok_s"],
                       "median": statistics.median(lr["tok_s"]),
                       "all": {f: v["tok_s"] for f, v in r["llama"].items()}}})
     res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": model.name,
@@ -83,7 +85,7 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     lines = [f"# {model.name} ({res['model_mib']} MiB): decode against the VRAM budget", "",
              f"decode of {args.gen} tokens, {args.threads} threads, {args.rounds} round(s); commit {res['commit']}",
-             "", "| budget | kairox-bench tok/s | llama.cpp best (-ngl, -fa) tok/s | kairox / llama.cpp |",
+             "", "| budget | kairox-bench tok/s | llama.cpp best (flags) tok/s | kairox / llama.cpp |",
              "|---:|---:|---:|---:|"]
     for b in budgets_out:
         kx, lr = b["kairox"], b["llama"]
@@ -91,8 +93,8 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
         kxs = f"{kx['median']:.2f}{spread(kx['tok_s'])}" if kx["median"] else kx["error"]
         ratio = f"{kx['median'] / lr['median']:.2f}x" if kx["median"] else "-"
         lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {lr['median']:.2f}{spread(lr['tok_s'])} "
-                     f"(-ngl {lr['ngl']}, -fa {lr['fa']}) | {ratio} |")
-    lines += ["", "Commands (kairox-bench; llama.cpp's rows are the same binary with -ngl and -fa):", "", "```",
+                     f"(`{lr['flags']}`) | {ratio} |")
+    lines += ["", "Commands (kairox-bench; llama.cpp's rows are the same binary with the flags shown):", "", "```",
               *[b["kairox"]["command"] for b in budgets_out], "```", ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
     try:
@@ -106,7 +108,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--budgets", default="1,2,3,4,6,8,10,12,14", help="GiB, comma-separated (default: %(default)s)")
-    ap.add_argument("--sparse", default="predicted")
+    ap.add_argument("--sparse", default="predicted",
+                    help="kairox's --sparse; auto: none given (a model without a pack, an MoE model: whole "
+                         "tensors) (default: %(default)s)")
     add_run_args(ap, gen=32, rounds=1, stem="budget-sweep")
     args = ap.parse_args()
     exe = Path(args.bin) / "llama-bench"
@@ -117,18 +121,22 @@ def main() -> int:
     rows = []
     for b in budgets:
         ngl, _, search = find_ngl(str(exe), model, lay, b * 1024, args.threads, n_gen=args.gen)
-        rows.append({"budget_gib": b, "ngl": ngl, "ngl_search": search,
+        k, ffn_search = find_ffn_cpu(str(exe), model, lay, b * 1024, args.threads, args.gen)
+        placements = [["-ngl", str(ngl)]] + ([ffn_cpu_flags(lay, k)] if k is not None else [])
+        rows.append({"budget_gib": b, "ngl_search": search, "ffn_cpu_search": ffn_search,
                      "kairox": {"tok_s": [], "cmd": None, "error": ""},
-                     "llama": {f: {"tok_s": [], "cmd": None} for f in ("0", "1")}})
-        print(f"{b:g} GiB: llama.cpp -ngl {ngl} fits ({time.time() - t0:.0f} s)", flush=True)
+                     "llama": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "tok_s": [], "cmd": None}
+                               for p in placements for f in ("0", "1")}})
+        print(f"{b:g} GiB: llama.cpp fits {' / '.join(' '.join(p) for p in placements)} ({time.time() - t0:.0f} s)",
+              flush=True)
     for k in range(args.rounds):
         for r in rows:
             cmd, ts, err = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"], args.sparse)
             r["kairox"]["cmd"], r["kairox"]["error"] = cmd, err
             if ts is not None:
                 r["kairox"]["tok_s"].append(ts)
-            for fa, lr in r["llama"].items():
-                lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, ["-ngl", str(r["ngl"]), "-fa", fa])
+            for lr in r["llama"].values():
+                lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, lr["args"])
                 lr["tok_s"].append(t)
             print(f"round {k + 1}: {r['budget_gib']:g} GiB: kairox {ts if ts is not None else err} / llama.cpp "
                   f"{[lr['tok_s'][-1] for lr in r['llama'].values()]} ({time.time() - t0:.0f} s)", flush=True)

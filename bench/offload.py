@@ -117,6 +117,7 @@ class Layout:
         self.layer_ffn = [0] * self.n_layer
         self.layer_gate = [0] * self.n_layer
         self.layer_other = [0] * self.n_layer
+        self.layer_experts = [0] * self.n_layer  # an MoE layer's expert tensors (within layer_other)
         self.output = 0
         self.n_vocab = 0
         names = {t.name: t for t in hdr.tensors}
@@ -130,6 +131,8 @@ class Layout:
                         self.layer_gate[il] += t.nbytes
                 else:
                     self.layer_other[il] += t.nbytes
+                    if re.match(r"ffn_(gate|up|down)_exps\.", rest):
+                        self.layer_experts[il] += t.nbytes
             elif t.name in ("output.weight", "output_norm.weight"):
                 self.output += t.nbytes
         emb = names["token_embd.weight"]
@@ -170,6 +173,47 @@ def bound(b: dict, bw: dict) -> dict:
     return {"seconds": parts[key], "limit": key, "parts": parts}
 
 
+def decode_buffers(stock: str, model: Path, threads: int, n_gen: int, extra: list[str]) -> dict:
+    """GPU buffers of a decode-only row of n_gen tokens (its context) with these flags."""
+    return gpu_buffers(run([stock, "-m", str(model), "-p", "0", "-n", str(n_gen), "-r", "1", "-t", str(threads),
+                            "-o", "json", "-v", *extra]).stderr)
+
+
+def ffn_cpu_flags(lay: Layout, k: int) -> list[str]:
+    """llama.cpp's flags for every layer on the GPU but the FFN weights of the first k layers:
+    -ncmoe (its experts) for an MoE model, an -ot pattern for a dense one."""
+    if any(lay.layer_experts):
+        return ["-ngl", "99", "-ncmoe", str(k)]
+    if k == 0:
+        return ["-ngl", "99"]
+    return ["-ngl", "99", "-ot", "blk\\.(" + "|".join(map(str, range(k))) + ")\\.ffn_(gate|up|down)\\.weight=CPU"]
+
+
+def find_ffn_cpu(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int,
+                 n_gen: int) -> tuple[int | None, list]:
+    """Fewest layers whose FFN (or experts) must stay on the CPU, all else on the GPU, for the
+    GPU buffers to fit the budget (llama.cpp's -ot / --n-cpu-moe placement); None when even all
+    of them on the CPU does not fit. Probed as find_ngl probes."""
+    tried: dict[int, dict] = {}
+
+    def mem(k: int) -> float:
+        if k not in tried:
+            tried[k] = decode_buffers(stock, model, threads, n_gen, ffn_cpu_flags(lay, k))
+            log(f"FFN of {k} layers on the CPU: {tried[k]['total_mib']:.0f} MiB")
+        return tried[k]["total_mib"]
+
+    n = lay.n_layer
+    if mem(n) > budget_mib:
+        return None, [{"ffn_cpu": a, **b} for a, b in sorted(tried.items())]
+    per = max(max(lay.layer_experts) or max(lay.layer_ffn), 1) / MiB
+    k = max(0, min(n, n - int((budget_mib - mem(n)) // per)))
+    while k < n and mem(k) > budget_mib:
+        k += 1
+    while k > 0 and mem(k - 1) <= budget_mib:
+        k -= 1
+    return k, [{"ffn_cpu": a, **b} for a, b in sorted(tried.items())]
+
+
 def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int,
              n_gen: int | None = None) -> tuple[int, dict, list]:
     """Largest -ngl whose GPU buffers fit the budget, by probing (linear model + checks); with
@@ -179,8 +223,7 @@ def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: i
     def measure(k: int) -> dict:
         if n_gen is None:
             return probe(stock, model, k, threads)
-        return gpu_buffers(run([stock, "-m", str(model), "-p", "0", "-n", str(n_gen), "-r", "1", "-t", str(threads),
-                                "-o", "json", "-v", "-ngl", str(k)]).stderr)
+        return decode_buffers(stock, model, threads, n_gen, ["-ngl", str(k)])
 
     def mem(k: int) -> float:
         if k not in tried:

@@ -223,17 +223,23 @@ def test_budget_counts_per_layer_on_the_gpu(synth_model: Path) -> None:
         llm.close()
 
 
-def test_a_budget_without_a_pack_places_whole_tensors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_budget_without_a_pack_places_whole_tensors(tmp_path: Path, moe: bool) -> None:
     """On a GPU: a model without a pack (never prepared, or MoE, or dense) runs under a budget
     by whole tensors, its FFN's among them; what does not fit computes on the CPU, the logits
-    are the all-GPU run's, and nothing of the sparse path runs."""
+    are the all-GPU run's, and nothing of the sparse path runs. An MoE model's experts (2 of
+    16 read per token) are what goes to the CPU."""
     import kairox
     from kairox._native import has_gpu
     from kairox.gguf_header import scan_header
     from kairox.synth import Shape, synth
     if not has_gpu():
         pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
-    model = synth(tmp_path / "kb-wide.gguf", Shape(4, 1024, 2816, 16, 16, "f16"), quiet=True)
+    if moe:  # F32: CPU and GPU pick the same experts (F16 rounding would flip close routing calls)
+        model = synth(tmp_path / "kb-moe.gguf", Shape(4, 1024, 512, 16, 4, "f32", n_expert=16, n_expert_used=2,
+                                                      head_dim=64), act="silu", quiet=True)
+    else:
+        model = synth(tmp_path / "kb-wide.gguf", Shape(4, 1024, 2816, 16, 16, "f16"), quiet=True)
     mats = {t.name: t.nbytes for t in scan_header(model).tensors
             if t.name != "token_embd.weight" and len(t.ne) >= 2 and t.ne[1] > 1}
     toks = list(range(1, 40))
@@ -254,5 +260,6 @@ def test_a_budget_without_a_pack_places_whole_tensors(tmp_path: Path) -> None:
         got, v, where = decode(budget, **kw)
         on_cpu = [t for t, b in where.items() if b != "CUDA0"]
         assert on_cpu and sum(mats[t] for t in on_cpu) >= sum(mats.values()) // 2 - 16 * MiB
+        assert not moe or all("_exps" in t for t in on_cpu), on_cpu
         assert v.used <= budget
         assert float(np.abs(got - want).max()) <= 2e-3 * float(np.abs(want).max())

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from kairox.cli import main
-from kairox.plan import (MiB, DenseItem, HwProfile, PlanError, make_plan, parse_size, solve_dense, solve_slots,
+from kairox.plan import (MiB, DenseItem, HwProfile, PlanError, make_plan, names_text, parse_size, solve_dense, solve_slots,
                          solve_slots_exact)
+from kairox.gguf_header import scan_header
 from kairox.synth import Shape, synth
 
 HW = HwProfile(cpu_gbs=50.0, gpu_gbs=2000.0, pcie_gbs=50.0, handoff_us=40.0)
@@ -113,6 +114,29 @@ def test_expert_tensors_count_the_share_a_token_reads() -> None:
         on, t = solve_dense(order, 64 * MiB, hw, unit=MiB)
         assert [it.name for it, g in zip(order, on) if g] == [attn.name]
         assert t == pytest.approx(64 * MiB / 1e12 + 64 * MiB * 8 / 64 / 50e9)
+
+
+def test_a_model_without_a_pack_is_planned_in_whole_tensors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """No pack (an MoE model has none): no slots, the FFN's tensors are knapsack items, and an
+    expert tensor (4 of 32 experts read per token) goes to the CPU before any other matrix."""
+    shape = Shape(2, 512, 512, 8, 2, "f16", n_expert=32, n_expert_used=4, head_dim=64)
+    m = synth(tmp_path / "moe.gguf", shape, act="silu", quiet=True)
+    hw = dataclasses.replace(HW, handoff_us=0.0)  # this small a model's layers would not pay for a hand-off
+    everything = make_plan(m, 1 << 30, hw, reserved=MiB)
+    assert everything.dense_cpu == [] and everything.slots == [] and everything.bytes["slots"] == 0
+    experts = [n for n in everything.dense_gpu if "_exps" in n]
+    assert len(experts) == 6 and len(everything.dense_gpu) == 6 + 2 * 5 + 1  # + q k v o router, output
+    # room (at the DP's 1 MiB resolution) for every other matrix and two of the six experts
+    sizes = {t.name: -(-t.nbytes // MiB) * MiB for t in scan_header(m).tensors}
+    room = sum(sizes[n] for n in everything.dense_gpu if n not in experts) + 2 * sizes[experts[0]]
+    p = make_plan(m, room + MiB, hw, reserved=MiB)
+    assert set(p.dense_gpu) == set(everything.dense_gpu) - set(p.dense_cpu)
+    assert len(p.dense_cpu) == 4 and all("_exps" in n for n in p.dense_cpu)
+    assert main(["plan", str(m), "--budget", f"{(room + MiB) // MiB}MiB", "--reserve", "1MiB", "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "FFN slots: none (no sparse pack" in text and "dense on the CPU: " in text
+    assert names_text(["blk.0.attn_q.weight", "output.weight", "blk.3.attn_q.weight", "blk.1.attn_q.weight",
+                       "blk.2.ffn_up_exps.weight"]) == "attn_q.weight 0-1,3; ffn_up_exps.weight 2; output.weight"
 
 
 def test_busier_layers_get_more_slots() -> None:

@@ -1,6 +1,7 @@
 """`kairox synth`: the ReLU models are as sparse as asked and the sketch predictor sees it."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -372,3 +373,76 @@ def test_cli_never_overwrites_a_model_without_force(capsys: pytest.CaptureFixtur
     assert out.read_bytes() == b"another model"
     assert main(["synth", "--preset", "KB-tiny", "-o", str(out), "-q", "--force"]) == 0
     assert out.stat().st_size > 1000
+
+
+def _moe_logits_of_one_token(hdr: GGUFHeader, tok: int) -> np.ndarray:
+    """Qwen3-MoE's logits for a lone token at position 0, in numpy: attention over one key is
+    its value (RoPE and the q/k norms change nothing there); the router's softmax picks the
+    top n_expert_used experts, their weights renormalized, each a SwiGLU FFN."""
+    kv = hdr.kv
+    eps, k = kv["qwen3moe.attention.layer_norm_rms_epsilon"], kv["qwen3moe.expert_used_count"]
+    w = lambda name: read_model_tensor(hdr, name).astype(np.float64)  # noqa: E731
+    h = w("token_embd.weight")[tok]
+    for il in range(kv["qwen3moe.block_count"]):
+        p = f"blk.{il}."
+        x = rms_norm(h, w(p + "attn_norm.weight"), eps)
+        v = (w(p + "attn_v.weight") @ x).reshape(kv["qwen3moe.attention.head_count_kv"], -1)
+        # query head j reads KV head j // (n_head / n_head_kv)
+        v = np.repeat(v, kv["qwen3moe.attention.head_count"] // kv["qwen3moe.attention.head_count_kv"], axis=0)
+        h = h + w(p + "attn_output.weight") @ v.ravel()
+        x = rms_norm(h, w(p + "ffn_norm.weight"), eps)
+        z = w(p + "ffn_gate_inp.weight") @ x
+        prob = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        top = np.argsort(-prob)[:k]
+        gate, up, down = (w(p + f"ffn_{t}_exps.weight") for t in ("gate", "up", "down"))
+        out = np.zeros_like(h)
+        for e in top:
+            g = gate[e] @ x
+            out += prob[e] / prob[top].sum() * (down[e] @ (g / (1 + np.exp(-g)) * (up[e] @ x)))
+        h = h + out
+    return w("output.weight") @ rms_norm(h, w("output_norm.weight"), eps)
+
+
+@pytest.mark.parametrize("ftype", ["f32", "q4_0"])
+def test_moe_model_is_qwen3_moe(tmp_path: Path, ftype: str, native: Path) -> None:
+    """KB-MoE-tiny loads in llama.cpp as Qwen3-MoE and computes what its tensors say."""
+    import kairox
+    import gguf
+    shape = dataclasses.replace(PRESETS["KB-MoE-tiny"], ftype=ftype)
+    assert main(["synth", "--preset", "KB-MoE-tiny", "--type", ftype, "-o", str(tmp_path / "m.gguf"), "-q"]) == 0
+    hdr = scan_header(tmp_path / "m.gguf")
+    assert hdr.kv["general.architecture"] == "qwen3moe" and hdr.kv["qwen3moe.expert_count"] == 8
+    assert hdr.kv["qwen3moe.expert_used_count"] == 2 and hdr.kv["qwen3moe.attention.key_length"] == 32
+    assert not any(k.endswith("hidden_activation") for k in hdr.kv)
+    t = {t.name: t for t in hdr.tensors}
+    assert t["blk.1.ffn_down_exps.weight"].ne == (shape.n_ff, shape.n_embd, 8)
+    assert t["blk.0.attn_q.weight"].ne == (shape.n_embd, 4 * 32)
+    Q = gguf.GGMLQuantizationType
+    assert Q(t["blk.0.ffn_gate_inp.weight"].type_id) == Q.F32
+    assert Q(t["blk.0.ffn_up_exps.weight"].type_id) == (Q.Q4_0 if ftype == "q4_0" else Q.F32)
+    ups = read_model_tensor(hdr, "blk.0.ffn_up_exps.weight")
+    assert ups.shape == (8, shape.n_ff, shape.n_embd) and not np.allclose(ups[0], ups[1])
+
+    llm = kairox.Llama(str(tmp_path / "m.gguf"), n_ctx=64, n_batch=8, logits_all=True, type_k=0, type_v=0,
+                       verbose=False)
+    try:
+        for tok in (1, 523, 31999):
+            llm.reset()
+            llm.eval([tok])
+            got = np.asarray(llm.scores[0], np.float64)
+            want = _moe_logits_of_one_token(hdr, tok)
+            # Q4_0: llama.cpp quantizes the activations to Q8_0 for the matmuls
+            tol = 2e-3 if ftype == "f32" else 5e-2
+            assert np.abs(got - want).max() < tol * np.abs(want).max(), tok
+    finally:
+        llm.close()
+
+
+def test_moe_refusals(tmp_path: Path, capsys: pytest.CaptureFixture, small_vocab: Path) -> None:
+    for extra in (["--act", "relu"], ["--pack"]):
+        assert main(["synth", "--preset", "KB-MoE-tiny", "-o", str(tmp_path / "x.gguf"), "-q", *extra]) == 2
+        assert "mixture of experts" in capsys.readouterr().err
+    with pytest.raises(SynthError, match="experts used per token"):
+        synth(tmp_path / "y.gguf", dataclasses.replace(PRESETS["KB-MoE-tiny"], n_expert_used=9), act="silu",
+              vocab_gguf=small_vocab)
+    assert list(tmp_path.iterdir()) == []

@@ -280,7 +280,9 @@ def _check_config(cfg: HFConfig) -> str:
     return act
 
 
-def add_hparams(writer: Any, cfg: HFConfig, act: str, name: str, outtype: str) -> None:
+def add_hparams(writer: Any, cfg: HFConfig, act: str | None, name: str, outtype: str) -> None:
+    """The architecture's hyperparameters; `act` None writes no hidden activation (a key only
+    the llama architecture reads)."""
     import gguf
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -306,9 +308,9 @@ def add_hparams(writer: Any, cfg: HFConfig, act: str, name: str, outtype: str) -
     writer.add_file_type(int(ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_act = getattr(writer, "add_hidden_act", None)
-    if add_act is not None:
+    if act is not None and add_act is not None:
         add_act(act)
-    else:  # gguf releases without the helper: same key, written directly
+    elif act is not None:  # gguf releases without the helper: same key, written directly
         writer.add_string(f"{GGUF_ARCH}.hidden_activation", act)
 
 

@@ -106,7 +106,7 @@ class DenseItem:
     read: float = 1.0
 
 
-def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = 16 * MiB) -> tuple[list[bool], float]:
+def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = MiB) -> tuple[list[bool], float]:
     """Knapsack over dense tensors in execution order: on_gpu[i] for each, and the modelled
     seconds per token. Weights are rounded up to `unit` bytes (the DP's resolution)."""
     n = len(items)
@@ -348,12 +348,40 @@ class Plan:
                f"({self.bytes.get('dense_gpu', 0) / MiB:.0f} MiB): modelled {s.get('dense', 0) * 1e3:.2f} ms/token",
                f"FFN slots: {sum(map(len, self.slots))} groups of {sum(self.n_groups)} "
                f"({self.bytes.get('slots', 0) / MiB:.0f} MiB): modelled {s.get('ffn', 0) * 1e3:.2f} ms/token, "
-               f"GPU share of expected active neurons {np.mean(self.gpu_share):.2f} (mean over layers)",
-               "per layer: slots / groups, GPU share"]
+               f"GPU share of expected active neurons {np.mean(self.gpu_share):.2f} (mean over layers)"
+               if self.slots else "FFN slots: none (no sparse pack: the FFN's tensors are placed whole)"]
+        if self.slots:
+            out.append("per layer: slots / groups, GPU share")
         for l, (sl, ng, sh) in enumerate(zip(self.slots, self.n_groups, self.gpu_share)):
             out.append(f"  layer {l:3d}: {len(sl):5d} / {ng:5d}  {sh:.2f}")
-        out.append("dense on the GPU: " + (", ".join(self.dense_gpu) or "none"))
+        out.append("dense on the GPU: " + (names_text(self.dense_gpu) or "none"))
+        out.append("dense on the CPU: " + (names_text(self.dense_cpu) or "none"))
         return "\n".join(out)
+
+
+def names_text(names: list[str]) -> str:
+    """Tensor names by kind with their layers as ranges, as the runtime logs a placement:
+    "attn_q.weight 0-11,14; output.weight"."""
+    layers: dict[str, list[int]] = {}
+    other = []
+    for n in names:
+        m = re.match(r"blk\.(\d+)\.(.+)$", n)
+        if m:
+            layers.setdefault(m.group(2), []).append(int(m.group(1)))
+        else:
+            other.append(n)
+    parts = []
+    for kind, ids in layers.items():
+        ids = sorted(ids)
+        runs, a = [], 0
+        while a < len(ids):
+            b = a
+            while b + 1 < len(ids) and ids[b + 1] == ids[b] + 1:
+                b += 1
+            runs.append(str(ids[a]) if a == b else f"{ids[a]}-{ids[b]}")
+            a = b + 1
+        parts.append(f"{kind} {','.join(runs)}")
+    return "; ".join(parts + other)
 
 
 def _rates_text(hw: HwProfile) -> str:
@@ -366,9 +394,10 @@ FFN_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight$")
 
 
 def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: str | Path | None = None,
-              reserved: int = 512 * MiB, group_size: int | None = None) -> Plan:
-    """Plan a model for a VRAM budget (bytes). Without a pack, every group is assumed to
-    fire with the same frequency (the model's nominal density is unknown: 0.1)."""
+              reserved: int = 512 * MiB) -> Plan:
+    """Plan a model for a VRAM budget (bytes). Without a pack there are no neuron slots: the
+    FFN's tensors are items of the dense knapsack like the others, as the runtime places a
+    model it has no pack for (an MoE model's experts among them)."""
     from .gguf_header import scan_header
     from .pack import pack_path_for, read_pack
 
@@ -379,11 +408,13 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
     arch = hdr.kv["general.architecture"]
     n_layer = int(hdr.kv[f"{arch}.block_count"])
     n_expert, n_used = int(hdr.kv.get(f"{arch}.expert_count", 0)), int(hdr.kv.get(f"{arch}.expert_used_count", 0))
+    pp = Path(pack_path) if pack_path else pack_path_for(model_path)
+    slotted = pp.exists()
     ffn_bytes = [0] * n_layer
     ffn_type = [""] * n_layer  # the gate's: most of a neuron's bytes are read at its type
     dense: list[DenseItem] = []
     for t in hdr.tensors:
-        m = FFN_RE.match(t.name)
+        m = FFN_RE.match(t.name) if slotted else None
         if m:
             ffn_bytes[int(m.group(1))] += t.nbytes
             if m.group(2) == "gate":
@@ -397,10 +428,9 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
         m = re.match(r"blk\.(\d+)\.", it.name)
         return (int(m.group(1)) if m else order.get(it.name, -1), it.name)
     dense.sort(key=key)
-    n_ff = int(hdr.kv[f"{arch}.feed_forward_length"])
-    pp = Path(pack_path) if pack_path else pack_path_for(model_path)
+    n_ff = int(hdr.kv.get(f"{arch}.feed_forward_length", 0))
     freqs, n_groups, gbytes, rows = [], [], [], []
-    if pp.exists():
+    if slotted:
         pack = read_pack(pp, model_path)
         for l, pl in enumerate(pack.layers):
             f = np.asarray(pl.freq, np.float64)[pl.perm]  # in pack order
@@ -411,22 +441,15 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
             n_groups.append(ng)
             gbytes.append(ffn_bytes[l] * int(np.ceil(n_ff / ng)) // n_ff)
             rows.append(int(np.ceil(n_ff / ng)))
-    else:
-        gs = group_size or 32
-        ng = -(-n_ff // gs)
-        for l in range(n_layer):
-            freqs.append(np.full(ng, 0.1 * gs))
-            n_groups.append(ng)
-            gbytes.append(ffn_bytes[l] * gs // n_ff)
-            rows.append(gs)
     avail = budget - reserved
     # Dense tensors and slots compete for the same bytes: a dense byte is read every token, a
     # slot byte only when its neuron fires, so dense first usually wins (the runtime's rule),
     # but not where a layer's GPU side would become its critical path. The split is solved
     # over a grid of dense shares, each the dense knapsack then the slot solve on the rest,
-    # keeping the least modelled time (ties to the larger dense share).
+    # keeping the least modelled time (ties to the larger dense share). Without slots the
+    # dense tensors take it all.
     best = None
-    for k in range(PLAN_SPLITS, -1, -1):
+    for k in range(PLAN_SPLITS, -1 if slotted else PLAN_SPLITS - 1, -1):
         on_gpu_k, t_dense_k = solve_dense(dense, avail * k // PLAN_SPLITS, hw)
         used_k = sum(it.nbytes for it, g in zip(dense, on_gpu_k) if g)
         slots_k, t_ffn_k = solve_slots(freqs, gbytes, avail - used_k, hw, rows, ffn_type)

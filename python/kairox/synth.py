@@ -54,6 +54,12 @@ a prompt's words half its domain's common words) were fitted to the papers' stat
 0.70-0.75, cross-prompt distance 0.53-0.57) on a Gaussian simulation of this gate and
 then measured on the real forward pass (docs/benchmarking.md, bench/results/*/synth-stats-*).
 
+Mixture of experts (the KB-MoE presets): Qwen3-MoE's architecture and tensors (per-head
+q/k norms, a router, each layer's experts stacked in three 3-D tensors), all weights random
+from the pool and the router F32, as converters keep it. Tokens pick their experts at
+random, which is what a placement sees of a real MoE model: each expert tensor is read at
+n_expert_used / n_expert of its bytes per token on average.
+
 Types: f32, f16, and q4_0 (KB-70B), quantized while streaming: the pools are quantized
 once and sliced at block boundaries, gates and embeddings are quantized per tensor on all
 cores, so no tensor beyond the one being written is ever held in float32.
@@ -88,6 +94,14 @@ class Shape:
     n_head_kv: int
     ftype: str          # f32 | f16 | q4_0
     n_ctx_train: int = 4096
+    # Mixture of experts (Qwen3-MoE's layout): n_ff is then each expert's FFN width
+    n_expert: int = 0
+    n_expert_used: int = 0
+    head_dim: int = 0   # 0: n_embd / n_head
+
+    @property
+    def moe(self) -> bool:
+        return self.n_expert > 0
 
 
 PRESETS: dict[str, Shape] = {
@@ -99,6 +113,10 @@ PRESETS: dict[str, Shape] = {
     # small shapes for CPU benchmarks and tests
     "KB-350M": Shape(24, 1024, 2816, 16, 16, "f16"),
     "KB-tiny": Shape(2, 64, 256, 4, 2, "f32"),
+    # Qwen3-30B-A3B's shape (128 experts of width 768, 8 per token; 128-wide heads, 4 KV
+    # heads) in Q4_0 (~16 GiB), and a small one for tests: dense random (SwiGLU) weights
+    "KB-MoE": Shape(48, 2048, 768, 32, 4, "q4_0", n_expert=128, n_expert_used=8, head_dim=128),
+    "KB-MoE-tiny": Shape(2, 64, 32, 4, 2, "f32", n_expert=8, n_expert_used=2, head_dim=32),
 }
 
 POOL_ELEMS = 1 << 28    # 256 Mi values: larger than any single 7B/13B tensor
@@ -247,6 +265,11 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
     out = Path(out)
     if act not in ("relu", "silu"):
         raise SynthError(f"unsupported activation {act!r} (relu, silu)")
+    if shape.moe and act != "silu":
+        raise SynthError("an MoE shape is written with dense random SwiGLU experts (act silu); "
+                         "its sparsity is the router's")
+    if shape.moe and not 0 < shape.n_expert_used <= shape.n_expert:
+        raise SynthError(f"experts used per token must be in 1..{shape.n_expert}, got {shape.n_expert_used}")
     if act == "relu":
         sparse = sparse or SparseFFN()
         sparse.check()
@@ -264,15 +287,16 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
         block = gguf.GGML_QUANT_SIZES[qtype][0]
         if shape.n_embd % block or shape.n_ff % block:
             raise SynthError(f"{shape.ftype} needs n_embd and n_ff to be multiples of {block}")
-    head_dim = shape.n_embd // shape.n_head
-    if head_dim * shape.n_head != shape.n_embd or shape.n_head % shape.n_head_kv:
+    head_dim = shape.head_dim or shape.n_embd // shape.n_head
+    if (not shape.head_dim and head_dim * shape.n_head != shape.n_embd) or shape.n_head % shape.n_head_kv:
         raise SynthError(f"inconsistent heads: n_embd={shape.n_embd} n_head={shape.n_head} "
                          f"n_head_kv={shape.n_head_kv}")
-    n_kv = head_dim * shape.n_head_kv
+    n_q, n_kv = head_dim * shape.n_head, head_dim * shape.n_head_kv
     n, n_ff = shape.n_embd, shape.n_ff
+    n_ff_all = n_ff * max(shape.n_expert, 1)  # FFN rows of a layer, every expert's
 
     rng = np.random.default_rng(seed)
-    pool = (rng.standard_normal(min(POOL_ELEMS, 8 * n * n_ff + n_vocab * n),
+    pool = (rng.standard_normal(min(POOL_ELEMS, 8 * n * n_ff_all + n_vocab * n),
                                 dtype=np.float32) * POOL_STD).astype(dtype)
 
     # numpy's float16 arithmetic is slow (scaling one 7B FFN matrix takes ~1.2 s on 2
@@ -281,7 +305,7 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
 
     def rand(shape_: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
         if scale not in pools:
-            m = min(pool.size, 2 * n * n_ff)  # room for any one tensor at many offsets
+            m = min(pool.size, 2 * n * n_ff_all)  # room for any one tensor at many offsets
             pools[scale] = (pool[:m].astype(np.float32) * np.float32(scale)).astype(dtype)
         src = pools[scale]
         count = int(np.prod(shape_))
@@ -293,21 +317,19 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
     # A tensor is (name, numpy shape, how to make its data); makers run one at a time
     # while the file is written, so at most one tensor is ever built in memory.
     Maker = Callable[[], np.ndarray]
-    ones = np.ones(n, np.float32)  # the norm weights
     qpools: dict[float, np.ndarray] = {}
 
-    def qrand(shape_: tuple[int, int], scale: float) -> np.ndarray:
-        """A slice of the quantized pool, cut at block boundaries: bytes [rows, row bytes]."""
+    def qrand(shape_: tuple[int, ...], scale: float) -> np.ndarray:
+        """A slice of the quantized pool, cut at block boundaries: bytes [..., rows, row bytes]."""
         if scale not in qpools:
-            src = rand((min(pool.size, 2 * n * n_ff),), scale) if scale != 1.0 else pool
+            src = rand((min(pool.size, 2 * n * n_ff_all),), scale) if scale != 1.0 else pool
             blk = gguf.GGML_QUANT_SIZES[qtype]
             qpools[scale] = _quantize_rows(src[:src.size // 256 * 256].reshape(-1, 256),
                                            qtype).reshape(-1, blk[1])  # [blocks, block bytes]
         src = qpools[scale]
-        rows, cols = shape_
-        nblk = rows * cols // block
+        nblk = int(np.prod(shape_)) // block
         off = int(rng.integers(0, src.shape[0] - nblk + 1))
-        return src[off:off + nblk].reshape(rows, -1)
+        return src[off:off + nblk].reshape(*shape_[:-1], -1)
 
     def encode(w: np.ndarray) -> np.ndarray:
         return w.astype(dtype, copy=False) if qtype is None or w.ndim == 1 else _quantize_rows(w, qtype)
@@ -360,47 +382,71 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
         s_quiet = 1.0
         embd, gate = pooled((n_vocab, n)), pooled((n_ff, n))
 
+    def router() -> np.ndarray:  # kept in F32, as converters keep it
+        return rand((shape.n_expert, n)).astype(np.float32)
+
     quiet_rows = act == "relu"
-    tensors: list[tuple[str, tuple[int, ...], Maker | None]] = [
-        ("token_embd.weight", (n_vocab, n), embd),
-        ("output_norm.weight", (n,), None),
-        ("output.weight", (n_vocab, n), pooled((n_vocab, n))),
+    # (name, numpy shape, maker; None: a norm's ones) and whether it is stored in F32
+    tensors: list[tuple[str, tuple[int, ...], Maker | None, bool]] = [
+        ("token_embd.weight", (n_vocab, n), embd, False),
+        ("output_norm.weight", (n,), None, True),
+        ("output.weight", (n_vocab, n), pooled((n_vocab, n)), False),
     ]
     for il in range(shape.n_layer):
         p = f"blk.{il}."
         tensors += [
-            (p + "attn_norm.weight", (n,), None),
-            (p + "attn_q.weight", (n, n), pooled((n, n))),
-            (p + "attn_k.weight", (n_kv, n), pooled((n_kv, n))),
-            (p + "attn_v.weight", (n_kv, n), pooled((n_kv, n), s_quiet)),
-            (p + "attn_output.weight", (n, n), pooled((n, n), s_quiet, quiet_rows)),
-            (p + "ffn_norm.weight", (n,), None),
-            (p + "ffn_gate.weight", (n_ff, n), gate),
-            (p + "ffn_up.weight", (n_ff, n), pooled((n_ff, n), s_quiet)),
-            (p + "ffn_down.weight", (n, n_ff), pooled((n, n_ff), s_quiet, quiet_rows)),
+            (p + "attn_norm.weight", (n,), None, True),
+            (p + "attn_q.weight", (n_q, n), pooled((n_q, n)), False),
+            (p + "attn_k.weight", (n_kv, n), pooled((n_kv, n)), False),
+            (p + "attn_v.weight", (n_kv, n), pooled((n_kv, n), s_quiet), False),
+            (p + "attn_output.weight", (n, n_q), pooled((n, n_q), s_quiet, quiet_rows), False),
+            (p + "ffn_norm.weight", (n,), None, True),
         ]
+        if shape.moe:  # Qwen3-MoE: per-head q/k norms, a router, experts stacked in 3-D tensors
+            e = shape.n_expert
+            tensors += [
+                (p + "attn_q_norm.weight", (head_dim,), None, True),
+                (p + "attn_k_norm.weight", (head_dim,), None, True),
+                (p + "ffn_gate_inp.weight", (e, n), router, True),
+                (p + "ffn_gate_exps.weight", (e, n_ff, n), pooled((e, n_ff, n)), False),
+                (p + "ffn_up_exps.weight", (e, n_ff, n), pooled((e, n_ff, n)), False),
+                (p + "ffn_down_exps.weight", (e, n, n_ff), pooled((e, n, n_ff)), False),
+            ]
+        else:
+            tensors += [
+                (p + "ffn_gate.weight", (n_ff, n), gate, False),
+                (p + "ffn_up.weight", (n_ff, n), pooled((n_ff, n), s_quiet), False),
+                (p + "ffn_down.weight", (n, n_ff), pooled((n, n_ff), s_quiet, quiet_rows), False),
+            ]
 
     tmp = temp_path_for(out)
-    w = gguf.GGUFWriter(tmp, "llama")
+    w = gguf.GGUFWriter(tmp, "qwen3moe" if shape.moe else "llama")
     cfg = HFConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": n,
+        "architectures": ["Qwen3MoeForCausalLM" if shape.moe else "LlamaForCausalLM"], "hidden_size": n,
         "intermediate_size": n_ff, "num_hidden_layers": shape.n_layer,
         "num_attention_heads": shape.n_head, "num_key_value_heads": shape.n_head_kv,
-        "hidden_act": act, "rms_norm_eps": 1e-5, "max_position_embeddings": shape.n_ctx_train,
-        "vocab_size": n_vocab}, source="synth preset")
+        "head_dim": head_dim, "hidden_act": act, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": shape.n_ctx_train, "vocab_size": n_vocab}, source="synth preset")
     name = f"kairox-synth {shape.n_layer}x{n} seed {seed}"
+    if shape.moe:
+        name += f" experts {shape.n_expert} used {shape.n_expert_used}"
     if act == "relu":
         name += (f" sparsity {sparse.sparsity:g} gate rank {gate_rank} rate spread "
                  f"{sparse.rate_spread:g} topics {sparse.topics} share {sparse.topic_share:g}")
         if sparse.domains and sparse.topics:
             name += f" domains {sparse.domains} share {sparse.domain_share:g}"
-    add_hparams(w, cfg, act, name, shape.ftype)
+    # the hidden activation is a llama-architecture key (llama.cpp's Qwen3-MoE is SwiGLU)
+    add_hparams(w, cfg, None if shape.moe else act, name, shape.ftype)
+    if shape.moe:
+        w.add_expert_count(shape.n_expert)
+        w.add_expert_used_count(shape.n_expert_used)
+        w.add_expert_feed_forward_length(n_ff)
     w.add_uint32(K_SEED, seed & 0xFFFFFFFF)
     w.add_uint32(K_TOPICS, sparse.topics if act == "relu" else 0)
     w.add_uint32(K_DOMAINS, sparse.domains if act == "relu" and sparse.topics else 0)
     copy_tokenizer_fields(w, vocab_gguf, n_vocab)
-    for tname, shp, make in tensors:
-        if make is None:
+    for tname, shp, make, f32 in tensors:
+        if f32:
             w.add_tensor_info(tname, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
         elif qtype is not None:
             bshape = gguf.quant_shape_to_byte_shape(shp, qtype)
@@ -410,9 +456,9 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
             w.add_tensor_info(tname, shp, dt, int(np.prod(shp)) * dt.itemsize)
 
     def data():
-        for tname, shp, make in tqdm(tensors, desc=f"synth {out.name}", unit="tensor",
+        for tname, shp, make, _ in tqdm(tensors, desc=f"synth {out.name}", unit="tensor",
                                      disable=quiet, file=sys.stderr):
-            yield ones if make is None else make()
+            yield np.ones(shp, np.float32) if make is None else make()
 
     return finish_atomically(w, tmp, out, data())
 

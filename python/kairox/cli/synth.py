@@ -17,7 +17,9 @@ HELP = """Write a synthetic LLaMA-shaped model (presets KB-tiny to KB-70B, or yo
 benchmarks: random weights at disk speed, the same bytes for the same seed. With ReLU (the
 default) about 89% of the FFN activations are zero and which ones is predictable, as in a
 real sparse model; topics and domains make the active neurons drift between prompts.
---pack also writes its sparse pack. How the weights are built: `python -m pydoc kairox.synth`.
+--pack also writes its sparse pack. KB-MoE (Qwen3-30B-A3B's shape in Q4_0, ~16 GiB) and
+KB-MoE-tiny are mixtures of experts with random weights, for the VRAM budget's placement.
+How the weights are built: `python -m pydoc kairox.synth`.
 """
 
 
@@ -27,6 +29,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
         return 2
 
     shape = PRESETS[args.preset]
+    if args.act is None:
+        args.act = "silu" if shape.moe else "relu"
+    if shape.moe and (args.act != "silu" or args.pack or args.pack_only):
+        return fail(f"{args.preset} is a mixture of experts: its experts are dense random SwiGLU (--act silu) and "
+                    "it has no sparse pack (a VRAM budget places its tensors whole, experts by the share a token reads)")
     if args.type:
         shape = dataclasses.replace(shape, ftype=args.type)
     sparse = None
@@ -81,8 +88,9 @@ def register(sub) -> None:
     p.add_argument("-o", "--outfile", help="output GGUF (default: PRESET-TYPE.gguf)")
     p.add_argument("--force", action="store_true", help="replace an existing output model")
     p.add_argument("--type", choices=FTYPES, help="weight type (default: the preset's)")
-    p.add_argument("--act", choices=["relu", "silu"], default="relu",
-                   help="FFN activation; silu writes a dense all-random model (default: relu)")
+    p.add_argument("--act", choices=["relu", "silu"],
+                   help="FFN activation; silu writes a dense all-random model (default: relu; silu for "
+                        "the mixture-of-experts presets KB-MoE*, Qwen3-MoE's layout)")
     p.add_argument("--sparsity", type=number_in(0.0, 1.0, lo_open=True), metavar="S",
                    help=f"ReLU only: target fraction of zero FFN activations (default: {DEFAULT_SPARSITY})")
     p.add_argument("--gate-rank", type=int, metavar="R",
