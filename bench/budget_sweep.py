@@ -29,10 +29,10 @@ from tools_bench import add_run_args, bench_row, commit  # noqa: E402
 
 
 def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float,
-               sparse: str) -> tuple[list[str], float | None, str]:
+               sparse: str, prompt: int = 0) -> tuple[list[str], float | None, str]:
     extra = ["--vram-budget", f"{budget_gib:g}GiB", *(["--sparse", sparse] if sparse != "auto" else []), "-fa", "1"]
     try:
-        cmd, ts = bench_row(exe, model, gen, threads, extra)
+        cmd, ts = bench_row(exe, model, gen, threads, extra, prompt)
         return cmd, ts, ""
     except RuntimeError as e:  # a refused budget (its message) or a failed run: the result either way
         msg = str(e)
@@ -75,10 +75,12 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
         budgets_out.append({
             "budget_gib": r["budget_gib"], "ngl_search": r["ngl_search"], "ffn_cpu_search": r["ffn_cpu_search"],
             "kairox": {"command": " ".join(kx["cmd"]), "tok_s": kx["tok_s"], "error": kx["error"],
-                       "median": statistics.median(kx["tok_s"]) if kx["tok_s"] else None},
+                       "median": statistics.median(kx["tok_s"]) if kx["tok_s"] else None,
+                       "pp_tok_s": kx["pp"], "pp_median": statistics.median(kx["pp"]) if kx["pp"] else None},
             "llama": {"flags": best, "command": " ".join(lr["cmd"]), "tok_s": lr["tok_s"],
                       "median": statistics.median(lr["tok_s"]),
-                      "all": {f: v["tok_s"] for f, v in r["llama"].items()}}})
+                      "all": {f: v["tok_s"] for f, v in r["llama"].items()},
+                      "pp_all": {f: v["pp"] for f, v in r["llama"].items() if v["pp"]}}})
     res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": model.name,
            "model_mib": round(model.stat().st_size / MiB), "sparse": args.sparse, "gen": args.gen,
            "threads": args.threads, "rounds": args.rounds, "budgets": budgets_out}
@@ -94,6 +96,20 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
         ratio = f"{kx['median'] / lr['median']:.2f}x" if kx["median"] else "-"
         lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {lr['median']:.2f}{spread(lr['tok_s'])} "
                      f"(`{lr['flags']}`) | {ratio} |")
+    if args.prefill:
+        lines += ["", f"Prefill of {args.prefill} tokens (llama-bench -p {args.prefill} -n 0), tok/s, "
+                  "the same placements (llama.cpp's probed at the decode rows' context, so its larger "
+                  "prefill compute buffers may exceed the budget: in its favour):", "",
+                  "| budget | kairox-bench | llama.cpp best (flags) | kairox / llama.cpp |", "|---:|---:|---:|---:|"]
+        for b in budgets_out:
+            kx, pa = b["kairox"], b["llama"]["pp_all"]
+            if not pa:
+                continue
+            best = max(pa, key=lambda f: statistics.median(pa[f]))
+            lm = statistics.median(pa[best])
+            kxs = f"{kx['pp_median']:.1f}" if kx["pp_median"] else "-"
+            ratio = f"{kx['pp_median'] / lm:.2f}x" if kx["pp_median"] else "-"
+            lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {lm:.1f} (`{best}`) | {ratio} |")
     lines += ["", "Commands (kairox-bench; llama.cpp's rows are the same binary with the flags shown):", "", "```",
               *[b["kairox"]["command"] for b in budgets_out], "```", ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
@@ -111,6 +127,8 @@ def main() -> int:
     ap.add_argument("--sparse", default="predicted",
                     help="kairox's --sparse; auto: none given (a model without a pack, an MoE model: whole "
                          "tensors) (default: %(default)s)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="also prefill N tokens on every row (llama-bench -p N -n 0) (default: none)")
     add_run_args(ap, gen=32, rounds=1, stem="budget-sweep")
     args = ap.parse_args()
     exe = Path(args.bin) / "llama-bench"
@@ -124,8 +142,8 @@ def main() -> int:
         k, ffn_search = find_ffn_cpu(str(exe), model, lay, b * 1024, args.threads, args.gen)
         placements = [["-ngl", str(ngl)]] + ([ffn_cpu_flags(lay, k)] if k is not None else [])
         rows.append({"budget_gib": b, "ngl_search": search, "ffn_cpu_search": ffn_search,
-                     "kairox": {"tok_s": [], "cmd": None, "error": ""},
-                     "llama": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "tok_s": [], "cmd": None}
+                     "kairox": {"tok_s": [], "cmd": None, "error": "", "pp": []},
+                     "llama": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "tok_s": [], "cmd": None, "pp": []}
                                for p in placements for f in ("0", "1")}})
         print(f"{b:g} GiB: llama.cpp fits {' / '.join(' '.join(p) for p in placements)} ({time.time() - t0:.0f} s)",
               flush=True)
@@ -135,9 +153,15 @@ def main() -> int:
             r["kairox"]["cmd"], r["kairox"]["error"] = cmd, err
             if ts is not None:
                 r["kairox"]["tok_s"].append(ts)
+                if args.prefill:
+                    _, pp, _ = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"], args.sparse,
+                                          args.prefill)
+                    r["kairox"]["pp"] += [pp] if pp is not None else []
             for lr in r["llama"].values():
                 lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, lr["args"])
                 lr["tok_s"].append(t)
+                if args.prefill:
+                    lr["pp"].append(bench_row(exe, str(model), args.gen, args.threads, lr["args"], args.prefill)[1])
             print(f"round {k + 1}: {r['budget_gib']:g} GiB: kairox {ts if ts is not None else err} / llama.cpp "
                   f"{[lr['tok_s'][-1] for lr in r['llama'].values()]} ({time.time() - t0:.0f} s)", flush=True)
             lines = write(rows, args, model)

@@ -39,8 +39,11 @@ def commit() -> str:
         return os.environ.get("KX_COMMIT", "unknown")
 
 
-def bench_row(exe: Path, model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[str], float]:
-    cmd = [str(exe), "-m", model, "-p", "0", "-n", str(gen), "-r", "1", "-t", str(threads), "-o", "json", *extra]
+def bench_row(exe: Path, model: str, gen: int, threads: int, extra: list[str],
+              prompt: int = 0) -> tuple[list[str], float]:
+    """llama-bench's tok/s decoding `gen` tokens, or with `prompt`, prefilling that many instead."""
+    cmd = [str(exe), "-m", model, "-p", str(prompt), "-n", "0" if prompt else str(gen), "-r", "1", "-t", str(threads),
+           "-o", "json", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the GPU machine: the mixture-of-experts model (KB-MoE: Qwen3-30B-A3B's shape in Q4_0,
+# written during the build) under VRAM budgets. One verbose kairox-bench row shows the
+# placement the budget chose, one more that --n-cpu-moe still works beside a budget, then
+# bench/budget_sweep.py against llama.cpp's best -ngl / --n-cpu-moe placement. Results to $OUT.
+#
+#   bash bench/device/moe_budget.sh          # repo root; carry vendor/llama.cpp and .whl
+#   KX_MOE_BUDGETS="4,8,12"                  # GiB (the sweep's)
+#   KX_TESTS="tests/test_budget.py"          # also these GPU tests, after the build
+#   KX_DEADLINE=590                          # seconds from the start the sweep must end by
+set -uo pipefail
+. bench/device/env.sh
+M=/tmp/kxbench/KB-MoE-q4_0.gguf
+mkdir -p /tmp/kxbench
+[ -f "$M" ] || (nice python3 -m kairox synth --preset KB-MoE -o "$M" -q > "$OUT/synth.log" 2>&1 &)
+cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON -DKAIROX_CUDA_ARCHITECTURES=90 \
+    > "$W/kx-configure.log" || exit 1
+cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench > "$W/kx-build.log" 2>&1 \
+    || { tail -20 "$W/kx-build.log"; exit 1; }
+echo "build done ($(( $(date +%s) - t0 )) s)"
+B=$W/build-kx/bin
+export KAIROX_LIB_DIR=$B
+[ -n "${KX_TESTS:-}" ] && timeout 150 python3 -m pytest -q -p no:cacheprovider $KX_TESTS 2>&1 | tee "$OUT/pytest.log" | tail -8
+while pgrep -f "kairox synth --preset KB-MoE" > /dev/null; do sleep 1; done
+[ -f "$M" ] || { tail -5 "$OUT/synth.log"; exit 1; }
+echo "model done ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/synth.log")"
+b1=${KX_MOE_BUDGETS:-4,8,12}; b1=${b1%%,*}
+for extra in "" "-ncmoe 48"; do
+    timeout 90 "$B/llama-bench" -m "$M" -p 0 -n 16 -r 1 -t "$(nproc)" -o md --vram-budget "${b1}GiB" -fa 1 $extra -v \
+        > "$OUT/moe-$b1${extra:+-ncmoe}.log" 2>&1
+    echo "budget $b1 GiB $extra: rc=$?"
+    grep -E "^kairox|error|tg16" "$OUT/moe-$b1${extra:+-ncmoe}.log" | cut -c1-900 | tail -6
+done
+timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
+    --budgets "${KX_MOE_BUDGETS:-4,8,12}" --sparse auto --bin "$B" --out "$OUT" --gen 32 --threads "$(nproc)" --prefill 512
+echo "done ($(( $(date +%s) - t0 )) s)"
