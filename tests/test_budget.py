@@ -115,20 +115,28 @@ def test_the_runtime_loads_a_plan(tmp_path: Path, synth_model: Path) -> None:
         kairox.Llama(str(synth_model), sparse="predicted", plan=str(other), slots_device="CPU", verbose=False)
 
 
-def test_a_budget_below_the_dense_tensors_runs(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 layers of 1024 x 2816 in F16 with a pack: an FFN (66 MiB) larger than the budget's
+    rounding slack, so that a budget can hold part of it."""
+    from kairox._native import has_gpu
+    from kairox.synth import Shape
+    from test_hybrid import permuted_tiny
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    return permuted_tiny(tmp_path_factory.mktemp("place") / "kb-wide.gguf", Shape(4, 1024, 2816, 16, 16, "f16"), 3)
+
+
+def test_a_budget_below_the_dense_tensors_runs(wide_model: Path) -> None:
     """On a GPU: a budget that cannot hold every dense tensor beside the KV cache and compute
     buffers is not refused. A dry run of the load measures those; the tensors worth the least
     per byte wait in host memory; the run stays under the budget and computes what the
     all-GPU placement computes. A budget below the KV cache and compute buffers is refused
     with their sizes."""
     import kairox
-    from kairox._native import has_gpu
     from kairox.gguf_header import scan_header
-    from kairox.synth import Shape
-    from test_hybrid import PROMPT, permuted_tiny
-    if not has_gpu():
-        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
-    model = permuted_tiny(tmp_path_factory.mktemp("place") / "kb-wide.gguf", Shape(4, 1024, 2816, 16, 16, "f16"), 3)
+    from test_hybrid import PROMPT
+    model = wide_model
     dense = {t.name: t.nbytes for t in scan_header(model).tensors
              if "ffn_" not in t.name and t.name != "token_embd.weight" and len(t.ne) >= 2 and t.ne[1] > 1}
     toks = PROMPT + list(range(100, 140))
@@ -193,24 +201,23 @@ def test_budget_on_the_gpu(synth_model: Path) -> None:
             kairox.Llama(str(synth_model), sparse="predicted", vram_budget=1 * MiB, n_ctx=256, verbose=False)
 
 
-def test_budget_counts_per_layer_on_the_gpu(synth_model: Path) -> None:
+def test_budget_counts_per_layer_on_the_gpu(wide_model: Path) -> None:
     """On a GPU, a budget that holds about half the FFN: the runtime's per-layer counts are
     the reference's (budget.auto_slot_counts on the pack's frequencies and the measured base)."""
     import kairox
-    from kairox._native import has_gpu
     from kairox.budget import auto_slot_counts
     from kairox.pack import pack_path_for, read_pack
     from kairox.plan import slot_costs
-    if not has_gpu():
-        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    synth_model = wide_model
     costs = slot_costs(synth_model)
     freqs = [layer.freq for layer in read_pack(pack_path_for(synth_model), synth_model).layers]
     assert not all(np.all(f == 1) for f in freqs)  # measured: the solve, not the equal split, decides
-    llm = kairox.Llama(str(synth_model), sparse="predicted", vram_budget=512 * MiB, n_ctx=256, verbose=False)
+    llm = kairox.Llama(str(synth_model), sparse="predicted", vram_budget=2 << 30, n_ctx=256, verbose=False)
     base = llm.vram.base
     llm.close()
     half = costs.pred + costs.n_layer * costs.n_ff * costs.per_neuron // 2
-    budget = base + margin_for(0) + 24 * MiB + half  # the placement's margin and slack: nothing dense moves
+    assert half > 24 * MiB
+    budget = base + margin_for(0) + half  # above the placement's margin and slack: nothing dense moves
     llm = kairox.Llama(str(synth_model), sparse="predicted", vram_budget=budget, n_ctx=256, verbose=False)
     try:
         v = llm.vram

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kairox.cli import main
-from kairox.plan import (MiB, DenseItem, HwProfile, PlanError, make_plan, names_text, parse_size, solve_dense, solve_slots,
+from kairox.plan import (MiB, DenseItem, HwProfile, PlanError, dense_groups, make_plan, names_text, parse_size, solve_dense, solve_slots,
                          solve_slots_exact)
 from kairox.gguf_header import scan_header
 from kairox.synth import Shape, synth
@@ -80,6 +80,39 @@ def test_the_runtime_knapsack_is_the_reference(native: Path) -> None:
     assert _lib.kx_plan_dense(None, None, None, 3, 1 << 30, MiB, 0.0, None) < 0  # bad arguments
 
 
+def test_the_runtime_orders_and_groups_tensors_as_the_reference(native: Path) -> None:
+    """kx_place_order (C++) against dense_groups on shuffled tensor sets of dense and MoE
+    layers: the same items in the same execution order, a layer's experts one item."""
+    import ctypes
+    from kairox.llama import _lib
+    kinds = ["attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_qkv.weight",
+             "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
+             "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
+             "ffn_norm_other.weight"]
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        names = [f"blk.{il}.{k}" for il in range(int(rng.integers(1, 5))) for k in kinds if rng.random() < 0.6]
+        names += [n for n in ("output.weight", "rope_freqs.weight") if rng.random() < 0.5]
+        names = [str(x) for x in rng.permutation(names)]
+        want = dense_groups([DenseItem(n, 1) for n in names])
+        group = (ctypes.c_int32 * max(len(names), 1))()
+        got = _lib.kx_place_order((ctypes.c_char_p * max(len(names), 1))(*[n.encode() for n in names]), len(names),
+                                  group)
+        assert got == len(want)
+        assert [sorted(n for n, g in zip(names, group) if g == k) for k in range(got)] == \
+            [sorted(it.names) for it in want]
+    order = [it.names for it in dense_groups([DenseItem(n, 1) for n in (
+        "output.weight", "blk.0.ffn_down_exps.weight", "blk.0.attn_output.weight", "blk.0.ffn_up_exps.weight",
+        "blk.0.ffn_gate_inp.weight", "blk.0.attn_q.weight", "blk.0.ffn_gate_exps.weight", "blk.1.ffn_down.weight",
+        "blk.1.ffn_up.weight")])]
+    assert order == [("blk.0.attn_q.weight",), ("blk.0.attn_output.weight",), ("blk.0.ffn_gate_inp.weight",),
+                     ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"),
+                     ("blk.1.ffn_up.weight",), ("blk.1.ffn_down.weight",), ("output.weight",)]
+    assert _lib.kx_place_order(None, 2, None) == -1
+    twice = (ctypes.c_char_p * 2)(b"a", b"a")
+    assert _lib.kx_place_order(twice, 2, (ctypes.c_int32 * 2)()) == -1  # a name twice
+
+
 def brute_slots(freqs, gbytes, budget, hw):
     def t(f, k):
         f = np.sort(f)[::-1]
@@ -126,12 +159,14 @@ def test_a_model_without_a_pack_is_planned_in_whole_tensors(tmp_path: Path, caps
     assert everything.dense_cpu == [] and everything.slots == [] and everything.bytes["slots"] == 0
     experts = [n for n in everything.dense_gpu if "_exps" in n]
     assert len(experts) == 6 and len(everything.dense_gpu) == 6 + 2 * 5 + 1  # + q k v o router, output
-    # room (at the DP's 1 MiB resolution) for every other matrix and two of the six experts
+    # room (at the DP's 1 MiB resolution) for every other matrix and one layer's experts and a
+    # half: a layer's three expert tensors move together
     sizes = {t.name: -(-t.nbytes // MiB) * MiB for t in scan_header(m).tensors}
-    room = sum(sizes[n] for n in everything.dense_gpu if n not in experts) + 2 * sizes[experts[0]]
+    room = sum(sizes[n] for n in everything.dense_gpu if n not in experts) + 4 * sizes[experts[0]]
     p = make_plan(m, room + MiB, hw, reserved=MiB)
     assert set(p.dense_gpu) == set(everything.dense_gpu) - set(p.dense_cpu)
-    assert len(p.dense_cpu) == 4 and all("_exps" in n for n in p.dense_cpu)
+    assert len(p.dense_cpu) == 3 and all("_exps" in n for n in p.dense_cpu)
+    assert len({n.split(".")[1] for n in p.dense_cpu}) == 1  # one layer's
     assert main(["plan", str(m), "--budget", f"{(room + MiB) // MiB}MiB", "--reserve", "1MiB", "--explain"]) == 0
     text = capsys.readouterr().out
     assert "FFN slots: none (no sparse pack" in text and "dense on the CPU: " in text

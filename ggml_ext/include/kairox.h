@@ -299,6 +299,11 @@ LLAMA_API int32_t kx_model_params_apply_ctx(struct kx_params * kp, struct llama_
 // execution order, each nbytes (rounded up to unit) taking cpu_s or gpu_s seconds per token, a
 // device switch between neighbours costing handoff_s (half a round trip), execution starting and
 // ending on the CPU. Fills on_gpu (n values) and returns the modelled seconds per token.
+// The knapsack's items for n tensor names (python/kairox/plan.py dense_groups is the reference):
+// group[i] receives the item tensor i belongs to, items numbered in execution order (layer,
+// then attention, router, FFN up side, down side; the output head last); a layer's MoE expert
+// tensors are one item. Returns the number of items, or -1 for bad arguments.
+LLAMA_API int32_t kx_place_order(const char * const * names, int32_t n, int32_t * group);
 LLAMA_API double  kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double * gpu_s, int32_t n,
                                 int64_t budget, int64_t unit, double handoff_s, bool * on_gpu);
 // Neuron slots per layer (python/kairox/plan.py solve_slots is the reference): layer l has

@@ -24,6 +24,7 @@
 #include <memory>
 #include <cstring>
 #include <functional>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -160,6 +161,72 @@ kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_pa
     return d;
 }
 
+// A tensor's place in a layer's execution, for the hand-offs between neighbours: attention's
+// inputs, its output, the MoE router, the FFN's up side (gate, up), its down side; any other
+// kind after them. The same order as kairox.plan.exec_rank.
+int kx_exec_rank(const std::string & kind) {
+    if (kind.compare(0, 5, "attn_") == 0) {
+        return kind.compare(0, 11, "attn_output") == 0 ? 1 : 0;
+    }
+    if (kind.compare(0, 12, "ffn_gate_inp") == 0) {
+        return 2;
+    }
+    if (kind.compare(0, 8, "ffn_gate") == 0 || kind.compare(0, 6, "ffn_up") == 0) {
+        return 3;
+    }
+    return kind.compare(0, 8, "ffn_down") == 0 ? 4 : 5;
+}
+
+// The knapsack's items in execution order (layers, then kx_exec_rank, then name; the output
+// head last), a layer's MoE experts (ffn_{gate,up,down}_exps) one item: split over both
+// devices they would pay two hand-offs more for the same expert reads (ATSInfer places them
+// apart from the rest, as one group)
+std::vector<kx_place_group> kx_place_groups(std::vector<kx_place_item> items) {
+    auto key = [](const kx_place_item & it) {
+        const auto [il, kind] = kx_tensor_layer(it.name);
+        const int layer = il >= 0 ? il : it.name == "output.weight" ? std::numeric_limits<int>::max() : -1;
+        return std::make_tuple(layer, il >= 0 ? kx_exec_rank(kind) : 0, it.name);
+    };
+    std::stable_sort(items.begin(), items.end(), [&](const kx_place_item & a, const kx_place_item & b) {
+        return key(a) < key(b);
+    });
+    std::vector<kx_place_group> out;
+    int expert_layer = -1;
+    for (const kx_place_item & it : items) {
+        const auto [il, kind] = kx_tensor_layer(it.name);
+        const bool expert = il >= 0 && kind.find("_exps.") != std::string::npos;
+        if (expert && il == expert_layer && !out.empty()) {
+            out.back().names.push_back(it.name);
+            out.back().bytes += it.bytes;
+            continue;
+        }
+        out.push_back({ { it.name }, it.bytes, it.read });
+        expert_layer = expert ? il : -1;
+    }
+    return out;
+}
+
+int32_t kx_place_order(const char * const * names, int32_t n, int32_t * group) {
+    if (n < 0 || (n > 0 && (!names || !group))) {
+        return -1;
+    }
+    std::vector<kx_place_item> items;
+    std::map<std::string, int32_t> index;
+    for (int32_t i = 0; i < n; ++i) {
+        if (!names[i] || !index.emplace(names[i], i).second) {
+            return -1; // a missing or repeated name
+        }
+        items.push_back({ names[i], 0, 1.0 });
+    }
+    const std::vector<kx_place_group> g = kx_place_groups(std::move(items));
+    for (size_t k = 0; k < g.size(); ++k) {
+        for (const std::string & name : g[k].names) {
+            group[index[name]] = (int32_t) k;
+        }
+    }
+    return (int32_t) g.size();
+}
+
 std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates) {
     const kx_dry_sizes d = dry({});
     const int64_t margin = kx_budget_margin(budget) + kx_place_alloc_slack;
@@ -174,14 +241,7 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
             kx_mib(d.kv).c_str(), kx_mib(d.compute).c_str(), kx_mib(fixed).c_str(), kx_mib(margin).c_str(),
             kx_mib(fixed + margin).c_str()));
     }
-    std::vector<kx_place_item> items = d.items;
-    // execution order: by layer, then by name (the reference's order)
-    std::stable_sort(items.begin(), items.end(), [](const kx_place_item & a, const kx_place_item & b) {
-        const auto la = kx_tensor_layer(a.name), lb = kx_tensor_layer(b.name);
-        const int ka = la.first >= 0 ? la.first : a.name == "output.weight" ? std::numeric_limits<int>::max() : -1;
-        const int kb = lb.first >= 0 ? lb.first : b.name == "output.weight" ? std::numeric_limits<int>::max() : -1;
-        return ka != kb ? ka < kb : a.name < b.name;
-    });
+    const std::vector<kx_place_group> items = kx_place_groups(d.items);
     const int32_t n = (int32_t) items.size();
     std::vector<int64_t> nb(n);
     std::vector<double> cpu(n), gpu(n);
@@ -204,7 +264,7 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
         int64_t cpu_bytes = 0;
         for (int32_t i = 0; i < n; ++i) {
             if (!on_gpu[i]) {
-                cpu_names.push_back(items[i].name);
+                cpu_names.insert(cpu_names.end(), items[i].names.begin(), items[i].names.end());
                 cpu_bytes += items[i].bytes;
             }
         }
@@ -223,7 +283,7 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
                            "compute buffers (%s, %s with these on the CPU); %zu of %d kept on the CPU (%s), modelled "
                            "%.2f ms per token: %s\n", kx_mib(budget).c_str(), kx_mib(d.weights).c_str(),
                            kx_mib(d.kv).c_str(), kx_mib(d.compute).c_str(), kx_mib(got.compute).c_str(),
-                           cpu_names.size(), n, kx_mib(cpu_bytes).c_str(), t * 1e3, kx_names_text(cpu_names).c_str());
+                           cpu_names.size(), (int) d.items.size(), kx_mib(cpu_bytes).c_str(), t * 1e3, kx_names_text(cpu_names).c_str());
             return cpu_names;
         }
         room -= over;

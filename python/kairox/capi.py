@@ -114,6 +114,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_model_params_apply": ([P(Params), vp, cp, sz], i32),
         "kx_model_params_apply_model": ([P(Params), vp, cp, cp, sz], i32),
         "kx_model_params_apply_ctx": ([P(Params), vp, vp, cp, cp, sz], i32),
+        "kx_place_order": ([P(ctypes.c_char_p), i32, P(i32)], i32),
         "kx_plan_dense": ([P(i64), P(ctypes.c_double), P(ctypes.c_double), i32, i64, i64, ctypes.c_double,
                            P(ctypes.c_bool)], ctypes.c_double),
         "kx_plan_slots": ([P(ctypes.c_double), P(i64), P(i64), P(i64), P(ctypes.c_double), P(ctypes.c_double), i32,

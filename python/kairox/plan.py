@@ -104,6 +104,49 @@ class DenseItem:
     # the share of its bytes a token reads: an MoE expert tensor's n_expert_used / n_expert
     # (ATSInfer counts experts apart: per byte of VRAM they save less than attention does)
     read: float = 1.0
+    # the tensors placed as this one item (a layer's MoE experts); empty: the item is `name`
+    members: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.members or (self.name,)
+
+
+def exec_rank(kind: str) -> int:
+    """A tensor kind's place in a layer's execution, for the hand-offs between neighbours:
+    attention's inputs, its output, the MoE router, the FFN's up side (gate, up), its down
+    side, anything else."""
+    if kind.startswith("attn_"):
+        return 1 if kind.startswith("attn_output") else 0
+    if kind.startswith("ffn_gate_inp"):
+        return 2
+    if kind.startswith(("ffn_gate", "ffn_up")):
+        return 3
+    return 4 if kind.startswith("ffn_down") else 5
+
+
+def dense_groups(items: list[DenseItem]) -> list[DenseItem]:
+    """The knapsack's items in execution order (layers, then exec_rank, then name; the output
+    head last), a layer's MoE experts (ffn_{gate,up,down}_exps) merged into one item: split
+    over both devices they would pay two hand-offs more for the same expert reads (ATSInfer
+    places them apart from the rest, as one group)."""
+    def key(it: DenseItem) -> tuple[int, int, str]:
+        m = re.match(r"blk\.(\d+)\.(.+)$", it.name)
+        if m:
+            return int(m.group(1)), exec_rank(m.group(2)), it.name
+        return (1 << 62 if it.name == "output.weight" else -1), 0, it.name
+    out: list[DenseItem] = []
+    expert_layer = None
+    for it in sorted(items, key=key):
+        m = re.match(r"blk\.(\d+)\..*_exps\.", it.name)
+        il = int(m.group(1)) if m else None
+        if il is not None and il == expert_layer and out:
+            last = out[-1]
+            out[-1] = DenseItem(last.name, last.nbytes + it.nbytes, last.type, last.read, last.names + (it.name,))
+            continue
+        out.append(it)
+        expert_layer = il
+    return out
 
 
 def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = MiB) -> tuple[list[bool], float]:
@@ -422,12 +465,7 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
         elif t.name != "token_embd.weight" and len(t.ne) >= 2:  # the embedding is a row lookup
             expert = len(t.ne) >= 3 and t.ne[2] > 1 and "_exps" in t.name and n_expert > 0
             dense.append(DenseItem(t.name, t.nbytes, _type_name(t.type_id), n_used / n_expert if expert else 1.0))
-    order = {"output.weight": 10**9}
-
-    def key(it: DenseItem) -> tuple[int, str]:
-        m = re.match(r"blk\.(\d+)\.", it.name)
-        return (int(m.group(1)) if m else order.get(it.name, -1), it.name)
-    dense.sort(key=key)
+    dense = dense_groups(dense)
     n_ff = int(hdr.kv.get(f"{arch}.feed_forward_length", 0))
     freqs, n_groups, gbytes, rows = [], [], [], []
     if slotted:
@@ -457,8 +495,8 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
             best = (t_dense_k + t_ffn_k, on_gpu_k, t_dense_k, used_k, slots_k, t_ffn_k)
     _, on_gpu, t_dense, used, slots, t_ffn = best
     share = [float(np.sum(f[s]) / max(np.sum(f), 1e-30)) for f, s in zip(freqs, slots)]
-    return Plan(Path(model_path).name, budget, hw, [it.name for it, g in zip(dense, on_gpu) if g],
-                [it.name for it, g in zip(dense, on_gpu) if not g], [s.tolist() for s in slots], n_groups,
+    return Plan(Path(model_path).name, budget, hw, [n for it, g in zip(dense, on_gpu) if g for n in it.names],
+                [n for it, g in zip(dense, on_gpu) if not g for n in it.names], [s.tolist() for s in slots], n_groups,
                 reserved, {"dense": t_dense, "ffn": t_ffn},
                 {"dense_gpu": used, "slots": sum(len(s) * b for s, b in zip(slots, gbytes))}, share,
                 [min(n_ff, len(s) * r) for s, r in zip(slots, rows)])
