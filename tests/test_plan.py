@@ -82,7 +82,8 @@ def test_the_runtime_knapsack_is_the_reference(native: Path) -> None:
 
 def test_the_runtime_orders_and_groups_tensors_as_the_reference(native: Path) -> None:
     """kx_place_order (C++) against dense_groups on shuffled tensor sets of dense and MoE
-    layers: the same items in the same execution order, a layer's experts one item."""
+    layers: the same items in the same execution order, tensors side by side (q/k/v, gate/up,
+    a layer's experts) one item."""
     import ctypes
     from kairox.llama import _lib
     kinds = ["attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_qkv.weight",
@@ -94,20 +95,22 @@ def test_the_runtime_orders_and_groups_tensors_as_the_reference(native: Path) ->
         names = [f"blk.{il}.{k}" for il in range(int(rng.integers(1, 5))) for k in kinds if rng.random() < 0.6]
         names += [n for n in ("output.weight", "rope_freqs.weight") if rng.random() < 0.5]
         names = [str(x) for x in rng.permutation(names)]
-        want = dense_groups([DenseItem(n, 1) for n in names])
+        want = dense_groups([DenseItem(n, 1) for n in names])  # the pinned points hold no names
         group = (ctypes.c_int32 * max(len(names), 1))()
         got = _lib.kx_place_order((ctypes.c_char_p * max(len(names), 1))(*[n.encode() for n in names]), len(names),
                                   group)
         assert got == len(want)
         assert [sorted(n for n, g in zip(names, group) if g == k) for k in range(got)] == \
             [sorted(it.names) for it in want]
-    order = [it.names for it in dense_groups([DenseItem(n, 1) for n in (
+    order = [it.names or it.name for it in dense_groups([DenseItem(n, 1) for n in (
         "output.weight", "blk.0.ffn_down_exps.weight", "blk.0.attn_output.weight", "blk.0.ffn_up_exps.weight",
         "blk.0.ffn_gate_inp.weight", "blk.0.attn_q.weight", "blk.0.ffn_gate_exps.weight", "blk.1.ffn_down.weight",
         "blk.1.ffn_up.weight")])]
-    assert order == [("blk.0.attn_q.weight",), ("blk.0.attn_output.weight",), ("blk.0.ffn_gate_inp.weight",),
-                     ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"),
-                     ("blk.1.ffn_up.weight",), ("blk.1.ffn_down.weight",), ("output.weight",)]
+    assert order == ["blk.0.attn_norm", ("blk.0.attn_q.weight",), "blk.0.attention", ("blk.0.attn_output.weight",),
+                     "blk.0.ffn_norm", ("blk.0.ffn_gate_inp.weight",),
+                     ("blk.0.ffn_down_exps.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"),
+                     "blk.1.attn_norm", "blk.1.attention", "blk.1.ffn_norm", ("blk.1.ffn_up.weight",),
+                     ("blk.1.ffn_down.weight",), ("output.weight",)]
     assert _lib.kx_place_order(None, 2, None) == -1
     twice = (ctypes.c_char_p * 2)(b"a", b"a")
     assert _lib.kx_place_order(twice, 2, (ctypes.c_int32 * 2)()) == -1  # a name twice

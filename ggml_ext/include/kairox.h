@@ -301,8 +301,10 @@ LLAMA_API int32_t kx_model_params_apply_ctx(struct kx_params * kp, struct llama_
 // ending on the CPU. Fills on_gpu (n values) and returns the modelled seconds per token.
 // The knapsack's items for n tensor names (python/kairox/plan.py dense_groups is the reference):
 // group[i] receives the item tensor i belongs to, items numbered in execution order (layer,
-// then attention, router, FFN up side, down side; the output head last); a layer's MoE expert
-// tensors are one item. Returns the number of items, or -1 for bad arguments.
+// then attention, router, FFN up side, down side; the output head last), the tensors one layer
+// runs side by side (q/k/v, gate/up, its MoE experts) one item, each layer's points pinned to
+// the GPU (its norms, attention over the KV cache) items without tensors. Returns the number of
+// items, or -1 for bad arguments.
 LLAMA_API int32_t kx_place_order(const char * const * names, int32_t n, int32_t * group);
 LLAMA_API double  kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double * gpu_s, int32_t n,
                                 int64_t budget, int64_t unit, double handoff_s, bool * on_gpu);

@@ -161,47 +161,65 @@ kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_pa
     return d;
 }
 
-// A tensor's place in a layer's execution, for the hand-offs between neighbours: attention's
-// inputs, its output, the MoE router, the FFN's up side (gate, up), its down side; any other
-// kind after them. The same order as kairox.plan.exec_rank.
+// A layer's execution as the placement's chain (kairox.plan.exec_rank and EXEC_PINS, the
+// reference): the attention norm (on the GPU: its weight stays there), the attention's input
+// projections, attention over the KV cache (on the GPU), its output projection, the FFN norm
+// (on the GPU), the MoE router, the FFN's up side (gate and up, or the experts), its down
+// side, anything else. Tensors of one rank run side by side on the same input and are one
+// item: split over both devices they would pay a hand-off more for nothing (a layer's MoE
+// experts are one item, as ATSInfer places them).
 int kx_exec_rank(const std::string & kind) {
-    if (kind.compare(0, 5, "attn_") == 0) {
-        return kind.compare(0, 11, "attn_output") == 0 ? 1 : 0;
+    auto starts = [&](const char * p) { return kind.compare(0, std::strlen(p), p) == 0; };
+    if (starts("attn_")) {
+        return starts("attn_output") ? 3 : 1;
     }
-    if (kind.compare(0, 12, "ffn_gate_inp") == 0) {
-        return 2;
+    if (starts("ffn_gate_inp")) {
+        return 5;
     }
-    if (kind.compare(0, 8, "ffn_gate") == 0 || kind.compare(0, 6, "ffn_up") == 0) {
-        return 3;
+    if (starts("ffn_gate") || starts("ffn_up") || kind.find("_exps") != std::string::npos) {
+        return 6;
     }
-    return kind.compare(0, 8, "ffn_down") == 0 ? 4 : 5;
+    return starts("ffn_down") ? 7 : 8;
 }
 
-// The knapsack's items in execution order (layers, then kx_exec_rank, then name; the output
-// head last), a layer's MoE experts (ffn_{gate,up,down}_exps) one item: split over both
-// devices they would pay two hand-offs more for the same expert reads (ATSInfer places them
-// apart from the rest, as one group)
-std::vector<kx_place_group> kx_place_groups(std::vector<kx_place_item> items) {
-    auto key = [](const kx_place_item & it) {
-        const auto [il, kind] = kx_tensor_layer(it.name);
-        const int layer = il >= 0 ? il : it.name == "output.weight" ? std::numeric_limits<int>::max() : -1;
-        return std::make_tuple(layer, il >= 0 ? kx_exec_rank(kind) : 0, it.name);
-    };
-    std::stable_sort(items.begin(), items.end(), [&](const kx_place_item & a, const kx_place_item & b) {
-        return key(a) < key(b);
-    });
-    std::vector<kx_place_group> out;
-    int expert_layer = -1;
+static const std::pair<int, const char *> kx_exec_pins[] = { { 0, "attn_norm" }, { 2, "attention" }, { 4, "ffn_norm" } };
+
+std::vector<kx_place_group> kx_place_groups(const std::vector<kx_place_item> & items) {
+    constexpr int out_layer = std::numeric_limits<int>::max(); // the output head runs last
+    std::map<std::pair<int, int>, std::vector<const kx_place_item *>> ranked;
     for (const kx_place_item & it : items) {
         const auto [il, kind] = kx_tensor_layer(it.name);
-        const bool expert = il >= 0 && kind.find("_exps.") != std::string::npos;
-        if (expert && il == expert_layer && !out.empty()) {
-            out.back().names.push_back(it.name);
-            out.back().bytes += it.bytes;
+        ranked[il >= 0 ? std::make_pair(il, kx_exec_rank(kind))
+                       : std::make_pair(it.name == "output.weight" ? out_layer : -1, 0)].push_back(&it);
+    }
+    std::vector<int> layers;
+    for (const auto & [key, v] : ranked) {
+        if (key.first >= 0 && key.first != out_layer && (layers.empty() || layers.back() != key.first)) {
+            layers.push_back(key.first);
+        }
+    }
+    std::vector<kx_place_group> out;
+    for (int il : layers) {
+        for (const auto & [rank, pin] : kx_exec_pins) {
+            ranked[{ il, rank }].clear(); // a pin: marked by no tensors
+        }
+    }
+    for (auto & [key, v] : ranked) {
+        std::sort(v.begin(), v.end(), [](const kx_place_item * a, const kx_place_item * b) { return a->name < b->name; });
+        if (v.empty()) {
+            out.push_back({ {}, 0, 0.0, true });
             continue;
         }
-        out.push_back({ { it.name }, it.bytes, it.read });
-        expert_layer = expert ? il : -1;
+        const bool alone = key.first < 0 || key.first == out_layer; // outside the layers: one item each
+        for (const kx_place_item * it : v) {
+            if (alone || out.empty() || it == v.front()) {
+                out.push_back({ { it->name }, it->bytes, (double) it->bytes * it->read, false });
+            } else {
+                out.back().names.push_back(it->name);
+                out.back().bytes += it->bytes;
+                out.back().read_bytes += (double) it->bytes * it->read;
+            }
+        }
     }
     return out;
 }
@@ -212,19 +230,20 @@ int32_t kx_place_order(const char * const * names, int32_t n, int32_t * group) {
     }
     std::vector<kx_place_item> items;
     std::map<std::string, int32_t> index;
+    int32_t k = 0;
     for (int32_t i = 0; i < n; ++i) {
         if (!names[i] || !index.emplace(names[i], i).second) {
             return -1; // a missing or repeated name
         }
         items.push_back({ names[i], 0, 1.0 });
     }
-    const std::vector<kx_place_group> g = kx_place_groups(std::move(items));
-    for (size_t k = 0; k < g.size(); ++k) {
-        for (const std::string & name : g[k].names) {
-            group[index[name]] = (int32_t) k;
+    for (const kx_place_group & g : kx_place_groups(items)) {
+        for (const std::string & name : g.names) {
+            group[index[name]] = k;
         }
+        ++k;
     }
-    return (int32_t) g.size();
+    return k;
 }
 
 std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates) {
@@ -247,8 +266,8 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
     std::vector<double> cpu(n), gpu(n);
     for (int32_t i = 0; i < n; ++i) {
         nb[i]  = items[i].bytes;
-        cpu[i] = (double) items[i].bytes * items[i].read / (rates.cpu_gbs * 1e9);
-        gpu[i] = (double) items[i].bytes * items[i].read / (rates.gpu_gbs * 1e9);
+        cpu[i] = items[i].pinned ? std::numeric_limits<double>::infinity() : items[i].read_bytes / (rates.cpu_gbs * 1e9);
+        gpu[i] = items[i].read_bytes / (rates.gpu_gbs * 1e9);
     }
     // The compute buffers grow once tensors move: llama.cpp runs a large batch's matmul on the
     // GPU even when its weight is in host memory, copying the weight into the GPU's compute

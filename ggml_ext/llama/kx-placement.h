@@ -67,14 +67,17 @@ struct kx_dry_sizes : kx_dev_bytes {
 };
 kx_dry_sizes kx_dry_run(const llama_model_params & mp, const llama_context_params & cp, const char * model_path,
                         ggml_backend_dev_t dev);
-// what the knapsack places as one: a tensor, or a layer's MoE experts (kx_place_groups)
+// what the knapsack places as one (kx_place_groups): a tensor, the tensors of one layer that
+// run side by side, or a point of the layer pinned to the GPU (no tensors, no bytes)
 struct kx_place_group {
     std::vector<std::string> names;
     int64_t bytes;
-    double  read;
+    double  read_bytes; // what a token reads of them
+    bool    pinned;
 };
 int kx_exec_rank(const std::string & kind);
-std::vector<kx_place_group> kx_place_groups(std::vector<kx_place_item> items);
+// the knapsack's chain, in execution order
+std::vector<kx_place_group> kx_place_groups(const std::vector<kx_place_item> & items);
 // the caller's dry run with these dense tensors (by name) also kept on the CPU
 using kx_dry_run_fn = std::function<kx_dry_sizes(const std::vector<std::string> & cpu_names)>;
 

@@ -32,6 +32,7 @@ import heapq
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,48 +105,61 @@ class DenseItem:
     # the share of its bytes a token reads: an MoE expert tensor's n_expert_used / n_expert
     # (ATSInfer counts experts apart: per byte of VRAM they save less than attention does)
     read: float = 1.0
-    # the tensors placed as this one item (a layer's MoE experts); empty: the item is `name`
-    members: tuple[str, ...] = ()
+    # the tensors placed as this one item (dense_groups); empty: the item is this tensor
+    parts: tuple["DenseItem", ...] = ()
+    # a point of the layer's execution that runs on the GPU whatever the placement (a norm,
+    # whose weight stays there; attention over the KV cache there): no tensor, no bytes
+    pinned: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
-        return self.members or (self.name,)
+        return () if self.pinned else tuple(p.name for p in self.parts) or (self.name,)
+
+    def seconds(self, rate: Callable[[str], float]) -> float:
+        """Per token on a side of this rate (GB/s by type): what its tensors read."""
+        return sum(p.nbytes * p.read / rate(p.type) for p in self.parts or (self,))
+
+
+# A layer's execution, as the placement's chain of items (exec_rank): the attention norm (on
+# the GPU), the attention's input projections, attention itself over the KV cache (on the
+# GPU), its output projection, the FFN norm (on the GPU), the MoE router, the FFN's up side
+# (gate and up, or the experts), its down side, anything else. Tensors of one rank run side by
+# side on the same input and are one item: split over both devices they would pay a hand-off
+# more for nothing (a layer's MoE experts are one item, as ATSInfer places them).
+EXEC_PINS = {0: "attn_norm", 2: "attention", 4: "ffn_norm"}
 
 
 def exec_rank(kind: str) -> int:
-    """A tensor kind's place in a layer's execution, for the hand-offs between neighbours:
-    attention's inputs, its output, the MoE router, the FFN's up side (gate, up), its down
-    side, anything else."""
+    """A tensor kind's rank in its layer's chain (EXEC_PINS holds the pinned ranks)."""
     if kind.startswith("attn_"):
-        return 1 if kind.startswith("attn_output") else 0
+        return 3 if kind.startswith("attn_output") else 1
     if kind.startswith("ffn_gate_inp"):
-        return 2
-    if kind.startswith(("ffn_gate", "ffn_up")):
-        return 3
-    return 4 if kind.startswith("ffn_down") else 5
+        return 5
+    if kind.startswith(("ffn_gate", "ffn_up")) or "_exps" in kind:
+        return 6
+    return 7 if kind.startswith("ffn_down") else 8
 
 
 def dense_groups(items: list[DenseItem]) -> list[DenseItem]:
-    """The knapsack's items in execution order (layers, then exec_rank, then name; the output
-    head last), a layer's MoE experts (ffn_{gate,up,down}_exps) merged into one item: split
-    over both devices they would pay two hand-offs more for the same expert reads (ATSInfer
-    places them apart from the rest, as one group)."""
-    def key(it: DenseItem) -> tuple[int, int, str]:
+    """The knapsack's chain: items in execution order (layers, then exec_rank; the output head
+    last), the tensors of one layer and rank merged into one item, and each layer's pinned
+    points (EXEC_PINS) between them."""
+    ranked: dict[tuple[int, int], list[DenseItem]] = {}
+    for it in items:
         m = re.match(r"blk\.(\d+)\.(.+)$", it.name)
-        if m:
-            return int(m.group(1)), exec_rank(m.group(2)), it.name
-        return (1 << 62 if it.name == "output.weight" else -1), 0, it.name
-    out: list[DenseItem] = []
-    expert_layer = None
-    for it in sorted(items, key=key):
-        m = re.match(r"blk\.(\d+)\..*_exps\.", it.name)
-        il = int(m.group(1)) if m else None
-        if il is not None and il == expert_layer and out:
-            last = out[-1]
-            out[-1] = DenseItem(last.name, last.nbytes + it.nbytes, last.type, last.read, last.names + (it.name,))
+        key = ((int(m.group(1)), exec_rank(m.group(2))) if m else
+               ((1 << 62) if it.name == "output.weight" else -1, 0))
+        ranked.setdefault(key, []).append(it)
+    for il in {il for il, _ in ranked if 0 <= il < (1 << 62)}:
+        for r, pin in EXEC_PINS.items():
+            ranked[(il, r)] = [DenseItem(f"blk.{il}.{pin}", 0, pinned=True)]
+    out = []
+    for key in sorted(ranked):
+        group = sorted(ranked[key], key=lambda it: it.name)
+        if key[0] == -1 or key[0] == (1 << 62) or len(group) == 1:
+            out += group  # outside the layers: one item each
             continue
-        out.append(it)
-        expert_layer = il
+        out.append(DenseItem(group[0].name, sum(it.nbytes for it in group), parts=tuple(group)))
     return out
 
 
@@ -155,8 +169,8 @@ def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = 
     n = len(items)
     cap = max(0, budget // unit)
     w = [-(-it.nbytes // unit) for it in items]
-    cpu = [it.nbytes * it.read / hw.cpu_rate(it.type) for it in items]
-    gpu = [it.nbytes * it.read / hw.gpu_rate(it.type) for it in items]
+    cpu = [math.inf if it.pinned else it.seconds(hw.cpu_rate) for it in items]
+    gpu = [it.seconds(hw.gpu_rate) for it in items]
     hop = hw.handoff_us * 1e-6 / 2  # one direction of a round trip
     INF = math.inf
     # cost[c][d]: best time using c units with the last tensor on device d (0 CPU, 1 GPU)
