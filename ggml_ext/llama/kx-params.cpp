@@ -392,9 +392,10 @@ static kx_slot_costs kx_slot_costs_of(const llama_model & model, const kx_pack &
 static std::string kx_vram_text(const kx_vram_report & v) {
     auto mib = [](int64_t b) { return kx_fmt("%.0f MiB", (double) b / (1 << 20)); };
     return kx_fmt("VRAM %s of %s: base %s (dense tensors, KV cache, compute buffers), slots %s (%lld neurons), "
-                  "rest %s (predictors, maps, workspaces)", mib(v.used).c_str(), mib(v.budget).c_str(),
+                  "rest %s (%s)", mib(v.used).c_str(), mib(v.budget).c_str(),
                   mib(v.base).c_str(), mib(v.slots).c_str(), (long long) v.n_slots,
-                  mib(v.used - v.base - v.slots).c_str());
+                  mib(v.used - v.base - v.slots).c_str(),
+                  v.n_slots > 0 ? "predictors, maps, workspaces" : "workspaces and pools");
 }
 
 // llama.cpp's own buffers on dev: what the measured base and use hold beyond them is pools,

@@ -120,4 +120,5 @@ class VramReport:
     def text(self) -> str:
         return (f"VRAM {_mib(self.used)} of {_mib(self.budget)}: base {_mib(self.base)} (dense tensors, KV cache, "
                 f"compute buffers), slots {_mib(self.slots)} ({sum(self.slot_counts)} neurons), "
-                f"rest {_mib(self.used - self.base - self.slots)} (predictors, maps, workspaces)")
+                f"rest {_mib(self.used - self.base - self.slots)} "
+                f"({'predictors, maps, workspaces' if sum(self.slot_counts) else 'workspaces and pools'})")

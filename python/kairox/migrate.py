@@ -1,0 +1,217 @@
+"""Runtime migration (ATSInfer), the readable reference of the policy: the machine's rates
+re-estimated from the last decode steps, and when they moved, which CPU-resident tensors to
+stream into GPU scratch each step (and which to leave to the CPU again).
+
+A tensor the budget left on the CPU costs its bytes over the CPU's rate every token. Streamed,
+it is copied into a GPU scratch buffer ahead of its use, behind the compute before it, and
+multiplied there: it costs its bytes over the GPU's rate plus the part of its copy that the
+compute before it could not hide (the *exposed* transfer). Idle, the CPU wins (100 GB/s
+against 50 over PCIe on the H200 machine); under load it may not: 60% of the cores busy
+leaves the CPU ~40% of its rate, and then a copy hidden behind the GPU's own work is free.
+
+The policy (`Migrator`):
+* every step's sample (bytes each side read and the seconds it took, the copies and the time
+  the copy engine could run unseen) feeds a window estimate of the three rates (`RateTracker`);
+* when a rate moved by more than `threshold` (15%) from the rates of the last choice, and at
+  least `cooldown` steps (5 TPOT) after it, the choice is made again (`stream_choice`, exact):
+  which CPU tensors to stream so that the step, a chain in execution order with one copy
+  engine running ahead, is shortest, each streamed tensor fitting a slot of the scratch;
+* the new choice is returned as the tensors to start and stop streaming.
+
+`simulate` runs the policy on a modelled decode under a load profile (tests/test_migrate.py:
+a CPU stress, a PCIe stress, started mid-run). The runtime has no port of it yet: streaming
+a tensor needs its plain layout in page-locked host memory (llama.cpp repacks what a budget
+leaves on the CPU) and the op moved to the GPU for the steps it streams.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .costs import GB, Rates
+
+
+@dataclass(frozen=True)
+class MigrateConfig:
+    threshold: float = 0.15  # relative change of a rate that makes the choice again
+    cooldown: int = 5        # decode steps at least between two choices
+    window: int = 8          # steps the rates are estimated over
+
+
+@dataclass(frozen=True)
+class HostTensor:
+    """A tensor the budget left on the CPU: its bytes (what streaming it copies), the share of
+    them a token reads (an MoE expert tensor's n_expert_used / n_expert: streamed, all of it
+    crosses PCIe for that share's work), and the GPU-resident bytes the step reads before it."""
+    name: str
+    nbytes: int
+    gpu_bytes_before: int = 0
+    read: float = 1.0
+
+    @property
+    def read_bytes(self) -> float:
+        return self.nbytes * self.read
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One decode step as the runtime measures it."""
+    cpu_bytes: float  # host-resident weight bytes the CPU read
+    cpu_s: float      # ... and the seconds it spent on them
+    gpu_bytes: float  # device weight bytes the GPU read (scratch included)
+    gpu_s: float
+    copy_bytes: float = 0.0  # host-to-device copies (streamed tensors)
+    copy_s: float = 0.0
+
+
+class RateTracker:
+    """The rates over the last `window` steps: bytes over seconds, summed (a slow step weighs
+    as much as it took). A side that did no work in the window (nothing copied, nothing left
+    to the CPU) keeps its last estimate: its rate cannot be seen."""
+
+    def __init__(self, window: int, rates: Rates) -> None:
+        self.samples: deque[StepSample] = deque(maxlen=window)
+        self.last = rates
+
+    def add(self, s: StepSample) -> None:
+        self.samples.append(s)
+
+    def full(self) -> bool:
+        return len(self.samples) == self.samples.maxlen
+
+    def rates(self) -> Rates:
+        def rate(b: float, t: float) -> float | None:
+            return b / t / GB if b > 0 and t > 0 else None
+        cpu = rate(sum(s.cpu_bytes for s in self.samples), sum(s.cpu_s for s in self.samples))
+        gpu = rate(sum(s.gpu_bytes for s in self.samples), sum(s.gpu_s for s in self.samples))
+        pcie = rate(sum(s.copy_bytes for s in self.samples), sum(s.copy_s for s in self.samples))
+        self.last = Rates(cpu or self.last.cpu_gbs, gpu or self.last.gpu_gbs, pcie or self.last.pcie_gbs)
+        return self.last
+
+
+def moved(a: Rates, b: Rates) -> float:
+    """The largest relative change of a rate from a to b."""
+    return max(abs(y / x - 1) for x, y in ((a.cpu_gbs, b.cpu_gbs), (a.gpu_gbs, b.gpu_gbs), (a.pcie_gbs, b.pcie_gbs)))
+
+
+def step_time(tensors: Sequence[HostTensor], chosen: set[str], rates: Rates, gpu_bytes: int) -> tuple[float, float]:
+    """(seconds of one decode step, of which waiting for copies): the step as a chain in
+    execution order, the GPU-resident work (gpu_bytes in all) between the host tensors, each
+    host tensor on the CPU or, streamed, multiplied on the GPU once its copy has arrived. The
+    one copy engine starts with the step and copies the streamed tensors in order, so a copy
+    hides behind all the compute before its tensor's use."""
+    elapsed = waited = copy_end = 0.0
+    done = 0  # resident GPU bytes run so far
+    for t in tensors:
+        elapsed += rates.gpu_s(t.gpu_bytes_before - done)
+        done = t.gpu_bytes_before
+        if t.name in chosen:
+            copy_end += rates.pcie_s(t.nbytes)
+            wait = max(0.0, copy_end - elapsed)
+            waited += wait
+            elapsed += wait + rates.gpu_s(t.read_bytes)
+        else:
+            elapsed += rates.cpu_s(t.read_bytes)
+    return elapsed + rates.gpu_s(gpu_bytes - done), waited
+
+
+def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
+                  scratch_bytes: int) -> tuple[list[str], float]:
+    """The CPU tensors to stream into scratch (names, in execution order) and the modelled
+    seconds of the step (step_time), exactly. The scratch buffer is two slots (one tensor in
+    use, the next arriving), so a streamed tensor takes at most half of it.
+
+    A dynamic program in execution order over the pairs (time so far, copy engine's time so
+    far): what follows depends on nothing else, and a pair no earlier on both counts than
+    another can never end first, so each step keeps only the pairs on their Pareto front."""
+    slot = scratch_bytes // 2
+    # (elapsed, copy_end, streamed names so far as a linked tuple)
+    front: list[tuple[float, float, tuple | None]] = [(0.0, 0.0, None)]
+    done = 0
+    for t in tensors:
+        run = rates.gpu_s(t.gpu_bytes_before - done)
+        done = t.gpu_bytes_before
+        nxt = []
+        for e, c, names in front:
+            e += run
+            nxt.append((e + rates.cpu_s(t.read_bytes), c, names))
+            if t.nbytes <= slot:
+                c2 = c + rates.pcie_s(t.nbytes)
+                nxt.append((max(e, c2) + rates.gpu_s(t.read_bytes), c2, (t.name, names)))
+        nxt.sort(key=lambda x: (x[0], x[1]))
+        front = []
+        for cand in nxt:
+            if not front or cand[1] < front[-1][1]:
+                front.append(cand)
+    e, _, names = front[0]
+    chosen = set()
+    while names is not None:
+        chosen.add(names[0])
+        names = names[1]
+    return [t.name for t in tensors if t.name in chosen], e + rates.gpu_s(gpu_bytes - done)
+
+
+@dataclass(frozen=True)
+class Choice:
+    step: int
+    rates: Rates
+    streamed: list[str]
+    start: list[str]  # begin streaming these
+    stop: list[str]   # leave these to the CPU again
+    seconds: float    # modelled per token
+
+
+@dataclass
+class Migrator:
+    tensors: list[HostTensor]
+    gpu_bytes: int       # the GPU-resident weights a step reads
+    scratch_bytes: int
+    rates: Rates = field(default_factory=Rates)  # those of the current choice (the load's plan)
+    cfg: MigrateConfig = field(default_factory=MigrateConfig)
+
+    def __post_init__(self) -> None:
+        self.tracker = RateTracker(self.cfg.window, self.rates)
+        self.streamed, _ = stream_choice(self.tensors, self.rates, self.gpu_bytes, self.scratch_bytes)
+        self.steps = 0
+        self.last = 0
+
+    def step(self, s: StepSample) -> Choice | None:
+        """Feed one step; a new choice when the rates moved past the threshold and the last
+        choice is at least `cooldown` steps old (the window full), else None."""
+        self.steps += 1
+        self.tracker.add(s)
+        if not self.tracker.full() or self.steps - self.last < self.cfg.cooldown:
+            return None
+        now = self.tracker.rates()
+        if moved(self.rates, now) <= self.cfg.threshold:
+            return None
+        self.rates, self.last = now, self.steps
+        streamed, seconds = stream_choice(self.tensors, now, self.gpu_bytes, self.scratch_bytes)
+        c = Choice(self.steps, now, streamed, [n for n in streamed if n not in self.streamed],
+                   [n for n in self.streamed if n not in streamed], seconds)
+        self.streamed = streamed
+        return c
+
+
+def simulate(tensors: Sequence[HostTensor], gpu_bytes: int, scratch_bytes: int, load: Callable[[int], Rates],
+             steps: int, migrate: bool = True, cfg: MigrateConfig | None = None) -> tuple[list[float], list[Choice]]:
+    """Modelled TPOT (seconds) of `steps` decode steps whose machine runs at load(step)'s rates
+    (step_time), the host tensors streamed as the policy last chose; without `migrate`, as
+    chosen at the first step's rates and never again."""
+    m = Migrator(list(tensors), gpu_bytes, scratch_bytes, load(0), cfg or MigrateConfig())
+    tpot: list[float] = []
+    choices: list[Choice] = []
+    for k in range(steps):
+        r = load(k)
+        chosen = set(m.streamed)
+        t_step, _ = step_time(tensors, chosen, r, gpu_bytes)
+        tpot.append(t_step)
+        if migrate:
+            cpu_b = sum(t.read_bytes for t in tensors if t.name not in chosen)
+            gpu_b = gpu_bytes + sum(t.read_bytes for t in tensors if t.name in chosen)
+            copy_b = sum(t.nbytes for t in tensors if t.name in chosen)
+            c = m.step(StepSample(cpu_b, r.cpu_s(cpu_b), gpu_b, r.gpu_s(gpu_b), copy_b, r.pcie_s(copy_b)))
+            if c is not None:
+                choices.append(c)
+    return tpot, choices

@@ -1,0 +1,138 @@
+"""kairox.migrate: the runtime migration policy's reference (rates re-estimated from the last
+steps, tensors streamed into GPU scratch when that shortens the step), on modelled decodes."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kairox.costs import GB, Rates
+from kairox.migrate import (HostTensor, MigrateConfig, Migrator, RateTracker, StepSample, moved, simulate,
+                            step_time, stream_choice)
+
+MiB = 1 << 20
+IDLE = Rates(100.0, 2000.0, 50.0)
+CPU_STRESS = Rates(40.0, 2000.0, 50.0)   # 60% of the cores busy: ~40% of the CPU's rate left
+PCIE_STRESS = Rates(100.0, 2000.0, 8.0)  # another process copying over the same link
+
+
+def layers(n_layer: int, host: set[int], nbytes: int, read: float, gpu_total: int) -> tuple[list[HostTensor], int]:
+    """A decode step of n_layer layers reading gpu_total resident bytes, the layers in `host`
+    each with one tensor left on the CPU halfway through the layer."""
+    per = gpu_total // n_layer
+    out, before = [], 0
+    for il in range(n_layer):
+        before += per // 2
+        if il in host:
+            out.append(HostTensor(f"blk.{il}.ffn", nbytes, before, read))
+        before += per - per // 2
+    return out, before
+
+
+def test_rates_are_bytes_over_seconds_of_the_window() -> None:
+    tr = RateTracker(2, IDLE)
+    tr.add(StepSample(cpu_bytes=10 * GB, cpu_s=0.2, gpu_bytes=20 * GB, gpu_s=0.01))
+    tr.add(StepSample(cpu_bytes=30 * GB, cpu_s=0.6, gpu_bytes=20 * GB, gpu_s=0.01, copy_bytes=1 * GB, copy_s=0.05))
+    r = tr.rates()
+    assert (r.cpu_gbs, r.gpu_gbs, r.pcie_gbs) == pytest.approx((50.0, 2000.0, 20.0))
+    for _ in range(2):  # nothing on the CPU, nothing copied: those rates cannot be seen, the last stay
+        tr.add(StepSample(cpu_bytes=0, cpu_s=0, gpu_bytes=10 * GB, gpu_s=0.01))
+    assert tr.rates() == Rates(50.0, 1000.0, 20.0)
+    assert moved(IDLE, CPU_STRESS) == pytest.approx(0.6) and moved(IDLE, IDLE) == 0
+
+
+def test_the_choice_is_the_best_of_every_subset() -> None:
+    """stream_choice is exact: on random small steps, no other set of streamed tensors (each
+    fitting a scratch slot) makes the step shorter."""
+    rng = np.random.default_rng(1)
+    streamed_some = streamed_none = 0
+    for _ in range(300):
+        n = int(rng.integers(1, 8))
+        before, ts = 0, []
+        for i in range(n):
+            before += int(rng.integers(0, 400)) * MiB
+            ts.append(HostTensor(f"t{i}", int(rng.integers(8, 300)) * MiB, before, float(rng.choice([1.0, 1 / 16]))))
+        gpu = before + int(rng.integers(0, 400)) * MiB
+        r = Rates(float(rng.uniform(20, 120)), 2000.0, float(rng.uniform(5, 60)))
+        scratch = int(rng.integers(0, 700)) * MiB
+        got, t = stream_choice(ts, r, gpu, scratch)
+        assert t == pytest.approx(step_time(ts, set(got), r, gpu)[0], rel=1e-12)
+        assert all(x.nbytes <= scratch // 2 for x in ts if x.name in got)
+        best = min(step_time(ts, set(c), r, gpu)[0] for k in range(n + 1)
+                   for c in itertools.combinations([x.name for x in ts], k)
+                   if all(x.nbytes <= scratch // 2 for x in ts if x.name in c))
+        assert t == pytest.approx(best, rel=1e-12)
+        streamed_some += bool(got)
+        streamed_none += not got
+    assert streamed_some > 30 and streamed_none > 30  # both answers were seen
+
+
+def test_a_copy_that_cannot_hide_is_not_worth_it() -> None:
+    """Nothing before the tensor to hide its copy behind, and PCIe slower than the CPU: it stays."""
+    t = HostTensor("x", 256 * MiB, 0)
+    assert stream_choice([t], IDLE, 0, 1 << 30)[0] == []
+    # behind 2 GiB of GPU work (1 ms at 2000 GB/s) a 40 MiB copy (0.8 ms at 50 GB/s) hides: it streams
+    hidden = HostTensor("y", 40 * MiB, 2 << 30)
+    assert stream_choice([hidden], IDLE, 2 << 30, 1 << 30)[0] == ["y"]
+    assert stream_choice([hidden], IDLE, 2 << 30, 79 * MiB)[0] == []  # a slot too small for it
+    assert step_time([hidden], {"y"}, IDLE, 2 << 30)[1] == 0.0  # no wait
+
+
+def test_steady_rates_make_no_new_choice() -> None:
+    ts, gpu = layers(32, set(range(16)), 128 * MiB, 1.0, 4 << 30)
+    rng = np.random.default_rng(3)
+    m = Migrator(ts, gpu, 1 << 30, IDLE)
+    first = list(m.streamed)
+    for _ in range(200):  # ±5% noise on every measured time
+        cpu_b = sum(t.read_bytes for t in ts if t.name not in first)
+        s = StepSample(cpu_b, IDLE.cpu_s(cpu_b) * rng.uniform(0.95, 1.05), gpu, IDLE.gpu_s(gpu) * rng.uniform(0.95, 1.05))
+        assert m.step(s) is None
+    assert m.streamed == first
+
+
+@pytest.mark.parametrize("cfg", [MigrateConfig(), MigrateConfig(threshold=0.3, cooldown=9, window=4)])
+def test_cpu_stress_mid_run_streams_more_and_costs_less(cfg: MigrateConfig) -> None:
+    """ATSInfer's experiment, modelled: a CPU stress from step 40. With migration the choice is
+    made again within a window and a cooldown, streams more, and the stressed TPOT is lower
+    than the load-time choice's; choices stay `cooldown` steps apart."""
+    ts, gpu = layers(32, set(range(16)), 128 * MiB, 1.0, 4 << 30)
+    load = lambda k: IDLE if k < 40 else CPU_STRESS  # noqa: E731
+    with_m, choices = simulate(ts, gpu, 1 << 30, load, 120, cfg=cfg)
+    without, none = simulate(ts, gpu, 1 << 30, load, 120, migrate=False, cfg=cfg)
+    assert none == [] and with_m[:40] == without[:40]
+    assert choices and 40 < choices[0].step <= 40 + max(cfg.window, cfg.cooldown) + 1
+    assert all(b.step - a.step >= cfg.cooldown for a, b in zip(choices, choices[1:]))
+    assert len(choices[-1].streamed) > len(Migrator(ts, gpu, 1 << 30, IDLE).streamed)
+    idle, hot, cold = np.median(with_m[:40]), np.median(with_m[-20:]), np.median(without[-20:])
+    assert hot < 0.8 * cold and hot > idle  # the stress still costs, less
+    # every choice's lists say what changed
+    prev = set(Migrator(ts, gpu, 1 << 30, IDLE).streamed)
+    for c in choices:
+        assert set(c.start) == set(c.streamed) - prev and set(c.stop) == prev - set(c.streamed)
+        prev = set(c.streamed)
+
+
+def test_pcie_stress_streams_less_and_its_end_streams_again() -> None:
+    ts, gpu = layers(32, set(range(16)), 128 * MiB, 1.0, 4 << 30)
+    start = Migrator(ts, gpu, 1 << 30, IDLE).streamed
+    assert start  # idle PCIe hides copies behind the step's work: the load-time choice streams some
+    load = lambda k: IDLE if k < 30 or k >= 90 else PCIE_STRESS  # noqa: E731
+    with_m, choices = simulate(ts, gpu, 1 << 30, load, 150)
+    without, _ = simulate(ts, gpu, 1 << 30, load, 150, migrate=False)
+    during = [c for c in choices if c.step < 90]
+    assert during and len(during[-1].streamed) < len(start)
+    assert np.median(with_m[70:90]) < np.median(without[70:90])
+    # the stress over, it streams again, as fast as the idle choice (the last choice may be made
+    # on a window not yet all idle: an equal set of other layers)
+    assert choices[-1].step > 90 and len(choices[-1].streamed) > len(during[-1].streamed)
+    assert np.median(with_m[-20:]) == pytest.approx(np.median(without[-20:]), rel=0.01)
+
+
+def test_moe_experts_stream_only_when_the_whole_tensor_hides() -> None:
+    """An expert tensor is read at 8/128 per token but copied whole: idle, none streams."""
+    ts, gpu = layers(48, set(range(4)) | set(range(39, 48)), 340 * MiB, 8 / 128, int(11.9 * 1024) * MiB)
+    chosen, t = stream_choice(ts, IDLE, gpu, 1 << 30)
+    assert t <= step_time(ts, set(), IDLE, gpu)[0]
+    copied = sum(x.nbytes for x in ts if x.name in chosen)
+    assert IDLE.pcie_s(copied) <= t  # what streams hides within the step
