@@ -136,3 +136,68 @@ def test_moe_experts_stream_only_when_the_whole_tensor_hides() -> None:
     assert t <= step_time(ts, set(), IDLE, gpu)[0]
     copied = sum(x.nbytes for x in ts if x.name in chosen)
     assert IDLE.pcie_s(copied) <= t  # what streams hides within the step
+
+
+def _native_migrator(lib, ts: list[HostTensor], gpu: int, scratch: int, r: Rates, cfg: MigrateConfig):
+    import ctypes
+    n = len(ts)
+    st = lib.kx_migrate_new((ctypes.c_int64 * max(n, 1))(*[t.nbytes for t in ts]),
+                            (ctypes.c_int64 * max(n, 1))(*[t.gpu_bytes_before for t in ts]),
+                            (ctypes.c_double * max(n, 1))(*[t.read for t in ts]), n, gpu, scratch,
+                            r.cpu_gbs, r.gpu_gbs, r.pcie_gbs, cfg.threshold, cfg.cooldown, cfg.window)
+    assert st
+
+    def streamed() -> list[str]:
+        flags = (ctypes.c_bool * max(n, 1))()
+        k = lib.kx_migrate_streamed(st, flags, n)
+        got = [t.name for t, f in zip(ts, flags) if f]
+        assert k == len(got)
+        return got
+    return st, streamed
+
+
+def test_the_runtime_policy_is_the_reference(native) -> None:
+    """kx_migrate_* (C++) against Migrator: the same choice at load on random steps, and the
+    same choices step for step on modelled decodes under stress."""
+    from kairox.llama import _lib
+    rng = np.random.default_rng(9)
+    cfg = MigrateConfig()
+    for _ in range(200):
+        n = int(rng.integers(0, 12))
+        before, ts = 0, []
+        for i in range(n):
+            before += int(rng.integers(0, 400)) * MiB
+            ts.append(HostTensor(f"t{i}", int(rng.integers(8, 300)) * MiB, before, float(rng.choice([1.0, 1 / 16]))))
+        gpu = before + int(rng.integers(0, 400)) * MiB
+        r = Rates(float(rng.uniform(20, 120)), float(rng.uniform(500, 3000)), float(rng.uniform(5, 60)))
+        scratch = int(rng.integers(0, 700)) * MiB
+        st, streamed = _native_migrator(_lib, ts, gpu, scratch, r, cfg)
+        try:
+            assert streamed() == stream_choice(ts, r, gpu, scratch)[0]
+        finally:
+            _lib.kx_migrate_free(st)
+    loads = [lambda k: IDLE if k < 40 else CPU_STRESS, lambda k: IDLE if k < 30 or k >= 90 else PCIE_STRESS,
+             lambda k: Rates(100.0 * (1 + 0.5 * np.sin(k / 7)), 2000.0, 50.0 * (1 + 0.3 * np.cos(k / 5)))]
+    for load in loads:
+        ts, gpu = layers(32, set(range(0, 32, 2)), 128 * MiB, 1.0, 4 << 30)
+        m = Migrator(ts, gpu, 1 << 30, load(0), cfg)
+        st, streamed = _native_migrator(_lib, ts, gpu, 1 << 30, load(0), cfg)
+        made = 0
+        try:
+            for k in range(150):
+                r = load(k)
+                chosen = set(m.streamed)
+                cpu_b = sum(t.read_bytes for t in ts if t.name not in chosen)
+                gpu_b = gpu + sum(t.read_bytes for t in ts if t.name in chosen)
+                copy_b = sum(t.nbytes for t in ts if t.name in chosen)
+                s = StepSample(cpu_b, r.cpu_s(cpu_b), gpu_b, r.gpu_s(gpu_b), copy_b, r.pcie_s(copy_b))
+                want = m.step(s)
+                got = _lib.kx_migrate_step(st, s.cpu_bytes, s.cpu_s, s.gpu_bytes, s.gpu_s, s.copy_bytes, s.copy_s)
+                assert got == (want is not None), k
+                assert streamed() == m.streamed, k
+                made += got
+        finally:
+            _lib.kx_migrate_free(st)
+        assert made >= 2  # the load moved the rates past the threshold
+    assert not _lib.kx_migrate_new(None, None, None, 1, 0, 0, 100.0, 2000.0, 50.0, 0.15, 5, 8)
+    assert _lib.kx_migrate_step(None, 0, 0, 0, 0, 0, 0) == -1
