@@ -80,7 +80,8 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
             "llama": {"flags": best, "command": " ".join(lr["cmd"]), "tok_s": lr["tok_s"],
                       "median": statistics.median(lr["tok_s"]),
                       "all": {f: v["tok_s"] for f, v in r["llama"].items()},
-                      "pp_all": {f: v["pp"] for f, v in r["llama"].items() if v["pp"]}}})
+                      "pp_all": {f: v["pp"] for f, v in r["llama_pp"].items() if v["pp"]}},
+            "prefill_search": r.get("prefill_search")})
     res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": model.name,
            "model_mib": round(model.stat().st_size / MiB), "sparse": args.sparse, "gen": args.gen,
            "threads": args.threads, "rounds": args.rounds, "budgets": budgets_out}
@@ -97,9 +98,8 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
         lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {lr['median']:.2f}{spread(lr['tok_s'])} "
                      f"(`{lr['flags']}`) | {ratio} |")
     if args.prefill:
-        lines += ["", f"Prefill of {args.prefill} tokens (llama-bench -p {args.prefill} -n 0), tok/s, "
-                  "the same placements (llama.cpp's probed at the decode rows' context, so its larger "
-                  "prefill compute buffers may exceed the budget: in its favour):", "",
+        lines += ["", f"Prefill of {args.prefill} tokens (llama-bench -p {args.prefill} -n 0), tok/s; llama.cpp's "
+                  "placements searched again at the prefill's context (its compute buffers are larger):", "",
                   "| budget | kairox-bench | llama.cpp best (flags) | kairox / llama.cpp |", "|---:|---:|---:|---:|"]
         for b in budgets_out:
             kx, pa = b["kairox"], b["llama"]["pp_all"]
@@ -141,10 +141,18 @@ def main() -> int:
         ngl, _, search = find_ngl(str(exe), model, lay, b * 1024, args.threads, n_gen=args.gen)
         k, ffn_search = find_ffn_cpu(str(exe), model, lay, b * 1024, args.threads, args.gen)
         placements = [["-ngl", str(ngl)]] + ([ffn_cpu_flags(lay, k)] if k is not None else [])
-        rows.append({"budget_gib": b, "ngl_search": search, "ffn_cpu_search": ffn_search,
+        pp_places, pp_search = [], None
+        if args.prefill:
+            ngl_pp, _, s1 = find_ngl(str(exe), model, lay, b * 1024, args.threads, n_gen=args.gen, prompt=args.prefill)
+            k_pp, s2 = find_ffn_cpu(str(exe), model, lay, b * 1024, args.threads, args.gen, args.prefill)
+            pp_places = [["-ngl", str(ngl_pp)]] + ([ffn_cpu_flags(lay, k_pp)] if k_pp is not None else [])
+            pp_search = {"ngl": s1, "ffn_cpu": s2}
+        rows.append({"budget_gib": b, "ngl_search": search, "ffn_cpu_search": ffn_search, "prefill_search": pp_search,
                      "kairox": {"tok_s": [], "cmd": None, "error": "", "pp": []},
-                     "llama": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "tok_s": [], "cmd": None, "pp": []}
-                               for p in placements for f in ("0", "1")}})
+                     "llama": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "tok_s": [], "cmd": None}
+                               for p in placements for f in ("0", "1")},
+                     "llama_pp": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "pp": []}
+                                  for p in pp_places for f in ("0", "1")}})
         print(f"{b:g} GiB: llama.cpp fits {' / '.join(' '.join(p) for p in placements)} ({time.time() - t0:.0f} s)",
               flush=True)
     for k in range(args.rounds):
@@ -160,8 +168,8 @@ def main() -> int:
             for lr in r["llama"].values():
                 lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, lr["args"])
                 lr["tok_s"].append(t)
-                if args.prefill:
-                    lr["pp"].append(bench_row(exe, str(model), args.gen, args.threads, lr["args"], args.prefill)[1])
+            for lr in r["llama_pp"].values():
+                lr["pp"].append(bench_row(exe, str(model), args.gen, args.threads, lr["args"], args.prefill)[1])
             print(f"round {k + 1}: {r['budget_gib']:g} GiB: kairox {ts if ts is not None else err} / llama.cpp "
                   f"{[lr['tok_s'][-1] for lr in r['llama'].values()]} ({time.time() - t0:.0f} s)", flush=True)
             lines = write(rows, args, model)

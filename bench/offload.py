@@ -173,10 +173,11 @@ def bound(b: dict, bw: dict) -> dict:
     return {"seconds": parts[key], "limit": key, "parts": parts}
 
 
-def decode_buffers(stock: str, model: Path, threads: int, n_gen: int, extra: list[str]) -> dict:
-    """GPU buffers of a decode-only row of n_gen tokens (its context) with these flags."""
-    return gpu_buffers(run([stock, "-m", str(model), "-p", "0", "-n", str(n_gen), "-r", "1", "-t", str(threads),
-                            "-o", "json", "-v", *extra]).stderr)
+def decode_buffers(stock: str, model: Path, threads: int, n_gen: int, extra: list[str], prompt: int = 0) -> dict:
+    """GPU buffers of a decode-only row of n_gen tokens (its context) with these flags; with
+    `prompt`, of a prefill-only row of that many tokens instead."""
+    return gpu_buffers(run([stock, "-m", str(model), "-p", str(prompt), "-n", "0" if prompt else str(n_gen), "-r", "1",
+                            "-t", str(threads), "-o", "json", "-v", *extra]).stderr)
 
 
 def ffn_cpu_flags(lay: Layout, k: int) -> list[str]:
@@ -190,7 +191,7 @@ def ffn_cpu_flags(lay: Layout, k: int) -> list[str]:
 
 
 def find_ffn_cpu(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int,
-                 n_gen: int) -> tuple[int | None, list]:
+                 n_gen: int, prompt: int = 0) -> tuple[int | None, list]:
     """Fewest layers whose FFN (or experts) must stay on the CPU, all else on the GPU, for the
     GPU buffers to fit the budget (llama.cpp's -ot / --n-cpu-moe placement); None when even all
     of them on the CPU does not fit. Probed as find_ngl probes."""
@@ -198,7 +199,7 @@ def find_ffn_cpu(stock: str, model: Path, lay: Layout, budget_mib: float, thread
 
     def mem(k: int) -> float:
         if k not in tried:
-            tried[k] = decode_buffers(stock, model, threads, n_gen, ffn_cpu_flags(lay, k))
+            tried[k] = decode_buffers(stock, model, threads, n_gen, ffn_cpu_flags(lay, k), prompt)
             log(f"FFN of {k} layers on the CPU: {tried[k]['total_mib']:.0f} MiB")
         return tried[k]["total_mib"]
 
@@ -215,15 +216,16 @@ def find_ffn_cpu(stock: str, model: Path, lay: Layout, budget_mib: float, thread
 
 
 def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int,
-             n_gen: int | None = None) -> tuple[int, dict, list]:
+             n_gen: int | None = None, prompt: int = 0) -> tuple[int, dict, list]:
     """Largest -ngl whose GPU buffers fit the budget, by probing (linear model + checks); with
-    n_gen, at the context of a decode-only row of that many tokens instead of the prefill test's."""
+    n_gen, at the context of a decode-only row of that many tokens instead of the prefill test's
+    (with `prompt` too, of a prefill-only row of that many)."""
     tried: dict[int, dict] = {}
 
     def measure(k: int) -> dict:
         if n_gen is None:
             return probe(stock, model, k, threads)
-        return decode_buffers(stock, model, threads, n_gen, ["-ngl", str(k)])
+        return decode_buffers(stock, model, threads, n_gen, ["-ngl", str(k)], prompt)
 
     def mem(k: int) -> float:
         if k not in tried:
