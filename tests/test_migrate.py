@@ -9,7 +9,7 @@ import pytest
 
 from kairox.costs import GB, Rates
 from kairox.migrate import (HostTensor, MigrateConfig, Migrator, RateTracker, StepSample, moved, simulate,
-                            step_time, stream_choice)
+                            step_sample, step_time, stream_choice)
 
 MiB = 1 << 20
 IDLE = Rates(100.0, 2000.0, 50.0)
@@ -30,6 +30,19 @@ def layers(n_layer: int, host: set[int], nbytes: int, read: float, gpu_total: in
     return out, before
 
 
+def random_step(rng: np.random.Generator, tensors: tuple[int, int], gpu_gbs: tuple[float, float] = (2000.0, 2000.0)):
+    """Random host tensors (dense or expert-like; how many: in [tensors)), resident GPU bytes,
+    rates and scratch."""
+    n = int(rng.integers(*tensors))
+    before, ts = 0, []
+    for i in range(n):
+        before += int(rng.integers(0, 400)) * MiB
+        ts.append(HostTensor(f"t{i}", int(rng.integers(8, 300)) * MiB, before, float(rng.choice([1.0, 1 / 16]))))
+    gpu = before + int(rng.integers(0, 400)) * MiB
+    r = Rates(float(rng.uniform(20, 120)), float(rng.uniform(*gpu_gbs)), float(rng.uniform(5, 60)))
+    return ts, gpu, r, int(rng.integers(0, 700)) * MiB
+
+
 def test_rates_are_bytes_over_seconds_of_the_window() -> None:
     tr = RateTracker(2, IDLE)
     tr.add(StepSample(cpu_bytes=10 * GB, cpu_s=0.2, gpu_bytes=20 * GB, gpu_s=0.01))
@@ -48,14 +61,8 @@ def test_the_choice_is_the_best_of_every_subset() -> None:
     rng = np.random.default_rng(1)
     streamed_some = streamed_none = 0
     for _ in range(300):
-        n = int(rng.integers(1, 8))
-        before, ts = 0, []
-        for i in range(n):
-            before += int(rng.integers(0, 400)) * MiB
-            ts.append(HostTensor(f"t{i}", int(rng.integers(8, 300)) * MiB, before, float(rng.choice([1.0, 1 / 16]))))
-        gpu = before + int(rng.integers(0, 400)) * MiB
-        r = Rates(float(rng.uniform(20, 120)), 2000.0, float(rng.uniform(5, 60)))
-        scratch = int(rng.integers(0, 700)) * MiB
+        ts, gpu, r, scratch = random_step(rng, (1, 8))
+        n = len(ts)
         got, t = stream_choice(ts, r, gpu, scratch)
         assert t == pytest.approx(step_time(ts, set(got), r, gpu)[0], rel=1e-12)
         assert all(x.nbytes <= scratch // 2 for x in ts if x.name in got)
@@ -163,14 +170,7 @@ def test_the_runtime_policy_is_the_reference(native) -> None:
     rng = np.random.default_rng(9)
     cfg = MigrateConfig()
     for _ in range(200):
-        n = int(rng.integers(0, 12))
-        before, ts = 0, []
-        for i in range(n):
-            before += int(rng.integers(0, 400)) * MiB
-            ts.append(HostTensor(f"t{i}", int(rng.integers(8, 300)) * MiB, before, float(rng.choice([1.0, 1 / 16]))))
-        gpu = before + int(rng.integers(0, 400)) * MiB
-        r = Rates(float(rng.uniform(20, 120)), float(rng.uniform(500, 3000)), float(rng.uniform(5, 60)))
-        scratch = int(rng.integers(0, 700)) * MiB
+        ts, gpu, r, scratch = random_step(rng, (0, 12), (500.0, 3000.0))
         st, streamed = _native_migrator(_lib, ts, gpu, scratch, r, cfg)
         try:
             assert streamed() == stream_choice(ts, r, gpu, scratch)[0]
@@ -185,12 +185,7 @@ def test_the_runtime_policy_is_the_reference(native) -> None:
         made = 0
         try:
             for k in range(150):
-                r = load(k)
-                chosen = set(m.streamed)
-                cpu_b = sum(t.read_bytes for t in ts if t.name not in chosen)
-                gpu_b = gpu + sum(t.read_bytes for t in ts if t.name in chosen)
-                copy_b = sum(t.nbytes for t in ts if t.name in chosen)
-                s = StepSample(cpu_b, r.cpu_s(cpu_b), gpu_b, r.gpu_s(gpu_b), copy_b, r.pcie_s(copy_b))
+                s = step_sample(ts, set(m.streamed), load(k), gpu)
                 want = m.step(s)
                 got = _lib.kx_migrate_step(st, s.cpu_bytes, s.cpu_s, s.gpu_bytes, s.gpu_s, s.copy_bytes, s.copy_s)
                 assert got == (want is not None), k

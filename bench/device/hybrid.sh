@@ -30,15 +30,9 @@ for cfg in ${KX_SYNTH_BG:-}; do
 done
 # only what this script runs (libllama, llama-bench, test-backend-ops): the build tree's
 # bin/ holds the shared libraries next to the tools
-cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON -DKAIROX_BUILD_TESTS=ON \
-    -DKAIROX_CUDA_ARCHITECTURES=90 > "$W/kx-configure.log" || exit 1
 ops=test-backend-ops  # not built when neither the op checks nor their perf run (saves ~100 s)
 [ -n "${KX_SKIP_OPS:-}${KX_SKIP_TESTS:-}" ] && [ -z "${KX_PERF:-}" ] && ops=
-cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench $ops > "$W/kx-build.log" 2>&1 \
-    || { tail -30 "$W/kx-build.log"; exit 1; }
-echo "build done ($(( $(date +%s) - t0 )) s)"
-B=$W/build-kx/bin
-export KAIROX_LIB_DIR=$B
+KX_CMAKE_ARGS=-DKAIROX_BUILD_TESTS=ON kx_build llama llama-bench $ops || exit 1
 [ -z "${KX_SKIP_TESTS:-}${KX_SKIP_OPS:-}" ] && for op in KX_SELECT KX_MUL_MAT_ROWS KX_AXPY_ROWS; do
     "$B/test-backend-ops" -b CUDA0 -o "$op" > "$OUT/test-backend-ops-$op.log" 2>&1
     echo "test-backend-ops $op: rc=$? $(grep -cE '^\s+.*OK' "$OUT/test-backend-ops-$op.log") OK, $(grep -c FAIL "$OUT/test-backend-ops-$op.log") FAIL; $(tail -1 "$OUT/test-backend-ops-$op.log")"

@@ -13,14 +13,8 @@ set -uo pipefail
 M=/tmp/kxbench/KB-MoE-q4_0.gguf
 mkdir -p /tmp/kxbench
 [ -f "$M" ] || (nice python3 -m kairox synth --preset KB-MoE -o "$M" -q > "$OUT/synth.log" 2>&1 &)
-cmake -S . -B "$W/build-kx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=ON -DKAIROX_CUDA_ARCHITECTURES=90 \
-    > "$W/kx-configure.log" || exit 1
-cmake --build "$W/build-kx" -j "$(nproc)" --target llama llama-bench > "$W/kx-build.log" 2>&1 \
-    || { tail -20 "$W/kx-build.log"; exit 1; }
-echo "build done ($(( $(date +%s) - t0 )) s)"
-B=$W/build-kx/bin
-export KAIROX_LIB_DIR=$B
-[ -n "${KX_TESTS:-}" ] && timeout 150 python3 -m pytest -q -p no:cacheprovider $KX_TESTS 2>&1 | tee "$OUT/pytest.log" | tail -8
+kx_build llama llama-bench || exit 1
+kx_gpu_tests 150
 while pgrep -f "kairox synth --preset KB-MoE" > /dev/null; do sleep 1; done
 [ -f "$M" ] || { tail -5 "$OUT/synth.log"; exit 1; }
 echo "model done ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/synth.log")"

@@ -194,6 +194,14 @@ class Migrator:
         return c
 
 
+def step_sample(tensors: Sequence[HostTensor], chosen: set[str], rates: Rates, gpu_bytes: int) -> StepSample:
+    """What the runtime would measure of a step run at these rates with `chosen` streamed."""
+    cpu_b = sum(t.read_bytes for t in tensors if t.name not in chosen)
+    gpu_b = gpu_bytes + sum(t.read_bytes for t in tensors if t.name in chosen)
+    copy_b = sum(t.nbytes for t in tensors if t.name in chosen)
+    return StepSample(cpu_b, rates.cpu_s(cpu_b), gpu_b, rates.gpu_s(gpu_b), copy_b, rates.pcie_s(copy_b))
+
+
 def simulate(tensors: Sequence[HostTensor], gpu_bytes: int, scratch_bytes: int, load: Callable[[int], Rates],
              steps: int, migrate: bool = True, cfg: MigrateConfig | None = None) -> tuple[list[float], list[Choice]]:
     """Modelled TPOT (seconds) of `steps` decode steps whose machine runs at load(step)'s rates
@@ -205,13 +213,9 @@ def simulate(tensors: Sequence[HostTensor], gpu_bytes: int, scratch_bytes: int, 
     for k in range(steps):
         r = load(k)
         chosen = set(m.streamed)
-        t_step, _ = step_time(tensors, chosen, r, gpu_bytes)
-        tpot.append(t_step)
+        tpot.append(step_time(tensors, chosen, r, gpu_bytes)[0])
         if migrate:
-            cpu_b = sum(t.read_bytes for t in tensors if t.name not in chosen)
-            gpu_b = gpu_bytes + sum(t.read_bytes for t in tensors if t.name in chosen)
-            copy_b = sum(t.nbytes for t in tensors if t.name in chosen)
-            c = m.step(StepSample(cpu_b, r.cpu_s(cpu_b), gpu_b, r.gpu_s(gpu_b), copy_b, r.pcie_s(copy_b)))
+            c = m.step(step_sample(tensors, chosen, r, gpu_bytes))
             if c is not None:
                 choices.append(c)
     return tpot, choices
