@@ -24,7 +24,6 @@
 #include <memory>
 #include <cstring>
 #include <functional>
-#include <tuple>
 #include <string>
 #include <vector>
 
@@ -182,7 +181,8 @@ int kx_exec_rank(const std::string & kind) {
     return starts("ffn_down") ? 7 : 8;
 }
 
-static const std::pair<int, const char *> kx_exec_pins[] = { { 0, "attn_norm" }, { 2, "attention" }, { 4, "ffn_norm" } };
+// the ranks pinned to the GPU: the attention norm, attention itself, the FFN norm
+static constexpr int kx_exec_pins[] = { 0, 2, 4 };
 
 std::vector<kx_place_group> kx_place_groups(const std::vector<kx_place_item> & items) {
     constexpr int out_layer = std::numeric_limits<int>::max(); // the output head runs last
@@ -200,7 +200,7 @@ std::vector<kx_place_group> kx_place_groups(const std::vector<kx_place_item> & i
     }
     std::vector<kx_place_group> out;
     for (int il : layers) {
-        for (const auto & [rank, pin] : kx_exec_pins) {
+        for (int rank : kx_exec_pins) {
             ranked[{ il, rank }].clear(); // a pin: marked by no tensors
         }
     }
