@@ -29,8 +29,9 @@ from tools_bench import add_run_args, bench_row, commit  # noqa: E402
 
 
 def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float,
-               sparse: str, prompt: int = 0) -> tuple[list[str], float | None, str]:
-    extra = ["--vram-budget", f"{budget_gib:g}GiB", *(["--sparse", sparse] if sparse != "auto" else []), "-fa", "1"]
+               sparse: str, prompt: int = 0, flags: list[str] | None = None) -> tuple[list[str], float | None, str]:
+    extra = ["--vram-budget", f"{budget_gib:g}GiB", *(["--sparse", sparse] if sparse != "auto" else []), "-fa", "1",
+             *(flags or [])]
     try:
         cmd, ts = bench_row(exe, model, gen, threads, extra, prompt)
         return cmd, ts, ""
@@ -81,21 +82,27 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
                       "median": statistics.median(lr["tok_s"]),
                       "all": {f: v["tok_s"] for f, v in r["llama"].items()},
                       "pp_all": {f: v["pp"] for f, v in r["llama_pp"].items() if v["pp"]}},
-            "prefill_search": r.get("prefill_search")})
+            "prefill_search": r.get("prefill_search"),
+            "also": {k: {"command": " ".join(v["cmd"] or []), "tok_s": v["tok_s"], "error": v["error"],
+                         "median": statistics.median(v["tok_s"]) if v["tok_s"] else None}
+                     for k, v in r["also"].items()}})
     res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": model.name,
            "model_mib": round(model.stat().st_size / MiB), "sparse": args.sparse, "gen": args.gen,
            "threads": args.threads, "rounds": args.rounds, "budgets": budgets_out}
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    also = list(rows[0]["also"]) if rows else []
     lines = [f"# {model.name} ({res['model_mib']} MiB): decode against the VRAM budget", "",
              f"decode of {args.gen} tokens, {args.threads} threads, {args.rounds} round(s); commit {res['commit']}",
-             "", "| budget | kairox-bench tok/s | llama.cpp best (flags) tok/s | kairox / llama.cpp |",
-             "|---:|---:|---:|---:|"]
+             "", "| budget | kairox-bench tok/s | " + "".join(f"kairox {a} tok/s | " for a in also) +
+             "llama.cpp best (flags) tok/s | kairox / llama.cpp |", "|---:|---:|" + "---:|" * len(also) + "---:|---:|"]
     for b in budgets_out:
         kx, lr = b["kairox"], b["llama"]
         spread = lambda v: f" ({min(v):.2f}-{max(v):.2f})" if len(v) > 1 else ""  # noqa: E731
         kxs = f"{kx['median']:.2f}{spread(kx['tok_s'])}" if kx["median"] else kx["error"]
         ratio = f"{kx['median'] / lr['median']:.2f}x" if kx["median"] else "-"
-        lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {lr['median']:.2f}{spread(lr['tok_s'])} "
+        cols = "".join(f"{v['median']:.2f}{spread(v['tok_s'])} | " if v["median"] else f"{v['error'] or '-'} | "
+                       for v in b["also"].values())
+        lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {cols}{lr['median']:.2f}{spread(lr['tok_s'])} "
                      f"(`{lr['flags']}`) | {ratio} |")
     if args.prefill:
         lines += ["", f"Prefill of {args.prefill} tokens (llama-bench -p {args.prefill} -n 0), tok/s; llama.cpp's "
@@ -129,12 +136,16 @@ def main() -> int:
                          "tensors) (default: %(default)s)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="also prefill N tokens on every row (llama-bench -p N -n 0) (default: none)")
+    ap.add_argument("--also", action="append", default=[], metavar="LABEL=FLAGS",
+                    help="one more kairox row per budget with these extra kairox-bench flags, e.g. "
+                         "no-stream=--no-kx-stream (repeatable; rows interleaved with the others)")
     add_run_args(ap, gen=32, rounds=1, stem="budget-sweep")
     args = ap.parse_args()
     exe = Path(args.bin) / "llama-bench"
     model = Path(args.model)
     lay = Layout(model)
     budgets = [float(b) for b in args.budgets.split(",")]
+    also = dict(a.split("=", 1) for a in args.also)
     t0 = time.time()
     rows = []
     for b in budgets:
@@ -149,6 +160,7 @@ def main() -> int:
             pp_search = {"ngl": s1, "ffn_cpu": s2}
         rows.append({"budget_gib": b, "ngl_search": search, "ffn_cpu_search": ffn_search, "prefill_search": pp_search,
                      "kairox": {"tok_s": [], "cmd": None, "error": "", "pp": []},
+                     "also": {k: {"tok_s": [], "cmd": None, "error": ""} for k in also},
                      "llama": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "tok_s": [], "cmd": None}
                                for p in placements for f in ("0", "1")},
                      "llama_pp": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "pp": []}
@@ -165,6 +177,10 @@ def main() -> int:
                     _, pp, _ = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"], args.sparse,
                                           args.prefill)
                     r["kairox"]["pp"] += [pp] if pp is not None else []
+            for label, ar in r["also"].items():
+                ar["cmd"], t, ar["error"] = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"],
+                                                       args.sparse, flags=also[label].split())
+                ar["tok_s"] += [t] if t is not None else []
             for lr in r["llama"].values():
                 lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, lr["args"])
                 lr["tok_s"].append(t)

@@ -3,7 +3,8 @@
 
 Edit files in vendor/llama.cpp, then run this script. Each changed file's edits go to
 the last patch that already touches that file, so a patch keeps its one concern; a
-file no patch touches yet needs --new NNNN-short-name, which starts a new patch.
+file no patch touches yet needs --new NNNN-short-name, which starts a new patch (and
+--take FILE gives it a touched file's new edits when they are a concern of their own).
 Patches are plain unified diffs (a/ and b/ prefixes, applied with patch -p1).
 """
 from __future__ import annotations
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new", metavar="NNNN-name",
                     help="name of a new patch for edited files no existing patch touches")
+    ap.add_argument("--take", nargs="+", metavar="FILE", default=[],
+                    help="with --new: files an earlier patch touches whose new edits are a new concern "
+                         "(they go to the new patch instead of the last patch touching them)")
     ap.add_argument("-m", "--message", default="",
                     help="description written at the top of the new patch (its one concern)")
     ap.add_argument("--dry-run", action="store_true", help="say what would change, write nothing")
@@ -83,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         if not changed:
             print("mkpatches: vendor/llama.cpp matches patches/; nothing to do")
             return 0
-        orphans = [f for f in changed if f not in owners]
+        if args.take and not args.new:
+            print("mkpatches: --take needs --new NNNN-name (the patch taking those files' edits)")
+            return 2
+        orphans = [f for f in changed if f not in owners or f in args.take]
         new_patch = None
         if orphans:
             if not args.new:

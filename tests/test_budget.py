@@ -270,3 +270,50 @@ def test_a_budget_without_a_pack_places_whole_tensors(tmp_path: Path, moe: bool)
         assert not moe or all("_exps" in t for t in on_cpu), on_cpu
         assert v.used <= budget
         assert float(np.abs(got - want).max()) <= 2e-3 * float(np.abs(want).max())
+
+
+def test_streamed_tensors_compute_what_the_cpu_computes(tmp_path: Path) -> None:
+    """On a GPU: under a budget of whole tensors, some of the host tensors are streamed: copied
+    into a GPU scratch ahead of their use and multiplied there, beside the CPU's work. A
+    token-by-token decode then gives the all-GPU run's logits, as the run without streaming
+    does; each streamed tensor is copied once a token (beyond the two slots' first fills),
+    and reports its host memory as where the placement put it."""
+    import kairox
+    from kairox._native import has_gpu
+    from kairox.gguf_header import scan_header
+    from kairox.synth import Shape, synth
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    model = synth(tmp_path / "kb-wide.gguf", Shape(4, 1024, 2816, 16, 16, "f16"), act="silu", quiet=True)
+    mats = {t.name: t.nbytes for t in scan_header(model).tensors
+            if t.name != "token_embd.weight" and len(t.ne) >= 2 and t.ne[1] > 1}
+    toks = list(range(1, 24))
+
+    def decode(budget: int, **kw: object) -> tuple[np.ndarray, dict[str, int], dict[str, str | None]]:
+        llm = kairox.Llama(str(model), vram_budget=budget, n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True,
+                           verbose=False, **kw)
+        try:
+            llm.eval(toks)
+            assert llm.vram is not None and llm.vram_used() <= budget
+            return (np.array(llm.scores[:llm.n_tokens]), llm.stream_stats(),
+                    {t: llm.tensor_buffer_type(t) for t in mats})
+        finally:
+            llm.close()
+    want, none, _ = decode(4 << 30)
+    assert none["tensors"] == 0
+    llm = kairox.Llama(str(model), vram_budget=4 << 30, n_ctx=256, verbose=False)
+    base = llm.vram.base
+    llm.close()
+    budget = base + margin_for(0) + 16 * MiB - sum(mats.values()) // 2
+    plain, off, where_plain = decode(budget, stream=False)
+    got, st, where = decode(budget)
+    assert off["tensors"] == 0 and "KX_Host_Pinned" not in where_plain.values()
+    streamed = [t for t, b in where.items() if b == "KX_Host_Pinned"]
+    assert st["tensors"] == len(streamed) > 0, (st, where)
+    assert st["scratch_bytes"] >= 2 * max(mats[t] for t in streamed)
+    if len(streamed) > 2:  # two of them stay in their slots otherwise
+        assert st["copies"] >= (len(toks) - 1) * len(streamed)
+    assert st["copy_bytes"] >= st["copies"] * min(mats[t] for t in streamed)
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= 2e-3 * scale
+    assert float(np.abs(plain - want).max()) <= 2e-3 * scale

@@ -245,6 +245,8 @@ struct kx_params {
                                        // (the same split on machines without a GPU: tests)
     bool            pinned;            // hybrid: host-side weights page-locked, read not mapped (default true)
     bool            warm;              // hybrid: warm the host caches with the next layer's rows (default true)
+    bool            stream;            // a budget of whole tensors: host tensors the placement picks are copied
+                                       // into a GPU scratch ahead of their use and multiplied there (default true)
     float           mapped_share;      // hybrid: share of the host side the GPU reads over PCIe, [0, 1)
     int32_t         balancer;          // enum kx_balancer_mode (default off)
     struct kx_balance_params balance;  // the balancer's settings (balance.tam.adaptive follows `balancer`)
@@ -370,8 +372,14 @@ LLAMA_API int32_t kx_budget_check_slots(int64_t budget, int64_t base, int64_t pe
 // counts lowered as evenly as the layers allow until at least `over` bytes are given back
 LLAMA_API void    kx_budget_shrink(int64_t * counts, int32_t n_layer, int64_t over, int64_t per_neuron);
 
+// A budget of whole tensors' streamed weights (kx_params.stream): out[4] = tensors streamed,
+// scratch bytes on the device, copies queued and their bytes since the context started.
+// Returns 1 when the context streams, 0 when not (out zeroed), -1 without out.
+LLAMA_API int32_t kx_context_stream_stats(const struct llama_context * ctx, int64_t * out);
+
 // name of the buffer type holding the model tensor `name` ("CPU", "CUDA0", "CUDA_Host", ...),
-// NULL when the model has no such tensor: where a placement put each weight
+// NULL when the model has no such tensor: where a placement put each weight (a streamed one:
+// its host memory, whichever buffer a graph reads it from)
 LLAMA_API const char * kx_model_tensor_buffer_type(const struct llama_model * model, const char * name);
 
 // "dense" / "exact" / "predicted" / "threshold" -> mode, -1 for anything else

@@ -1,7 +1,9 @@
 // The kairox C API (include/kairox.h) on top of libllama's internals.
 #include "kairox.h"
 #include "kx-hybrid.h"
+#include "kx-context.h"
 #include "kx-stats.h"
+#include "kx-stream.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -320,7 +322,22 @@ int32_t kx_model_thresholds(const llama_model * model, int32_t il, kx_thr_info *
 
 const char * kx_model_tensor_buffer_type(const llama_model * model, const char * name) {
     const ggml_tensor * t = model && name ? model->get_tensor(name) : nullptr;
-    return t && t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : nullptr;
+    ggml_backend_buffer_t home = t ? kx_stream_home(t) : nullptr; // (a streamed one: its host copy)
+    ggml_backend_buffer_t b = home ? home : t ? t->buffer : nullptr;
+    return b ? ggml_backend_buft_name(ggml_backend_buffer_get_type(b)) : nullptr;
+}
+
+int32_t kx_context_stream_stats(const llama_context * ctx, int64_t * out) {
+    const kx_ctx_state * st = ctx ? kx_ctx_state_find(ctx) : nullptr;
+    if (!out) {
+        return -1;
+    }
+    const kx_stream * s = st ? st->stream.get() : nullptr;
+    out[0] = s ? (int64_t) s->items.size() : 0;
+    out[1] = s ? s->slot_bytes * s->n_slots : 0;
+    out[2] = s ? s->n_copies : 0;
+    out[3] = s ? s->copy_bytes : 0;
+    return s ? 1 : 0;
 }
 
 int32_t kx_sparse_mode_from_str(const char * s) {

@@ -6,7 +6,10 @@
 #include "kairox.h"
 
 #include <cstdio>
+#include <memory>
 #include <string>
+
+struct kx_stream;
 
 struct kx_ctx_state {
     bool           has_vram = false;
@@ -14,6 +17,7 @@ struct kx_ctx_state {
     std::string    trace_path;
     FILE *         trace    = nullptr;
     size_t         written  = 0;     // balancer records written so far
+    std::shared_ptr<kx_stream> stream; // streamed weights (kx-stream.h); null: none
 };
 
 // the context's state, made on first use

@@ -6,7 +6,9 @@
 #include "kairox.h"
 #include "kx-context.h"
 #include "kx-hybrid.h"
+#include "kx-migrate.h"
 #include "kx-placement.h"
+#include "kx-stream.h"
 #include "kx-trace.h"
 
 #include "llama-context.h"
@@ -32,6 +34,7 @@ struct kx_params kx_params_default(void) {
     kp.gpu_slots = -1;
     kp.pinned = true;
     kp.warm = true;
+    kp.stream = true;
     kp.balancer = KX_BALANCER_OFF;
     // the balancer's defaults (python/kairox/balancer.py: BalancerConfig)
     kp.balance.tam = { 0.5f, 0.01f, 0.05f, 0.005f, 0.05f, 0.95f, 1, -1 };
@@ -240,14 +243,12 @@ int32_t kx_model_params_apply_model(kx_params * kp, llama_model_params * mp, con
     return kx_model_params_apply_ctx(kp, mp, nullptr, model_path, err, err_size);
 }
 
-// The dense tensors that must wait on the CPU for the budget (kx-placement.cpp), from a dry run
-// of the load with the FFN in host memory as the real load will have it
-static std::vector<std::string> kx_budget_dense_cpu(const kx_params * kp, const llama_model_params & mp,
-                                                    const llama_context_params * cp, const char * model_path,
-                                                    ggml_backend_dev_t dev, bool ffn_on_host) {
+// A dry run of the load (kx-placement.cpp) with these tensors, and the FFN when ffn_on_host, in
+// host memory, then the caller's own overrides, as the real load will have them
+static kx_dry_run_fn kx_budget_dry(const llama_model_params & mp, const llama_context_params * cp,
+                                   const char * model_path, ggml_backend_dev_t dev, bool ffn_on_host) {
     const llama_context_params cparams = cp ? *cp : llama_context_default_params();
-    // the FFN (and the named tensors) in host memory, then the caller's own overrides, as the load has them
-    auto dry = [&](const std::vector<std::string> & names) {
+    return [=](const std::vector<std::string> & names) {
         const std::vector<std::string> pats = kx_cpu_patterns(names, ffn_on_host);
         std::vector<llama_model_tensor_buft_override> ov;
         for (const std::string & p : pats) {
@@ -262,6 +263,9 @@ static std::vector<std::string> kx_budget_dense_cpu(const kx_params * kp, const 
         m.use_extra_bufts = false;
         return kx_dry_run(m, cparams, model_path, dev);
     };
+}
+
+static kx_dense_rates kx_params_rates(const kx_params * kp) {
     kx_dense_rates rates;
     if (kp->balance.cpu_gbs > 0) {
         rates.cpu_gbs = kp->balance.cpu_gbs;
@@ -269,7 +273,60 @@ static std::vector<std::string> kx_budget_dense_cpu(const kx_params * kp, const 
     if (kp->balance.gpu_gbs > 0) {
         rates.gpu_gbs = kp->balance.gpu_gbs;
     }
-    return kx_place_dense(dry, kp->vram_budget, rates);
+    return rates;
+}
+
+// The dense tensors that must wait on the CPU for the budget (kx-placement.cpp)
+static std::vector<std::string> kx_budget_dense_cpu(const kx_params * kp, const llama_model_params & mp,
+                                                    const llama_context_params * cp, const char * model_path,
+                                                    ggml_backend_dev_t dev, bool ffn_on_host) {
+    return kx_place_dense(kx_budget_dry(mp, cp, model_path, dev, ffn_on_host), kp->vram_budget, kx_params_rates(kp));
+}
+
+// page-locked host weights are read, not mapped: llama.cpp keeps mapped weights in pageable
+// CPU buffers whatever an override asks (no host buffer with mmap)
+static void kx_read_not_map(llama_model_params * mp) {
+    switch (mp->load_mode) {
+        case LLAMA_LOAD_MODE_MMAP_MLOCK: mp->load_mode = LLAMA_LOAD_MODE_MLOCK; break;
+        case LLAMA_LOAD_MODE_MLOCK:
+        case LLAMA_LOAD_MODE_DIRECT_IO:  break;
+        default:                         mp->load_mode = LLAMA_LOAD_MODE_NONE; break;
+    }
+}
+
+// A budget of whole tensors: the knapsack's host tensors, and with kp->stream the ones the GPU
+// streams (kx-stream.h) in page-locked host memory, plain; the others as llama.cpp places
+// them on the CPU (repacked as it would for -ot ...=CPU)
+static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, const llama_context_params * cp,
+                              const char * model_path, ggml_backend_dev_t dev) {
+    const kx_dry_run_fn dry = kx_budget_dry(*mp, cp, model_path, dev, false);
+    const kx_dense_rates rates = kx_params_rates(kp);
+    if (!kp->stream) {
+        const std::vector<std::string> cpu = kx_place_dense(dry, kp->vram_budget, rates);
+        if (!cpu.empty()) {
+            kx_override(mp, kx_cpu_patterns(cpu, false), ggml_backend_cpu_buffer_type());
+        }
+        return;
+    }
+    const kx_stream_choice c = kx_stream_choose(dry, kp->vram_budget, rates, kx_migrate_rates().pcie_gbs);
+    kx_place_dense(dry, kp->vram_budget - c.scratch, rates); // (its log line)
+    std::vector<std::string> rest;
+    for (const std::string & n : c.cpu) {
+        if (std::find(c.streamed.begin(), c.streamed.end(), n) == c.streamed.end()) {
+            rest.push_back(n);
+        }
+    }
+    if (!rest.empty()) {
+        kx_override(mp, kx_cpu_patterns(rest, false), ggml_backend_cpu_buffer_type());
+    }
+    if (c.streamed.empty()) {
+        return;
+    }
+    LLAMA_LOG_INFO("kairox: the GPU streams %zu of the %zu host tensors through a %s scratch beside the CPU's work, "
+                   "modelled %.2f ms per token against %.2f without: %s\n", c.streamed.size(), c.cpu.size(),
+                   kx_mib(c.scratch).c_str(), c.step_s * 1e3, c.plain_s * 1e3, kx_names_text(c.streamed).c_str());
+    kx_override(mp, kx_cpu_patterns(c.streamed, false), kx_host_buffer_type(true, kp->faults));
+    kx_read_not_map(mp);
 }
 
 int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const llama_context_params * cp,
@@ -297,10 +354,7 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
         }
         kp->vram_free_at_load = kx_dev_free(dev);
         try {
-            const std::vector<std::string> cpu = kx_budget_dense_cpu(kp, *mp, cp, model_path, dev, false);
-            if (!cpu.empty()) {
-                kx_override(mp, kx_cpu_patterns(cpu, false), ggml_backend_cpu_buffer_type());
-            }
+            kx_budget_tensors(kp, mp, cp, model_path, dev);
         } catch (const std::exception & e) {
             return kx_fail(err, err_size, KX_ERR_BUDGET, e.what());
         }
@@ -342,14 +396,7 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
     kx_override(mp, kx_cpu_patterns(dense_cpu), host);
     mp->use_extra_bufts = false;
     if (pinned) {
-        // llama.cpp keeps mapped weights in pageable CPU buffers whatever an override asks
-        // (no host buffer with mmap): page-locked host weights are read, not mapped
-        switch (mp->load_mode) {
-            case LLAMA_LOAD_MODE_MMAP_MLOCK: mp->load_mode = LLAMA_LOAD_MODE_MLOCK; break;
-            case LLAMA_LOAD_MODE_MLOCK:
-            case LLAMA_LOAD_MODE_DIRECT_IO:  break;
-            default:                         mp->load_mode = LLAMA_LOAD_MODE_NONE; break;
-        }
+        kx_read_not_map(mp);
     }
     return kx_fail(err, err_size, KX_OK, "");
 }
@@ -551,11 +598,21 @@ static void kx_apply_tensors_only(llama_context * ctx, const kx_params * kp) {
         throw kx_apply_error(KX_ERR_PARAMS, "a VRAM budget is measured from before the model loads: load it with "
                                             "parameters from kx_model_params_apply");
     }
+    kx_ctx_state & st = kx_ctx_state_of(ctx);
+    st.stream.reset();
+    try {
+        st.stream = kp->stream ? kx_stream_start(ctx, dev, kx_host_buffer_type(true, kp->faults)) : nullptr;
+    } catch (const std::exception & e) {
+        throw kx_apply_error(KX_ERR_PARAMS, e.what());
+    }
     kx_vram_report v = {};
     v.budget = kp->vram_budget;
     v.base   = kp->vram_free_at_load - kx_dev_free(dev);
     v.used   = kx_warm_used(ctx, dev, kp->vram_free_at_load);
-    kx_vram_keep(ctx, dev, v, "no sparse pack: the VRAM budget places whole tensors, the FFN's among them; ");
+    const std::string streamed = st.stream ? kx_fmt("%zu streamed through a %s scratch; ", st.stream->items.size(),
+                                                    kx_mib(st.stream->slot_bytes * st.stream->n_slots).c_str()) : "";
+    kx_vram_keep(ctx, dev, v, ("no sparse pack: the VRAM budget places whole tensors, the FFN's among them; " +
+                               streamed).c_str());
 }
 
 static void kx_apply(llama_context * ctx, const std::string & model_path, const kx_params * kp) {

@@ -71,7 +71,7 @@ kx_tensor_kinds kx_tensors_by_kind(const std::vector<std::string> & names) {
 }
 
 // "attn_q.weight 0-11,14; output.weight": what a placement put on the CPU, by kind
-static std::string kx_names_text(const std::vector<std::string> & names) {
+std::string kx_names_text(const std::vector<std::string> & names) {
     kx_tensor_kinds g = kx_tensors_by_kind(names);
     std::string out;
     for (const std::string & k : g.order) {
@@ -94,7 +94,7 @@ static std::string kx_names_text(const std::vector<std::string> & names) {
     return out;
 }
 
-static std::string kx_mib(int64_t b) {
+std::string kx_mib(int64_t b) {
     return kx_fmt("%.0f MiB", (double) b / (1 << 20));
 }
 
@@ -246,7 +246,8 @@ int32_t kx_place_order(const char * const * names, int32_t n, int32_t * group) {
     return k;
 }
 
-std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates) {
+std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
+                                        bool quiet) {
     const kx_dry_sizes d = dry({});
     const int64_t margin = kx_budget_margin(budget) + kx_place_alloc_slack;
     if (d.total() + margin <= budget) {
@@ -297,6 +298,9 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
                     "lower n_ctx / n_ubatch", kx_mib(budget).c_str(), kx_mib(cpu_bytes).c_str(),
                     kx_mib(got.weights).c_str(), kx_mib(got.kv).c_str(), kx_mib(got.compute).c_str(),
                     kx_mib(got.total()).c_str(), kx_mib(margin).c_str(), kx_mib(got.total() + margin).c_str()));
+            }
+            if (quiet) {
+                return cpu_names;
             }
             LLAMA_LOG_INFO("kairox: VRAM budget %s: the dense tensors (%s) do not fit beside the KV cache (%s) and "
                            "compute buffers (%s, %s with these on the CPU); %zu of %d kept on the CPU (%s), modelled "

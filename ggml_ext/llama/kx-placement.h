@@ -38,6 +38,10 @@ struct kx_tensor_kinds {
     std::vector<std::string> other;
 };
 kx_tensor_kinds kx_tensors_by_kind(const std::vector<std::string> & names);
+// "attn_q.weight 0-11,14; output.weight": a set of tensors by kind and layer ranges
+std::string kx_names_text(const std::vector<std::string> & names);
+// "512 MiB"
+std::string kx_mib(int64_t bytes);
 // s with the characters special to llama.cpp's override patterns (ECMAScript regex) escaped
 std::string kx_regex_escape(const std::string & s);
 
@@ -83,4 +87,6 @@ using kx_dry_run_fn = std::function<kx_dry_sizes(const std::vector<std::string> 
 
 // The dense tensors (by name) to keep on the CPU so that everything fits under budget; empty
 // when all fit. Throws with the sizes when the KV cache and compute buffers alone do not fit.
-std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates);
+// Logs the placement unless quiet.
+std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
+                                        bool quiet = false);

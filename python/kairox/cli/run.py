@@ -81,6 +81,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                  "add --balancer")
             if not args.warm:
                 hybrid["warm"] = False
+            if not args.stream:
+                hybrid["stream"] = False
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
                 hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
             llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
@@ -241,6 +243,9 @@ def register(sub) -> None:
                    "(less RAM pinned; prompts offloaded to the GPU then copy them more slowly)")
     p.add_argument("--no-kx-warm", dest="warm", action="store_false",
                    help="hybrid: do not warm the host caches with the next layer's predicted rows while the GPU works")
+    p.add_argument("--no-kx-stream", dest="stream", action="store_false",
+                   help="a budget of whole tensors (a model without a pack): do not stream host-resident "
+                   "tensors to the GPU through a scratch buffer beside the CPU's work")
     p.add_argument("--mapped-share", type=float, default=0.0, metavar="F",
                    help="hybrid: the GPU also computes this share (0-1, by activation frequency) of the "
                    "host-side neurons, reading their rows from the page-locked host weights over PCIe "

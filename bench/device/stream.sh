@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the GPU machine: streamed weights under a VRAM budget of whole tensors (a model without a
+# pack). Writes the model during the build, runs one verbose kairox-bench row (the placement
+# and what it streams), then bench/budget_sweep.py with a --no-kx-stream row beside each
+# budget, against llama.cpp's best -ngl / -ot FFN-on-CPU placement. Results to $OUT.
+#
+#   bash bench/device/stream.sh              # repo root; carry vendor/llama.cpp and .whl
+#   KX_STREAM_PRESET=KB-7B KX_STREAM_ACT=silu KX_STREAM_TYPE=f16   # the model (default)
+#   KX_STREAM_BUDGETS="4,7"                  # GiB (the sweep's)
+#   KX_STREAM_ROUNDS=3                       # interleaved rounds of the sweep
+#   KX_TESTS="tests/test_budget.py"          # also these GPU tests, after the build
+#   KX_DEADLINE=590                          # seconds from the start the sweep must end by
+set -uo pipefail
+. bench/device/env.sh
+pre=${KX_STREAM_PRESET:-KB-7B}; act=${KX_STREAM_ACT:-silu}; ty=${KX_STREAM_TYPE:-f16}
+M=/tmp/kxbench/$pre-$act-$ty.gguf
+mkdir -p /tmp/kxbench
+[ -f "$M" ] || (nice python3 -m kairox synth --preset "$pre" --act "$act" --type "$ty" -o "$M" -q \
+    > "$OUT/synth.log" 2>&1 &)
+kx_build llama llama-bench || exit 1
+kx_gpu_tests 150
+while pgrep -f "kairox synth --preset $pre" > /dev/null; do sleep 1; done
+[ -f "$M" ] || { tail -5 "$OUT/synth.log"; exit 1; }
+echo "model done ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/synth.log")"
+b1=${KX_STREAM_BUDGETS:-4,7}; b1=${b1##*,}
+for extra in "" "--no-kx-stream"; do
+    timeout 120 "$B/llama-bench" -m "$M" -p 0 -n 16 -r 1 -t "$(nproc)" -o md --vram-budget "${b1}GiB" -fa 1 $extra -v \
+        > "$OUT/stream-$b1${extra:+-off}.log" 2>&1
+    echo "budget $b1 GiB $extra: rc=$?"
+    grep -E "^kairox|error|tg16" "$OUT/stream-$b1${extra:+-off}.log" | cut -c1-1200 | tail -6
+done
+timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
+    --budgets "${KX_STREAM_BUDGETS:-4,7}" --sparse auto --also no-stream=--no-kx-stream --bin "$B" --out "$OUT" \
+    --gen 32 --threads "$(nproc)" --rounds "${KX_STREAM_ROUNDS:-3}"
+echo "done ($(( $(date +%s) - t0 )) s)"

@@ -1,0 +1,311 @@
+// Streamed weights (kx-stream.h): the choice on the load path and the engine behind the
+// scheduler's hooks (patches/0018).
+//
+// The engine never changes a graph. A streamed tensor points either at its page-locked host
+// copy (the stock placement: the CPU multiplies it, or a prompt batch's offload copies it) or
+// at a slot of the device's scratch buffer, whose buffer the scheduler then assigns to the
+// device like any resident weight. Which one is decided per graph before it is split
+// ("on" for a decode step: every run of streamed tensors between two CPU ops fits the
+// slots, since one device split may read a whole run). On, the graph's order of use numbers
+// them and tensor p lives in slot p % n_slots. The copier's stream copies tensor p once the
+// reader of p - n_slots has been queued behind an event (freed), and the device's stream
+// waits for the copy (copied) before the split that reads p; the first ones of the next token
+// are copied behind the last readers of this one. So the copy engine runs up to n_slots
+// tensors ahead of the device, while the CPU works on the tensors in between.
+#include "kx-stream.h"
+
+#include "kairox.h"
+#include "kx-migrate.h"
+#include "kx-pack.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+
+// streamed tensors -> their host buffer, for every context's engine: where the placement put
+// them, whichever buffer they point at now
+static std::mutex kx_stream_mu;
+static std::unordered_map<const ggml_tensor *, ggml_backend_buffer_t> kx_stream_homes;
+
+ggml_backend_buffer_t kx_stream_home(const ggml_tensor * t) {
+    std::lock_guard<std::mutex> lk(kx_stream_mu);
+    auto it = kx_stream_homes.find(t);
+    return it == kx_stream_homes.end() ? nullptr : it->second;
+}
+
+kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
+                                  double pcie_gbs) {
+    kx_stream_choice plain;
+    plain.cpu = kx_place_dense(dry, budget, rates, true);
+    if (plain.cpu.empty()) {
+        return plain;
+    }
+    const kx_dry_sizes all = dry({});
+    std::map<std::string, const kx_place_item *> by_name;
+    for (const kx_place_item & it : all.items) {
+        by_name[it.name] = &it;
+    }
+    // a slot holds the largest tensor that may stream: a whole one (an MoE expert tensor is
+    // read in part, streamed it would cross PCIe whole)
+    int64_t slot = 0;
+    for (const std::string & n : plain.cpu) {
+        const kx_place_item * it = by_name.at(n);
+        slot = it->read >= 1.0 ? std::max(slot, it->bytes) : slot;
+    }
+    const kx_migrate_rates mr = { rates.cpu_gbs, rates.gpu_gbs, pcie_gbs };
+    // the step of a placement with `streamable` tensors as candidates (none: the plain step)
+    auto model = [&](const std::vector<std::string> & cpu, int64_t scratch, std::vector<std::string> * streamed) {
+        std::vector<bool> on_cpu(all.items.size(), false);
+        std::vector<kx_migrate_tensor> chain;
+        std::vector<std::string> names;
+        int64_t gpu = 0;
+        for (const kx_place_group & g : kx_place_groups(all.items)) {
+            for (const std::string & n : g.names) {
+                const kx_place_item * it = by_name.at(n);
+                if (std::find(cpu.begin(), cpu.end(), n) == cpu.end()) {
+                    gpu += (int64_t) ((double) it->bytes * it->read);
+                    continue;
+                }
+                // an expert tensor never fits: it stays the CPU's
+                chain.push_back({ it->read >= 1.0 ? it->bytes : scratch + 1, gpu, it->read });
+                names.push_back(n);
+            }
+        }
+        std::vector<bool> st;
+        const double s = kx_migrate_choose(chain, mr, gpu, scratch, st);
+        if (streamed) {
+            // no more than the slots in a row without a CPU tensor between: one device split
+            // would read them all at once
+            int32_t run = 0;
+            for (size_t i = 0; i < chain.size(); ++i) {
+                run = st[i] ? run + 1 : 0;
+                if (run > kx_stream_slots) {
+                    st[i] = false;
+                    run = 0;
+                }
+                if (st[i]) {
+                    streamed->push_back(names[i]);
+                }
+            }
+        }
+        return s;
+    };
+    plain.plain_s = plain.step_s = model(plain.cpu, 0, nullptr);
+    kx_stream_choice c;
+    c.scratch = (int64_t) kx_stream_slots * slot;
+    try {
+        c.cpu = kx_place_dense(dry, budget - c.scratch, rates, true);
+    } catch (const std::exception &) {
+        return plain; // the scratch does not fit beside the KV cache and compute buffers
+    }
+    c.step_s  = model(c.cpu, c.scratch, &c.streamed);
+    c.plain_s = plain.plain_s;
+    if (c.streamed.empty() || c.step_s >= plain.plain_s) {
+        return plain;
+    }
+    return c;
+}
+
+// ------------------------------------------------------------------ the engine
+
+int32_t kx_stream::of(const ggml_tensor * t) const {
+    t = t && t->view_src ? t->view_src : t; // (a view of a weight reads the weight)
+    if (!t || !t->buffer || (t->buffer != scratch && std::find(host_bufs.begin(), host_bufs.end(), t->buffer) == host_bufs.end())) {
+        return -1;
+    }
+    auto it = index.find(t);
+    return it == index.end() ? -1 : it->second;
+}
+
+void kx_stream::graph(ggml_cgraph * g) {
+    // the order of use, and the longest run between two ops the CPU keeps (a weight in host
+    // memory that the device would not offload for this batch)
+    ++scan;
+    std::vector<int32_t> use;
+    int32_t run = 0, longest = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+        ggml_tensor * node = ggml_graph_node(g, i);
+        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; ++k) {
+            const ggml_tensor * s = node->src[k];
+            const int32_t it = of(s);
+            if (it >= 0) {
+                if (seen[it] != scan) {
+                    seen[it] = scan;
+                    use.push_back(it);
+                    longest = std::max(longest, ++run);
+                }
+            } else if (s->buffer && ggml_backend_buffer_get_usage(s->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS &&
+                       ggml_backend_buffer_is_host(s->buffer) && !ggml_backend_dev_offload_op(dev, node)) {
+                run = 0;
+            }
+        }
+    }
+    const bool on = !use.empty() && longest <= n_slots;
+    if (!on && longest > n_slots && !use.empty() && !warned && ggml_graph_n_nodes(g) > 0) {
+        // (a prompt batch the device offloads reads them all in one split: expected, quiet)
+        const ggml_tensor * n0 = ggml_graph_node(g, 0);
+        if (!ggml_backend_dev_offload_op(dev, n0) && n0->ne[1] <= 1) {
+            LLAMA_LOG_WARN("kairox: %d streamed tensors in a row exceed the scratch's %d slots; this graph "
+                           "reads them from host memory\n", longest, n_slots);
+            warned = true;
+        }
+    }
+    for (item & x : items) {
+        x.pos = -1;
+    }
+    order = on ? use : std::vector<int32_t>();
+    for (size_t p = 0; p < order.size(); ++p) {
+        items[order[p]].pos = (int32_t) p;
+    }
+    char * base = (char *) ggml_backend_buffer_get_base(scratch);
+    for (item & x : items) {
+        if (x.pos >= 0) {
+            x.t->buffer = scratch;
+            x.t->data   = base + (x.pos % n_slots) * slot_bytes;
+        } else {
+            x.t->buffer = x.host_buf;
+            x.t->data   = x.host;
+        }
+    }
+}
+
+void kx_stream::copy(int32_t i) {
+    item & x = items[i];
+    const int32_t s = x.pos % n_slots;
+    ggml_backend_event_wait(copier, freed[s]);
+    ggml_backend_tensor_set_async(copier, x.t, x.host, 0, (size_t) x.nbytes);
+    ggml_backend_event_record(copied[s], copier);
+    loaded[s] = i;
+    n_copies += 1;
+    copy_bytes += x.nbytes;
+}
+
+void kx_stream::before(ggml_backend_t backend, ggml_cgraph * g) {
+    cur.clear();
+    if (order.empty() || ggml_backend_get_device(backend) != dev) {
+        return;
+    }
+    ++scan;
+    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+        ggml_tensor * node = ggml_graph_node(g, i);
+        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; ++k) {
+            const int32_t it = of(node->src[k]);
+            if (it >= 0 && items[it].pos >= 0 && seen[it] != scan) {
+                seen[it] = scan;
+                cur.push_back(it);
+            }
+        }
+    }
+    for (int32_t it : cur) {
+        const int32_t s = items[it].pos % n_slots;
+        if (loaded[s] != it) {
+            copy(it); // not prefetched (the first token, or another order of use)
+        }
+        ggml_backend_event_wait(backend, copied[s]);
+    }
+}
+
+void kx_stream::after(ggml_backend_t backend, ggml_cgraph *) {
+    for (int32_t it : cur) {
+        const int32_t p = items[it].pos, s = p % n_slots;
+        ggml_backend_event_record(freed[s], backend);
+        // the next tensor of this slot: later in this graph, else the first of the next token's
+        const int32_t n = (int32_t) order.size();
+        const int32_t next = order[p + n_slots < n ? p + n_slots : s];
+        if (loaded[s] != next) {
+            copy(next);
+        }
+    }
+    cur.clear();
+}
+
+kx_stream::~kx_stream() {
+    if (sched) {
+        ggml_backend_sched_synchronize(sched); // its streams may still wait on the events
+        kx_sched_set_stream(sched, nullptr);
+    }
+    if (copier) {
+        ggml_backend_synchronize(copier);
+    }
+    std::lock_guard<std::mutex> lk(kx_stream_mu);
+    for (item & x : items) { // the model outlives its contexts: its tensors point home again
+        x.t->buffer = x.host_buf;
+        x.t->data   = x.host;
+        kx_stream_homes.erase(x.t);
+    }
+    for (ggml_backend_event_t e : copied) {
+        ggml_backend_event_free(e);
+    }
+    for (ggml_backend_event_t e : freed) {
+        ggml_backend_event_free(e);
+    }
+    if (scratch) {
+        ggml_backend_buffer_free(scratch);
+    }
+    if (copier) {
+        ggml_backend_free(copier);
+    }
+}
+
+std::shared_ptr<kx_stream> kx_stream_start(llama_context * ctx, ggml_backend_dev_t dev,
+                                           ggml_backend_buffer_type_t host_buft) {
+    const llama_model & model = ctx->get_model();
+    auto st = std::make_shared<kx_stream>();
+    st->dev = dev;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (t->buffer && ggml_backend_buffer_get_type(t->buffer) == host_buft) {
+            st->index[t] = (int32_t) st->items.size();
+            st->items.push_back({ t, t->data, t->buffer, (int64_t) ggml_nbytes(t) });
+            if (std::find(st->host_bufs.begin(), st->host_bufs.end(), t->buffer) == st->host_bufs.end()) {
+                st->host_bufs.push_back(t->buffer);
+            }
+        }
+    }
+    if (st->items.empty()) {
+        return nullptr;
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
+    const int64_t align = (int64_t) ggml_backend_buft_get_alignment(buft);
+    for (const kx_stream::item & x : st->items) {
+        st->slot_bytes = std::max(st->slot_bytes, (x.nbytes + align - 1) / align * align);
+    }
+    st->copier = ggml_backend_dev_init(dev, nullptr);
+    for (int32_t s = 0; st->copier && s < st->n_slots; ++s) {
+        st->copied.push_back(ggml_backend_event_new(dev));
+        st->freed.push_back(ggml_backend_event_new(dev));
+        if (!st->copied.back() || !st->freed.back()) {
+            throw std::runtime_error(kx_fmt("streaming tensors to %s needs its events, which it has none of",
+                                            ggml_backend_dev_name(dev)));
+        }
+    }
+    if (!st->copier) {
+        throw std::runtime_error(kx_fmt("cannot start a second %s backend for the streamed tensors' copies",
+                                        ggml_backend_dev_name(dev)));
+    }
+    st->scratch = ggml_backend_buft_alloc_buffer(buft, (size_t) (st->slot_bytes * st->n_slots));
+    if (!st->scratch) {
+        throw std::runtime_error(kx_fmt("cannot allocate the streamed tensors' scratch (%s) on %s",
+                                        kx_mib(st->slot_bytes * st->n_slots).c_str(), ggml_backend_dev_name(dev)));
+    }
+    ggml_backend_buffer_set_usage(st->scratch, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    {
+        std::lock_guard<std::mutex> lk(kx_stream_mu);
+        for (const kx_stream::item & x : st->items) {
+            kx_stream_homes[x.t] = x.host_buf;
+        }
+    }
+    st->loaded.assign((size_t) st->n_slots, -1);
+    st->seen.assign(st->items.size(), -1);
+    st->sched = ctx->get_sched();
+    st->hook.user   = st.get();
+    st->hook.graph  = [](void * u, ggml_cgraph * g) { ((kx_stream *) u)->graph(g); };
+    st->hook.before = [](void * u, ggml_backend_t b, ggml_cgraph * g) { ((kx_stream *) u)->before(b, g); };
+    st->hook.after  = [](void * u, ggml_backend_t b, ggml_cgraph * g) { ((kx_stream *) u)->after(b, g); };
+    kx_sched_set_stream(st->sched, &st->hook);
+    return st;
+}

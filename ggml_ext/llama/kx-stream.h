@@ -1,0 +1,84 @@
+// Streamed weights (ATSInfer's CPU-GPU overlap for tensors a budget leaves on the CPU): the
+// GPU multiplies some host-resident tensors from a scratch buffer that its copy engine fills
+// ahead of their use, so PCIe reads weights while the CPU reads its own, and a token costs
+// about max(CPU bytes / CPU rate, streamed bytes / PCIe rate) instead of their sum.
+//
+// The choice (kx_stream_choose) is made before the load, by kx-migrate's policy; the streamed
+// tensors load plain into page-locked host memory, the others as llama.cpp places them. The
+// engine (kx_stream) runs per context through the scheduler's hooks (kx-sched-stream.h).
+#pragma once
+
+#include "kx-placement.h"
+#include "kx-sched-stream.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+struct llama_context;
+
+// scratch slots: one tensor in use, the next arriving
+static constexpr int32_t kx_stream_slots = 2;
+
+struct kx_stream_choice {
+    std::vector<std::string> cpu;      // the budget's host tensors, the streamed ones among them
+    std::vector<std::string> streamed; // in execution order
+    int64_t scratch = 0;               // bytes the slots take on the device
+    double  step_s  = 0;               // the modelled decode step (kx_migrate_choose)
+    double  plain_s = 0;               // ... without streaming
+};
+
+// The budget's placement with streaming: the knapsack again under the budget less the
+// scratch, then the exact streaming choice over its host tensors (each one at most a slot,
+// no more than kx_stream_slots of them in a row without a CPU tensor between, so one device
+// split never needs more slots than there are). Falls back to the plain placement (nothing
+// streamed) when that models no faster.
+kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
+                                  double pcie_gbs);
+
+struct kx_stream {
+    struct item {
+        ggml_tensor *         t;
+        void *                host;     // its page-locked copy
+        ggml_backend_buffer_t host_buf;
+        int64_t               nbytes;
+        int32_t               pos = -1; // in the current graph's order of use; slot = pos % n_slots
+    };
+    ggml_backend_sched_t  sched   = nullptr;
+    ggml_backend_dev_t    dev     = nullptr;
+    ggml_backend_t        copier  = nullptr; // a second backend of dev: its stream carries the copies
+    ggml_backend_buffer_t scratch = nullptr;
+    int64_t               slot_bytes = 0;
+    int32_t               n_slots    = kx_stream_slots;
+    std::vector<item>     items;
+    std::unordered_map<const ggml_tensor *, int32_t> index;
+    std::vector<ggml_backend_buffer_t> host_bufs;
+    std::vector<int32_t>  order;   // items in the current graph's order of use (on: they point at the scratch)
+    std::vector<int32_t>  loaded;  // per slot: the item whose copy was queued last (-1: none)
+    std::vector<ggml_backend_event_t> copied, freed; // per slot: its last copy; its last reader
+    std::vector<int32_t>  cur;     // the items of the view being queued (before -> after)
+    std::vector<int64_t>  seen;    // per item: the scan that saw it last
+    int64_t               scan     = 0;
+    bool                  warned   = false;
+    int64_t               n_copies = 0;
+    int64_t               copy_bytes = 0;
+    kx_sched_stream       hook = {};
+
+    ~kx_stream();
+    void graph(ggml_cgraph * g);
+    void before(ggml_backend_t backend, ggml_cgraph * g);
+    void after(ggml_backend_t backend, ggml_cgraph * g);
+    void copy(int32_t i); // queues item i into its slot on the copier's stream
+    int32_t of(const ggml_tensor * t) const;
+};
+
+// the host buffer of a tensor an engine streams (nullptr: not streamed)
+ggml_backend_buffer_t kx_stream_home(const ggml_tensor * t);
+
+// The engine for ctx's model: its tensors in page-locked host memory of this type (the
+// choice above put them there) are streamed through a scratch on dev. nullptr when the model
+// has none; throws std::runtime_error when the device cannot (no events, no memory).
+std::shared_ptr<kx_stream> kx_stream_start(llama_context * ctx, ggml_backend_dev_t dev,
+                                           ggml_backend_buffer_type_t host_buft);
