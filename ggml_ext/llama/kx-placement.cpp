@@ -290,7 +290,7 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
         }
         const kx_dry_sizes got = dry(cpu_names);
         const int64_t over = got.total() + margin - budget;
-        if (over <= 0 || round == 3 || cpu_bytes == d.movable) {
+        if (over <= 0 || round == 5 || cpu_bytes == d.movable) {
             if (over > 0) {
                 throw std::runtime_error(kx_fmt(
                     "a VRAM budget of %s is too small: with %s of the dense tensors on the CPU, the rest (%s), the KV "
@@ -309,6 +309,8 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
                            cpu_names.size(), (int) d.items.size(), kx_mib(cpu_bytes).c_str(), t * 1e3, kx_names_text(cpu_names).c_str());
             return cpu_names;
         }
-        room -= over;
+        // (a little more each round: the compute buffers follow the choice, and a room cut by
+        // exactly the overshoot may land on another choice just as far over)
+        room -= over + (kx_plan_dense_unit << round);
     }
 }

@@ -50,17 +50,10 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, con
     for (const kx_place_item & it : all.items) {
         by_name[it.name] = &it;
     }
-    // a slot holds the largest tensor that may stream: a whole one (an MoE expert tensor is
-    // read in part, streamed it would cross PCIe whole)
-    int64_t slot = 0;
-    for (const std::string & n : plain.cpu) {
-        const kx_place_item * it = by_name.at(n);
-        slot = it->read >= 1.0 ? std::max(slot, it->bytes) : slot;
-    }
     const kx_migrate_rates mr = { rates.cpu_gbs, rates.gpu_gbs, pcie_gbs };
-    // the step of a placement with `streamable` tensors as candidates (none: the plain step)
+    // the modelled step of a placement (cpu: its host tensors), streaming what fits a slot of
+    // the scratch (0: nothing); `streamed` gets the choice
     auto model = [&](const std::vector<std::string> & cpu, int64_t scratch, std::vector<std::string> * streamed) {
-        std::vector<bool> on_cpu(all.items.size(), false);
         std::vector<kx_migrate_tensor> chain;
         std::vector<std::string> names;
         int64_t gpu = 0;
@@ -71,7 +64,7 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, con
                     gpu += (int64_t) ((double) it->bytes * it->read);
                     continue;
                 }
-                // an expert tensor never fits: it stays the CPU's
+                // an MoE expert tensor is read in part: streamed it would cross PCIe whole
                 chain.push_back({ it->read >= 1.0 ? it->bytes : scratch + 1, gpu, it->read });
                 names.push_back(n);
             }
@@ -96,19 +89,34 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, con
         return s;
     };
     plain.plain_s = plain.step_s = model(plain.cpu, 0, nullptr);
-    kx_stream_choice c;
-    c.scratch = (int64_t) kx_stream_slots * slot;
-    try {
-        c.cpu = kx_place_dense(dry, budget - c.scratch, rates, true);
-    } catch (const std::exception &) {
-        return plain; // the scratch does not fit beside the KV cache and compute buffers
+    // The slot size: each of the host tensors' sizes, largest first (the output head's slots
+    // would hold two layers' FFN tensors; a layer tensor's leave the head to the CPU). Each
+    // scratch is placed again and modelled; the fastest wins.
+    std::vector<int64_t> sizes;
+    for (const std::string & n : plain.cpu) {
+        const kx_place_item * it = by_name.at(n);
+        if (it->read >= 1.0) {
+            sizes.push_back(it->bytes);
+        }
     }
-    c.step_s  = model(c.cpu, c.scratch, &c.streamed);
-    c.plain_s = plain.plain_s;
-    if (c.streamed.empty() || c.step_s >= plain.plain_s) {
-        return plain;
+    std::sort(sizes.rbegin(), sizes.rend());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    kx_stream_choice best = plain;
+    for (size_t k = 0; k < sizes.size() && k < 3; ++k) {
+        kx_stream_choice c;
+        c.scratch = (int64_t) kx_stream_slots * sizes[k];
+        try {
+            c.cpu = kx_place_dense(dry, budget - c.scratch, rates, true);
+        } catch (const std::exception &) {
+            continue; // the scratch does not fit beside the KV cache and compute buffers
+        }
+        c.step_s  = model(c.cpu, c.scratch, &c.streamed);
+        c.plain_s = plain.plain_s;
+        if (!c.streamed.empty() && c.step_s < best.step_s) {
+            best = c;
+        }
     }
-    return c;
+    return best;
 }
 
 // ------------------------------------------------------------------ the engine
