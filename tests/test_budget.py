@@ -284,7 +284,9 @@ def test_streamed_tensors_compute_what_the_cpu_computes(tmp_path: Path) -> None:
     from kairox.synth import Shape, synth
     if not has_gpu():
         pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
-    model = synth(tmp_path / "kb-wide.gguf", Shape(4, 1024, 2816, 16, 16, "f16"), act="silu", quiet=True)
+    # 8 layers: a copy hides behind the CPU's work on the layers before it (4 are too few for
+    # the placement's model to find a gain)
+    model = synth(tmp_path / "kb-wide.gguf", Shape(8, 1024, 2816, 16, 16, "f16"), act="silu", quiet=True)
     mats = {t.name: t.nbytes for t in scan_header(model).tensors
             if t.name != "token_embd.weight" and len(t.ne) >= 2 and t.ne[1] > 1}
     toks = list(range(1, 24))
