@@ -1,6 +1,7 @@
 // Runtime migration's policy (ATSInfer), the C++ port of python/kairox/migrate.py: the same
 // rate window, threshold, cooldown and exact streaming choice, compared step for step on
-// modelled decodes (tests/test_migrate.py). Nothing in the runtime streams tensors yet.
+// modelled decodes (tests/test_migrate.py). The load's streaming choice (kx-stream.cpp) is
+// kx_migrate_choose; the re-estimate (kx_migrator) is not fed by the runtime yet.
 #include "kairox.h"
 #include "kx-migrate.h"
 

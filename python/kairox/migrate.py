@@ -19,9 +19,10 @@ The policy (`Migrator`):
 * the new choice is returned as the tensors to start and stop streaming.
 
 `simulate` runs the policy on a modelled decode under a load profile (tests/test_migrate.py:
-a CPU stress, a PCIe stress, started mid-run). The runtime has no port of it yet: streaming
-a tensor needs its plain layout in page-locked host memory (llama.cpp repacks what a budget
-leaves on the CPU) and the op moved to the GPU for the steps it streams.
+a CPU stress, a PCIe stress, started mid-run). The runtime (ggml_ext/llama/kx-stream.cpp)
+makes the first choice at load, with the C++ port of `stream_choice`, and streams that set; a
+streamed tensor needs its plain layout in page-locked host memory, so the set is fixed at load
+and the re-estimate under load is not wired yet.
 """
 from __future__ import annotations
 
