@@ -196,3 +196,84 @@ def test_the_runtime_policy_is_the_reference(native) -> None:
         assert made >= 2  # the load moved the rates past the threshold
     assert not _lib.kx_migrate_new(None, None, None, 1, 0, 0, 100.0, 2000.0, 50.0, 0.15, 5, 8)
     assert _lib.kx_migrate_step(None, 0, 0, 0, 0, 0, 0) == -1
+
+
+def _random_model(rng: np.random.Generator) -> list:
+    """Tensors of a random LLaMA- or MoE-shaped model (bytes in MiB steps, some sizes shared)."""
+    from kairox.plan import DenseItem
+    MiB = 1 << 20
+    moe = rng.random() < 0.3
+    attn, ffn = int(rng.integers(2, 40)), int(rng.integers(10, 120))
+    items = []
+    for il in range(int(rng.integers(2, 9))):
+        for k in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            items.append(DenseItem(f"blk.{il}.{k}.weight", attn * MiB if rng.random() < 0.8 else
+                                   int(rng.integers(1, 60)) * MiB))
+        for k in ("ffn_gate", "ffn_up", "ffn_down"):
+            if moe:
+                items.append(DenseItem(f"blk.{il}.{k}_exps.weight", 8 * ffn * MiB, read=0.125))
+            else:
+                items.append(DenseItem(f"blk.{il}.{k}.weight", ffn * MiB if rng.random() < 0.8 else
+                                       int(rng.integers(5, 150)) * MiB))
+        if moe:
+            items.append(DenseItem(f"blk.{il}.ffn_gate_inp.weight", MiB))
+    items.append(DenseItem("output.weight", int(rng.integers(20, 300)) * MiB))
+    return items
+
+
+def test_the_runtimes_streaming_placement_is_the_reference(native) -> None:
+    """kx_stream_place (C++, the runtime's kx_stream_choose) against stream_placement: the same
+    host tensors, the same streamed ones and the same scratch on random models, budgets and
+    rates; every run of streamed tensors fits the two slots."""
+    import ctypes
+
+    from kairox.llama import _lib
+    from kairox.migrate import SLOTS, stream_placement, stream_step
+    from kairox.plan import HwProfile, PlanError
+    MiB = 1 << 20
+    rng = np.random.default_rng(11)
+    streamed_any = 0
+    for case in range(120):
+        items = _random_model(rng)
+        total = sum(it.nbytes for it in items)
+        fixed = int(rng.integers(50, 600)) * MiB
+        budget = fixed + int(rng.integers(0, total // MiB + 400)) * MiB + 300 * MiB
+        hw = HwProfile(float(rng.uniform(40, 150)), float(rng.uniform(800, 4000)), float(rng.uniform(15, 60)),
+                       float(rng.uniform(5, 40)))
+        n = len(items)
+        where, scratch = (ctypes.c_int8 * n)(), ctypes.c_int64()
+        rc = _lib.kx_stream_place((ctypes.c_char_p * n)(*[it.name.encode() for it in items]),
+                                  (ctypes.c_int64 * n)(*[it.nbytes for it in items]),
+                                  (ctypes.c_double * n)(*[it.read for it in items]), n, fixed, budget,
+                                  hw.cpu_gbs, hw.gpu_gbs, hw.pcie_gbs, hw.handoff_us, where, ctypes.byref(scratch))
+        try:
+            want = stream_placement(items, fixed, budget, hw)
+        except PlanError:
+            assert rc == -2, case
+            continue
+        assert rc == 0, case
+        got_cpu = {it.name for it, w in zip(items, where) if w}
+        got_streamed = {it.name for it, w in zip(items, where) if w == 2}
+        # (both sides sum a group's seconds tensor by tensor: tensors of one size tie alike)
+        assert got_cpu == set(want.cpu), case
+        assert got_streamed == set(want.streamed), case
+        assert scratch.value == want.scratch, case
+        t, streamed = stream_step(items, sorted(got_cpu), scratch.value, hw)
+        assert t == want.step_s and set(streamed) == got_streamed
+        assert not want.streamed or want.step_s < want.plain_s
+        assert all(by.nbytes * SLOTS <= want.scratch and by.read == 1.0
+                   for by in items if by.name in got_streamed)
+        streamed_any += bool(want.streamed)
+    assert streamed_any >= 20  # the cases do exercise streaming
+    bad = (ctypes.c_int8 * 1)()
+    assert _lib.kx_stream_place(None, None, None, 1, 0, 1 << 30, 100.0, 2000.0, 50.0, 20.0, bad,
+                                ctypes.byref(ctypes.c_int64())) == -1
+
+
+def test_runs_beyond_the_slots_are_cut() -> None:
+    """Three streamed tensors in a row without a CPU tensor between need three slots: the
+    third goes back to the CPU, and the count starts again after it."""
+    from kairox.migrate import cap_runs
+    ts = [HostTensor(f"t{i}", 1) for i in range(7)]
+    assert cap_runs(ts, ["t0", "t1", "t2", "t3", "t5", "t6"]) == ["t0", "t1", "t3", "t5", "t6"]
+    assert cap_runs(ts, ["t0", "t2", "t4"]) == ["t0", "t2", "t4"]

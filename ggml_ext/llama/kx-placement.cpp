@@ -265,10 +265,20 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
     const int32_t n = (int32_t) items.size();
     std::vector<int64_t> nb(n);
     std::vector<double> cpu(n), gpu(n);
+    std::map<std::string, const kx_place_item *> by_name;
+    for (const kx_place_item & it : d.items) {
+        by_name[it.name] = &it;
+    }
     for (int32_t i = 0; i < n; ++i) {
         nb[i]  = items[i].bytes;
-        cpu[i] = items[i].pinned ? std::numeric_limits<double>::infinity() : items[i].read_bytes / (rates.cpu_gbs * 1e9);
-        gpu[i] = items[i].read_bytes / (rates.gpu_gbs * 1e9);
+        // summed tensor by tensor, as the reference does (equal tensors then tie the same way)
+        cpu[i] = items[i].pinned ? std::numeric_limits<double>::infinity() : 0.0;
+        gpu[i] = 0.0;
+        for (const std::string & name : items[i].names) {
+            const kx_place_item * it = by_name.at(name);
+            cpu[i] += (double) it->bytes * it->read / (rates.cpu_gbs * 1e9);
+            gpu[i] += (double) it->bytes * it->read / (rates.gpu_gbs * 1e9);
+        }
     }
     // The compute buffers grow once tensors move: llama.cpp runs a large batch's matmul on the
     // GPU even when its weight is in host memory, copying the weight into the GPU's compute

@@ -119,6 +119,48 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, con
     return best;
 }
 
+int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, const double * read, int32_t n,
+                        int64_t fixed, int64_t budget, double cpu_gbs, double gpu_gbs, double pcie_gbs,
+                        double handoff_us, int8_t * where, int64_t * scratch) {
+    if (n < 0 || (n > 0 && (!names || !nbytes || !read || !where)) || !scratch || cpu_gbs <= 0 || gpu_gbs <= 0 ||
+        pcie_gbs <= 0 || handoff_us < 0) {
+        return -1;
+    }
+    std::vector<kx_place_item> items;
+    for (int32_t i = 0; i < n; ++i) {
+        if (!names[i] || nbytes[i] < 0 || !(read[i] > 0 && read[i] <= 1)) {
+            return -1;
+        }
+        items.push_back({ names[i], nbytes[i], read[i] });
+    }
+    // a dry run whose KV cache and compute buffers do not follow the choice
+    auto dry = [&](const std::vector<std::string> & cpu) {
+        kx_dry_sizes d;
+        d.kv = fixed;
+        for (const kx_place_item & it : items) {
+            if (std::find(cpu.begin(), cpu.end(), it.name) == cpu.end()) {
+                d.items.push_back(it);
+                d.movable += it.bytes;
+            }
+        }
+        d.weights = d.movable;
+        return d;
+    };
+    kx_stream_choice c;
+    try {
+        c = kx_stream_choose(dry, budget, { cpu_gbs, gpu_gbs, handoff_us }, pcie_gbs);
+    } catch (const std::exception &) {
+        return -2;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        const bool on_cpu = std::find(c.cpu.begin(), c.cpu.end(), items[i].name) != c.cpu.end();
+        const bool st = std::find(c.streamed.begin(), c.streamed.end(), items[i].name) != c.streamed.end();
+        where[i] = (int8_t) (st ? 2 : on_cpu ? 1 : 0);
+    }
+    *scratch = c.scratch;
+    return 0;
+}
+
 // ------------------------------------------------------------------ the engine
 
 int32_t kx_stream::of(const ggml_tensor * t) const {

@@ -116,6 +116,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_model_params_apply_model": ([P(Params), vp, cp, cp, sz], i32),
         "kx_model_params_apply_ctx": ([P(Params), vp, vp, cp, cp, sz], i32),
         "kx_place_order": ([P(ctypes.c_char_p), i32, P(i32)], i32),
+        "kx_stream_place": ([P(ctypes.c_char_p), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double,
+                             ctypes.c_double, ctypes.c_double, ctypes.c_double, P(ctypes.c_int8), P(i64)], i32),
         "kx_migrate_new": ([P(i64), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double, ctypes.c_double,
                             ctypes.c_double, ctypes.c_double, i32, i32], vp),
         "kx_migrate_step": ([vp] + [ctypes.c_double] * 6, i32),

@@ -30,7 +30,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from .budget import margin_for
 from .costs import GB, Rates
+from .plan import DenseItem, HwProfile, MiB, PlanError, dense_groups, solve_dense
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,89 @@ def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
         chosen.add(names[0])
         names = names[1]
     return [t.name for t in tensors if t.name in chosen], e + rates.gpu_s(gpu_bytes - done)
+
+
+# The runtime's streamed weights (ggml_ext/llama/kx-stream.cpp): the scratch's slots, one tensor
+# in use and the next arriving; what the placement keeps free beyond the budget's margin for
+# the driver's rounding (kx_place_alloc_slack)
+SLOTS = 2
+PLACE_SLACK = 16 * MiB
+
+
+def cap_runs(tensors: Sequence[HostTensor], chosen: Sequence[str], slots: int = SLOTS) -> list[str]:
+    """The chosen tensors, dropping any beyond `slots` in a row (execution order) without a
+    CPU tensor between: one device split reads such a run at once, and each needs a slot."""
+    keep, run = [], 0
+    for t in tensors:
+        run = run + 1 if t.name in chosen else 0
+        if run > slots:
+            run = 0
+        elif run:
+            keep.append(t.name)
+    return keep
+
+
+def place_fixed(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile) -> list[str]:
+    """The runtime's knapsack placement (kx_place_dense) for a load whose KV cache and compute
+    buffers (`fixed` bytes on the GPU) do not follow the choice: the host tensors' names, none
+    when everything fits. Raises PlanError when the fixed part alone does not fit."""
+    margin = margin_for(budget) + PLACE_SLACK
+    if fixed + sum(it.nbytes for it in items) + margin <= budget:
+        return []
+    if fixed + margin > budget:
+        raise PlanError(f"a budget of {budget / MiB:.0f} MiB does not hold the fixed {fixed / MiB:.0f} MiB")
+    groups = dense_groups(items)
+    on_gpu, _ = solve_dense(groups, budget - margin - fixed, hw)
+    return [n for g, on in zip(groups, on_gpu) if not on for n in g.names]
+
+
+def stream_step(items: list[DenseItem], cpu: list[str], scratch: int, hw: HwProfile) -> tuple[float, list[str]]:
+    """The modelled decode step of a placement (cpu: its host tensors) streaming what the
+    exact choice picks into `scratch` (0: nothing), and the streamed tensors (runs capped)."""
+    by_name = {it.name: it for it in items}
+    chain, gpu = [], 0
+    for n in (n for g in dense_groups(items) for n in g.names):
+        it = by_name[n]
+        if n not in cpu:
+            gpu += int(it.nbytes * it.read)
+            continue
+        chain.append(HostTensor(n, it.nbytes if it.read >= 1.0 else scratch + 1, gpu, it.read))
+    chosen, t = stream_choice(chain, hw.rates, gpu, scratch)
+    return t, cap_runs(chain, chosen)
+
+
+@dataclass(frozen=True)
+class StreamPlacement:
+    cpu: list[str]        # the host tensors, the streamed ones among them
+    streamed: list[str]   # in execution order
+    scratch: int          # the slots' bytes on the GPU
+    step_s: float         # the modelled decode step
+    plain_s: float        # ... of the placement without streaming
+
+
+def stream_placement(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile) -> StreamPlacement:
+    """The budget's placement with streamed weights, the reference of the runtime's
+    kx_stream_choose: the plain placement; then for each of its host tensors' sizes (largest
+    first, three at most) the placement again under the budget less two slots of that size and
+    the exact streaming choice over its host tensors (runs capped, cap_runs); the fastest
+    modelled one, the plain one when none beats it. An MoE expert tensor (read in part) never
+    streams: it would cross PCIe whole."""
+    by_name = {it.name: it for it in items}
+    cpu = place_fixed(items, fixed, budget, hw)
+    plain_s = stream_step(items, cpu, 0, hw)[0]
+    best = StreamPlacement(cpu, [], 0, plain_s, plain_s)
+    if not cpu:
+        return best
+    sizes = sorted({by_name[n].nbytes for n in cpu if by_name[n].read >= 1.0}, reverse=True)[:3]
+    for size in sizes:
+        try:
+            cpu_k = place_fixed(items, fixed, budget - SLOTS * size, hw)
+        except PlanError:
+            continue  # the scratch does not fit beside the fixed part
+        t, streamed = stream_step(items, cpu_k, SLOTS * size, hw)
+        if streamed and t < best.step_s:
+            best = StreamPlacement(cpu_k, streamed, SLOTS * size, t, plain_s)
+    return best
 
 
 @dataclass(frozen=True)
