@@ -27,3 +27,26 @@ kx_gpu_tests() {
     [ -z "${KX_TESTS:-}" ] || timeout "$1" python3 -m pytest -q -p no:cacheprovider $KX_TESTS 2>&1 \
         | tee "$OUT/pytest.log" | tail -8
 }
+# kx_wait_model PATTERN MODEL: waits for the background `kairox synth` whose command matches
+# PATTERN (its output in $OUT/synth.log), then checks that MODEL was written
+kx_wait_model() {
+    while pgrep -f "$1" > /dev/null; do sleep 1; done
+    [ -f "$2" ] || { tail -5 "$OUT/synth.log"; return 1; }
+    echo "model done ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/synth.log")"
+}
+# kx_budget_rows MODEL GIB NAME VARIANT...: one verbose kairox-bench row under that budget per
+# variant (extra flags, "" for none), so the load's log shows the placement; the logs go to
+# $OUT/NAME-GIB.log, then NAME-GIB-1.log ...
+kx_budget_rows() {
+    local m=$1 b=$2 name=$3 k=0
+    shift 3
+    for extra in "$@"; do
+        local log="$OUT/$name-$b.log"
+        [ "$k" = 0 ] || log="$OUT/$name-$b-$k.log"
+        timeout 120 "$B/llama-bench" -m "$m" -p 0 -n 16 -r 1 -t "$(nproc)" -o md --vram-budget "${b}GiB" -fa 1 \
+            $extra -v > "$log" 2>&1
+        echo "budget $b GiB $extra: rc=$?"
+        grep -E "^kairox|error|tg16" "$log" | cut -c1-1200 | tail -6
+        k=$((k + 1))
+    done
+}

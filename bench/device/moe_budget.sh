@@ -15,16 +15,9 @@ mkdir -p /tmp/kxbench
 [ -f "$M" ] || (nice python3 -m kairox synth --preset KB-MoE -o "$M" -q > "$OUT/synth.log" 2>&1 &)
 kx_build llama llama-bench || exit 1
 kx_gpu_tests 150
-while pgrep -f "kairox synth --preset KB-MoE" > /dev/null; do sleep 1; done
-[ -f "$M" ] || { tail -5 "$OUT/synth.log"; exit 1; }
-echo "model done ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/synth.log")"
-b1=${KX_MOE_BUDGETS:-4,8,12}; b1=${b1%%,*}
-for extra in "" "-ncmoe 48"; do
-    timeout 90 "$B/llama-bench" -m "$M" -p 0 -n 16 -r 1 -t "$(nproc)" -o md --vram-budget "${b1}GiB" -fa 1 $extra -v \
-        > "$OUT/moe-$b1${extra:+-ncmoe}.log" 2>&1
-    echo "budget $b1 GiB $extra: rc=$?"
-    grep -E "^kairox|error|tg16" "$OUT/moe-$b1${extra:+-ncmoe}.log" | cut -c1-900 | tail -6
-done
+kx_wait_model "kairox synth --preset KB-MoE" "$M" || exit 1
+b1=${KX_MOE_BUDGETS:-4,8,12}
+kx_budget_rows "$M" "${b1%%,*}" moe "" "-ncmoe 48"
 timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
     --budgets "${KX_MOE_BUDGETS:-4,8,12}" --sparse auto --bin "$B" --out "$OUT" --gen 32 --threads "$(nproc)" --prefill 512
 echo "done ($(( $(date +%s) - t0 )) s)"

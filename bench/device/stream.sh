@@ -19,16 +19,9 @@ mkdir -p /tmp/kxbench
     > "$OUT/synth.log" 2>&1 &)
 kx_build llama llama-bench || exit 1
 kx_gpu_tests 150
-while pgrep -f "kairox synth --preset $pre" > /dev/null; do sleep 1; done
-[ -f "$M" ] || { tail -5 "$OUT/synth.log"; exit 1; }
-echo "model done ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/synth.log")"
-b1=${KX_STREAM_BUDGETS:-4,7}; b1=${b1##*,}
-for extra in "" "--no-kx-stream"; do
-    timeout 120 "$B/llama-bench" -m "$M" -p 0 -n 16 -r 1 -t "$(nproc)" -o md --vram-budget "${b1}GiB" -fa 1 $extra -v \
-        > "$OUT/stream-$b1${extra:+-off}.log" 2>&1
-    echo "budget $b1 GiB $extra: rc=$?"
-    grep -E "^kairox|error|tg16" "$OUT/stream-$b1${extra:+-off}.log" | cut -c1-1200 | tail -6
-done
+kx_wait_model "kairox synth --preset $pre" "$M" || exit 1
+b1=${KX_STREAM_BUDGETS:-4,7}
+kx_budget_rows "$M" "${b1##*,}" stream "" --no-kx-stream
 timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
     --budgets "${KX_STREAM_BUDGETS:-4,7}" --sparse auto --also no-stream=--no-kx-stream --bin "$B" --out "$OUT" \
     --gen 32 --threads "$(nproc)" --rounds "${KX_STREAM_ROUNDS:-3}"
