@@ -308,8 +308,9 @@ def test_streamed_tensors_compute_what_the_cpu_computes(tmp_path: Path) -> None:
     llm.close()
     budget = base + margin_for(0) + 16 * MiB - sum(mats.values()) // 2
     plain, off, where_plain = decode(budget, stream=False)
+    mapped, off_mapped, _ = decode(budget, pinned=False)  # streaming needs the page-locked load
     got, st, where = decode(budget)
-    assert off["tensors"] == 0 and "KX_Host_Pinned" not in where_plain.values()
+    assert off["tensors"] == 0 and off_mapped["tensors"] == 0 and "KX_Host_Pinned" not in where_plain.values()
     streamed = [t for t, b in where.items() if b == "KX_Host_Pinned"]
     assert st["tensors"] == len(streamed) > 0, (st, where)
     assert st["scratch_bytes"] >= 2 * max(mats[t] for t in streamed)
@@ -319,3 +320,4 @@ def test_streamed_tensors_compute_what_the_cpu_computes(tmp_path: Path) -> None:
     scale = float(np.abs(want).max())
     assert float(np.abs(got - want).max()) <= 2e-3 * scale
     assert float(np.abs(plain - want).max()) <= 2e-3 * scale
+    assert float(np.abs(mapped - want).max()) <= 2e-3 * scale

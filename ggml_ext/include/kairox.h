@@ -243,10 +243,12 @@ struct kx_params {
     const char *    plan;              // a `kairox plan` file: dense tensors kept on the CPU, slots per layer
     const char *    slots_device;      // ggml device of the slots; NULL: the first GPU; "CPU": host memory
                                        // (the same split on machines without a GPU: tests)
-    bool            pinned;            // hybrid: host-side weights page-locked, read not mapped (default true)
+    bool            pinned;            // under a budget: host weights page-locked, the model read, not mapped
+                                       // (default true; false: mapped, and nothing streams)
     bool            warm;              // hybrid: warm the host caches with the next layer's rows (default true)
     bool            stream;            // a budget of whole tensors: host tensors the placement picks are copied
-                                       // into a GPU scratch ahead of their use and multiplied there (default true)
+                                       // into a GPU scratch ahead of their use and multiplied there (default
+                                       // true; with pinned only: the model is then read, not mapped)
     float           mapped_share;      // hybrid: share of the host side the GPU reads over PCIe, [0, 1)
     int32_t         balancer;          // enum kx_balancer_mode (default off)
     struct kx_balance_params balance;  // the balancer's settings (balance.tam.adaptive follows `balancer`)

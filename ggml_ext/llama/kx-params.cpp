@@ -296,12 +296,18 @@ static void kx_read_not_map(llama_model_params * mp) {
 
 // A budget of whole tensors: the knapsack's host tensors, and with kp->stream the ones the GPU
 // streams (kx-stream.h) in page-locked host memory, plain; the others as llama.cpp places
-// them on the CPU (repacked as it would for -ot ...=CPU)
+// them on the CPU (repacked as it would for -ot ...=CPU; page-locked with kp->pinned)
 static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, const llama_context_params * cp,
                               const char * model_path, ggml_backend_dev_t dev) {
     const kx_dry_run_fn dry = kx_budget_dry(*mp, cp, model_path, dev, false);
     const kx_dense_rates rates = kx_params_rates(kp);
-    if (!kp->stream) {
+    if (kp->pinned) {
+        // read, not mapped: llama.cpp then keeps host tensors in the GPU's page-locked host
+        // buffer type, which a prompt batch's offload copies at PCIe speed (KB-7B SiLU F16 at
+        // 4-7 GiB: prefill 512 4.6-5.8x the mapped load), and streamed tensors need it
+        kx_read_not_map(mp);
+    }
+    if (!kp->stream || !kp->pinned) {
         const std::vector<std::string> cpu = kx_place_dense(dry, kp->vram_budget, rates);
         if (!cpu.empty()) {
             kx_override(mp, kx_cpu_patterns(cpu, false), ggml_backend_cpu_buffer_type());
@@ -326,7 +332,6 @@ static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, con
                    "modelled %.2f ms per token against %.2f without: %s\n", c.streamed.size(), c.cpu.size(),
                    kx_mib(c.scratch).c_str(), c.step_s * 1e3, c.plain_s * 1e3, kx_names_text(c.streamed).c_str());
     kx_override(mp, kx_cpu_patterns(c.streamed, false), kx_host_buffer_type(true, kp->faults));
-    kx_read_not_map(mp);
 }
 
 int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const llama_context_params * cp,
@@ -601,7 +606,7 @@ static void kx_apply_tensors_only(llama_context * ctx, const kx_params * kp) {
     kx_ctx_state & st = kx_ctx_state_of(ctx);
     st.stream.reset();
     try {
-        st.stream = kp->stream ? kx_stream_start(ctx, dev, kx_host_buffer_type(true, kp->faults)) : nullptr;
+        st.stream = kp->stream && kp->pinned ? kx_stream_start(ctx, dev, kx_host_buffer_type(true, kp->faults)) : nullptr;
     } catch (const std::exception & e) {
         throw kx_apply_error(KX_ERR_PARAMS, e.what());
     }

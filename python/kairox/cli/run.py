@@ -239,8 +239,8 @@ def register(sub) -> None:
                    "slots fill the rest; measured on the device, a clear error when it cannot fit")
     p.add_argument("--plan", default=None, help="hybrid FFN placed by a `kairox plan` file")
     p.add_argument("--no-pinned", dest="pinned", action="store_false",
-                   help="hybrid: map the host-side weights from the file instead of page-locking them "
-                   "(less RAM pinned; prompts offloaded to the GPU then copy them more slowly)")
+                   help="map the host-side weights from the file instead of page-locking them (less RAM "
+                   "pinned; prompts offloaded to the GPU then copy them more slowly, and nothing is streamed)")
     p.add_argument("--no-kx-warm", dest="warm", action="store_false",
                    help="hybrid: do not warm the host caches with the next layer's predicted rows while the GPU works")
     p.add_argument("--no-kx-stream", dest="stream", action="store_false",
