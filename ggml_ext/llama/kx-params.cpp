@@ -315,7 +315,7 @@ static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, con
         return;
     }
     const kx_stream_choice c = kx_stream_choose(dry, kp->vram_budget, rates, kx_migrate_rates().pcie_gbs);
-    kx_place_dense(dry, kp->vram_budget - c.scratch, rates); // (its log line)
+    LLAMA_LOG_INFO("%s", c.placed.c_str());
     std::vector<std::string> rest;
     for (const std::string & n : c.cpu) {
         if (std::find(c.streamed.begin(), c.streamed.end(), n) == c.streamed.end()) {
@@ -328,8 +328,8 @@ static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, con
     if (c.streamed.empty()) {
         return;
     }
-    LLAMA_LOG_INFO("kairox: the GPU streams %zu of the %zu host tensors through a %s scratch beside the CPU's work, "
-                   "modelled %.2f ms per token against %.2f without: %s\n", c.streamed.size(), c.cpu.size(),
+    LLAMA_LOG_INFO("kairox: the GPU streams %zu of the %zu host tensors through a %s scratch (the budget above is "
+                   "less it) beside the CPU's work, modelled %.2f ms per token against %.2f without: %s\n", c.streamed.size(), c.cpu.size(),
                    kx_mib(c.scratch).c_str(), c.step_s * 1e3, c.plain_s * 1e3, kx_names_text(c.streamed).c_str());
     kx_override(mp, kx_cpu_patterns(c.streamed, false), kx_host_buffer_type(true, kp->faults));
 }

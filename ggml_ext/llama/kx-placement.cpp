@@ -247,7 +247,7 @@ int32_t kx_place_order(const char * const * names, int32_t n, int32_t * group) {
 }
 
 std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
-                                        bool quiet) {
+                                        std::string * text) {
     const kx_dry_sizes d = dry({});
     const int64_t margin = kx_budget_margin(budget) + kx_place_alloc_slack;
     if (d.total() + margin <= budget) {
@@ -309,14 +309,17 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
                     kx_mib(got.weights).c_str(), kx_mib(got.kv).c_str(), kx_mib(got.compute).c_str(),
                     kx_mib(got.total()).c_str(), kx_mib(margin).c_str(), kx_mib(got.total() + margin).c_str()));
             }
-            if (quiet) {
-                return cpu_names;
+            const std::string line = kx_fmt(
+                "kairox: VRAM budget %s: the dense tensors (%s) do not fit beside the KV cache (%s) and compute buffers "
+                "(%s, %s with these on the CPU); %zu of %d kept on the CPU (%s), modelled %.2f ms per token: %s\n",
+                kx_mib(budget).c_str(), kx_mib(d.weights).c_str(), kx_mib(d.kv).c_str(), kx_mib(d.compute).c_str(),
+                kx_mib(got.compute).c_str(), cpu_names.size(), (int) d.items.size(), kx_mib(cpu_bytes).c_str(), t * 1e3,
+                kx_names_text(cpu_names).c_str());
+            if (text) {
+                *text = line;
+            } else {
+                LLAMA_LOG_INFO("%s", line.c_str());
             }
-            LLAMA_LOG_INFO("kairox: VRAM budget %s: the dense tensors (%s) do not fit beside the KV cache (%s) and "
-                           "compute buffers (%s, %s with these on the CPU); %zu of %d kept on the CPU (%s), modelled "
-                           "%.2f ms per token: %s\n", kx_mib(budget).c_str(), kx_mib(d.weights).c_str(),
-                           kx_mib(d.kv).c_str(), kx_mib(d.compute).c_str(), kx_mib(got.compute).c_str(),
-                           cpu_names.size(), (int) d.items.size(), kx_mib(cpu_bytes).c_str(), t * 1e3, kx_names_text(cpu_names).c_str());
             return cpu_names;
         }
         // (a little more each round: the compute buffers follow the choice, and a room cut by

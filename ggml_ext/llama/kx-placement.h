@@ -87,6 +87,6 @@ using kx_dry_run_fn = std::function<kx_dry_sizes(const std::vector<std::string> 
 
 // The dense tensors (by name) to keep on the CPU so that everything fits under budget; empty
 // when all fit. Throws with the sizes when the KV cache and compute buffers alone do not fit.
-// Logs the placement unless quiet.
+// Logs the placement, or with `text` writes the line there instead (a caller comparing placements).
 std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
-                                        bool quiet = false);
+                                        std::string * text = nullptr);

@@ -38,10 +38,17 @@ ggml_backend_buffer_t kx_stream_home(const ggml_tensor * t) {
     return it == kx_stream_homes.end() ? nullptr : it->second;
 }
 
-kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
+kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget, const kx_dense_rates & rates,
                                   double pcie_gbs) {
+    // a dry run loads the model's metadata and sizes a context: each placement tried below
+    // starts from the same one with nothing moved, and their rounds may ask for the same sets
+    std::map<std::vector<std::string>, kx_dry_sizes> dry_made;
+    const kx_dry_run_fn dry = [&](const std::vector<std::string> & cpu) {
+        auto it = dry_made.find(cpu);
+        return it != dry_made.end() ? it->second : dry_made.emplace(cpu, dry_run(cpu)).first->second;
+    };
     kx_stream_choice plain;
-    plain.cpu = kx_place_dense(dry, budget, rates, true);
+    plain.cpu = kx_place_dense(dry, budget, rates, &plain.placed);
     if (plain.cpu.empty()) {
         return plain;
     }
@@ -106,7 +113,7 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, con
         kx_stream_choice c;
         c.scratch = (int64_t) kx_stream_slots * sizes[k];
         try {
-            c.cpu = kx_place_dense(dry, budget - c.scratch, rates, true);
+            c.cpu = kx_place_dense(dry, budget - c.scratch, rates, &c.placed);
         } catch (const std::exception &) {
             continue; // the scratch does not fit beside the KV cache and compute buffers
         }

@@ -28,13 +28,14 @@ struct kx_stream_choice {
     int64_t scratch = 0;               // bytes the slots take on the device
     double  step_s  = 0;               // the modelled decode step (kx_migrate_choose)
     double  plain_s = 0;               // ... without streaming
+    std::string placed;                // the knapsack's log line for `cpu` (empty: everything fits)
 };
 
 // The budget's placement with streaming: the knapsack again under the budget less the
 // scratch, then the exact streaming choice over its host tensors (each one at most a slot,
 // no more than kx_stream_slots of them in a row without a CPU tensor between, so one device
 // split never needs more slots than there are). Falls back to the plain placement (nothing
-// streamed) when that models no faster.
+// streamed) when that models no faster. Each distinct dry run is made once.
 kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
                                   double pcie_gbs);
 
