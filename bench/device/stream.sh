@@ -6,6 +6,8 @@
 #
 #   bash bench/device/stream.sh              # repo root; carry vendor/llama.cpp and .whl
 #   KX_STREAM_PRESET=KB-7B KX_STREAM_ACT=silu KX_STREAM_TYPE=f16   # the model (default)
+#   KX_STREAM_QUANT=Q4_K_M                   # quantize it with this build's llama-quantize first
+#   KX_STREAM_CEILING=1                      # also llama.cpp with the whole model on the GPU
 #   KX_STREAM_BUDGETS="4,7"                  # GiB (the sweep's)
 #   KX_STREAM_ROUNDS=3                       # interleaved rounds of the sweep
 #   KX_TESTS="tests/test_budget.py"          # also these GPU tests, after the build
@@ -17,9 +19,21 @@ M=/tmp/kxbench/$pre-$act-$ty.gguf
 mkdir -p /tmp/kxbench
 [ -f "$M" ] || (nice python3 -m kairox synth --preset "$pre" --act "$act" --type "$ty" -o "$M" -q \
     > "$OUT/synth.log" 2>&1 &)
-kx_build llama llama-bench || exit 1
+q=${KX_STREAM_QUANT:-}
+kx_build llama llama-bench ${q:+llama-quantize} || exit 1
 kx_gpu_tests 150
 kx_wait_model "kairox synth --preset $pre" "$M" || exit 1
+if [ -n "$q" ]; then
+    Q=/tmp/kxbench/$pre-$act-$(echo "$q" | tr 'A-Z' 'a-z').gguf
+    [ -f "$Q" ] || "$B/llama-quantize" "$M" "$Q" "$q" "$(nproc)" > "$OUT/quantize.log" 2>&1 \
+        || { tail -20 "$OUT/quantize.log"; exit 1; }
+    echo "quantized to $q ($(( $(date +%s) - t0 )) s): $(du -h "$Q" | cut -f1)"
+    M=$Q
+fi
+if [ -n "${KX_STREAM_CEILING:-}" ]; then
+    # what the whole model decodes at on the GPU: the ceiling no budget goes past
+    "$B/llama-bench" -m "$M" -ngl 99 -fa 1 -p 0 -n 64 -r 3 -t "$(nproc)" -o md 2>&1 | grep -E "^\| " | tee "$OUT/ceiling.md"
+fi
 b1=${KX_STREAM_BUDGETS:-4,7}
 kx_budget_rows "$M" "${b1##*,}" stream "" --no-kx-stream
 timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
