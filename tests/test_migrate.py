@@ -223,8 +223,8 @@ def _random_model(rng: np.random.Generator) -> list:
 
 def test_the_runtimes_streaming_placement_is_the_reference(native) -> None:
     """kx_stream_place (C++, the runtime's kx_stream_choose) against stream_placement: the same
-    host tensors, the same streamed ones and the same scratch on random models, budgets and
-    rates; every run of streamed tensors fits the two slots."""
+    host tensors, the same streamed ones, the same ones a slot holds and the same scratch on
+    random models, budgets and rates; every run of streamed tensors fits the two slots."""
     import ctypes
 
     from kairox.llama import _lib
@@ -257,6 +257,9 @@ def test_the_runtimes_streaming_placement_is_the_reference(native) -> None:
         # (both sides sum a group's seconds tensor by tensor: tensors of one size tie alike)
         assert got_cpu == set(want.cpu), case
         assert got_streamed == set(want.streamed), case
+        # the tensors a slot holds (runtime migration may stream them), the streamed among them
+        got_slotted = {it.name for it, w in zip(items, where) if w in (2, 3)}
+        assert got_slotted == set(want.slotted) and got_streamed <= got_slotted, case
         assert scratch.value == want.scratch, case
         t, streamed = stream_step(items, sorted(got_cpu), scratch.value, hw)
         assert t == want.step_s and set(streamed) == got_streamed

@@ -11,6 +11,9 @@
 #   KX_STREAM_BUDGETS="4,7"                  # GiB (the sweep's)
 #   KX_STREAM_ROUNDS=3                       # interleaved rounds of the sweep
 #   KX_TESTS="tests/test_budget.py"          # also these GPU tests, after the build
+#   KX_STREAM_ALSO="no-stream=--no-kx-stream;no-migrate=--no-kx-migrate"   # the sweep's extra rows
+#   KX_STREAM_STRESS=cpu,pcie                # first bench/migrate_stress.py at the last budget
+#   KX_STREAM_STRESS_ROUNDS=1 KX_STREAM_STRESS_TOKENS=160
 #   KX_DEADLINE=590                          # seconds from the start the sweep must end by
 set -uo pipefail
 . bench/device/env.sh
@@ -35,8 +38,15 @@ if [ -n "${KX_STREAM_CEILING:-}" ]; then
     "$B/llama-bench" -m "$M" -ngl 99 -fa 1 -p 0 -n 64 -r 3 -t "$(nproc)" -o md 2>&1 | grep -E "^\| " | tee "$OUT/ceiling.md"
 fi
 b1=${KX_STREAM_BUDGETS:-4,7}
-kx_budget_rows "$M" "${b1##*,}" stream "" --no-kx-stream
+also=()
+IFS=';' read -ra rows <<< "${KX_STREAM_ALSO:-no-stream=--no-kx-stream}"
+for r in "${rows[@]}"; do also+=(--also "$r"); done
+kx_budget_rows "$M" "${b1##*,}" stream "" "${rows[@]#*=}"
+if [ -n "${KX_STREAM_STRESS:-}" ]; then
+    python3 bench/migrate_stress.py --model "$M" --budget "${b1##*,}GiB" --stress "$KX_STREAM_STRESS" \
+        --rounds "${KX_STREAM_STRESS_ROUNDS:-1}" --tokens "${KX_STREAM_STRESS_TOKENS:-160}" --out "$OUT"
+fi
 timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
-    --budgets "${KX_STREAM_BUDGETS:-4,7}" --sparse auto --also no-stream=--no-kx-stream --bin "$B" --out "$OUT" \
-    --gen 32 --threads "$(nproc)" --rounds "${KX_STREAM_ROUNDS:-3}"
+    --budgets "$b1" --sparse auto "${also[@]}" --bin "$B" --out "$OUT" \
+    --gen "${KX_STREAM_GEN:-32}" --threads "$(nproc)" --rounds "${KX_STREAM_ROUNDS:-3}"
 echo "done ($(( $(date +%s) - t0 )) s)"

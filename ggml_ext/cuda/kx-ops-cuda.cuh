@@ -30,6 +30,9 @@ struct kx_pin_iface;
 const kx_reload_iface * ggml_cuda_kx_reload_iface(void);
 const kx_tam_iface *    ggml_cuda_kx_tam_iface(void);
 const kx_pin_iface *    ggml_cuda_kx_pin_iface(void);
+// timed events (kx-timer.cu; include/kx-timer.h)
+struct kx_timer_iface;
+const kx_timer_iface *  ggml_cuda_kx_timer_iface(void);
 
 // every hybrid layer's TAM step in one launch (kx-tam.cu), driven by the reload engine
 struct kx_tam_config;

@@ -249,6 +249,8 @@ struct kx_params {
     bool            stream;            // a budget of whole tensors: host tensors the placement picks are copied
                                        // into a GPU scratch ahead of their use and multiplied there (default
                                        // true; with pinned only: the model is then read, not mapped)
+    bool            migrate;           // ... and which of them stream follows the CPU, GPU and PCIe rates measured
+                                       // over the last decode steps (runtime migration; default true)
     float           mapped_share;      // hybrid: share of the host side the GPU reads over PCIe, [0, 1)
     int32_t         balancer;          // enum kx_balancer_mode (default off)
     struct kx_balance_params balance;  // the balancer's settings (balance.tam.adaptive follows `balancer`)
@@ -330,7 +332,8 @@ LLAMA_API int32_t kx_place_order(const char * const * names, int32_t n, int32_t 
 // The budget's placement with streamed weights (kx_stream_choose; python/kairox/migrate.py
 // stream_placement is the reference) for n tensors (names, bytes, the share a token reads)
 // whose dry run keeps `fixed` bytes on the GPU whatever moves (KV cache, compute buffers,
-// vectors): where[i] = 0 on the GPU, 1 on the CPU, 2 on the CPU and streamed; *scratch the
+// vectors): where[i] = 0 on the GPU, 1 on the CPU, 2 on the CPU and streamed, 3 on the CPU in a slot's reach
+// (runtime migration may stream it); *scratch the
 // slots' bytes. Rates in GB/s, the hand-off in µs. Returns 0, -1 for bad arguments, -2 when
 // the budget is too small.
 LLAMA_API int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, const double * read, int32_t n,
@@ -383,9 +386,11 @@ LLAMA_API int32_t kx_budget_check_slots(int64_t budget, int64_t base, int64_t pe
 // counts lowered as evenly as the layers allow until at least `over` bytes are given back
 LLAMA_API void    kx_budget_shrink(int64_t * counts, int32_t n_layer, int64_t over, int64_t per_neuron);
 
-// A budget of whole tensors' streamed weights (kx_params.stream): out[4] = tensors streamed,
-// scratch bytes on the device, copies queued and their bytes since the context started.
-// Returns 1 when the context streams, 0 when not (out zeroed), -1 without out.
+// A budget of whole tensors' streamed weights (kx_params.stream): out[8] = tensors streamed now,
+// scratch bytes on the device, copies queued and their bytes since the context started, the
+// tensors a slot holds (those migration may stream), the migrations made (another set streamed
+// since the load's), the decode steps measured, the choices made again (the measured rates
+// moved). Returns 1 when the context streams, 0 when not (out zeroed), -1 without out.
 LLAMA_API int32_t kx_context_stream_stats(const struct llama_context * ctx, int64_t * out);
 
 // name of the buffer type holding the model tensor `name` ("CPU", "CUDA0", "CUDA_Host", ...),

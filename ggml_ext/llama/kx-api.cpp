@@ -333,10 +333,14 @@ int32_t kx_context_stream_stats(const llama_context * ctx, int64_t * out) {
         return -1;
     }
     const kx_stream * s = st ? st->stream.get() : nullptr;
-    out[0] = s ? (int64_t) s->items.size() : 0;
+    out[0] = s ? s->n_on() : 0;
     out[1] = s ? s->slot_bytes * s->n_slots : 0;
     out[2] = s ? s->n_copies : 0;
     out[3] = s ? s->copy_bytes : 0;
+    out[4] = s ? (int64_t) s->items.size() : 0;
+    out[5] = s ? s->n_migrations : 0;
+    out[6] = s ? s->n_steps : 0;
+    out[7] = s ? s->n_choices : 0;
     return s ? 1 : 0;
 }
 

@@ -35,6 +35,7 @@ struct kx_params kx_params_default(void) {
     kp.pinned = true;
     kp.warm = true;
     kp.stream = true;
+    kp.migrate = true;
     kp.balancer = KX_BALANCER_OFF;
     // the balancer's defaults (python/kairox/balancer.py: BalancerConfig)
     kp.balance.tam = { 0.5f, 0.01f, 0.05f, 0.005f, 0.05f, 0.95f, 1, -1 };
@@ -316,9 +317,12 @@ static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, con
     }
     const kx_stream_choice c = kx_stream_choose(dry, kp->vram_budget, rates, kx_migrate_rates().pcie_gbs);
     LLAMA_LOG_INFO("%s", c.placed.c_str());
+    // with migration every tensor a slot holds may stream later: all of them plain and
+    // page-locked; without, the others as llama.cpp places them (repacked where it does)
+    const std::vector<std::string> & plain = kp->migrate ? c.slotted : c.streamed;
     std::vector<std::string> rest;
     for (const std::string & n : c.cpu) {
-        if (std::find(c.streamed.begin(), c.streamed.end(), n) == c.streamed.end()) {
+        if (std::find(plain.begin(), plain.end(), n) == plain.end()) {
             rest.push_back(n);
         }
     }
@@ -331,7 +335,7 @@ static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, con
     LLAMA_LOG_INFO("kairox: the GPU streams %zu of the %zu host tensors through a %s scratch (the budget above is "
                    "less it) beside the CPU's work, modelled %.2f ms per token against %.2f without: %s\n", c.streamed.size(), c.cpu.size(),
                    kx_mib(c.scratch).c_str(), c.step_s * 1e3, c.plain_s * 1e3, kx_names_text(c.streamed).c_str());
-    kx_override(mp, kx_cpu_patterns(c.streamed, false), kx_host_buffer_type(true, kp->faults));
+    kx_override(mp, kx_cpu_patterns(plain, false), kx_host_buffer_type(true, kp->faults));
 }
 
 int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const llama_context_params * cp,
@@ -606,7 +610,9 @@ static void kx_apply_tensors_only(llama_context * ctx, const kx_params * kp) {
     kx_ctx_state & st = kx_ctx_state_of(ctx);
     st.stream.reset();
     try {
-        st.stream = kp->stream && kp->pinned ? kx_stream_start(ctx, dev, kx_host_buffer_type(true, kp->faults)) : nullptr;
+        const kx_dense_rates r = kx_params_rates(kp);
+        const kx_stream_migrate mc = { kp->migrate, { r.cpu_gbs, r.gpu_gbs, kx_migrate_rates().pcie_gbs } };
+        st.stream = kp->stream && kp->pinned ? kx_stream_start(ctx, dev, kx_host_buffer_type(true, kp->faults), mc) : nullptr;
     } catch (const std::exception & e) {
         throw kx_apply_error(KX_ERR_PARAMS, e.what());
     }
@@ -614,8 +620,9 @@ static void kx_apply_tensors_only(llama_context * ctx, const kx_params * kp) {
     v.budget = kp->vram_budget;
     v.base   = kp->vram_free_at_load - kx_dev_free(dev);
     v.used   = kx_warm_used(ctx, dev, kp->vram_free_at_load);
-    const std::string streamed = st.stream ? kx_fmt("%zu streamed through a %s scratch; ", st.stream->items.size(),
-                                                    kx_mib(st.stream->slot_bytes * st.stream->n_slots).c_str()) : "";
+    const std::string streamed = !st.stream ? "" : kx_fmt("%d streamed through a %s scratch%s; ", st.stream->n_on(),
+        kx_mib(st.stream->slot_bytes * st.stream->n_slots).c_str(),
+        st.stream->migrate ? kx_fmt(", %zu with migration", st.stream->items.size()).c_str() : "");
     kx_vram_keep(ctx, dev, v, ("no sparse pack: the VRAM budget places whole tensors, the FFN's among them; " +
                                streamed).c_str());
 }

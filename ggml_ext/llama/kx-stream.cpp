@@ -17,6 +17,7 @@
 #include "kairox.h"
 #include "kx-migrate.h"
 #include "kx-pack.h"
+#include "kx-trace.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -36,6 +37,39 @@ ggml_backend_buffer_t kx_stream_home(const ggml_tensor * t) {
     std::lock_guard<std::mutex> lk(kx_stream_mu);
     auto it = kx_stream_homes.find(t);
     return it == kx_stream_homes.end() ? nullptr : it->second;
+}
+
+kx_stream_chain kx_stream_chain_of(const std::vector<kx_place_item> & all, const std::vector<std::string> & cpu,
+                                   int64_t scratch) {
+    std::map<std::string, const kx_place_item *> by_name;
+    for (const kx_place_item & it : all) {
+        by_name[it.name] = &it;
+    }
+    kx_stream_chain ch;
+    for (const kx_place_group & g : kx_place_groups(all)) {
+        for (const std::string & n : g.names) {
+            const kx_place_item * it = by_name.at(n);
+            if (std::find(cpu.begin(), cpu.end(), n) == cpu.end()) {
+                ch.gpu_bytes += (int64_t) ((double) it->bytes * it->read);
+                continue;
+            }
+            // an MoE expert tensor is read in part: streamed it would cross PCIe whole
+            ch.tensors.push_back({ it->read >= 1.0 ? it->bytes : scratch + 1, ch.gpu_bytes, it->read });
+            ch.names.push_back(n);
+        }
+    }
+    return ch;
+}
+
+void kx_stream_cap_runs(std::vector<bool> & st) {
+    int32_t run = 0;
+    for (size_t i = 0; i < st.size(); ++i) {
+        run = st[i] ? run + 1 : 0;
+        if (run > kx_stream_slots) {
+            st[i] = false;
+            run = 0;
+        }
+    }
 }
 
 kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget, const kx_dense_rates & rates,
@@ -59,37 +93,19 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget,
     }
     const kx_migrate_rates mr = { rates.cpu_gbs, rates.gpu_gbs, pcie_gbs };
     // the modelled step of a placement (cpu: its host tensors), streaming what fits a slot of
-    // the scratch (0: nothing); `streamed` gets the choice
-    auto model = [&](const std::vector<std::string> & cpu, int64_t scratch, std::vector<std::string> * streamed) {
-        std::vector<kx_migrate_tensor> chain;
-        std::vector<std::string> names;
-        int64_t gpu = 0;
-        for (const kx_place_group & g : kx_place_groups(all.items)) {
-            for (const std::string & n : g.names) {
-                const kx_place_item * it = by_name.at(n);
-                if (std::find(cpu.begin(), cpu.end(), n) == cpu.end()) {
-                    gpu += (int64_t) ((double) it->bytes * it->read);
-                    continue;
-                }
-                // an MoE expert tensor is read in part: streamed it would cross PCIe whole
-                chain.push_back({ it->read >= 1.0 ? it->bytes : scratch + 1, gpu, it->read });
-                names.push_back(n);
-            }
-        }
+    // the scratch (0: nothing); `c` gets the choice
+    auto model = [&](const std::vector<std::string> & cpu, int64_t scratch, kx_stream_choice * c) {
+        const kx_stream_chain ch = kx_stream_chain_of(all.items, cpu, scratch);
         std::vector<bool> st;
-        const double s = kx_migrate_choose(chain, mr, gpu, scratch, st);
-        if (streamed) {
-            // no more than the slots in a row without a CPU tensor between: one device split
-            // would read them all at once
-            int32_t run = 0;
-            for (size_t i = 0; i < chain.size(); ++i) {
-                run = st[i] ? run + 1 : 0;
-                if (run > kx_stream_slots) {
-                    st[i] = false;
-                    run = 0;
-                }
+        const double s = kx_migrate_choose(ch.tensors, mr, ch.gpu_bytes, scratch, st);
+        if (c) {
+            kx_stream_cap_runs(st);
+            for (size_t i = 0; i < ch.tensors.size(); ++i) {
                 if (st[i]) {
-                    streamed->push_back(names[i]);
+                    c->streamed.push_back(ch.names[i]);
+                }
+                if (ch.tensors[i].nbytes <= scratch / kx_stream_slots) {
+                    c->slotted.push_back(ch.names[i]);
                 }
             }
         }
@@ -117,7 +133,14 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget,
         } catch (const std::exception &) {
             continue; // the scratch does not fit beside the KV cache and compute buffers
         }
-        c.step_s  = model(c.cpu, c.scratch, &c.streamed);
+        c.step_s  = model(c.cpu, c.scratch, &c);
+        // the slots need only hold the largest tensor they may: the same choice, and what
+        // the engine's chain finds again from the tensors it holds (kx_stream_start)
+        int64_t largest = 0;
+        for (const std::string & n : c.slotted) {
+            largest = std::max(largest, by_name.at(n)->bytes);
+        }
+        c.scratch = (int64_t) kx_stream_slots * largest;
         c.plain_s = plain.plain_s;
         if (!c.streamed.empty() && c.step_s < best.step_s) {
             best = c;
@@ -162,7 +185,8 @@ int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, cons
     for (int32_t i = 0; i < n; ++i) {
         const bool on_cpu = std::find(c.cpu.begin(), c.cpu.end(), items[i].name) != c.cpu.end();
         const bool st = std::find(c.streamed.begin(), c.streamed.end(), items[i].name) != c.streamed.end();
-        where[i] = (int8_t) (st ? 2 : on_cpu ? 1 : 0);
+        const bool sl = std::find(c.slotted.begin(), c.slotted.end(), items[i].name) != c.slotted.end();
+        where[i] = (int8_t) (st ? 2 : sl ? 3 : on_cpu ? 1 : 0);
     }
     *scratch = c.scratch;
     return 0;
@@ -179,38 +203,58 @@ int32_t kx_stream::of(const ggml_tensor * t) const {
     return it == index.end() ? -1 : it->second;
 }
 
+int32_t kx_stream::n_on() const {
+    return (int32_t) std::count_if(items.begin(), items.end(), [](const item & x) { return x.on; });
+}
+
 void kx_stream::graph(ggml_cgraph * g) {
+    // tensors not streamed point home first: the scan sees them as the host weights they are
+    for (item & x : items) {
+        if (!x.on) {
+            x.t->buffer = x.host_buf;
+            x.t->data   = x.host;
+        }
+    }
     // the order of use, and the longest run between two ops the CPU keeps (a weight in host
-    // memory that the device would not offload for this batch)
+    // memory that the device would not offload for this batch); a graph whose ops on these
+    // weights the device offloads (a prompt batch) is no decode step
     ++scan;
     std::vector<int32_t> use;
     int32_t run = 0, longest = 0;
+    bool offloaded = false;
     for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
         ggml_tensor * node = ggml_graph_node(g, i);
+        int32_t off = -1; // ggml_backend_dev_offload_op(dev, node), asked once
+        auto offload = [&]() {
+            if (off < 0) {
+                off = ggml_backend_dev_offload_op(dev, node) ? 1 : 0;
+            }
+            return off == 1;
+        };
         for (int k = 0; k < GGML_MAX_SRC && node->src[k]; ++k) {
             const ggml_tensor * s = node->src[k];
             const int32_t it = of(s);
-            if (it >= 0) {
+            if (it >= 0 && offload()) {
+                offloaded = true;
+            }
+            if (it >= 0 && items[it].on) {
                 if (seen[it] != scan) {
                     seen[it] = scan;
                     use.push_back(it);
                     longest = std::max(longest, ++run);
                 }
             } else if (s->buffer && ggml_backend_buffer_get_usage(s->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS &&
-                       ggml_backend_buffer_is_host(s->buffer) && !ggml_backend_dev_offload_op(dev, node)) {
+                       ggml_backend_buffer_is_host(s->buffer) && !offload()) {
                 run = 0;
             }
         }
     }
+    decode = !offloaded;
     const bool on = !use.empty() && longest <= n_slots;
-    if (!on && longest > n_slots && !use.empty() && !warned && ggml_graph_n_nodes(g) > 0) {
-        // (a prompt batch the device offloads reads them all in one split: expected, quiet)
-        const ggml_tensor * n0 = ggml_graph_node(g, 0);
-        if (!ggml_backend_dev_offload_op(dev, n0) && n0->ne[1] <= 1) {
-            LLAMA_LOG_WARN("kairox: %d streamed tensors in a row exceed the scratch's %d slots; this graph "
-                           "reads them from host memory\n", longest, n_slots);
-            warned = true;
-        }
+    if (!on && longest > n_slots && !use.empty() && !warned && decode) {
+        LLAMA_LOG_WARN("kairox: %d streamed tensors in a row exceed the scratch's %d slots; this graph "
+                       "reads them from host memory\n", longest, n_slots);
+        warned = true;
     }
     for (item & x : items) {
         x.pos = -1;
@@ -231,11 +275,43 @@ void kx_stream::graph(ggml_cgraph * g) {
     }
 }
 
+void * kx_stream::timer_take() {
+    // only while a sampled decode step runs: every other one, so that the events' cost
+    // (~1-2 µs of host time each, 2 per copy and per device split) stays off most steps
+    if (!migrate || !decode || steps.empty() || steps.back().closed || steps.back().id % 2 != 0) {
+        return nullptr;
+    }
+    if (timers.empty()) {
+        void * ev = timer->make(copier);
+        if (!ev) {
+            return nullptr;
+        }
+        all_timers.push_back(ev);
+        return ev;
+    }
+    void * ev = timers.back();
+    timers.pop_back();
+    return ev;
+}
+
 void kx_stream::copy(int32_t i) {
     item & x = items[i];
     const int32_t s = x.pos % n_slots;
     ggml_backend_event_wait(copier, freed[s]);
+    // timed from behind the wait: the span is the copy itself
+    void * a = timer_take();
+    void * b = a ? timer_take() : nullptr;
+    if (b) {
+        timer->record(a, copier);
+    }
     ggml_backend_tensor_set_async(copier, x.t, x.host, 0, (size_t) x.nbytes);
+    if (b) {
+        timer->record(b, copier);
+        spans.push_back({ a, b, steps.back().id, (double) x.nbytes, true });
+        steps.back().open += 1;
+    } else if (a) {
+        timers.push_back(a);
+    }
     ggml_backend_event_record(copied[s], copier);
     loaded[s] = i;
     n_copies += 1;
@@ -244,30 +320,51 @@ void kx_stream::copy(int32_t i) {
 
 void kx_stream::before(ggml_backend_t backend, ggml_cgraph * g) {
     cur.clear();
-    if (order.empty() || ggml_backend_get_device(backend) != dev) {
+    if (ggml_backend_get_device(backend) != dev) {
         return;
     }
-    ++scan;
-    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
-        ggml_tensor * node = ggml_graph_node(g, i);
-        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; ++k) {
-            const int32_t it = of(node->src[k]);
-            if (it >= 0 && items[it].pos >= 0 && seen[it] != scan) {
-                seen[it] = scan;
-                cur.push_back(it);
+    if (migrate) {
+        tick();
+    }
+    if (!order.empty()) {
+        ++scan;
+        for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+            ggml_tensor * node = ggml_graph_node(g, i);
+            for (int k = 0; k < GGML_MAX_SRC && node->src[k]; ++k) {
+                const int32_t it = of(node->src[k]);
+                if (it >= 0 && items[it].pos >= 0 && seen[it] != scan) {
+                    seen[it] = scan;
+                    cur.push_back(it);
+                }
             }
         }
-    }
-    for (int32_t it : cur) {
-        const int32_t s = items[it].pos % n_slots;
-        if (loaded[s] != it) {
-            copy(it); // not prefetched (the first token, or another order of use)
+        for (int32_t it : cur) {
+            const int32_t s = items[it].pos % n_slots;
+            if (loaded[s] != it) {
+                copy(it); // not prefetched (the first token, or another order of use)
+            }
+            ggml_backend_event_wait(backend, copied[s]);
         }
-        ggml_backend_event_wait(backend, copied[s]);
+    }
+    // the split's time on the device, from behind its waits for copies
+    split_a = timer_take();
+    if (split_a) {
+        timer->record(split_a, backend);
     }
 }
 
 void kx_stream::after(ggml_backend_t backend, ggml_cgraph *) {
+    if (split_a) {
+        void * b = timer_take();
+        if (b) {
+            timer->record(b, backend);
+            spans.push_back({ split_a, b, steps.back().id, 0.0, false });
+            steps.back().open += 1;
+        } else {
+            timers.push_back(split_a);
+        }
+        split_a = nullptr;
+    }
     for (int32_t it : cur) {
         const int32_t p = items[it].pos, s = p % n_slots;
         ggml_backend_event_record(freed[s], backend);
@@ -279,6 +376,90 @@ void kx_stream::after(ggml_backend_t backend, ggml_cgraph *) {
         }
     }
     cur.clear();
+}
+
+void kx_stream::tick() {
+    int64_t st[KX_SCHED_N_STATS];
+    kx_sched_stats(st, false);
+    if (st[KX_SCHED_GRAPHS] != graphs) {
+        // a new graph computation: the step before it ends here (its CPU splits ran
+        // synchronously, so their time is in the counter)
+        if (!steps.empty() && !steps.back().closed) {
+            step_rec & r = steps.back();
+            r.closed = true;
+            r.s.cpu_s = (double) (st[KX_SCHED_CPU_NS] - cpu_ns) * 1e-9;
+        }
+        graphs = st[KX_SCHED_GRAPHS];
+        cpu_ns = st[KX_SCHED_CPU_NS];
+        if (decode) {
+            // the bytes each side reads in this graph (split already: pos is its order of use)
+            step_rec r = { n_steps++ };
+            double on_bytes = 0;
+            for (size_t k = 0; k < chain.tensors.size(); ++k) {
+                const kx_migrate_tensor & t = chain.tensors[k];
+                const bool on = chain_item[k] >= 0 && items[chain_item[k]].pos >= 0;
+                (on ? on_bytes : r.s.cpu_bytes) += (double) t.nbytes * t.read;
+            }
+            r.s.gpu_bytes = (double) chain.gpu_bytes + on_bytes;
+            steps.push_back(r);
+        }
+    }
+    // the spans that completed, in the order they were queued
+    while (!spans.empty()) {
+        const span & sp = spans.front();
+        const double dt = timer->elapsed(sp.a, sp.b);
+        if (dt < 0) {
+            break;
+        }
+        for (step_rec & r : steps) {
+            if (r.id == sp.step) {
+                (sp.copy ? r.s.copy_s : r.s.gpu_s) += dt;
+                r.s.copy_bytes += sp.copy ? sp.bytes : 0.0;
+                r.open -= 1;
+                break;
+            }
+        }
+        timers.push_back(sp.a);
+        timers.push_back(sp.b);
+        spans.pop_front();
+    }
+    // complete steps to the migrator, in order; a step not timed has no GPU or copy sample
+    while (!steps.empty() && steps.front().closed && steps.front().open == 0) {
+        kx_migrate_sample s = steps.front().s;
+        steps.pop_front();
+        if (s.gpu_s <= 0) {
+            s.gpu_bytes = 0;
+        }
+        if (mig.step(s)) {
+            n_choices += 1;
+            apply(mig.streamed);
+        }
+    }
+}
+
+void kx_stream::apply(const std::vector<bool> & chosen) {
+    std::vector<bool> st = chosen;
+    kx_stream_cap_runs(st);
+    bool changed = false;
+    for (size_t k = 0; k < chain.tensors.size(); ++k) {
+        // (a chain tensor no slot holds is never chosen: it is larger than a slot)
+        if (chain_item[k] >= 0 && items[chain_item[k]].on != (bool) st[k]) {
+            items[chain_item[k]].on = st[k];
+            changed = true;
+        }
+    }
+    const kx_migrate_rates & r = mig.rates;
+    LLAMA_LOG_INFO("kairox: rates moved (CPU %.1f, GPU %.0f, PCIe %.1f GB/s over the last %d steps): %s %d of the %zu "
+                   "host tensors\n", r.cpu_gbs, r.gpu_gbs, r.pcie_gbs, mig.window,
+                   changed ? "the GPU streams" : "the GPU keeps streaming", n_on(), chain.tensors.size());
+    if (changed) {
+        n_migrations += 1;
+        ctx->kx_stream_changed(); // the next decode's graph is split anew
+    }
+}
+
+void llama_context::kx_stream_changed() {
+    cparams.kx_stream_gen += 1;
 }
 
 kx_stream::~kx_stream() {
@@ -301,6 +482,9 @@ kx_stream::~kx_stream() {
     for (ggml_backend_event_t e : freed) {
         ggml_backend_event_free(e);
     }
+    for (void * ev : all_timers) {
+        timer->free(ev);
+    }
     if (scratch) {
         ggml_backend_buffer_free(scratch);
     }
@@ -309,11 +493,37 @@ kx_stream::~kx_stream() {
     }
 }
 
+// the placement's items as the model holds them: its matrices on dev or moved to host memory
+// (the blocks' and the output head; the token embeddings stay on the CPU in every placement
+// and are read a row at a time)
+static std::vector<kx_place_item> kx_stream_model_items(const llama_model & model, ggml_backend_dev_t dev,
+                                                        std::vector<std::string> & cpu) {
+    std::vector<kx_place_item> items;
+    const llama_hparams & hp = model.hparams;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (!t->buffer || t->ne[1] <= 1) {
+            continue;
+        }
+        const int il = kx_tensor_layer(name).first;
+        const bool on_dev = kx_buft_on_dev(ggml_backend_buffer_get_type(t->buffer), dev);
+        if (!on_dev && il < 0 && name != "output.weight") {
+            continue;
+        }
+        const bool expert = t->ne[2] > 1 && name.find("_exps") != std::string::npos && hp.n_expert > 0 && il >= 0;
+        items.push_back({ name, (int64_t) ggml_nbytes(t), expert ? (double) hp.n_expert_used((uint32_t) il) / hp.n_expert : 1.0 });
+        if (!on_dev) {
+            cpu.push_back(name);
+        }
+    }
+    return items;
+}
+
 std::shared_ptr<kx_stream> kx_stream_start(llama_context * ctx, ggml_backend_dev_t dev,
-                                           ggml_backend_buffer_type_t host_buft) {
+                                           ggml_backend_buffer_type_t host_buft, const kx_stream_migrate & mc) {
     const llama_model & model = ctx->get_model();
     auto st = std::make_shared<kx_stream>();
     st->dev = dev;
+    st->ctx = ctx;
     for (const auto & [name, t] : model.tensors_by_name) {
         if (t->buffer && ggml_backend_buffer_get_type(t->buffer) == host_buft) {
             st->index[t] = (int32_t) st->items.size();
@@ -328,7 +538,9 @@ std::shared_ptr<kx_stream> kx_stream_start(llama_context * ctx, ggml_backend_dev
     }
     ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
     const int64_t align = (int64_t) ggml_backend_buft_get_alignment(buft);
+    int64_t largest = 0;
     for (const kx_stream::item & x : st->items) {
+        largest = std::max(largest, x.nbytes);
         st->slot_bytes = std::max(st->slot_bytes, (x.nbytes + align - 1) / align * align);
     }
     st->copier = ggml_backend_dev_init(dev, nullptr);
@@ -350,6 +562,35 @@ std::shared_ptr<kx_stream> kx_stream_start(llama_context * ctx, ggml_backend_dev
                                         kx_mib(st->slot_bytes * st->n_slots).c_str(), ggml_backend_dev_name(dev)));
     }
     ggml_backend_buffer_set_usage(st->scratch, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+
+    // the load's choice again from the same chain and rates (kx_stream_choose made it so), and
+    // the migrator that may change it; the chain's scratch is the load's (two of the largest)
+    std::vector<std::string> cpu;
+    const std::vector<kx_place_item> all = kx_stream_model_items(model, dev, cpu);
+    st->chain = kx_stream_chain_of(all, cpu, (int64_t) kx_stream_slots * largest);
+    for (const std::string & n : st->chain.names) {
+        const ggml_tensor * t = model.get_tensor(n.c_str());
+        auto it = t ? st->index.find(t) : st->index.end();
+        st->chain_item.push_back(it == st->index.end() ? -1 : it->second);
+    }
+    st->mig.tensors       = st->chain.tensors;
+    st->mig.gpu_bytes     = st->chain.gpu_bytes;
+    st->mig.scratch_bytes = (int64_t) kx_stream_slots * largest;
+    st->mig.init(mc.rates);
+    std::vector<bool> first = st->mig.streamed;
+    kx_stream_cap_runs(first);
+    for (size_t k = 0; k < st->chain.tensors.size(); ++k) {
+        if (st->chain_item[k] >= 0) {
+            // without migration the load put only the streamed ones here
+            st->items[st->chain_item[k]].on = mc.on ? (bool) first[k] : true;
+        }
+    }
+    if (mc.on) {
+        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+        auto get = (const kx_timer_iface * (*)(void)) ggml_backend_reg_get_proc_address(reg, "kx_timer_iface");
+        st->timer   = get ? get() : nullptr;
+        st->migrate = st->timer != nullptr; // (a device without timers keeps the load's choice)
+    }
     {
         std::lock_guard<std::mutex> lk(kx_stream_mu);
         for (const kx_stream::item & x : st->items) {

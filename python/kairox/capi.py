@@ -74,7 +74,7 @@ class Params(ctypes.Structure):  # struct kx_params
     _fields_ = [("sparse", ctypes.c_int32), ("sparse_pack", ctypes.c_char_p), ("vram_budget", ctypes.c_int64),
                 ("gpu_slots", ctypes.c_int64), ("gpu_slots_layers", ctypes.POINTER(ctypes.c_int64)),
                 ("n_gpu_slots_layers", ctypes.c_int32), ("plan", ctypes.c_char_p), ("slots_device", ctypes.c_char_p),
-                ("pinned", ctypes.c_bool), ("warm", ctypes.c_bool), ("stream", ctypes.c_bool),
+                ("pinned", ctypes.c_bool), ("warm", ctypes.c_bool), ("stream", ctypes.c_bool), ("migrate", ctypes.c_bool),
                 ("mapped_share", ctypes.c_float),
                 ("balancer", ctypes.c_int32), ("balance", BalanceParams), ("trace", ctypes.c_char_p),
                 ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),

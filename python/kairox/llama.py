@@ -91,6 +91,9 @@ class KairoxOptions:
     # a VRAM budget of whole tensors (no pack): host tensors the placement picks are copied into
     # a GPU scratch ahead of their use and multiplied there, beside the CPU's own work
     stream: bool = True
+    # ... and which of them stream follows the CPU, GPU and PCIe rates measured over the last
+    # decode steps (runtime migration): a CPU under load leaves more to the GPU, a busy PCIe less
+    migrate: bool = True
     # the balancer's records, appended as JSON lines while running (`kairox report FILE`)
     trace: str | None = None
     # the scheduler's split trace for the whole process, written at exit (`kairox trace FILE`),
@@ -158,7 +161,7 @@ class KairoxOptions:
                              "vram_budget or a plan")
         if self.error_budget is not None and self.sparse in ("exact", "threshold"):
             raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode")
-        for name in ("pinned", "warm", "stream"):
+        for name in ("pinned", "warm", "stream", "migrate"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.trace is not None and not self.balancer:
@@ -220,7 +223,7 @@ class KairoxOptions:
             kp.gpu_slots_layers, kp.n_gpu_slots_layers = arr, len(self.gpu_slots)
         kp.plan = text(self.plan)
         kp.slots_device = text(self.slots_device)
-        kp.pinned, kp.warm, kp.stream = self.pinned, self.warm, self.stream
+        kp.pinned, kp.warm, kp.stream, kp.migrate = self.pinned, self.warm, self.stream, self.migrate
         kp.mapped_share = float(self.mapped_share)
         if self.balancer:
             kp.balancer = capi.BALANCER_MODES.index("adaptive" if self.balancer.adaptive else "fixed")
@@ -482,12 +485,15 @@ class Llama(llama_cpp.Llama):
         return None if r is None else r.decode()
 
     def stream_stats(self) -> dict[str, int]:
-        """The streamed weights of a budget of whole tensors (stream=True): tensors streamed,
-        the device scratch's bytes, the copies queued and their bytes so far (all 0 when the
-        context streams none)."""
-        out = (ctypes.c_int64 * 4)()
+        """The streamed weights of a budget of whole tensors (stream=True): tensors streamed now,
+        the device scratch's bytes, the copies queued and their bytes so far, the tensors a slot
+        holds (those migration may stream), the migrations made (another set streamed), the
+        decode steps measured and the choices made again because the measured rates moved (all 0
+        when the context streams none)."""
+        out = (ctypes.c_int64 * 8)()
         _lib.kx_context_stream_stats(self._ctx.ctx, out)
-        return dict(zip(("tensors", "scratch_bytes", "copies", "copy_bytes"), out))
+        return dict(zip(("tensors", "scratch_bytes", "copies", "copy_bytes", "slotted", "migrations", "steps",
+                         "choices"), out))
 
     def slot_residents(self, il: int) -> list[int]:
         """Neuron ids resident in layer il's slots, in slot order ([] without slots)."""

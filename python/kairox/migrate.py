@@ -189,9 +189,10 @@ def place_fixed(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile) 
     return [n for g, on in zip(groups, on_gpu) if not on for n in g.names]
 
 
-def stream_step(items: list[DenseItem], cpu: list[str], scratch: int, hw: HwProfile) -> tuple[float, list[str]]:
-    """The modelled decode step of a placement (cpu: its host tensors) streaming what the
-    exact choice picks into `scratch` (0: nothing), and the streamed tensors (runs capped)."""
+def host_chain(items: list[DenseItem], cpu: list[str], scratch: int) -> tuple[list[HostTensor], int]:
+    """The host tensors of a placement (cpu) as the migrator's chain, in execution order, and
+    the GPU-resident bytes a step reads. One a slot cannot hold, or an MoE expert tensor (read
+    in part: streamed it would cross PCIe whole), is made larger than the scratch."""
     by_name = {it.name: it for it in items}
     chain, gpu = [], 0
     for n in (n for g in dense_groups(items) for n in g.names):
@@ -200,6 +201,13 @@ def stream_step(items: list[DenseItem], cpu: list[str], scratch: int, hw: HwProf
             gpu += int(it.nbytes * it.read)
             continue
         chain.append(HostTensor(n, it.nbytes if it.read >= 1.0 else scratch + 1, gpu, it.read))
+    return chain, gpu
+
+
+def stream_step(items: list[DenseItem], cpu: list[str], scratch: int, hw: HwProfile) -> tuple[float, list[str]]:
+    """The modelled decode step of a placement (cpu: its host tensors) streaming what the
+    exact choice picks into `scratch` (0: nothing), and the streamed tensors (runs capped)."""
+    chain, gpu = host_chain(items, cpu, scratch)
     chosen, t = stream_choice(chain, hw.rates, gpu, scratch)
     return t, cap_runs(chain, chosen)
 
@@ -208,7 +216,8 @@ def stream_step(items: list[DenseItem], cpu: list[str], scratch: int, hw: HwProf
 class StreamPlacement:
     cpu: list[str]        # the host tensors, the streamed ones among them
     streamed: list[str]   # in execution order
-    scratch: int          # the slots' bytes on the GPU
+    scratch: int          # the slots' bytes on the GPU: two of the largest tensor a slot holds
+    slotted: list[str]    # the host tensors a slot holds: streamed now, or later by migration
     step_s: float         # the modelled decode step
     plain_s: float        # ... of the placement without streaming
 
@@ -219,11 +228,12 @@ def stream_placement(items: list[DenseItem], fixed: int, budget: int, hw: HwProf
     first, three at most) the placement again under the budget less two slots of that size and
     the exact streaming choice over its host tensors (runs capped, cap_runs); the fastest
     modelled one, the plain one when none beats it. An MoE expert tensor (read in part) never
-    streams: it would cross PCIe whole."""
+    streams: it would cross PCIe whole. The scratch is two of the largest tensor a slot of the
+    winner holds (the same choice: no tensor between that and the size tried is on the CPU)."""
     by_name = {it.name: it for it in items}
     cpu = place_fixed(items, fixed, budget, hw)
     plain_s = stream_step(items, cpu, 0, hw)[0]
-    best = StreamPlacement(cpu, [], 0, plain_s, plain_s)
+    best = StreamPlacement(cpu, [], 0, [], plain_s, plain_s)
     if not cpu:
         return best
     sizes = sorted({by_name[n].nbytes for n in cpu if by_name[n].read >= 1.0}, reverse=True)[:3]
@@ -234,7 +244,10 @@ def stream_placement(items: list[DenseItem], fixed: int, budget: int, hw: HwProf
             continue  # the scratch does not fit beside the fixed part
         t, streamed = stream_step(items, cpu_k, SLOTS * size, hw)
         if streamed and t < best.step_s:
-            best = StreamPlacement(cpu_k, streamed, SLOTS * size, t, plain_s)
+            chain, _ = host_chain(items, cpu_k, SLOTS * size)
+            slotted = [h.name for h in chain if h.nbytes <= size]
+            best = StreamPlacement(cpu_k, streamed, SLOTS * max(by_name[n].nbytes for n in slotted), slotted,
+                                   t, plain_s)
     return best
 
 
