@@ -13,7 +13,7 @@
 #   KX_TESTS="tests/test_budget.py"          # also these GPU tests, after the build
 #   KX_STREAM_ALSO="no-stream=--no-kx-stream;no-migrate=--no-kx-migrate"   # the sweep's extra rows
 #   KX_STREAM_STRESS=cpu,pcie                # first bench/migrate_stress.py at the last budget
-#   KX_STREAM_STRESS_ROUNDS=1 KX_STREAM_STRESS_TOKENS=160
+#   KX_STREAM_STRESS_ROUNDS=1 KX_STREAM_STRESS_TOKENS=160 KX_STREAM_STRESS_THREADS=8
 #   KX_DEADLINE=590                          # seconds from the start the sweep must end by
 set -uo pipefail
 . bench/device/env.sh
@@ -44,7 +44,8 @@ for r in "${rows[@]}"; do also+=(--also "$r"); done
 kx_budget_rows "$M" "${b1##*,}" stream "" "${rows[@]#*=}"
 if [ -n "${KX_STREAM_STRESS:-}" ]; then
     python3 bench/migrate_stress.py --model "$M" --budget "${b1##*,}GiB" --stress "$KX_STREAM_STRESS" \
-        --rounds "${KX_STREAM_STRESS_ROUNDS:-1}" --tokens "${KX_STREAM_STRESS_TOKENS:-160}" --out "$OUT"
+        --rounds "${KX_STREAM_STRESS_ROUNDS:-1}" --tokens "${KX_STREAM_STRESS_TOKENS:-160}" \
+        --threads "${KX_STREAM_STRESS_THREADS:-$(nproc)}" --out "$OUT"
 fi
 timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
     --budgets "$b1" --sparse auto "${also[@]}" --bin "$B" --out "$OUT" \

@@ -308,7 +308,8 @@ LLAMA_API int32_t kx_model_params_apply_ctx(struct kx_params * kp, struct llama_
 // Runtime migration's policy (python/kairox/migrate.py Migrator is the reference): n tensors
 // the budget left on the CPU in execution order (bytes, the GPU-resident bytes read before
 // each, the share of each a token reads), the GPU's resident bytes, the scratch buffer, the
-// rates of the load's plan (GB/s), the threshold, cooldown and window of the re-estimate.
+// rates of the load's plan (GB/s), the threshold, cooldown and window of the re-estimate, and
+// the least modelled gain of a new set over the current one.
 // NULL for bad arguments. Each decode step's measurements go to kx_migrate_step (1: a new
 // choice was made, 0: none, -1: bad state); kx_migrate_streamed fills the current choice
 // (n flags) and returns how many stream.
@@ -317,7 +318,7 @@ LLAMA_API struct kx_migrate_state * kx_migrate_new(const int64_t * nbytes, const
                                                    const double * read, int32_t n, int64_t gpu_bytes,
                                                    int64_t scratch_bytes, double cpu_gbs, double gpu_gbs,
                                                    double pcie_gbs, double threshold, int32_t cooldown,
-                                                   int32_t window);
+                                                   int32_t window, double min_gain);
 LLAMA_API int32_t kx_migrate_step(struct kx_migrate_state * st, double cpu_bytes, double cpu_s, double gpu_bytes,
                                   double gpu_s, double copy_bytes, double copy_s);
 LLAMA_API int32_t kx_migrate_streamed(const struct kx_migrate_state * st, bool * streamed, int32_t n);

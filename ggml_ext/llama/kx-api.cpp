@@ -340,7 +340,7 @@ int32_t kx_context_stream_stats(const llama_context * ctx, int64_t * out) {
     out[4] = s ? (int64_t) s->items.size() : 0;
     out[5] = s ? s->n_migrations : 0;
     out[6] = s ? s->n_steps : 0;
-    out[7] = s ? s->n_choices : 0;
+    out[7] = s ? s->mig.n_moved : 0;
     return s ? 1 : 0;
 }
 

@@ -1,7 +1,7 @@
 // Runtime migration's policy (ATSInfer), the C++ port of python/kairox/migrate.py: the same
 // rate window, threshold, cooldown and exact streaming choice, compared step for step on
 // modelled decodes (tests/test_migrate.py). The load's streaming choice (kx-stream.cpp) is
-// kx_migrate_choose; the re-estimate (kx_migrator) is not fed by the runtime yet.
+// kx_migrate_choose; the streaming engine there feeds kx_migrator each decode step.
 #include "kairox.h"
 #include "kx-migrate.h"
 
@@ -54,10 +54,28 @@ double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migr
     return front[0].e + (double) (gpu_bytes - done) / (r.gpu_gbs * kx_gb);
 }
 
+double kx_migrate_step_time(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,
+                            const std::vector<bool> & streamed) {
+    double elapsed = 0.0, copy_end = 0.0;
+    int64_t done = 0;
+    for (size_t i = 0; i < t.size(); ++i) {
+        elapsed += (double) (t[i].gpu_bytes_before - done) / (r.gpu_gbs * kx_gb);
+        done = t[i].gpu_bytes_before;
+        const double rb = (double) t[i].nbytes * t[i].read;
+        if (streamed[i]) {
+            copy_end += (double) t[i].nbytes / (r.pcie_gbs * kx_gb);
+            elapsed = std::max(elapsed, copy_end) + rb / (r.gpu_gbs * kx_gb);
+        } else {
+            elapsed += rb / (r.cpu_gbs * kx_gb);
+        }
+    }
+    return elapsed + (double) (gpu_bytes - done) / (r.gpu_gbs * kx_gb);
+}
+
 void kx_migrator::init(const kx_migrate_rates & r) {
     rates = seen = r;
     samples.clear();
-    steps = last = 0;
+    steps = last = n_moved = 0;
     kx_migrate_choose(tensors, rates, gpu_bytes, scratch_bytes, streamed);
 }
 
@@ -83,7 +101,13 @@ bool kx_migrator::step(const kx_migrate_sample & s) {
     }
     rates = seen;
     last  = steps;
-    kx_migrate_choose(tensors, rates, gpu_bytes, scratch_bytes, streamed);
+    n_moved += 1;
+    std::vector<bool> st;
+    const double t = kx_migrate_choose(tensors, rates, gpu_bytes, scratch_bytes, st);
+    if (t > (1.0 - min_gain) * kx_migrate_step_time(tensors, rates, gpu_bytes, streamed)) {
+        return false; // hardly faster at these rates: not worth a new split
+    }
+    streamed = st;
     return true;
 }
 
@@ -93,9 +117,10 @@ struct kx_migrate_state {
 
 kx_migrate_state * kx_migrate_new(const int64_t * nbytes, const int64_t * gpu_bytes_before, const double * read,
                                   int32_t n, int64_t gpu_bytes, int64_t scratch_bytes, double cpu_gbs, double gpu_gbs,
-                                  double pcie_gbs, double threshold, int32_t cooldown, int32_t window) {
+                                  double pcie_gbs, double threshold, int32_t cooldown, int32_t window,
+                                  double min_gain) {
     if (n < 0 || (n > 0 && (!nbytes || !gpu_bytes_before || !read)) || cpu_gbs <= 0 || gpu_gbs <= 0 ||
-        pcie_gbs <= 0 || threshold < 0 || cooldown < 0 || window < 1) {
+        pcie_gbs <= 0 || threshold < 0 || cooldown < 0 || window < 1 || !(min_gain >= 0 && min_gain < 1)) {
         return nullptr;
     }
     auto st = std::make_unique<kx_migrate_state>();
@@ -107,6 +132,7 @@ kx_migrate_state * kx_migrate_new(const int64_t * nbytes, const int64_t * gpu_by
     st->m.threshold     = threshold;
     st->m.cooldown      = cooldown;
     st->m.window        = window;
+    st->m.min_gain      = min_gain;
     st->m.init({ cpu_gbs, gpu_gbs, pcie_gbs });
     return st.release();
 }

@@ -30,6 +30,9 @@ struct kx_migrate_sample {
 // returns the modelled step seconds
 double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,
                          int64_t scratch_bytes, std::vector<bool> & streamed);
+// the modelled step with this set streamed (kairox.migrate.step_time)
+double kx_migrate_step_time(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,
+                            const std::vector<bool> & streamed);
 
 struct kx_migrator {
     std::vector<kx_migrate_tensor> tensors;
@@ -38,6 +41,8 @@ struct kx_migrator {
     double  threshold     = 0.15; // relative change of a rate that makes the choice again
     int32_t cooldown      = 5;    // decode steps at least between two choices
     int32_t window        = 8;    // steps the rates are estimated over
+    double  min_gain      = 0.03; // a new set must model this much faster than the current one at
+                                  // the new rates (a change re-splits the graph; see migrate.py)
 
     kx_migrate_rates rates;       // those of the current choice
     kx_migrate_rates seen;        // the last estimate (a side with no work keeps it)
@@ -45,8 +50,10 @@ struct kx_migrator {
     std::deque<kx_migrate_sample> samples;
     int64_t steps = 0;
     int64_t last  = 0;
+    int64_t n_moved = 0;          // re-estimates past the threshold (a new set or not)
 
     void init(const kx_migrate_rates & r);
-    // feed one step; true when it made a new choice (streamed holds it)
+    // feed one step; true when it made a new choice (streamed holds it): the rates moved past
+    // the threshold and the best set at them beats the current one by min_gain
     bool step(const kx_migrate_sample & s);
 };

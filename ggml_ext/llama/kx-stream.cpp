@@ -250,6 +250,9 @@ void kx_stream::graph(ggml_cgraph * g) {
         }
     }
     decode = !offloaded;
+    // the first steps of a graph split anew run slower (CUDA graphs are captured, caches cold):
+    // their rates would make the migrator move again for nothing
+    settle = decode ? kx_stream_settle : 0;
     const bool on = !use.empty() && longest <= n_slots;
     if (!on && longest > n_slots && !use.empty() && !warned && decode) {
         LLAMA_LOG_WARN("kairox: %d streamed tensors in a row exceed the scratch's %d slots; this graph "
@@ -394,6 +397,8 @@ void kx_stream::tick() {
         if (decode) {
             // the bytes each side reads in this graph (split already: pos is its order of use)
             step_rec r = { n_steps++ };
+            r.skip = settle > 0;
+            settle = std::max(0, settle - 1);
             double on_bytes = 0;
             for (size_t k = 0; k < chain.tensors.size(); ++k) {
                 const kx_migrate_tensor & t = chain.tensors[k];
@@ -426,12 +431,15 @@ void kx_stream::tick() {
     // complete steps to the migrator, in order; a step not timed has no GPU or copy sample
     while (!steps.empty() && steps.front().closed && steps.front().open == 0) {
         kx_migrate_sample s = steps.front().s;
+        const bool skip = steps.front().skip;
         steps.pop_front();
+        if (skip) {
+            continue;
+        }
         if (s.gpu_s <= 0) {
             s.gpu_bytes = 0;
         }
         if (mig.step(s)) {
-            n_choices += 1;
             apply(mig.streamed);
         }
     }

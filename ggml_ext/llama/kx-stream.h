@@ -27,6 +27,8 @@ struct llama_context;
 
 // scratch slots: one tensor in use, the next arriving
 static constexpr int32_t kx_stream_slots = 2;
+// decode steps after a graph is split anew that migration does not sample
+static constexpr int32_t kx_stream_settle = 3;
 
 // The host tensors of a placement as the migrator's chain (execution order): each with the
 // GPU-resident bytes read before it; one a slot cannot hold (or an MoE expert tensor, read in
@@ -89,6 +91,7 @@ struct kx_stream {
         kx_migrate_sample s = {};
         int32_t           open = 0;    // spans not read back yet
         bool              closed = false; // the next graph started
+        bool              skip   = false; // not fed: the graph was split anew just before
     };
     ggml_backend_sched_t  sched   = nullptr;
     ggml_backend_dev_t    dev     = nullptr;
@@ -126,8 +129,8 @@ struct kx_stream {
     int64_t               cpu_ns  = 0;       // ... its CPU split time then
     bool                  decode  = false;   // the current graph is a decode step (no offload)
     int64_t               n_steps = 0;
-    int64_t               n_choices    = 0; // the rates moved past the threshold: the choice made again
-    int64_t               n_migrations = 0; // ... and another set streamed
+    int64_t               n_migrations = 0; // another set streamed (mig.n_moved: the rates moved)
+    int32_t               settle       = 0; // decode steps not sampled after a graph was split anew
 
     ~kx_stream();
     void graph(ggml_cgraph * g);

@@ -119,7 +119,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_stream_place": ([P(ctypes.c_char_p), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double,
                              ctypes.c_double, ctypes.c_double, ctypes.c_double, P(ctypes.c_int8), P(i64)], i32),
         "kx_migrate_new": ([P(i64), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double, ctypes.c_double,
-                            ctypes.c_double, ctypes.c_double, i32, i32], vp),
+                            ctypes.c_double, ctypes.c_double, i32, i32, ctypes.c_double], vp),
         "kx_migrate_step": ([vp] + [ctypes.c_double] * 6, i32),
         "kx_migrate_streamed": ([vp, P(ctypes.c_bool), i32], i32),
         "kx_migrate_free": ([vp], None),

@@ -40,6 +40,12 @@ class MigrateConfig:
     threshold: float = 0.15  # relative change of a rate that makes the choice again
     cooldown: int = 5        # decode steps at least between two choices
     window: int = 8          # steps the rates are estimated over
+    # a new set must model at least this much faster than keeping the current one at the new
+    # rates: a change costs a graph split anew and a CUDA graph capture, and the measured rates
+    # move with the set itself (fewer CPU tensors, more fixed cost per byte), so without it the
+    # runtime went back and forth (KB-7B F16 at 7 GiB under a PCIe stress: 21 changes in 150
+    # steps)
+    min_gain: float = 0.03
 
 
 @dataclass(frozen=True)
@@ -274,10 +280,12 @@ class Migrator:
         self.streamed, _ = stream_choice(self.tensors, self.rates, self.gpu_bytes, self.scratch_bytes)
         self.steps = 0
         self.last = 0
+        self.moved_n = 0  # re-estimates past the threshold (a new set or not)
 
     def step(self, s: StepSample) -> Choice | None:
-        """Feed one step; a new choice when the rates moved past the threshold and the last
-        choice is at least `cooldown` steps old (the window full), else None."""
+        """Feed one step; a new choice when the rates moved past the threshold, the last
+        re-estimate is at least `cooldown` steps old (the window full) and the best set at the
+        new rates models `min_gain` faster than the current one, else None."""
         self.steps += 1
         self.tracker.add(s)
         if not self.tracker.full() or self.steps - self.last < self.cfg.cooldown:
@@ -286,7 +294,10 @@ class Migrator:
         if moved(self.rates, now) <= self.cfg.threshold:
             return None
         self.rates, self.last = now, self.steps
+        self.moved_n += 1
         streamed, seconds = stream_choice(self.tensors, now, self.gpu_bytes, self.scratch_bytes)
+        if seconds > (1.0 - self.cfg.min_gain) * step_time(self.tensors, set(self.streamed), now, self.gpu_bytes)[0]:
+            return None  # hardly faster at these rates: not worth a new split
         c = Choice(self.steps, now, streamed, [n for n in streamed if n not in self.streamed],
                    [n for n in self.streamed if n not in streamed], seconds)
         self.streamed = streamed
