@@ -310,7 +310,7 @@ def test_streamed_tensors_compute_what_the_cpu_computes(tmp_path: Path) -> None:
     budget = base + margin_for(0) + 16 * MiB - sum(mats.values()) // 2
     plain, off, where_plain = decode(budget, stream=False)
     mapped, off_mapped, _ = decode(budget, pinned=False)  # streaming needs the page-locked load
-    got, st, where = decode(budget, migrate=False)
+    got, st, where = decode(budget)
     assert off["tensors"] == 0 and off_mapped["tensors"] == 0 and "KX_Host_Pinned" not in where_plain.values()
     streamed = [t for t, b in where.items() if b == "KX_Host_Pinned"]  # (without migration: those streamed)
     assert st["tensors"] == st["slotted"] == len(streamed) > 0, (st, where)
@@ -330,7 +330,7 @@ def test_streamed_tensors_compute_what_the_cpu_computes(tmp_path: Path) -> None:
     # all-GPU run's.
     prof = tmp_path / "slow-cpu.json"
     prof.write_text(json.dumps({"cpu_gbs": 2.0, "gpu_gbs": 2000.0, "pcie_gbs": 50.0, "handoff_us": 20.0}))
-    moved, mst, mwhere = decode(budget, hw_profile=str(prof))
+    moved, mst, mwhere = decode(budget, hw_profile=str(prof), migrate=True)
     slotted = [t for t, b in mwhere.items() if b == "KX_Host_Pinned"]
     assert mst["slotted"] == len(slotted) >= mst["tensors"] > 0, mst
     assert mst["steps"] >= len(toks) - 1 and mst["choices"] >= 1, mst

@@ -11,7 +11,7 @@
 #   KX_STREAM_BUDGETS="4,7"                  # GiB (the sweep's)
 #   KX_STREAM_ROUNDS=3                       # interleaved rounds of the sweep
 #   KX_TESTS="tests/test_budget.py"          # also these GPU tests, after the build
-#   KX_STREAM_ALSO="no-stream=--no-kx-stream;no-migrate=--no-kx-migrate"   # the sweep's extra rows
+#   KX_STREAM_ALSO="no-stream=--no-kx-stream;migrate=--kx-migrate"   # the sweep's extra rows
 #   KX_STREAM_STRESS=cpu,pcie                # first bench/migrate_stress.py at the last budget
 #   KX_STREAM_STRESS_ROUNDS=1 KX_STREAM_STRESS_TOKENS=160 KX_STREAM_STRESS_THREADS=8
 #   KX_DEADLINE=590                          # seconds from the start the sweep must end by

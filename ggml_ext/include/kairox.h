@@ -250,7 +250,8 @@ struct kx_params {
                                        // into a GPU scratch ahead of their use and multiplied there (default
                                        // true; with pinned only: the model is then read, not mapped)
     bool            migrate;           // ... and which of them stream follows the CPU, GPU and PCIe rates measured
-                                       // over the last decode steps (runtime migration; default true)
+                                       // over the last decode steps (runtime migration; default false: it
+                                       // has not yet measured faster, docs/ARCHITECTURE.md)
     float           mapped_share;      // hybrid: share of the host side the GPU reads over PCIe, [0, 1)
     int32_t         balancer;          // enum kx_balancer_mode (default off)
     struct kx_balance_params balance;  // the balancer's settings (balance.tam.adaptive follows `balancer`)

@@ -35,7 +35,7 @@ struct kx_params kx_params_default(void) {
     kp.pinned = true;
     kp.warm = true;
     kp.stream = true;
-    kp.migrate = true;
+    kp.migrate = false;
     kp.balancer = KX_BALANCER_OFF;
     // the balancer's defaults (python/kairox/balancer.py: BalancerConfig)
     kp.balance.tam = { 0.5f, 0.01f, 0.05f, 0.005f, 0.05f, 0.95f, 1, -1 };

@@ -208,61 +208,51 @@ int32_t kx_stream::n_on() const {
 }
 
 void kx_stream::graph(ggml_cgraph * g) {
-    // tensors not streamed point home first: the scan sees them as the host weights they are
-    for (item & x : items) {
-        if (!x.on) {
-            x.t->buffer = x.host_buf;
-            x.t->data   = x.host;
-        }
-    }
-    // the order of use, and the longest run between two ops the CPU keeps (a weight in host
-    // memory that the device would not offload for this batch); a graph whose ops on these
-    // weights the device offloads (a prompt batch) is no decode step
-    ++scan;
-    std::vector<int32_t> use;
-    int32_t run = 0, longest = 0;
+    // a graph whose ops on these tensors the device offloads (a prompt batch: it copies the
+    // host copies itself) streams none of them
     bool offloaded = false;
-    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+    for (int i = 0; i < ggml_graph_n_nodes(g) && !offloaded; ++i) {
         ggml_tensor * node = ggml_graph_node(g, i);
-        int32_t off = -1; // ggml_backend_dev_offload_op(dev, node), asked once
-        auto offload = [&]() {
-            if (off < 0) {
-                off = ggml_backend_dev_offload_op(dev, node) ? 1 : 0;
-            }
-            return off == 1;
-        };
-        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; ++k) {
-            const ggml_tensor * s = node->src[k];
-            const int32_t it = of(s);
-            if (it >= 0 && offload()) {
-                offloaded = true;
-            }
-            if (it >= 0 && items[it].on) {
-                if (seen[it] != scan) {
-                    seen[it] = scan;
-                    use.push_back(it);
-                    longest = std::max(longest, ++run);
-                }
-            } else if (s->buffer && ggml_backend_buffer_get_usage(s->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS &&
-                       ggml_backend_buffer_is_host(s->buffer) && !offload()) {
-                run = 0;
-            }
+        for (int k = 0; k < GGML_MAX_SRC && node->src[k] && !offloaded; ++k) {
+            offloaded = of(node->src[k]) >= 0 && ggml_backend_dev_offload_op(dev, node);
         }
     }
     decode = !offloaded;
     // the first steps of a graph split anew run slower (CUDA graphs are captured, caches cold):
     // their rates would make the migrator move again for nothing
     settle = decode ? kx_stream_settle : 0;
-    const bool on = !use.empty() && longest <= n_slots;
-    if (!on && longest > n_slots && !use.empty() && !warned && decode) {
-        LLAMA_LOG_WARN("kairox: %d streamed tensors in a row exceed the scratch's %d slots; this graph "
-                       "reads them from host memory\n", longest, n_slots);
-        warned = true;
+    // The order of use. A streamed tensor takes the next slot unless kx_stream_slots of them
+    // ran in a row without an op on a host weight between (one device split would read them
+    // all at once): then the CPU multiplies it in this graph, which ends the run. The choice
+    // caps runs in its chain's order, which is not always the graph's (a layer's gate and up
+    // are one group there, by name; the graph runs up first).
+    ++scan;
+    std::vector<int32_t> use;
+    int32_t run = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(g) && decode; ++i) {
+        ggml_tensor * node = ggml_graph_node(g, i);
+        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; ++k) {
+            const ggml_tensor * s = node->src[k];
+            const int32_t it = of(s);
+            if (it >= 0 && seen[it] == scan) {
+                continue; // read before: placed then
+            }
+            if (it >= 0) {
+                seen[it] = scan;
+            }
+            if (it >= 0 && items[it].on && run < n_slots) {
+                use.push_back(it);
+                run += 1;
+            } else if (it >= 0 || (s->buffer && ggml_backend_buffer_get_usage(s->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS &&
+                                   ggml_backend_buffer_is_host(s->buffer))) {
+                run = 0; // an op the CPU computes: a split boundary
+            }
+        }
     }
     for (item & x : items) {
         x.pos = -1;
     }
-    order = on ? use : std::vector<int32_t>();
+    order = use;
     for (size_t p = 0; p < order.size(); ++p) {
         items[order[p]].pos = (int32_t) p;
     }

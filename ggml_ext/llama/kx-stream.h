@@ -108,7 +108,6 @@ struct kx_stream {
     std::vector<int32_t>  cur;     // the items of the view being queued (before -> after)
     std::vector<int64_t>  seen;    // per item: the scan that saw it last
     int64_t               scan     = 0;
-    bool                  warned   = false;
     int64_t               n_copies = 0;
     int64_t               copy_bytes = 0;
     kx_sched_stream       hook = {};

@@ -92,8 +92,9 @@ class KairoxOptions:
     # a GPU scratch ahead of their use and multiplied there, beside the CPU's own work
     stream: bool = True
     # ... and which of them stream follows the CPU, GPU and PCIe rates measured over the last
-    # decode steps (runtime migration): a CPU under load leaves more to the GPU, a busy PCIe less
-    migrate: bool = True
+    # decode steps (runtime migration: a CPU under load leaves more to the GPU, a busy PCIe less;
+    # off by default until it measures faster, docs/ARCHITECTURE.md)
+    migrate: bool = False
     # the balancer's records, appended as JSON lines while running (`kairox report FILE`)
     trace: str | None = None
     # the scheduler's split trace for the whole process, written at exit (`kairox trace FILE`),

@@ -83,8 +83,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 hybrid["warm"] = False
             if not args.stream:
                 hybrid["stream"] = False
-            if not args.migrate:
-                hybrid["migrate"] = False
+            if args.migrate:
+                hybrid["migrate"] = True
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
                 hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
             llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
@@ -248,9 +248,9 @@ def register(sub) -> None:
     p.add_argument("--no-kx-stream", dest="stream", action="store_false",
                    help="a budget of whole tensors (a model without a pack): do not stream host-resident "
                    "tensors to the GPU through a scratch buffer beside the CPU's work")
-    p.add_argument("--no-kx-migrate", dest="migrate", action="store_false",
-                   help="streamed tensors: keep the load's choice instead of following the CPU, GPU and PCIe "
-                   "rates measured while decoding (runtime migration)")
+    p.add_argument("--kx-migrate", dest="migrate", action="store_true",
+                   help="streamed tensors: follow the CPU, GPU and PCIe rates measured while decoding instead of "
+                   "keeping the load's choice (runtime migration; off by default)")
     p.add_argument("--mapped-share", type=float, default=0.0, metavar="F",
                    help="hybrid: the GPU also computes this share (0-1, by activation frequency) of the "
                    "host-side neurons, reading their rows from the page-locked host weights over PCIe "
