@@ -115,6 +115,13 @@ kx_dev_bytes kx_dev_buffers(llama_context * ctx, ggml_backend_dev_t dev) {
     return b;
 }
 
+kx_place_item kx_place_item_of(const llama_model & model, const std::string & name, const ggml_tensor * t) {
+    const llama_hparams & hp = model.hparams;
+    const int il = kx_tensor_layer(name).first;
+    const bool expert = t->ne[2] > 1 && name.find("_exps") != std::string::npos && hp.n_expert > 0 && il >= 0;
+    return { name, (int64_t) ggml_nbytes(t), expert ? (double) hp.n_expert_used((uint32_t) il) / hp.n_expert : 1.0 };
+}
+
 kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_params & cp, const char * model_path,
                         ggml_backend_dev_t dev) {
     // the dry run, quiet: llama.cpp's load log would repeat the real load's
@@ -148,11 +155,7 @@ kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_pa
         if (!t->buffer || !kx_buft_on_dev(ggml_backend_buffer_get_type(t->buffer), dev) || t->ne[1] <= 1) {
             continue;
         }
-        const llama_hparams & hp = model->hparams;
-        const int il = kx_tensor_layer(name).first;
-        const bool expert = t->ne[2] > 1 && name.find("_exps") != std::string::npos && hp.n_expert > 0 && il >= 0;
-        d.items.push_back({ name, (int64_t) ggml_nbytes(t),
-                            expert ? (double) hp.n_expert_used((uint32_t) il) / hp.n_expert : 1.0 });
+        d.items.push_back(kx_place_item_of(*model, name, t));
         d.movable += (int64_t) ggml_nbytes(t);
     }
     llama_free(ctx);

@@ -64,6 +64,8 @@ struct kx_place_item {
     int64_t     bytes;
     double      read;
 };
+// a model's matrix as an item (the share of it a token reads from the model's experts)
+kx_place_item kx_place_item_of(const llama_model & model, const std::string & name, const ggml_tensor * t);
 struct kx_dry_sizes : kx_dev_bytes {
     int64_t movable = 0; // bytes of items
     std::vector<kx_place_item> items;

@@ -497,18 +497,15 @@ kx_stream::~kx_stream() {
 static std::vector<kx_place_item> kx_stream_model_items(const llama_model & model, ggml_backend_dev_t dev,
                                                         std::vector<std::string> & cpu) {
     std::vector<kx_place_item> items;
-    const llama_hparams & hp = model.hparams;
     for (const auto & [name, t] : model.tensors_by_name) {
         if (!t->buffer || t->ne[1] <= 1) {
             continue;
         }
-        const int il = kx_tensor_layer(name).first;
         const bool on_dev = kx_buft_on_dev(ggml_backend_buffer_get_type(t->buffer), dev);
-        if (!on_dev && il < 0 && name != "output.weight") {
+        if (!on_dev && kx_tensor_layer(name).first < 0 && name != "output.weight") {
             continue;
         }
-        const bool expert = t->ne[2] > 1 && name.find("_exps") != std::string::npos && hp.n_expert > 0 && il >= 0;
-        items.push_back({ name, (int64_t) ggml_nbytes(t), expert ? (double) hp.n_expert_used((uint32_t) il) / hp.n_expert : 1.0 });
+        items.push_back(kx_place_item_of(model, name, t));
         if (!on_dev) {
             cpu.push_back(name);
         }
@@ -561,29 +558,34 @@ std::shared_ptr<kx_stream> kx_stream_start(llama_context * ctx, ggml_backend_dev
     }
     ggml_backend_buffer_set_usage(st->scratch, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
 
-    // the load's choice again from the same chain and rates (kx_stream_choose made it so), and
-    // the migrator that may change it; the chain's scratch is the load's (two of the largest)
-    std::vector<std::string> cpu;
-    const std::vector<kx_place_item> all = kx_stream_model_items(model, dev, cpu);
-    st->chain = kx_stream_chain_of(all, cpu, (int64_t) kx_stream_slots * largest);
-    for (const std::string & n : st->chain.names) {
-        const ggml_tensor * t = model.get_tensor(n.c_str());
-        auto it = t ? st->index.find(t) : st->index.end();
-        st->chain_item.push_back(it == st->index.end() ? -1 : it->second);
-    }
-    st->mig.tensors       = st->chain.tensors;
-    st->mig.gpu_bytes     = st->chain.gpu_bytes;
-    st->mig.scratch_bytes = (int64_t) kx_stream_slots * largest;
-    st->mig.init(mc.rates);
-    std::vector<bool> first = st->mig.streamed;
-    kx_stream_cap_runs(first);
-    for (size_t k = 0; k < st->chain.tensors.size(); ++k) {
-        if (st->chain_item[k] >= 0) {
-            // without migration the load put only the streamed ones here
-            st->items[st->chain_item[k]].on = mc.on ? (bool) first[k] : true;
+    if (!mc.on) {
+        // without migration the load put only the streamed ones here
+        for (kx_stream::item & x : st->items) {
+            x.on = true;
         }
-    }
-    if (mc.on) {
+    } else {
+        // the load's choice again from the same chain and rates (kx_stream_choose made it so),
+        // and the migrator that may change it; the chain's scratch is the load's (two of the
+        // largest)
+        std::vector<std::string> cpu;
+        const std::vector<kx_place_item> all = kx_stream_model_items(model, dev, cpu);
+        st->chain = kx_stream_chain_of(all, cpu, (int64_t) kx_stream_slots * largest);
+        for (const std::string & n : st->chain.names) {
+            const ggml_tensor * t = model.get_tensor(n.c_str());
+            auto it = t ? st->index.find(t) : st->index.end();
+            st->chain_item.push_back(it == st->index.end() ? -1 : it->second);
+        }
+        st->mig.tensors       = st->chain.tensors;
+        st->mig.gpu_bytes     = st->chain.gpu_bytes;
+        st->mig.scratch_bytes = (int64_t) kx_stream_slots * largest;
+        st->mig.init(mc.rates);
+        std::vector<bool> first = st->mig.streamed;
+        kx_stream_cap_runs(first);
+        for (size_t k = 0; k < st->chain.tensors.size(); ++k) {
+            if (st->chain_item[k] >= 0) {
+                st->items[st->chain_item[k]].on = first[k];
+            }
+        }
         ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
         auto get = (const kx_timer_iface * (*)(void)) ggml_backend_reg_get_proc_address(reg, "kx_timer_iface");
         st->timer   = get ? get() : nullptr;
