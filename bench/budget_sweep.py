@@ -28,12 +28,12 @@ from offload import MiB, Layout, ffn_cpu_flags, find_ffn_cpu, find_ngl  # noqa: 
 from tools_bench import add_run_args, bench_row, commit  # noqa: E402
 
 
-def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float,
-               sparse: str, prompt: int = 0, flags: list[str] | None = None) -> tuple[list[str], float | None, str]:
+def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float, sparse: str, prompt: int = 0,
+               flags: list[str] | None = None, peak: list | None = None) -> tuple[list[str], float | None, str]:
     extra = ["--vram-budget", f"{budget_gib:g}GiB", *(["--sparse", sparse] if sparse != "auto" else []), "-fa", "1",
              *(flags or [])]
     try:
-        cmd, ts = bench_row(exe, model, gen, threads, extra, prompt)
+        cmd, ts = bench_row(exe, model, gen, threads, extra, prompt, peak)
         return cmd, ts, ""
     except RuntimeError as e:  # a refused budget (its message) or a failed run: the result either way
         msg = str(e)
@@ -76,19 +76,23 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
         budgets_out.append({
             "budget_gib": r["budget_gib"], "ngl_search": r["ngl_search"], "ffn_cpu_search": r["ffn_cpu_search"],
             "kairox": {"command": " ".join(kx["cmd"]), "tok_s": kx["tok_s"], "error": kx["error"],
+                       "peak_mib": kx["peak_mib"],
                        "median": statistics.median(kx["tok_s"]) if kx["tok_s"] else None,
                        "pp_tok_s": kx["pp"], "pp_median": statistics.median(kx["pp"]) if kx["pp"] else None},
             "llama": {"flags": best, "command": " ".join(lr["cmd"]), "tok_s": lr["tok_s"],
                       "median": statistics.median(lr["tok_s"]),
                       "all": {f: v["tok_s"] for f, v in r["llama"].items()},
+                      "peak_mib_all": {f: v["peak_mib"] for f, v in r["llama"].items()},
                       "pp_all": {f: v["pp"] for f, v in r["llama_pp"].items() if v["pp"]}},
             "prefill_search": r.get("prefill_search"),
             "also": {k: {"command": " ".join(v["cmd"] or []), "tok_s": v["tok_s"], "error": v["error"],
+                         "peak_mib": v["peak_mib"],
                          "median": statistics.median(v["tok_s"]) if v["tok_s"] else None}
                      for k, v in r["also"].items()}})
     res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": model.name,
            "model_mib": round(model.stat().st_size / MiB), "sparse": args.sparse, "gen": args.gen,
-           "threads": args.threads, "rounds": args.rounds, "budgets": budgets_out}
+           "threads": args.threads, "rounds": args.rounds, "ngl0_peak_mib": getattr(args, "ctx_peak_mib", None),
+           "budgets": budgets_out}
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     also = list(rows[0]["also"]) if rows else []
     lines = [f"# {model.name} ({res['model_mib']} MiB): decode against the VRAM budget", "",
@@ -104,6 +108,18 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
                        for v in b["also"].values())
         lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {cols}{lr['median']:.2f}{spread(lr['tok_s'])} "
                      f"(`{lr['flags']}`) | {ratio} |")
+    peaks = [b for b in budgets_out if b["kairox"]["peak_mib"]]
+    if peaks:
+        lines += ["", "The GPU's peak memory use during each row over the idle GPU's, MiB (median; CUDA context, "
+                  "pools and workspaces included, as a card of that size must hold them; llama.cpp at `-ngl 0` "
+                  f"took {res['ngl0_peak_mib'] if res['ngl0_peak_mib'] is not None else '-'}):", "",
+                  "| budget | kairox-bench | " + "".join(f"kairox {a} | " for a in also) + "llama.cpp (flags) |",
+                  "|---:|---:|" + "---:|" * len(also) + "---|"]
+        med = lambda v: f"{statistics.median(v):.0f}" if v else "-"  # noqa: E731
+        for b in peaks:
+            ll = ", ".join(f"`{f}` {med(v)}" for f, v in b["llama"]["peak_mib_all"].items())
+            lines.append(f"| {b['budget_gib']:g} GiB | {med(b['kairox']['peak_mib'])} | "
+                         + "".join(f"{med(v['peak_mib'])} | " for v in b["also"].values()) + f"{ll} |")
     if args.prefill:
         lines += ["", f"Prefill of {args.prefill} tokens (llama-bench -p {args.prefill} -n 0), tok/s; llama.cpp's "
                   "placements searched again at the prefill's context (its compute buffers are larger):", "",
@@ -147,6 +163,11 @@ def main() -> int:
     budgets = [float(b) for b in args.budgets.split(",")]
     also = dict(a.split("=", 1) for a in args.also)
     t0 = time.time()
+    # what holding the GPU costs without weights on it (CUDA context, llama.cpp's buffers at
+    # -ngl 0): the peaks below include it, the budgets do not
+    ctx_peak: list = []
+    bench_row(exe, str(model), 1, args.threads, ["-ngl", "0"], peak=ctx_peak)
+    args.ctx_peak_mib = ctx_peak[0] if ctx_peak else None
     rows = []
     for b in budgets:
         ngl, _, search = find_ngl(str(exe), model, lay, b * 1024, args.threads, n_gen=args.gen)
@@ -159,9 +180,10 @@ def main() -> int:
             pp_places = [["-ngl", str(ngl_pp)]] + ([ffn_cpu_flags(lay, k_pp)] if k_pp is not None else [])
             pp_search = {"ngl": s1, "ffn_cpu": s2}
         rows.append({"budget_gib": b, "ngl_search": search, "ffn_cpu_search": ffn_search, "prefill_search": pp_search,
-                     "kairox": {"tok_s": [], "cmd": None, "error": "", "pp": []},
-                     "also": {k: {"tok_s": [], "cmd": None, "error": ""} for k in also},
-                     "llama": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "tok_s": [], "cmd": None}
+                     "kairox": {"tok_s": [], "cmd": None, "error": "", "pp": [], "peak_mib": []},
+                     "also": {k: {"tok_s": [], "cmd": None, "error": "", "peak_mib": []} for k in also},
+                     "llama": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "tok_s": [], "cmd": None,
+                                                          "peak_mib": []}
                                for p in placements for f in ("0", "1")},
                      "llama_pp": {" ".join([*p, "-fa", f]): {"args": [*p, "-fa", f], "pp": []}
                                   for p in pp_places for f in ("0", "1")}})
@@ -169,7 +191,8 @@ def main() -> int:
               flush=True)
     for k in range(args.rounds):
         for r in rows:
-            cmd, ts, err = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"], args.sparse)
+            cmd, ts, err = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"], args.sparse,
+                                      peak=r["kairox"]["peak_mib"])
             r["kairox"]["cmd"], r["kairox"]["error"] = cmd, err
             if ts is not None:
                 r["kairox"]["tok_s"].append(ts)
@@ -179,10 +202,10 @@ def main() -> int:
                     r["kairox"]["pp"] += [pp] if pp is not None else []
             for label, ar in r["also"].items():
                 ar["cmd"], t, ar["error"] = kairox_row(exe, str(model), args.gen, args.threads, r["budget_gib"],
-                                                       args.sparse, flags=also[label].split())
+                                                       args.sparse, flags=also[label].split(), peak=ar["peak_mib"])
                 ar["tok_s"] += [t] if t is not None else []
             for lr in r["llama"].values():
-                lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, lr["args"])
+                lr["cmd"], t = bench_row(exe, str(model), args.gen, args.threads, lr["args"], peak=lr["peak_mib"])
                 lr["tok_s"].append(t)
             for lr in r["llama_pp"].values():
                 lr["pp"].append(bench_row(exe, str(model), args.gen, args.threads, lr["args"], args.prefill)[1])

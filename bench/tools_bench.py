@@ -39,12 +39,50 @@ def commit() -> str:
         return os.environ.get("KX_COMMIT", "unknown")
 
 
+class DevicePeak:
+    """The GPU's peak memory use while a row runs, over what it used before (MiB), from
+    `nvidia-smi -lms` (the GPU machine runs one row at a time, so the difference is the row's:
+    its CUDA context, buffers, pools and workspaces, what a card of that size must hold).
+    `mib` stays None without nvidia-smi."""
+
+    def __init__(self, period_ms: int = 20) -> None:
+        self.period_ms, self.mib, self._proc, self._base = period_ms, None, None, None
+
+    @staticmethod
+    def _used() -> float | None:
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=20)
+            return float(r.stdout.split()[0])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
+
+    def __enter__(self) -> "DevicePeak":
+        self._base = self._used()
+        if self._base is not None:
+            self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                           f"-lms={self.period_ms}"], stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=20)
+        vals = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
+        self.mib = max(vals) - self._base if vals else None
+
+
 def bench_row(exe: Path, model: str, gen: int, threads: int, extra: list[str],
-              prompt: int = 0) -> tuple[list[str], float]:
-    """llama-bench's tok/s decoding `gen` tokens, or with `prompt`, prefilling that many instead."""
+              prompt: int = 0, peak: list | None = None) -> tuple[list[str], float]:
+    """llama-bench's tok/s decoding `gen` tokens, or with `prompt`, prefilling that many instead;
+    with `peak`, the row's peak device memory (DevicePeak, MiB) appended to it."""
     cmd = [str(exe), "-m", model, "-p", str(prompt), "-n", "0" if prompt else str(gen), "-r", "1", "-t", str(threads),
            "-o", "json", *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    with DevicePeak() as dp:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if peak is not None and dp.mib is not None:
+        peak.append(dp.mib)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")
     rows = json.loads(r.stdout)
