@@ -2,10 +2,12 @@
 """Decode speed against the VRAM budget, through the binaries: kairox-bench at each budget
 (its own placement: dense tensors that do not fit wait on the CPU, neuron slots fill what is
 left; without a pack, whole tensors) beside llama.cpp's best placement that fits the same
-budget, from the same build: the largest -ngl whose GPU buffers fit, and every layer on the GPU
-but the FFN weights of the fewest first layers (-ot ...=CPU; an MoE model's experts with
+budget, from the same build: the largest -ngl that fits, and every layer on the GPU but the FFN
+weights of the fewest first layers (-ot ...=CPU; an MoE model's experts with
 --n-cpu-moe), each probed at the rows' own context as bench/offload.py probes and run with
--fa 0 and -fa 1; the fastest of these is the row's llama.cpp figure.
+-fa 0 and -fa 1; the fastest of these is the row's llama.cpp figure. A placement fits when both
+its buffers and its measured device use over the CUDA context's (pools, workspaces: what a card
+of that size must hold) are within the budget; every row's peak is in the results.
 
 Each round runs every budget's rows once, budgets in order. A budget kairox refuses is
 recorded with its message, not skipped. Writes raw results (JSON with the exact commands and
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import MiB, Layout, ffn_cpu_flags, find_ffn_cpu, find_ngl  # noqa: E402
+from offload import MiB, Layout, context_mib, ffn_cpu_flags, find_ffn_cpu, find_ngl  # noqa: E402
 from tools_bench import add_run_args, bench_row, commit  # noqa: E402
 
 
@@ -109,16 +111,17 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
         lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {cols}{lr['median']:.2f}{spread(lr['tok_s'])} "
                      f"(`{lr['flags']}`) | {ratio} |")
     peaks = [b for b in budgets_out if b["kairox"]["peak_mib"]]
+    ctx = res["ngl0_peak_mib"]
     if peaks:
-        lines += ["", "The GPU's peak memory use during each row over the idle GPU's, MiB (median; CUDA context, "
-                  "pools and workspaces included, as a card of that size must hold them; llama.cpp at `-ngl 0` "
-                  f"took {res['ngl0_peak_mib'] if res['ngl0_peak_mib'] is not None else '-'}):", "",
-                  "| budget | kairox-bench | " + "".join(f"kairox {a} | " for a in also) + "llama.cpp (flags) |",
+        lines += ["", "Each row's device use against its budget: the GPU's peak memory use during the row over the "
+                  f"idle GPU's, less llama.cpp's at `-ngl 0` ({ctx if ctx is not None else '-'} MiB: the CUDA context), "
+                  "MiB, median of the rounds (pools and workspaces included, as a card of that size must hold them):",
+                  "", "| budget | kairox-bench | " + "".join(f"kairox {a} | " for a in also) + "llama.cpp (flags) |",
                   "|---:|---:|" + "---:|" * len(also) + "---|"]
-        med = lambda v: f"{statistics.median(v):.0f}" if v else "-"  # noqa: E731
+        med = lambda v: f"{statistics.median(v) - (ctx or 0):.0f}" if v else "-"  # noqa: E731
         for b in peaks:
             ll = ", ".join(f"`{f}` {med(v)}" for f, v in b["llama"]["peak_mib_all"].items())
-            lines.append(f"| {b['budget_gib']:g} GiB | {med(b['kairox']['peak_mib'])} | "
+            lines.append(f"| {b['budget_gib'] * 1024:.0f} | {med(b['kairox']['peak_mib'])} | "
                          + "".join(f"{med(v['peak_mib'])} | " for v in b["also"].values()) + f"{ll} |")
     if args.prefill:
         lines += ["", f"Prefill of {args.prefill} tokens (llama-bench -p {args.prefill} -n 0), tok/s; llama.cpp's "
@@ -163,11 +166,8 @@ def main() -> int:
     budgets = [float(b) for b in args.budgets.split(",")]
     also = dict(a.split("=", 1) for a in args.also)
     t0 = time.time()
-    # what holding the GPU costs without weights on it (CUDA context, llama.cpp's buffers at
-    # -ngl 0): the peaks below include it, the budgets do not
-    ctx_peak: list = []
-    bench_row(exe, str(model), 1, args.threads, ["-ngl", "0"], peak=ctx_peak)
-    args.ctx_peak_mib = ctx_peak[0] if ctx_peak else None
+    # what holding the GPU costs without weights on it: the peaks below include it, the budgets not
+    args.ctx_peak_mib = context_mib(str(exe), model, args.threads)
     rows = []
     for b in budgets:
         ngl, _, search = find_ngl(str(exe), model, lay, b * 1024, args.threads, n_gen=args.gen)

@@ -62,12 +62,47 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def smi_mib(what: str = "free") -> float | None:
+    """The GPU's memory.free or memory.used now (MiB), None without nvidia-smi."""
+    try:
+        r = subprocess.run(["nvidia-smi", f"--query-gpu=memory.{what}", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        return float(r.stdout.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 def run(cmd: list[str], env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
     log("$ " + shlex.join(cmd))
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
     if r.returncode != 0:
         raise SystemExit(f"failed ({r.returncode}): {shlex.join(cmd)}\n{r.stderr[-3000:]}")
     return r
+
+
+class DevicePeak:
+    """The GPU's peak memory use while a row runs, over what it used before (MiB), from
+    `nvidia-smi -lms` (the GPU machine runs one row at a time, so the difference is the row's:
+    its CUDA context, buffers, pools and workspaces, what a card of that size must hold).
+    `mib` stays None without nvidia-smi."""
+
+    def __init__(self, period_ms: int = 20) -> None:
+        self.period_ms, self.mib, self._proc, self._base = period_ms, None, None, None
+
+    def __enter__(self) -> "DevicePeak":
+        self._base = smi_mib("used")
+        if self._base is not None:
+            self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                           f"-lms={self.period_ms}"], stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=20)
+        vals = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
+        self.mib = max(vals) - self._base if vals else None
 
 
 def gpu_buffers(stderr: str) -> dict:
@@ -101,8 +136,9 @@ def parse_bench(r: subprocess.CompletedProcess) -> dict:
 
 
 def probe(binary: str, model: Path, ngl: int, threads: int) -> dict:
-    """GPU buffers at -ngl: the prefill test allocates the most (largest KV and compute)."""
-    return gpu_buffers(run(bench_cmd(binary, model, threads, 1, ["-ngl", str(ngl)], n_gen=0)).stderr)
+    """GPU buffers at -ngl: the prefill test allocates the most (largest KV and compute); with
+    its measured device use and fit_mib as decode_buffers has them."""
+    return measured_buffers(binary, model, threads, bench_cmd(binary, model, threads, 1, ["-ngl", str(ngl)], n_gen=0))
 
 
 class Layout:
@@ -173,11 +209,42 @@ def bound(b: dict, bw: dict) -> dict:
     return {"seconds": parts[key], "limit": key, "parts": parts}
 
 
+_CONTEXT_MIB: dict = {}
+
+
+def context_mib(stock: str, model: Path, threads: int) -> float | None:
+    """What holding the GPU costs a row before any weight is on it: the peak device use of
+    llama.cpp at -ngl 0 (the CUDA context, its kernels, its small -ngl 0 buffers), measured
+    once per binary and model. Counting all of it as context favours llama.cpp's rows."""
+    key = (stock, str(model))
+    if key not in _CONTEXT_MIB:
+        with DevicePeak() as dp:
+            run([stock, "-m", str(model), "-p", "0", "-n", "1", "-r", "1", "-t", str(threads), "-o", "json",
+                 "-ngl", "0"])
+        _CONTEXT_MIB[key] = dp.mib
+        log(f"-ngl 0 (the CUDA context): {dp.mib} MiB")
+    return _CONTEXT_MIB[key]
+
+
 def decode_buffers(stock: str, model: Path, threads: int, n_gen: int, extra: list[str], prompt: int = 0) -> dict:
     """GPU buffers of a decode-only row of n_gen tokens (its context) with these flags; with
-    `prompt`, of a prefill-only row of that many tokens instead."""
-    return gpu_buffers(run([stock, "-m", str(model), "-p", str(prompt), "-n", "0" if prompt else str(n_gen), "-r", "1",
-                            "-t", str(threads), "-o", "json", "-v", *extra]).stderr)
+    `prompt`, of a prefill-only row of that many tokens instead. Also the row's measured device
+    use over the CUDA context's (`device_mib`, DevicePeak less context_mib): llama.cpp's pools,
+    workspaces and kernels' temporaries are outside its buffers, and a card of the budget's
+    size must hold them too. `fit_mib`, what the budget is held against, is the larger."""
+    return measured_buffers(stock, model, threads, [stock, "-m", str(model), "-p", str(prompt), "-n",
+                                                    "0" if prompt else str(n_gen), "-r", "1", "-t", str(threads),
+                                                    "-o", "json", "-v", *extra])
+
+
+def measured_buffers(stock: str, model: Path, threads: int, cmd: list[str]) -> dict:
+    ctx = context_mib(stock, model, threads)
+    with DevicePeak() as dp:
+        r = run(cmd)
+    d = gpu_buffers(r.stderr)
+    d["device_mib"] = dp.mib - ctx if dp.mib is not None and ctx is not None else None
+    d["fit_mib"] = max(d["total_mib"], d["device_mib"] or 0.0)
+    return d
 
 
 def ffn_cpu_flags(lay: Layout, k: int) -> list[str]:
@@ -193,15 +260,16 @@ def ffn_cpu_flags(lay: Layout, k: int) -> list[str]:
 def find_ffn_cpu(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int,
                  n_gen: int, prompt: int = 0) -> tuple[int | None, list]:
     """Fewest layers whose FFN (or experts) must stay on the CPU, all else on the GPU, for the
-    GPU buffers to fit the budget (llama.cpp's -ot / --n-cpu-moe placement); None when even all
+    row to fit the budget (decode_buffers' fit_mib) (llama.cpp's -ot / --n-cpu-moe placement); None when even all
     of them on the CPU does not fit. Probed as find_ngl probes."""
     tried: dict[int, dict] = {}
 
     def mem(k: int) -> float:
         if k not in tried:
             tried[k] = decode_buffers(stock, model, threads, n_gen, ffn_cpu_flags(lay, k), prompt)
-            log(f"FFN of {k} layers on the CPU: {tried[k]['total_mib']:.0f} MiB")
-        return tried[k]["total_mib"]
+            log(f"FFN of {k} layers on the CPU: buffers {tried[k]['total_mib']:.0f} MiB, "
+                f"device {tried[k]['device_mib']} MiB")
+        return tried[k]["fit_mib"]
 
     n = lay.n_layer
     if mem(n) > budget_mib:
@@ -217,7 +285,8 @@ def find_ffn_cpu(stock: str, model: Path, lay: Layout, budget_mib: float, thread
 
 def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int,
              n_gen: int | None = None, prompt: int = 0) -> tuple[int, dict, list]:
-    """Largest -ngl whose GPU buffers fit the budget, by probing (linear model + checks); with
+    """Largest -ngl that fits the budget (decode_buffers' fit_mib; the prefill test's buffers
+    without n_gen), by probing (linear model + checks); with
     n_gen, at the context of a decode-only row of that many tokens instead of the prefill test's
     (with `prompt` too, of a prefill-only row of that many)."""
     tried: dict[int, dict] = {}
@@ -230,8 +299,9 @@ def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: i
     def mem(k: int) -> float:
         if k not in tried:
             tried[k] = measure(k)
-            log(f"ngl {k}: {tried[k]['total_mib']:.0f} MiB ({tried[k]['offloaded']})")
-        return tried[k]["total_mib"]
+            log(f"ngl {k}: buffers {tried[k]['total_mib']:.0f} MiB, device {tried[k].get('device_mib')} MiB "
+                f"({tried[k]['offloaded']})")
+        return tried[k]["fit_mib"]
 
     top = lay.n_layer + 1
     if model.stat().st_size / MiB <= budget_mib and mem(top) <= budget_mib:
@@ -264,15 +334,6 @@ def tpot_run(impl: str, mode: str, model: Path, tokens: Path, ngl: int, threads:
     return {"command": shlex.join(cmd), **summarize_tpot(out), "slots_bytes": out.get("slots_bytes"),
             "gpu_mem_mib": out.get("gpu_mem_mib"), "vram": out.get("vram"), "pp_tok_s": out.get("pp_tok_s"),
             "balance": out.get("balance"), "thresholds": out.get("thresholds"), "tpot_s": out["tpot_s"]}
-
-
-def free_mib() -> float | None:
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True, timeout=20)
-        return float(r.stdout.split()[0])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
 
 
 def run_config(args: argparse.Namespace) -> int:
@@ -358,7 +419,7 @@ def run_config(args: argparse.Namespace) -> int:
             *([] if not args.dense else [("kairox", kxbench, ["-ngl", str(ngl)], "llama-bench")])):
         cmd = bench_cmd(binary, model, threads, args.reps, extra)
         add(impl, "dense", how, parse_bench(run(cmd)), cmd=shlex.join(cmd))
-    free = free_mib() if args.baseline else None
+    free = smi_mib("free") if args.baseline else None
     if free is not None:
         margin = max(0, int(free - budget_mib))
         cmd = bench_cmd(stock, model, threads, args.reps, ["-fitt", str(margin), "-fitc", str(PROMPT + PP)])

@@ -39,46 +39,13 @@ def commit() -> str:
         return os.environ.get("KX_COMMIT", "unknown")
 
 
-class DevicePeak:
-    """The GPU's peak memory use while a row runs, over what it used before (MiB), from
-    `nvidia-smi -lms` (the GPU machine runs one row at a time, so the difference is the row's:
-    its CUDA context, buffers, pools and workspaces, what a card of that size must hold).
-    `mib` stays None without nvidia-smi."""
-
-    def __init__(self, period_ms: int = 20) -> None:
-        self.period_ms, self.mib, self._proc, self._base = period_ms, None, None, None
-
-    @staticmethod
-    def _used() -> float | None:
-        try:
-            r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True, timeout=20)
-            return float(r.stdout.split()[0])
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            return None
-
-    def __enter__(self) -> "DevicePeak":
-        self._base = self._used()
-        if self._base is not None:
-            self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                           f"-lms={self.period_ms}"], stdout=subprocess.PIPE, text=True)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        out, _ = self._proc.communicate(timeout=20)
-        vals = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
-        self.mib = max(vals) - self._base if vals else None
-
-
 def bench_row(exe: Path, model: str, gen: int, threads: int, extra: list[str],
               prompt: int = 0, peak: list | None = None) -> tuple[list[str], float]:
     """llama-bench's tok/s decoding `gen` tokens, or with `prompt`, prefilling that many instead;
     with `peak`, the row's peak device memory (DevicePeak, MiB) appended to it."""
     cmd = [str(exe), "-m", model, "-p", str(prompt), "-n", "0" if prompt else str(gen), "-r", "1", "-t", str(threads),
            "-o", "json", *extra]
+    from offload import DevicePeak  # bench/ is the script's own folder
     with DevicePeak() as dp:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if peak is not None and dp.mib is not None:
@@ -113,13 +80,14 @@ def run_row(model: str, gen: int, threads: int, extra: list[str]) -> tuple[list[
 
 
 def auto_ngl(exe: Path, model: Path, budget: str, threads: int) -> tuple[int, list]:
-    """The largest -ngl whose GPU buffers (llama.cpp's load log) fit the budget (offload.py's probe)."""
+    """The largest -ngl that fits the budget: its GPU buffers (llama.cpp's load log) and its measured
+    device use over the CUDA context's (offload.py's probe)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from offload import Layout, find_ngl
     from kairox.plan import parse_size
     budget_mib = parse_size(budget) / (1 << 20)
     ngl, mem, probes = find_ngl(str(exe), model, Layout(model), budget_mib, threads)
-    print(f"-ngl {ngl} fits {budget}: {mem['total_mib']:.0f} MiB", flush=True)
+    print(f"-ngl {ngl} fits {budget}: buffers {mem['total_mib']:.0f} MiB, device {mem['device_mib']} MiB", flush=True)
     return ngl, probes
 
 
@@ -167,12 +135,14 @@ def main() -> int:
         rows[f"kairox-completion {' '.join(hybrid)} {flags} ({label})"] = {"kind": "completion",
                                                                            "extra": hybrid + flags.split()}
     for r in rows.values():
-        r["tok_s"], r["cmd"] = [], None
+        r["tok_s"], r["cmd"], r["peak_mib"] = [], None, []
+    from offload import context_mib
+    ctx = context_mib(str(exe), Path(args.model), args.threads)  # the llama-bench rows' device use less it
     t0 = time.time()
     for k in range(args.rounds):
         for label, r in rows.items():
             if r["kind"] == "bench":
-                r["cmd"], ts = bench_row(exe, args.model, args.gen, args.threads, r["extra"])
+                r["cmd"], ts = bench_row(exe, args.model, args.gen, args.threads, r["extra"], peak=r["peak_mib"])
             elif r["kind"] == "completion":
                 r["cmd"], ts = completion_row(exe.parent / "llama-completion", args.model, args.gen, args.threads,
                                               r["extra"])
@@ -185,18 +155,24 @@ def main() -> int:
     stem = args.name or f"tools-bench-{Path(args.model).stem}"
     res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": Path(args.model).name,
            "budget": args.budget, "gen": args.gen, "threads": args.threads, "ngl_search": search,
-           "rows": [{"row": label, "command": " ".join(r["cmd"]), "tok_s": r["tok_s"]} for label, r in rows.items()]}
+           "ngl0_peak_mib": ctx,
+           "rows": [{"row": label, "command": " ".join(r["cmd"]), "tok_s": r["tok_s"], "peak_mib": r["peak_mib"]}
+                    for label, r in rows.items()]}
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     base = max(statistics.median(r["tok_s"]) for r in rows.values() if r.get("llama"))  # llama.cpp's best
     run_med = statistics.median(rows[f"kairox run {' '.join(hybrid)}"]["tok_s"])
     lines = [f"# {Path(args.model).name} at a {args.budget} VRAM budget, through the binaries",
              "", f"decode of {args.gen} tokens, {args.threads} threads, {args.rounds} interleaved rounds; "
              f"commit {res['commit']}", "",
-             "| row | decode tok/s median | spread | vs llama.cpp | vs kairox run |", "|---|---:|---:|---:|---:|"]
+             "| row | decode tok/s median | spread | vs llama.cpp | vs kairox run | device MiB |",
+             "|---|---:|---:|---:|---:|---:|"]
     for label, r in rows.items():
         med = statistics.median(r["tok_s"])
+        dev = f"{statistics.median(r['peak_mib']) - (ctx or 0):.0f}" if r["peak_mib"] else "-"
         lines.append(f"| {label} | {med:.2f} | {min(r['tok_s']):.2f}-{max(r['tok_s']):.2f} | {med / base:.2f}x | "
-                     f"{med / run_med:.3f} |")
+                     f"{med / run_med:.3f} | {dev} |")
+    lines += ["", "device MiB: the GPU's peak memory use during a llama-bench row over the idle GPU's, less "
+              f"llama.cpp's at `-ngl 0` ({ctx} MiB, the CUDA context), median of the rounds"]
     lines += ["", "Commands:", "", "```", *[" ".join(r["cmd"]) for r in rows.values()], "```", ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
