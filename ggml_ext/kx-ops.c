@@ -112,13 +112,29 @@ struct ggml_tensor * ggml_kx_mul_mat_rows_gated(
     return result;
 }
 
+// The transposed down rows' types the axpy kernels read (kx-axpy.h, kx-axpy-rows.cu), in whole
+// blocks: a row of m columns is whole Q8_0 blocks or K-quant super-blocks
+bool kx_down_type_ok(enum ggml_type type, int64_t m) {
+    switch (type) {
+        case GGML_TYPE_F32:
+        case GGML_TYPE_F16:
+            return true;
+        case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q4_K:
+        case GGML_TYPE_Q6_K:
+            return m % ggml_blck_size(type) == 0;
+        default:
+            return false;
+    }
+}
+
 struct ggml_tensor * ggml_kx_axpy_rows(
         struct ggml_context * ctx,
         struct ggml_tensor  * wt,
         struct ggml_tensor  * h,
         struct ggml_tensor  * sel,
         struct ggml_tensor  * rowmap) {
-    GGML_ASSERT(wt->type == GGML_TYPE_F32 || wt->type == GGML_TYPE_F16 || wt->type == GGML_TYPE_Q8_0);
+    GGML_ASSERT(kx_down_type_ok(wt->type, wt->ne[0]));
     GGML_ASSERT(wt->ne[2] == 1 && wt->ne[3] == 1);
     GGML_ASSERT(wt->nb[0] == ggml_type_size(wt->type));
     GGML_ASSERT(h->type == GGML_TYPE_F32 && h->nb[0] == sizeof(float));
@@ -151,9 +167,8 @@ struct ggml_tensor * ggml_kx_ffn_rows(
     GGML_ASSERT(gate->type == up->type && ggml_are_same_shape(gate, up));
     GGML_ASSERT(gate->ne[2] == 1 && gate->ne[3] == 1 && gate->nb[0] == ggml_type_size(gate->type));
     GGML_ASSERT(up->nb[0] == ggml_type_size(up->type));
-    GGML_ASSERT(down_t->type == GGML_TYPE_F32 || down_t->type == GGML_TYPE_F16 || down_t->type == GGML_TYPE_Q8_0);
+    GGML_ASSERT(kx_down_type_ok(down_t->type, down_t->ne[0]));
     GGML_ASSERT(down_t->ne[2] == 1 && down_t->ne[3] == 1 && down_t->nb[0] == ggml_type_size(down_t->type));
-    GGML_ASSERT(down_t->type != GGML_TYPE_Q8_0 || down_t->ne[0] % 32 == 0);
     GGML_ASSERT(x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) && x->ne[2] == 1 && x->ne[3] == 1);
     GGML_ASSERT(gate->ne[0] == x->ne[0]);
     const int64_t n = rowmap ? ggml_nelements(rowmap) : gate->ne[1];

@@ -469,3 +469,47 @@ def test_cli_tool_modes_generate_the_same_text(native: Path, synth_model: Path) 
     assert len(dense) > 100
     for mode in ("exact", "predicted"):
         assert cli("--sparse", mode) == dense, mode
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A synthetic ReLU model 256 wide: its down rows split into whole K-quant super-blocks."""
+    from kairox.synth import Shape, synth
+    return synth(tmp_path_factory.mktemp("wide") / "kb-wide.gguf", Shape(2, 256, 1024, 4, 2, "f32"), seed=3,
+                 quiet=True)
+
+
+def _teacher_forced(model: Path, seq: list[int], **kw) -> np.ndarray:
+    llm = make_llm(model, **kw)
+    try:
+        assert llm.sparse == kw.get("sparse", "dense"), llm.sparse_error
+        llm.eval(seq)
+        return np.array(llm.scores[:llm.n_tokens])
+    finally:
+        llm.close()
+
+
+def test_exact_mode_k_quant_down_rows(wide_model: Path, tmp_path: Path) -> None:
+    """Packs whose down rows are Q4_K or Q6_K (half and three quarters of Q8_0's bytes) run
+    exact mode through the host kernels: on one token sequence their logits stay close to
+    dense, far closer than the same model without FFNs, and each type's error sits in the
+    order its rounding predicts (Q6_K below Q4_K; Q8_0 below both)."""
+    from kairox._native import sparse_counters
+    from kairox.pack import read_pack
+    seq = PROMPT + list(range(20, 60))
+    dense = _teacher_forced(wide_model, seq)
+    errs = {}
+    for dt in ("q8_0", "q6_k", "q4_k"):
+        pk = write_pack(wide_model, tmp_path / f"{dt}.kxpack.gguf", down_type=dt, quiet=True)
+        assert all(layer.down_type == dt for layer in read_pack(pk, wide_model).layers)
+        sparse_counters(reset=True)
+        got = _teacher_forced(wide_model, seq, sparse="exact", sparse_pack=str(pk))
+        c = sparse_counters(reset=True)
+        assert c.calls == 2 * len(seq) and c.density < 0.5  # the sparse path ran, sparsely
+        errs[dt] = float(np.abs(got - dense).max())
+    blind = _teacher_forced(wide_model, seq, sparse="predicted",
+                            sparse_pack=str(_blind_pack(wide_model, tmp_path / "b.kxpack.gguf")))
+    no_ffn = float(np.abs(blind - dense).max())
+    print(f"max |dlogit| by down type: {errs}; without FFNs {no_ffn:.3g}")
+    assert no_ffn > 1e-4
+    assert errs["q8_0"] < errs["q6_k"] < errs["q4_k"] <= 0.1 * no_ffn

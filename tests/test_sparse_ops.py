@@ -230,7 +230,8 @@ def test_mul_mat_rows_gated_skips_rows_whose_gate_never_fires(g: GGML, T: int):
 
 
 @pytest.mark.parametrize("wtype,m", [("f32", 100), ("f32", 1024), ("f16", 100), ("f16", 1056),
-                                     ("q8_0", 96), ("q8_0", 2048)])
+                                     ("q8_0", 96), ("q8_0", 2048), ("q4_k", 256), ("q4_k", 2048),
+                                     ("q6_k", 512), ("q6_k", 4096)])
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("permuted", [False, True])
 def test_axpy_rows(g: GGML, wtype: str, m: int, T: int, permuted: bool):
@@ -255,6 +256,25 @@ def test_axpy_rows(g: GGML, wtype: str, m: int, T: int, permuted: bool):
                 out = g.axpy_rows(wt_raw, wtype, n, m, h_in, sel, rowmap, n_threads=nt, use_ref=use_ref)
                 err = np.abs(out - want) / np.maximum(scale, 1e-30)
                 assert err.max() <= 1e-5, (name, nt, use_ref, float(err.max()))
+
+
+@pytest.mark.parametrize("wtype", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("use_ref", [False, True])
+def test_axpy_rows_k_quants_read_ggml_values(g: GGML, wtype: str, use_ref: bool):
+    """A K-quant down row read by the axpy kernel is ggml's own dequantization of it, bit for
+    bit: with one listed neuron at h = 1 the output is the row itself. Scales from large to
+    tiny blocks (the 6-bit scales and mins of every sub-block, both nibbles, every quarter)."""
+    rng = np.random.default_rng(12)
+    n, m = 8, 1024
+    w = (rng.standard_normal((n, m)) * np.exp(rng.uniform(-6, 3, (n, 1)))).astype(np.float32)
+    w[3, :300] += 5.0  # a block with a large min (Q4_K's dmin)
+    raw = g.quantize(w, wtype)
+    want = dequant(raw, wtype, n, m).astype(np.float32)
+    for r in (0, 3, 7):
+        h = np.zeros((1, n), np.float32)
+        h[0, r] = 1.0
+        out = g.axpy_rows(raw, wtype, n, m, h, np.array([r], np.int32), n_threads=3, use_ref=use_ref)
+        np.testing.assert_array_equal(out[0], want[r])
 
 
 def slot_map(n: int, n_slots: int, rng: np.random.Generator) -> np.ndarray:
@@ -315,7 +335,8 @@ def ref_act(g: np.ndarray, act: str) -> np.ndarray:
 
 @pytest.mark.parametrize("wtype,dtype,k,m", [("f16", "f16", 256, 160), ("q4_0", "q8_0", 256, 96),
                                              ("f32", "f32", 96, 100), ("q8_0", "f16", 128, 64),
-                                             ("q4_k", "q8_0", 512, 96), ("q6_k", "f16", 256, 100)])
+                                             ("q4_k", "q8_0", 512, 96), ("q6_k", "f16", 256, 100),
+                                             ("q4_k", "q4_k", 256, 512), ("q4_k", "q6_k", 256, 256)])
 @pytest.mark.parametrize("act", ["relu", "silu", "gelu"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_ffn_rows_equals_the_four_ops(g: GGML, wtype: str, dtype: str, k: int, m: int, act: str, T: int):

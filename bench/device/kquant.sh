@@ -16,6 +16,9 @@
 #   KX_ROUNDS=3 ...                     # interleaved rounds of the binaries' rows
 #   KX_KQ_ROWS="mapped 0.3=--mapped-share 0.3;no warm=--no-kx-warm"  # more kairox-completion rows
 #   KX_KQ_NAME=tools-bench-x ...        # the results' file stem
+#   KX_KQ_DOWN="q4_k q6_k" ...          # also packs with these down-row types (the model
+#                                       # linked under another name, its pack written the same
+#                                       # way), each a kairox-completion row with --sparse-pack
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -66,6 +69,16 @@ done
 echo "pack ($(( $(date +%s) - t0 )) s): $(tail -1 "$W/pack.log")"
 [ "${KX_KQ_STAGE:-}" = prepare ] && exit 0
 rows=()
+for dt in ${KX_KQ_DOWN:-}; do
+    Qd=${Q%.gguf}-d$dt.gguf
+    [ -e "$Qd" ] || ln "$Q" "$Qd"
+    if [ ! -f "${Qd%.gguf}.kxpack.gguf" ]; then
+        python3 -m kairox synth --preset KB-7B -o "$Qd" --pack-only --down-type "$dt" -q > "$W/pack-$dt.log" 2>&1 \
+            || { tail -5 "$W/pack-$dt.log"; exit 1; }
+        echo "pack down $dt ($(( $(date +%s) - t0 )) s): $(tail -1 "$W/pack-$dt.log")"
+    fi
+    rows+=(--completion-row "down $dt=--sparse-pack ${Qd%.gguf}.kxpack.gguf")
+done
 IFS=';' read -ra extra <<< "${KX_KQ_ROWS:-}"
 for r in "${extra[@]}"; do rows+=(--completion-row "$r"); done
 python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$B" --out "$OUT" \

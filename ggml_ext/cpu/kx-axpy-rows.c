@@ -56,9 +56,11 @@ void ggml_compute_forward_kx_axpy_rows(const struct ggml_compute_params * params
     const int64_t m  = wt->ne[0];
     const int64_t nt = h->ne[1];
 
-    const int64_t nblk = (m + KX_COL_BLOCK - 1)/KX_COL_BLOCK;
-    const int64_t c0 = (nblk*ith/nth)*KX_COL_BLOCK;
-    const int64_t c1 = MIN(m, (nblk*(ith + 1)/nth)*KX_COL_BLOCK);
+    // whole blocks of the row type per thread (a K-quant's super-block is 256 columns)
+    const int64_t cb = MAX(KX_COL_BLOCK, ggml_blck_size(wt->type));
+    const int64_t nblk = (m + cb - 1)/cb;
+    const int64_t c0 = (nblk*ith/nth)*cb;
+    const int64_t c1 = MIN(m, (nblk*(ith + 1)/nth)*cb);
     if (c0 >= c1) {
         return;
     }

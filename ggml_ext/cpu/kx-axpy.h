@@ -1,4 +1,5 @@
-// y += v * row over output columns [c0, c1) of one transposed-down row (F32, F16 or Q8_0):
+// y += v * row over output columns [c0, c1) of one transposed-down row (F32, F16, Q8_0, Q4_K
+// or Q6_K):
 // the inner loop of GGML_OP_KX_AXPY_ROWS and GGML_OP_KX_FFN_ROWS. ref: scalar loops only
 // (the reference path of test-backend-ops).
 #pragma once
@@ -83,6 +84,66 @@ static inline void kx_axpy_q8_0(int64_t nb, float * GGML_RESTRICT y, const block
     }
 }
 
+// One K-quant super-block's 256 weights as floats, each computed as ggml's dequantize_row_*
+// computes it (the same products in the same order, so the same bits): y += v * w then runs
+// through kx_axpy_f32. Why dequantize first: a row of the pack's down weights is read once
+// per token, so the unpacking is paid per byte either way, and a block of 256 floats (1 KiB)
+// stays in L1 between the two loops.
+static inline void kx_dequant_q4_K(const block_q4_K * GGML_RESTRICT b, float * GGML_RESTRICT w) {
+    const float d   = GGML_CPU_FP16_TO_FP32(b->d);
+    const float min = GGML_CPU_FP16_TO_FP32(b->dmin);
+    const uint8_t * q = b->qs;
+    for (int j = 0, is = 0; j < QK_K; j += 64, is += 2, q += 32) {
+        float dl[2], ml[2];
+        for (int h = 0; h < 2; ++h) { // ggml's get_scale_min_k4: 6-bit scale and min of sub-block is + h
+            const int k = is + h;
+            const uint8_t * sc = b->scales;
+            const uint8_t s6 = k < 4 ? (sc[k] & 63) : ((sc[k + 4] & 0xF) | ((sc[k - 4] >> 6) << 4));
+            const uint8_t m6 = k < 4 ? (sc[k + 4] & 63) : ((sc[k + 4] >> 4) | ((sc[k] >> 6) << 4));
+            dl[h] = d*s6;
+            ml[h] = min*m6;
+        }
+        for (int l = 0; l < 32; ++l) {
+            w[j + l]      = dl[0]*(q[l] & 0xF) - ml[0];
+            w[j + 32 + l] = dl[1]*(q[l] >> 4)  - ml[1];
+        }
+    }
+}
+
+static inline void kx_dequant_q6_K(const block_q6_K * GGML_RESTRICT b, float * GGML_RESTRICT w) {
+    const float d = GGML_CPU_FP16_TO_FP32(b->d);
+    const uint8_t * ql = b->ql;
+    const uint8_t * qh = b->qh;
+    const int8_t  * sc = b->scales;
+    for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8) {
+        for (int l = 0; l < 32; ++l) {
+            const int is = l/16;
+            const int8_t q1 = (int8_t) ((ql[l +  0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int8_t q2 = (int8_t) ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int8_t q3 = (int8_t) ((ql[l +  0] >> 4)  | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int8_t q4 = (int8_t) ((ql[l + 32] >> 4)  | (((qh[l] >> 6) & 3) << 4)) - 32;
+            w[n + l +  0] = d*sc[is + 0]*q1;
+            w[n + l + 32] = d*sc[is + 2]*q2;
+            w[n + l + 64] = d*sc[is + 4]*q3;
+            w[n + l + 96] = d*sc[is + 6]*q4;
+        }
+    }
+}
+
+// nb whole K-quant super-blocks (Q4_K or Q6_K): y[256b + j] += v * w_bj
+static inline void kx_axpy_k(enum ggml_type type, int64_t nb, float * GGML_RESTRICT y, const void * GGML_RESTRICT x,
+                             float v, bool ref) {
+    float w[QK_K];
+    for (int64_t b = 0; b < nb; ++b) {
+        if (type == GGML_TYPE_Q4_K) {
+            kx_dequant_q4_K((const block_q4_K *) x + b, w);
+        } else {
+            kx_dequant_q6_K((const block_q6_K *) x + b, w);
+        }
+        kx_axpy_f32(QK_K, y + b*QK_K, w, v, ref);
+    }
+}
+
 // nr (<= 4) whole Q8_0 rows at once, y += v[r] * row r in row order per element (the same
 // FMAs as nr calls of kx_axpy_q8_0, bit for bit), y loaded and stored once per 16 columns
 // instead of once per row, and the rows read as nr interleaved streams (the gate and up
@@ -159,7 +220,8 @@ static inline bool kx_axpy_rows(enum ggml_type type, int64_t m, int nr, float * 
     }
 }
 
-// c0 and c1 are multiples of 32 for Q8_0 (whole blocks; the constructors check m % 32 == 0)
+// c0 and c1 are multiples of the type's block: 32 for Q8_0, 256 for Q4_K and Q6_K (whole
+// blocks; the constructors check m)
 static inline void kx_axpy_row(enum ggml_type type, int64_t c0, int64_t c1, float * GGML_RESTRICT y,
                                const void * GGML_RESTRICT row, float v, bool ref) {
     switch (type) {
@@ -171,6 +233,12 @@ static inline void kx_axpy_row(enum ggml_type type, int64_t c0, int64_t c1, floa
             break;
         case GGML_TYPE_Q8_0:
             kx_axpy_q8_0((c1 - c0)/QK8_0, y + c0, (const block_q8_0 *) row + c0/QK8_0, v, ref);
+            break;
+        case GGML_TYPE_Q4_K:
+            kx_axpy_k(type, (c1 - c0)/QK_K, y + c0, (const block_q4_K *) row + c0/QK_K, v, ref);
+            break;
+        case GGML_TYPE_Q6_K:
+            kx_axpy_k(type, (c1 - c0)/QK_K, y + c0, (const block_q6_K *) row + c0/QK_K, v, ref);
             break;
         default:
             GGML_ABORT("kx axpy: unsupported type %s", ggml_type_name(type));

@@ -25,9 +25,32 @@ static __device__ __forceinline__ float kx_load_col(const char * __restrict__ ro
         return ((const float *) row)[c];
     } else if constexpr (type == GGML_TYPE_F16) {
         return __half2float(((const half *) row)[c]);
-    } else { // Q8_0
+    } else if constexpr (type == GGML_TYPE_Q8_0) {
         const block_q8_0 * b = (const block_q8_0 *) row + c/QK8_0;
         return __half2float(b->d)*(float) b->qs[c % QK8_0];
+    } else if constexpr (type == GGML_TYPE_Q4_K) {
+        // column j of a super-block: 64-wide chunk j/64 holds sub-blocks 2(j/64) (low nibbles)
+        // and 2(j/64) + 1 (high nibbles) in the same 32 bytes (ggml's dequantize_row_q4_K)
+        const block_q4_K * b = (const block_q4_K *) row + c/QK_K;
+        const int j  = c % QK_K;
+        const int hi = (j >> 5) & 1;
+        const int k  = 2*(j >> 6) + hi;
+        const uint8_t * sc = b->scales;
+        const int s6 = k < 4 ? (sc[k] & 63) : ((sc[k + 4] & 0xF) | ((sc[k - 4] >> 6) << 4));
+        const int m6 = k < 4 ? (sc[k + 4] & 63) : ((sc[k + 4] >> 4) | ((sc[k] >> 6) << 4));
+        const uint8_t q = b->qs[32*(j >> 6) + (j & 31)];
+        const float2 dm = __half22float2(b->dm);
+        return dm.x*s6*(float) (hi ? q >> 4 : q & 0xF) - dm.y*m6;
+    } else { // Q6_K: 128-wide halves of four 32-wide quarters (ggml's dequantize_row_q6_K)
+        const block_q6_K * b = (const block_q6_K *) row + c/QK_K;
+        const int j  = c % QK_K;
+        const int n  = j >> 7;         // half
+        const int qd = (j >> 5) & 3;   // quarter: ql low/high nibble at +0/+32, qh bits 2*qd
+        const int l  = j & 31;
+        const uint8_t ql = b->ql[64*n + l + 32*(qd & 1)];
+        const uint8_t qh = b->qh[32*n + l];
+        const int q = (((qd < 2 ? ql & 0xF : ql >> 4)) | (((qh >> (2*qd)) & 3) << 4)) - 32;
+        return __half2float(b->d)*b->scales[8*n + l/16 + 2*qd]*(float) q;
     }
 }
 
@@ -141,6 +164,8 @@ void ggml_cuda_kx_axpy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
         case GGML_TYPE_F32:  KX_AXPY_LAUNCH(GGML_TYPE_F32);  break;
         case GGML_TYPE_F16:  KX_AXPY_LAUNCH(GGML_TYPE_F16);  break;
         case GGML_TYPE_Q8_0: KX_AXPY_LAUNCH(GGML_TYPE_Q8_0); break;
+        case GGML_TYPE_Q4_K: KX_AXPY_LAUNCH(GGML_TYPE_Q4_K); break;
+        case GGML_TYPE_Q6_K: KX_AXPY_LAUNCH(GGML_TYPE_Q6_K); break;
         default: GGML_ABORT("kx_axpy_rows: unsupported type %s", ggml_type_name(wt->type));
     }
 #undef KX_AXPY_LAUNCH

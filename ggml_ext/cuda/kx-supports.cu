@@ -30,8 +30,8 @@ bool ggml_cuda_kx_supports_op(const ggml_tensor * op) {
             // x is read as float4
             return src1->type == GGML_TYPE_F32 && src1->ne[1] <= KX_CUDA_MAX_TOKENS && src1->nb[1] % 16 == 0;
         case GGML_OP_KX_AXPY_ROWS:
-            return (src0->type == GGML_TYPE_F32 || src0->type == GGML_TYPE_F16 || src0->type == GGML_TYPE_Q8_0) &&
-                   src1->type == GGML_TYPE_F32 && src1->ne[1] <= KX_CUDA_MAX_TOKENS;
+            return kx_down_type_ok(src0->type, src0->ne[0]) && src1->type == GGML_TYPE_F32 &&
+                   src1->ne[1] <= KX_CUDA_MAX_TOKENS;
         default:
             return false;
     }

@@ -134,7 +134,11 @@ GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows_gated(
         struct ggml_tensor  * rowmap,
         struct ggml_tensor  * gate);
 
-// wt: [m, n_rows] F32, F16 or Q8_0: one contiguous row of m outputs per neuron;
+// Whether the axpy kernels read transposed down rows of this type and m columns: F32, F16,
+// and whole blocks of Q8_0 (m % 32 == 0), Q4_K or Q6_K (m % 256 == 0).
+GGML_API bool kx_down_type_ok(enum ggml_type type, int64_t m);
+
+// wt: [m, n_rows] of a type kx_down_type_ok takes: one contiguous row of m outputs per neuron;
 // h: F32 [n, n_tokens]; sel: I32 [n + 1]; rowmap: NULL (neuron i is row i) or I32 [n].
 // Result: F32 [m, n_tokens], column t = sum over i in sel (present in wt) of
 // h[i, t] * wt[row(i)].

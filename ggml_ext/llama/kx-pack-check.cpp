@@ -52,13 +52,20 @@ int64_t kx_first_nonfinite_row(const ggml_tensor * t, const void * data) {
             case GGML_TYPE_F16:
                 bad = any_nonfinite_f16((const uint16_t *) p, t->ne[0]);
                 break;
-            case GGML_TYPE_Q8_0: {
-                // block_q8_0: an F16 scale then 32 int8 quants; only the scale can be non-finite
-                const size_t bs = ggml_type_size(GGML_TYPE_Q8_0);
+            case GGML_TYPE_Q8_0:
+            case GGML_TYPE_Q4_K:
+            case GGML_TYPE_Q6_K: {
+                // only a block's F16 scales can be non-finite, the quants are integers:
+                // block_q8_0 and block_q4_K start with theirs (d; d, dmin), block_q6_K ends with d
+                const size_t bs = ggml_type_size(t->type);
+                const size_t at = t->type == GGML_TYPE_Q6_K ? bs - 2 : 0;
+                const int    ns = t->type == GGML_TYPE_Q4_K ? 2 : 1;
                 for (size_t b = 0; b < row && !bad; b += bs) {
-                    uint16_t d;
-                    std::memcpy(&d, p + b, sizeof(d));
-                    bad = (d & 0x7c00u) == 0x7c00u;
+                    for (int k = 0; k < ns; ++k) {
+                        uint16_t d;
+                        std::memcpy(&d, p + b + at + 2*k, sizeof(d));
+                        bad |= (d & 0x7c00u) == 0x7c00u;
+                    }
                 }
                 break;
             }

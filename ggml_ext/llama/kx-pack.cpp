@@ -364,7 +364,8 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
     for (int64_t il = 0; il < n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
         ggml_tensor * down = need(p + "kx_down_t");
-        check_tensor(down, path, { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0 }, n_embd, n_ff);
+        check_tensor(down, path, { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K },
+                     n_embd, n_ff);
         perms[il]  = need(p + "kx_perm");
         groups[il] = need(p + "kx_group");
         freqs[il]  = need(p + "kx_freq");

@@ -78,7 +78,7 @@ void kx_slots_check_types(ggml_backend_dev_t dev, int32_t gate, int32_t up, int3
     for (const probe & p : probes) {
         if (bad.empty() && !ggml_backend_dev_supports_op(dev, p.op)) {
             bad = kx_fmt("the neuron slots on %s cannot hold %s rows (the model's %s): its kernels read F32, F16, "
-                         "Q8_0, Q4_0, Q4_K, Q5_K and Q6_K gate/up rows and F32, F16 and Q8_0 down rows; requantize "
+                         "Q8_0, Q4_0, Q4_K, Q5_K and Q6_K gate/up rows and F32, F16, Q8_0, Q4_K and Q6_K down rows; requantize "
                          "the model to one of those or run it without GPU slots", ggml_backend_dev_name(dev),
                          ggml_type_name((ggml_type) p.type), p.what);
         }

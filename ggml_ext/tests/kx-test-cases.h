@@ -276,4 +276,15 @@ static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cas
         test_cases.emplace_back(new test_kx_axpy_rows(type, 256, 1000, 1, 1000, 0.0));
         test_cases.emplace_back(new test_kx_axpy_rows(type, 256, 1000, 2, 1000, 1.0));
     }
+    // K-quant down rows (a pack's --down-type q4_k / q6_k): whole super-blocks, LLaMA-7B and
+    // -13B widths, a tile (256 columns) per super-block
+    for (ggml_type type : {GGML_TYPE_Q4_K, GGML_TYPE_Q6_K}) {
+        for (int64_t nt : {1, 4, 8}) {
+            test_cases.emplace_back(new test_kx_axpy_rows(type, 256, 1000, nt, 1000, 0.11));
+            test_cases.emplace_back(new test_kx_axpy_rows(type, 4096, 11008, nt, 2752, 0.11));
+            test_cases.emplace_back(new test_kx_axpy_rows(type, 5120, 13824, nt, 3000, 0.11));
+        }
+        test_cases.emplace_back(new test_kx_axpy_rows(type, 512, 1000, 1, 1000, 0.0));
+        test_cases.emplace_back(new test_kx_axpy_rows(type, 512, 1000, 2, 1000, 1.0));
+    }
 }

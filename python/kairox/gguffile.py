@@ -13,7 +13,8 @@ T = TypeVar("T")
 
 def encode_tensor(w: np.ndarray, qtype: Any, name: str) -> np.ndarray:
     """float data -> the bytes/array GGUFWriter stores for ggml type `qtype` (F32, F16, BF16,
-    or a type gguf.quants can quantize). F16 overflow is an error, not a silent inf."""
+    a type gguf.quants can quantize, or Q4_K / Q6_K through libggml). F16 overflow is an error,
+    not a silent inf."""
     import gguf
     Q = gguf.GGMLQuantizationType
     w32 = np.ascontiguousarray(w, dtype=np.float32)
@@ -26,6 +27,10 @@ def encode_tensor(w: np.ndarray, qtype: Any, name: str) -> np.ndarray:
             raise ValueError(f"{name} has values beyond float16's range (65504); "
                              f"store it as bf16 or f32")
         return out
+    if qtype in (Q.Q4_K, Q.Q6_K):  # gguf.quants reads K-quants but cannot write them
+        from ._native import ggml_quantize
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        return ggml_quantize(w32.reshape(-1, w32.shape[-1]), int(qtype), w32.shape[-1] // block * size)
     return gguf.quants.quantize(w32, qtype)
 
 

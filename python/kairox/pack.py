@@ -43,7 +43,7 @@ BASE_ARCHS = ("llama", "qwen2", "gemma3")
 # Activation when the model GGUF has no `<arch>.hidden_activation` (kairox's own key).
 DEFAULT_ACTIVATION = {"llama": "silu", "qwen2": "silu", "gemma3": "gelu"}
 ACTIVATIONS = ("relu", "silu", "gelu")
-DOWN_TYPES = ("f32", "f16", "q8_0")
+DOWN_TYPES = ("f32", "f16", "q8_0", "q4_k", "q6_k")
 PRED_TYPES = ("f32", "f16")  # storage of kx_pred_a and kx_pred_b; kx_pred_c is always F32
 # llama-quantize and llama.cpp's --fit select tensors by these substrings; a pack tensor
 # carrying one would be quantized or placed as if it were a model weight.
@@ -495,11 +495,11 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
         thr = np.asarray(layout.threshold, np.float32)
         if thr.shape != (base.n_layer,) or not np.all(np.isfinite(thr)) or np.any(thr < 0):
             raise PackError(f"layout threshold must be {base.n_layer} finite values >= 0")
-    qblock = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
-    if down_type == "q8_0" and base.n_embd % qblock:
+    qblock = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[down_type.upper()]][0]
+    if base.n_embd % qblock:
         # each neuron's row is quantized on its own, so it must split into whole blocks
-        raise PackError(f"down_type q8_0 needs n_embd to be a multiple of {qblock}, "
-                        f"but {model_path} has n_embd = {base.n_embd}; use f16 or f32")
+        raise PackError(f"down_type {down_type} needs n_embd to be a multiple of {qblock}, "
+                        f"but {model_path} has n_embd = {base.n_embd}; use q8_0, f16 or f32")
     if out.exists() and out.resolve() == model_path.resolve():
         raise PackError(f"the pack path {out} is the model itself; the model is never overwritten")
     if not out.parent.is_dir():
@@ -525,7 +525,7 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
         w.add_array(K_LISTED, [float(v) for v in listed_density])
 
     Q = gguf.GGMLQuantizationType
-    dq = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}[down_type]
+    dq = Q[down_type.upper()]
     block, type_size = gguf.GGML_QUANT_SIZES[dq]
     down_shape = (base.n_ff, base.n_embd)
     down_nbytes = base.n_ff * base.n_embd // block * type_size
@@ -637,13 +637,22 @@ def _check_sums(r: Any, path: Path) -> None:
                             f"the file is damaged: rebuild or copy the pack again")
 
 
+# Where a quantized block keeps its f16 scales (byte offsets in ggml's block_*): the quants
+# themselves are integers, finite by construction
+_BLOCK_SCALES = {"q8_0": (34, 32, (0,)), "q4_k": (144, 256, (0, 2)), "q6_k": (210, 256, (208,))}
+
+
 def first_nonfinite_row(data: np.ndarray, type_name: str, n_cols: int) -> int:
-    """The first row (of n_cols values) holding an inf or NaN, -1 when all are finite. A Q8_0
-    row is checked through its block scales (its int8 quants are finite by construction)."""
+    """The first row (of n_cols values) holding an inf or NaN, -1 when all are finite. A
+    quantized row is checked through its blocks' f16 scales (_BLOCK_SCALES)."""
     raw = np.asarray(data)
-    if type_name == "q8_0":
-        blocks = raw.view(np.uint8).reshape(-1, 34)  # ggml block_q8_0: f16 scale + 32 int8
-        bad = ~np.isfinite(blocks[:, :2].copy().view(np.float16)[:, 0]).reshape(-1, n_cols // 32).all(axis=1)
+    if type_name in _BLOCK_SCALES:
+        size, per, offs = _BLOCK_SCALES[type_name]
+        blocks = raw.view(np.uint8).reshape(-1, size)
+        ok = np.ones(blocks.shape[0], bool)
+        for o in offs:
+            ok &= np.isfinite(blocks[:, o:o + 2].copy().view(np.float16)[:, 0])
+        bad = ~ok.reshape(-1, n_cols // per).all(axis=1)
     else:
         bad = ~np.isfinite(raw.reshape(-1, n_cols)).all(axis=1)
     rows = np.flatnonzero(bad)
@@ -749,7 +758,7 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
                 raise PackError(f"pack {path} lacks the tensor {names[k]}")
             expected.add(names[k])
         t = {k: tensors[names[k]] for k in (*required, *has_pred)}
-        _check_tensor(t["down_t"], path, ("F32", "F16", "Q8_0"), (n_embd, n_ff))
+        _check_tensor(t["down_t"], path, tuple(d.upper() for d in DOWN_TYPES), (n_embd, n_ff))
         _check_tensor(t["perm"], path, ("I32",), (n_ff,))
         _check_tensor(t["group"], path, ("I32",), (n_ff,))
         _check_tensor(t["freq"], path, ("F32",), (n_ff,))

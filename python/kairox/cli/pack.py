@@ -90,8 +90,10 @@ def register(sub) -> None:
     p.add_argument("-o", "--outfile", metavar="OUT",
                    help="pack to write (default: next to the model, MODEL.kxpack.gguf)")
     p.add_argument("--down-type", choices=DOWN_TYPES,
-                   help="storage of the down-projection rows: f32, f16, or q8_0 (needs n_embd "
-                        "divisible by 32) (default: f32 if the model's ffn_down is F32, else f16)")
+                   help="storage of the down-projection rows: f32, f16, q8_0 (n_embd divisible by "
+                        "32), or q4_k / q6_k (by 256: half or three quarters of q8_0's bytes, more "
+                        "neurons per GPU slot byte, the model's own rounding twice) (default: f32 if "
+                        "the model's ffn_down is F32, f16 if F16/BF16, else q8_0)")
     p.add_argument("--group-size", type=positive_int, default=32, metavar="G",
                    help="neurons per group, the unit the sparse FFN loads and computes "
                         "(default: %(default)s)")

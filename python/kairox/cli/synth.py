@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..pack import DOWN_TYPES
 from ..argtypes import number_in
 from ..synth import (DEFAULT_DOMAIN_SHARE, DEFAULT_DOMAINS, DEFAULT_RATE_SPREAD, DEFAULT_SPARSITY, DEFAULT_TOPIC_SHARE,
                      DEFAULT_TOPICS, DOMAIN_NAMES, FTYPES, PRESETS, SparseFFN, SynthError, calibrated_thresholds,
@@ -73,7 +74,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
                 predictor, tables = calibrated_thresholds(path, predictor, xs, quiet=args.quiet)
             pk = write_pack(path, predictor=predictor, quiet=args.quiet, layout=layout, thresholds=tables,
                             method={"kind": "synth", "profile_tokens": args.profile if layout else 0},
-                            down_type=default_down_type(inspect_model(path)[0]))
+                            down_type=args.down_type or default_down_type(inspect_model(path)[0]))
         except PackError as e:
             return fail(str(e))
         print(f"kairox synth: wrote {pk} ({os.path.getsize(pk) / 2**30:.2f} GiB)")
@@ -119,6 +120,8 @@ def register(sub) -> None:
     p.add_argument("--pack-only", action="store_true",
                    help="write only the pack of a model an earlier run synthesized at OUTFILE "
                         "(model writing needs no GPU, the pack's --profile uses one: split on a GPU machine)")
+    p.add_argument("--down-type", choices=DOWN_TYPES,
+                   help="with --pack / --pack-only: the pack's down rows, as `kairox pack --down-type`")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--vocab-gguf", type=Path, help="GGUF whose tokenizer to copy (default: LLaMA SPM)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
