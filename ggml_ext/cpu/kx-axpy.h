@@ -103,10 +103,22 @@ static inline void kx_dequant_q4_K(const block_q4_K * GGML_RESTRICT b, float * G
             dl[h] = d*s6;
             ml[h] = min*m6;
         }
+#if defined(__AVX2__)
+        // 8 lanes at a time: dl*q is exact in float (11 + 6 + 4 bits), so the one rounding
+        // of the subtraction gives the scalar loop's bits, fused or not
+        for (int l = 0; l < 32; l += 8) {
+            const __m256i qi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (q + l)));
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(qi, _mm256_set1_epi32(0xF)));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(qi, 4));
+            _mm256_storeu_ps(w + j + l,      _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(dl[0]), lo), _mm256_set1_ps(ml[0])));
+            _mm256_storeu_ps(w + j + 32 + l, _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(dl[1]), hi), _mm256_set1_ps(ml[1])));
+        }
+#else
         for (int l = 0; l < 32; ++l) {
             w[j + l]      = dl[0]*(q[l] & 0xF) - ml[0];
             w[j + 32 + l] = dl[1]*(q[l] >> 4)  - ml[1];
         }
+#endif
     }
 }
 
@@ -116,6 +128,30 @@ static inline void kx_dequant_q6_K(const block_q6_K * GGML_RESTRICT b, float * G
     const uint8_t * qh = b->qh;
     const int8_t  * sc = b->scales;
     for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8) {
+#if defined(__AVX2__)
+        // 8 lanes at a time; the scale d*sc is exact in float (11 + 8 bits), so its product
+        // with q rounds once, as in the scalar loop
+        for (int l = 0; l < 32; l += 8) {
+            const __m256i m4 = _mm256_set1_epi32(0xF);
+            const __m256i m2 = _mm256_set1_epi32(3);
+            const __m256i c32 = _mm256_set1_epi32(32);
+            const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (ql + l)));
+            const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (ql + l + 32)));
+            const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qh + l)));
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi32(_mm256_and_si256(h, m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2), m2), 4)),
+                _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 4), m2), 4)),
+                _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(h, 6), 4)),
+            };
+            const int is = l/16;
+            for (int k = 0; k < 4; ++k) {
+                const __m256 qf = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[k], c32));
+                _mm256_storeu_ps(w + n + l + 32*k, _mm256_mul_ps(_mm256_set1_ps(d*sc[is + 2*k]), qf));
+            }
+        }
+        continue;
+#endif
         for (int l = 0; l < 32; ++l) {
             const int is = l/16;
             const int8_t q1 = (int8_t) ((ql[l +  0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
