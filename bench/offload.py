@@ -228,16 +228,18 @@ def context_mib(stock: str, model: Path, threads: int) -> float | None:
 
 def decode_buffers(stock: str, model: Path, threads: int, n_gen: int, extra: list[str], prompt: int = 0) -> dict:
     """GPU buffers of a decode-only row of n_gen tokens (its context) with these flags; with
-    `prompt`, of a prefill-only row of that many tokens instead. Also the row's measured device
-    use over the CUDA context's (`device_mib`, DevicePeak less context_mib): llama.cpp's pools,
-    workspaces and kernels' temporaries are outside its buffers, and a card of the budget's
-    size must hold them too. `fit_mib`, what the budget is held against, is the larger."""
+    `prompt`, of a prefill-only row of that many tokens instead; measured as measured_buffers
+    measures (llama.cpp's pools, workspaces and kernels' temporaries are outside its buffers,
+    and a card of the budget's size must hold them too)."""
     return measured_buffers(stock, model, threads, [stock, "-m", str(model), "-p", str(prompt), "-n",
                                                     "0" if prompt else str(n_gen), "-r", "1", "-t", str(threads),
                                                     "-o", "json", "-v", *extra])
 
 
 def measured_buffers(stock: str, model: Path, threads: int, cmd: list[str]) -> dict:
+    """gpu_buffers of the llama-bench command `cmd` (run with -v), with its measured device use
+    over the CUDA context's (`device_mib`) and `fit_mib`, the larger of the two: what a budget
+    is held against."""
     ctx = context_mib(stock, model, threads)
     with DevicePeak() as dp:
         r = run(cmd)
@@ -260,8 +262,8 @@ def ffn_cpu_flags(lay: Layout, k: int) -> list[str]:
 def find_ffn_cpu(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int,
                  n_gen: int, prompt: int = 0) -> tuple[int | None, list]:
     """Fewest layers whose FFN (or experts) must stay on the CPU, all else on the GPU, for the
-    row to fit the budget (decode_buffers' fit_mib) (llama.cpp's -ot / --n-cpu-moe placement); None when even all
-    of them on the CPU does not fit. Probed as find_ngl probes."""
+    row to fit the budget (its fit_mib, measured_buffers) with llama.cpp's -ot / --n-cpu-moe
+    placement; None when even all of them on the CPU does not fit. Probed as find_ngl probes."""
     tried: dict[int, dict] = {}
 
     def mem(k: int) -> float:
@@ -285,10 +287,9 @@ def find_ffn_cpu(stock: str, model: Path, lay: Layout, budget_mib: float, thread
 
 def find_ngl(stock: str, model: Path, lay: Layout, budget_mib: float, threads: int,
              n_gen: int | None = None, prompt: int = 0) -> tuple[int, dict, list]:
-    """Largest -ngl that fits the budget (decode_buffers' fit_mib; the prefill test's buffers
-    without n_gen), by probing (linear model + checks); with
-    n_gen, at the context of a decode-only row of that many tokens instead of the prefill test's
-    (with `prompt` too, of a prefill-only row of that many)."""
+    """Largest -ngl that fits the budget (its fit_mib, measured_buffers), by probing (linear
+    model + checks); with n_gen, at the context of a decode-only row of that many tokens
+    instead of the prefill test's (with `prompt` too, of a prefill-only row of that many)."""
     tried: dict[int, dict] = {}
 
     def measure(k: int) -> dict:

@@ -186,6 +186,29 @@ def test_round_trip_reduced_precision(tmp_path: Path, small_relu: Path, tiny_hf:
         np.testing.assert_allclose(layer.down_t(), want, rtol=0, atol=rtol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("down_type", ["q4_k", "q6_k"])
+def test_round_trip_k_quant_rows(tmp_path: Path, tiny_gguf: Callable[..., Path], native: Path,
+                                 down_type: str) -> None:
+    """K-quant down rows are ggml's quantization of the transposed rows, row by row: read back
+    (dequantized by gguf), they equal ggml_quantize_chunk then dequantization of the model's
+    own float rows, exactly."""
+    import gguf
+    from kairox._native import ggml_quantize
+    from kairox.gguf_header import scan_header
+    from kairox.pack import read_model_tensor
+    model = tiny_gguf("f32", hidden_act="relu", n_layer=2, n_embd=256, vocab_size=SMALL)
+    pack = read_pack(write_pack(model, tmp_path / "k.kxpack.gguf", down_type=down_type, quiet=True), model)
+    q = gguf.GGMLQuantizationType[down_type.upper()]
+    block, size = gguf.GGML_QUANT_SIZES[q]
+    for il, layer in enumerate(pack.layers):
+        rows = read_model_tensor(scan_header(model), f"blk.{il}.ffn_down.weight").T  # [n_ff, n_embd]
+        raw = ggml_quantize(rows, int(q), rows.shape[1] // block * size)
+        want = np.asarray(gguf.quants.dequantize(raw, q), np.float32).reshape(rows.shape)
+        assert layer.down_type == down_type
+        np.testing.assert_array_equal(layer.down_t(), want)
+        assert np.abs(want - rows).max() < 0.2 * np.abs(rows).max()  # and it is the rows
+
+
 def test_default_path_is_next_to_the_model(tmp_path: Path, small_relu: Path) -> None:
     model = shutil.copy(small_relu, tmp_path / "m.gguf")
     before = Path(model).read_bytes()
@@ -199,6 +222,8 @@ def test_write_refusals(tmp_path: Path, tiny_gguf: Callable[..., Path], small_re
     narrow = tiny_gguf("f32", hidden_act="relu", n_layer=1, n_embd=48, vocab_size=SMALL)
     with pytest.raises(PackError, match="multiple of 32"):
         write_pack(narrow, tmp_path / "n.kxpack.gguf", down_type="q8_0", quiet=True)
+    with pytest.raises(PackError, match="q4_k needs n_embd to be a multiple of 256"):
+        write_pack(small_relu, tmp_path / "k.kxpack.gguf", down_type="q4_k", quiet=True)
     with pytest.raises(PackError, match="has no dense FFN"):
         write_pack(small_pack, tmp_path / "x.kxpack.gguf", quiet=True)  # a pack is no model
     with pytest.raises(PackError, match="down_type"):

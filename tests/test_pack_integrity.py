@@ -148,3 +148,29 @@ def test_no_mutation_of_the_first_64k_loads(pack: Path, model: Path, tmp_path: P
             refused += 1
         bad.unlink()
     assert refused >= N_MUTATIONS * 0.9  # padding is a few bytes per tensor
+
+
+@pytest.mark.parametrize("down_type,scale_at", [("q4_k", 2), ("q6_k", 208)])
+def test_k_quant_rows_with_an_infinite_scale_are_refused(tiny_gguf: Callable[..., Path], native: Path,
+                                                         tmp_path: Path, down_type: str, scale_at: int) -> None:
+    """A K-quant down row whose block scale is infinite (Q4_K's dmin, Q6_K's d at the block's
+    end), checksummed by its writer, is refused by both readers, naming the row."""
+    import kairox
+    from kairox.llama import _lib
+    model = tmp_path / "w.gguf"
+    shutil.copy(tiny_gguf("f32", hidden_act="relu", n_layer=2, n_embd=256, vocab_size=SMALL), model)
+    good = write_pack(model, tmp_path / "good.kxpack.gguf", down_type=down_type, quiet=True)
+    t = _tensor(good, "blk.1.kx_down_t")
+    row_bytes = t.n_bytes // int(t.shape[1])
+    bad = restamp(_patch(good, tmp_path / "bad.kxpack.gguf", t.data_offset + 5 * row_bytes + scale_at, b"\x00\x7c"))
+    words = r"blk.1.kx_down_t has non-finite values \(row 5\)"
+    with pytest.raises(PackError, match=words):
+        read_pack(bad, model)
+    llm = kairox.Llama(str(model), n_ctx=64, verbose=False)
+    try:
+        err = ctypes.create_string_buffer(1024)
+        for p, want in ((bad, words), (good, None)):
+            rc = _lib.kx_model_load_pack(llm._model.model, str(model).encode(), str(p).encode(), err, len(err))
+            assert (rc == 0) if want is None else re.search(want, err.value.decode()), err.value.decode()
+    finally:
+        llm.close()
