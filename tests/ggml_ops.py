@@ -41,8 +41,6 @@ class GGML:
         b.ggml_nbytes.argtypes, b.ggml_nbytes.restype = [P], C.c_size_t
         b.ggml_new_graph.argtypes, b.ggml_new_graph.restype = [P], P
         b.ggml_build_forward_expand.argtypes = [P, P]
-        b.ggml_quantize_chunk.argtypes = [C.c_int, P, P, C.c_int64, C.c_int64, C.c_int64, P]
-        b.ggml_quantize_chunk.restype = C.c_size_t
         b.ggml_row_size.argtypes, b.ggml_row_size.restype = [C.c_int, C.c_int64], C.c_size_t
         b.ggml_kx_select.argtypes = [P, P, C.c_float, C.c_float, C.c_int]
         b.ggml_kx_select.restype = P
@@ -69,9 +67,8 @@ class GGML:
         t = GGML_TYPE[type_name]
         if type_name == "f32":
             return w.tobytes()
-        out = C.create_string_buffer(self.base.ggml_row_size(t, w.shape[1]) * w.shape[0])
-        n = self.base.ggml_quantize_chunk(t, w.ctypes.data, out, 0, w.shape[0], w.shape[1], None)
-        return out.raw[:n]
+        from kairox._native import ggml_quantize
+        return ggml_quantize(w, t).tobytes()
 
     def _tensor(self, ctx, type_name: str, ne: tuple[int, ...], data: bytes | np.ndarray):
         t = GGML_TYPE[type_name]

@@ -139,20 +139,20 @@ def ggml_library(name: str) -> ctypes.CDLL:
     raise NativeLibraryNotFound(f"lib{name}.so is not in {lib_dir}")
 
 
-def ggml_quantize(w: "np.ndarray", type_id: int, row_bytes: int) -> "np.ndarray":
+def ggml_quantize(w: "np.ndarray", type_id: int) -> "np.ndarray":
     """Rows of float32 `w` [n, k] quantized by ggml itself (ggml_quantize_chunk, no importance
-    matrix) to ggml type `type_id`, as uint8 [n, row_bytes]: the K-quants, which gguf.quants
+    matrix) to ggml type `type_id`, as uint8 [n, row bytes]: the K-quants, which gguf.quants
     cannot write. The same function llama-quantize calls, so the same bytes."""
     import numpy as np
     w = np.ascontiguousarray(w, dtype=np.float32)
     n, k = w.shape
     b = ggml_library("ggml-base")
-    f = b.ggml_quantize_chunk
-    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                  ctypes.c_void_p]
-    f.restype = ctypes.c_size_t
-    out = np.empty((n, row_bytes), np.uint8)
-    got = f(type_id, w.ctypes.data, out.ctypes.data, 0, n, k, None)
+    b.ggml_row_size.argtypes, b.ggml_row_size.restype = [ctypes.c_int, ctypes.c_int64], ctypes.c_size_t
+    b.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_int64, ctypes.c_void_p]
+    b.ggml_quantize_chunk.restype = ctypes.c_size_t
+    out = np.empty((n, b.ggml_row_size(type_id, k)), np.uint8)
+    got = b.ggml_quantize_chunk(type_id, w.ctypes.data, out.ctypes.data, 0, n, k, None)
     if got != out.nbytes:
         raise RuntimeError(f"ggml_quantize_chunk wrote {got} bytes, expected {out.nbytes}")
     return out

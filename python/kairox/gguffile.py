@@ -29,8 +29,7 @@ def encode_tensor(w: np.ndarray, qtype: Any, name: str) -> np.ndarray:
         return out
     if qtype in (Q.Q4_K, Q.Q6_K):  # gguf.quants reads K-quants but cannot write them
         from ._native import ggml_quantize
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        return ggml_quantize(w32.reshape(-1, w32.shape[-1]), int(qtype), w32.shape[-1] // block * size)
+        return ggml_quantize(w32.reshape(-1, w32.shape[-1]), int(qtype))
     return gguf.quants.quantize(w32, qtype)
 
 

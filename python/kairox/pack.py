@@ -639,7 +639,7 @@ def _check_sums(r: Any, path: Path) -> None:
 
 # Where a quantized block keeps its f16 scales (byte offsets in ggml's block_*): the quants
 # themselves are integers, finite by construction
-_BLOCK_SCALES = {"q8_0": (34, 32, (0,)), "q4_k": (144, 256, (0, 2)), "q6_k": (210, 256, (208,))}
+_BLOCK_SCALES = {"q8_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
 
 
 def first_nonfinite_row(data: np.ndarray, type_name: str, n_cols: int) -> int:
@@ -647,10 +647,11 @@ def first_nonfinite_row(data: np.ndarray, type_name: str, n_cols: int) -> int:
     quantized row is checked through its blocks' f16 scales (_BLOCK_SCALES)."""
     raw = np.asarray(data)
     if type_name in _BLOCK_SCALES:
-        size, per, offs = _BLOCK_SCALES[type_name]
+        import gguf
+        per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]]
         blocks = raw.view(np.uint8).reshape(-1, size)
         ok = np.ones(blocks.shape[0], bool)
-        for o in offs:
+        for o in _BLOCK_SCALES[type_name]:
             ok &= np.isfinite(blocks[:, o:o + 2].copy().view(np.float16)[:, 0])
         bad = ~ok.reshape(-1, n_cols // per).all(axis=1)
     else:
