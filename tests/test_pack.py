@@ -207,6 +207,27 @@ def test_round_trip_k_quant_rows(tmp_path: Path, tiny_gguf: Callable[..., Path],
         assert np.abs(want - rows).max() < 0.2 * np.abs(rows).max()  # and it is the rows
 
 
+def test_default_down_type_follows_the_model() -> None:
+    """F32 rows stay F32, F16/BF16 go F16, a 2-4-bit K-quant model (gate Q4_K, down Q6_K as in
+    Q4_K_M's first layers) gets Q4_K rows where n_embd splits into 256, other quantized models
+    Q8_0 (F16 where n_embd does not split into 32)."""
+    from types import SimpleNamespace
+    from kairox.pack import default_down_type
+    Q = gguf.GGMLQuantizationType
+
+    def hdr(gate: Q, down: Q, n_embd: int = 4096) -> SimpleNamespace:
+        return SimpleNamespace(tensors=[SimpleNamespace(name="blk.0.ffn_gate.weight", type_id=int(gate), ne=(n_embd, 64)),
+                                        SimpleNamespace(name="blk.0.ffn_down.weight", type_id=int(down), ne=(64, n_embd))])
+    assert default_down_type(hdr(Q.F32, Q.F32)) == "f32"
+    assert default_down_type(hdr(Q.BF16, Q.BF16)) == "f16"
+    for gate in (Q.Q2_K, Q.Q3_K, Q.Q4_K):
+        assert default_down_type(hdr(gate, Q.Q6_K)) == "q4_k"
+    assert default_down_type(hdr(Q.Q4_K, Q.Q4_K, n_embd=4096 + 32)) == "q8_0"
+    for gate in (Q.Q4_0, Q.Q5_K, Q.Q6_K, Q.Q8_0):
+        assert default_down_type(hdr(gate, gate)) == "q8_0"
+    assert default_down_type(hdr(Q.Q4_0, Q.Q4_0, n_embd=4096 + 16)) == "f16"
+
+
 def test_default_path_is_next_to_the_model(tmp_path: Path, small_relu: Path) -> None:
     model = shutil.copy(small_relu, tmp_path / "m.gguf")
     before = Path(model).read_bytes()

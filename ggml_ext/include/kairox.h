@@ -269,6 +269,10 @@ struct kx_params {
     // filled by kx_model_params_apply, not by the caller: free bytes of the slots' device before
     // the model loads (the budget's zero; the CUDA context is not counted), -1 unknown
     int64_t         vram_free_at_load;
+    bool            measure_gain;      // sparse without the hybrid, a pack with listed densities: time each
+                                       // layer's sparse FFN against the dense one on this CPU before the model
+                                       // loads, and run sparse only where it is faster (kx_sparse_cost; default
+                                       // true). false: sparse wherever the lists hold under 60% of the neurons
 };
 
 // what a budgeted context measured on its device (bytes)
@@ -355,6 +359,14 @@ LLAMA_API double  kx_plan_slots(const double * freq, const int64_t * n_group, co
 // Layers whose FFN runs sparse in predicted mode (the rest dense: their lists are too dense
 // to gain), out of the model's; 0 without a pack.
 LLAMA_API int32_t kx_model_sparse_layers(const struct llama_model * model);
+// Per layer of the model at model_path with the pack at pack_path (NULL: next to the model), the
+// sparse FFN's time over the dense FFN's on this CPU with n_threads, at the share of neurons
+// the layer's predicted lists held on calibration tokens; < 1 where sparsity gains (what the load
+// decides with kx_params::measure_gain). mode: KX_SPARSE_PREDICTED or KX_SPARSE_THRESHOLD.
+// ratio[il] = -1 where the pack lists no share or one of 60% or more (the layer runs dense
+// without timing). Writes n_layer values (the pack's). Returns KX_OK, or KX_ERR_PACK with err.
+LLAMA_API int32_t kx_sparse_cost(const char * model_path, const char * pack_path, int32_t mode, int32_t n_threads,
+                                 float * ratio, int32_t n_layer, char * err, size_t err_size);
 // Applies kp to a context of a model loaded with kx_model_params_apply's parameters: loads
 // the pack, places the slots (counts given, from the plan, or filling the VRAM budget,
 // measured around a warm-up batch), selects the sparse mode, sets the mapped share, starts

@@ -268,7 +268,7 @@ ggml_tensor * kx_build_ffn_sparse(
         return nullptr;
     }
     if (up_b || up_s || gate_b || gate_s || down_b || down_s || act_scales || !gate || !down ||
-        type_gate != LLM_FFN_PAR || (g.loras && !g.loras->empty())) {
+        gate->type != up->type || type_gate != LLM_FFN_PAR || (g.loras && !g.loras->empty())) {
         return nullptr;
     }
     enum kx_select_act act;

@@ -5,6 +5,7 @@
 // naming the check that failed, so the caller can print it and keep running dense.
 #include "kairox.h"
 #include "kx-pack.h"
+#include "kx-pays.h"
 
 #include "llama-arch.h"
 #include "llama-model.h"
@@ -573,9 +574,12 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         }
     }
     const std::vector<float> listed = listed_density(gp, path, n_layer);
+    // the load's measured choice (kx-pays.h) when it made one for this model and pack: the
+    // layers it chose hold their FFN weights unrepacked
+    const std::vector<bool> chosen = kx_pays_recall(model_path, path);
     for (int64_t il = 0; il < (int64_t) listed.size(); ++il) {
         pack->layers[il].listed = listed[il];
-        pack->layers[il].pays   = kx_layer_pays(listed[il]);
+        pack->layers[il].pays   = chosen.size() == listed.size() ? (bool) chosen[il] : kx_layer_pays(listed[il]);
     }
     return pack;
 }
@@ -618,6 +622,7 @@ kx_pack_preview kx_pack_preview_read(const std::string & pack_path) {
         if (id >= 0 && gguf_get_kv_type(gp.g, id) == GGUF_TYPE_UINT32) {
             pv.listed = listed_density(gp, pack_path, gguf_get_val_u32(gp.g, id));
         }
+        pv.predictor = gguf_find_tensor(gp.g, "blk.0.kx_pred_a") >= 0;
     } catch (const kx_pack_error &) {
         return {}; // the full load says what is wrong with it
     }

@@ -80,6 +80,7 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
 struct kx_pack_preview {
     std::string        activation; // kx.base.activation
     std::vector<float> listed;     // kx.listed_density; empty when the pack has none
+    bool               predictor = false; // layer 0 has a predictor (the pack has one for all or none)
 };
 kx_pack_preview kx_pack_preview_read(const std::string & pack_path);
 // The row types a neuron slot of each layer holds (enum ggml_type: the model's ffn_gate and
@@ -90,7 +91,8 @@ struct kx_slot_types {
 };
 std::vector<kx_slot_types> kx_slot_types_read(const std::string & model_path, const std::string & pack_path,
                                                int64_t * n_embd, int64_t * n_ff);
-// whether predicted mode gains on a layer whose lists hold that share (-1: unknown, assumed)
+// whether predicted mode gains on a layer whose lists hold that share (-1: unknown, assumed),
+// where the load measured nothing (kx-pays.h)
 inline bool kx_layer_pays(float listed) {
     return listed < kx_max_density;
 }

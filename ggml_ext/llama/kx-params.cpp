@@ -7,6 +7,7 @@
 #include "kx-context.h"
 #include "kx-hybrid.h"
 #include "kx-migrate.h"
+#include "kx-pays.h"
 #include "kx-placement.h"
 #include "kx-stream.h"
 #include "kx-trace.h"
@@ -43,6 +44,7 @@ struct kx_params kx_params_default(void) {
     kp.vram_free_at_load = -1;
     kp.error_budget = -1.0f; // load-aware thresholds off
     kp.fallback_dense = false; // what was asked runs, or the client stops
+    kp.measure_gain = true;
     return kp;
 }
 
@@ -189,8 +191,11 @@ static void kx_plain_ffn(llama_model_params * mp, const std::vector<int> & ids) 
 
 // A sparse run without the hybrid: unrepacked FFN weights for the layers it runs sparse; all
 // of them unless the pack measured its lists. Exact mode lists what fires: on a ReLU model
-// every layer runs sparse, on a gated one (every neuron fires) none.
-static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp, const char * model_path) {
+// every layer runs sparse, on a gated one (every neuron fires) none. With measured lists, a
+// layer runs sparse where its sparse FFN timed faster than llama.cpp's dense one on this CPU
+// with the context's threads (kx-pays.h); the others keep llama.cpp's (repacked) weights.
+static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp, const char * model_path,
+                                   int32_t n_threads) {
     const std::string pack = kx_params_pack_path(kp, model_path);
     const kx_pack_preview pv = pack.empty() ? kx_pack_preview() : kx_pack_preview_read(pack);
     if (kp->sparse == KX_SPARSE_EXACT && !pv.activation.empty() && pv.activation != "relu") {
@@ -201,12 +206,26 @@ static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp
         mp->use_extra_bufts = false; // repacked rows are interleaved: row gathers cannot read them
         return;
     }
+    // the mode kx_context_apply will pick (predicted where the pack has a predictor)
+    const int32_t mode = kp->sparse == KX_SPARSE_THRESHOLD || !pv.predictor ? KX_SPARSE_THRESHOLD : KX_SPARSE_PREDICTED;
+    std::vector<float> ratio;
+    try {
+        if (kp->measure_gain) {
+            ratio = kx_pays_measure(model_path, pack, mode, n_threads);
+        }
+    } catch (const std::exception & e) {
+        LLAMA_LOG_WARN("kairox: could not time the sparse FFN on this CPU (%s); layers listing under %.0f%% of "
+                       "their neurons run sparse\n", e.what(), 100.0 * kx_max_density);
+    }
+    std::vector<bool> pays(listed.size());
     std::vector<int> ids;
     for (size_t il = 0; il < listed.size(); ++il) {
-        if (kx_layer_pays(listed[il])) {
+        pays[il] = kx_layer_pays(listed[il]) && (il >= ratio.size() || ratio[il] < 1.0f);
+        if (pays[il]) {
             ids.push_back((int) il);
         }
     }
+    kx_pays_remember(model_path, pack, pays);
     if (!ids.empty()) {
         kx_plain_ffn(mp, ids);
     }
@@ -233,6 +252,27 @@ static void kx_check_slot_types(const kx_params * kp, const char * model_path) {
             checked.push_back(key);
         }
     }
+}
+
+int32_t kx_sparse_cost(const char * model_path, const char * pack_path, int32_t mode, int32_t n_threads,
+                       float * ratio, int32_t n_layer, char * err, size_t err_size) {
+    if (!model_path || !ratio || (mode != KX_SPARSE_PREDICTED && mode != KX_SPARSE_THRESHOLD)) {
+        return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_sparse_cost: a model, ratio[] and a predicted or threshold mode");
+    }
+    kx_params kp = kx_params_default();
+    kp.sparse_pack = pack_path;
+    const std::string pack = kx_params_pack_path(&kp, model_path);
+    try {
+        const std::vector<float> r = kx_pays_measure(model_path, pack, mode, n_threads);
+        if ((int32_t) r.size() != n_layer) {
+            return kx_fail(err, err_size, KX_ERR_PACK, kx_fmt("the pack %s lists %d layers, not %d (or no densities)",
+                                                              pack.c_str(), (int) r.size(), n_layer));
+        }
+        std::copy(r.begin(), r.end(), ratio);
+    } catch (const std::exception & e) {
+        return kx_fail(err, err_size, KX_ERR_PACK, e.what());
+    }
+    return kx_fail(err, err_size, KX_OK, "");
 }
 
 int32_t kx_model_params_apply(kx_params * kp, llama_model_params * mp, char * err, size_t err_size) {
@@ -356,7 +396,7 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
     }
     if (!kx_params_hybrid(kp)) {
         if (kp->sparse > KX_SPARSE_DENSE || (kp->sparse == KX_SPARSE_AUTO && kp->sparse_pack && *kp->sparse_pack)) {
-            kx_sparse_model_params(kp, mp, model_path);
+            kx_sparse_model_params(kp, mp, model_path, (cp ? *cp : llama_context_default_params()).n_threads);
         }
         return kx_fail(err, err_size, KX_OK, "");
     }
@@ -669,9 +709,10 @@ static void kx_apply(llama_context * ctx, const std::string & model_path, const 
                 lo = std::min(lo, L.listed);
                 hi = std::max(hi, L.listed);
             }
-            LLAMA_LOG_WARN("kairox: the sparse FFN would not gain on this model: its measured lists hold %.0f-%.0f%% "
-                           "of each layer's neurons (it gains below %.0f%%); running dense, with llama.cpp's "
-                           "weights as it loads them\n", 100.0 * lo, 100.0 * hi, 100.0 * kx_max_density);
+            LLAMA_LOG_WARN("kairox: the sparse FFN would not gain on this model here: its lists hold %.0f-%.0f%% "
+                           "of each layer's neurons, and at that share it timed slower than the dense FFN on this "
+                           "CPU (or the share is over %.0f%%); running dense, with llama.cpp's weights as it loads "
+                           "them\n", 100.0 * lo, 100.0 * hi, 100.0 * kx_max_density);
             return;
         }
         kx_check(kx_context_set_sparse(ctx, mode, e, sizeof(e)), KX_ERR_PACK, "", e);

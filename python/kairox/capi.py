@@ -79,7 +79,7 @@ class Params(ctypes.Structure):  # struct kx_params
                 ("balancer", ctypes.c_int32), ("balance", BalanceParams), ("trace", ctypes.c_char_p),
                 ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),
                 ("error_budget", ctypes.c_float), ("fallback_dense", ctypes.c_bool), ("faults", ctypes.c_int32),
-                ("vram_free_at_load", ctypes.c_int64)]
+                ("vram_free_at_load", ctypes.c_int64), ("measure_gain", ctypes.c_bool)]
 
 
 class ThrInfo(ctypes.Structure):  # struct kx_thr_info
@@ -128,6 +128,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_plan_slots": ([P(ctypes.c_double), P(i64), P(i64), P(i64), P(ctypes.c_double), P(ctypes.c_double), i32,
                            i64, P(i64)], ctypes.c_double),
         "kx_model_sparse_layers": ([vp], i32),
+        "kx_sparse_cost": ([cp, cp, i32, i32, P(ctypes.c_float), i32, cp, sz], i32),
         "kx_context_apply": ([vp, cp, P(Params), cp, sz], i32),
         "kx_context_vram": ([vp, P(VramReport)], ctypes.c_bool),
         "kx_budget_margin": ([i64], i64),

@@ -95,6 +95,10 @@ class KairoxOptions:
     # decode steps (runtime migration: a CPU under load leaves more to the GPU, a busy PCIe less;
     # off by default until it measures faster, docs/ARCHITECTURE.md)
     migrate: bool = False
+    # sparse without the hybrid: time each layer's sparse FFN against the dense one on this CPU
+    # before the model loads and run sparse only where it is faster (False: wherever the pack's
+    # lists hold under 60% of a layer's neurons)
+    measure_gain: bool = True
     # the balancer's records, appended as JSON lines while running (`kairox report FILE`)
     trace: str | None = None
     # the scheduler's split trace for the whole process, written at exit (`kairox trace FILE`),
@@ -162,7 +166,7 @@ class KairoxOptions:
                              "vram_budget or a plan")
         if self.error_budget is not None and self.sparse in ("exact", "threshold"):
             raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode")
-        for name in ("pinned", "warm", "stream", "migrate"):
+        for name in ("pinned", "warm", "stream", "migrate", "measure_gain"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.trace is not None and not self.balancer:
@@ -225,6 +229,7 @@ class KairoxOptions:
         kp.plan = text(self.plan)
         kp.slots_device = text(self.slots_device)
         kp.pinned, kp.warm, kp.stream, kp.migrate = self.pinned, self.warm, self.stream, self.migrate
+        kp.measure_gain = self.measure_gain
         kp.mapped_share = float(self.mapped_share)
         if self.balancer:
             kp.balancer = capi.BALANCER_MODES.index("adaptive" if self.balancer.adaptive else "fixed")
@@ -336,6 +341,29 @@ class _ErrorLog:
 _errors = _ErrorLog()
 
 _lib = capi.declare(_C._lib)
+
+
+def sparse_cost(model: str | os.PathLike, pack: str | os.PathLike | None = None, mode: str = "predicted",
+                n_threads: int | None = None) -> list[float | None]:
+    """Per layer, the sparse FFN's time over the dense FFN's on this CPU with n_threads (default:
+    all cores) at the share of neurons the pack's predicted lists held (kx_sparse_cost): below 1
+    where sparsity gains, what a load with measure_gain decides. None where the pack lists no
+    share, or one of 60% or more (such a layer runs dense without timing)."""
+    from .pack import K_N_LAYER, _kv, _open_gguf, pack_path_for
+    pack = Path(pack) if pack is not None else pack_path_for(Path(model))
+    n_layer = _kv(_open_gguf(pack), K_N_LAYER)
+    if not isinstance(n_layer, int):
+        raise ValueError(f"{pack} is not a sparse pack (no {K_N_LAYER})")
+    ratio = (ctypes.c_float * n_layer)()
+    err = ctypes.create_string_buffer(1024)
+    if mode not in ("predicted", "threshold"):
+        raise ValueError(f"the sparse FFN is timed in predicted or threshold mode, not {mode!r}")
+    mode_id = SPARSE_MODES.index(mode)
+    rc = _lib.kx_sparse_cost(os.fsencode(model), os.fsencode(pack), mode_id, n_threads or os.cpu_count() or 1,
+                             ratio, n_layer, err, len(err))
+    if rc != capi.Status.OK:
+        raise ValueError(err.value.decode(errors="replace"))
+    return [None if r < 0 else float(r) for r in ratio]
 
 def _context_params(kwargs: dict[str, Any]) -> Any:
     """The context parameters the base class will make of kwargs: a VRAM budget's dry run
@@ -454,9 +482,11 @@ class Llama(llama_cpp.Llama):
         self.sparse = SPARSE_MODES[_lib.kx_context_get_sparse(self._ctx.ctx)]
         if (rc == capi.Status.OK and self.sparse == "dense" and self.kx_options.wants_sparse
                 and _lib.kx_model_pack_activation(self._model.model)):
-            # the pack measured lists too dense to gain in every layer (the runtime's warning says how dense)
-            warnings.warn(SparseNoGainWarning("kairox: the sparse FFN would not gain on this model (its pack's "
-                                              "measured lists hold 60% of each layer's neurons or more): "
+            # no layer gains: lists of 60% of the neurons or more, or a sparse FFN timed slower than
+            # the dense one on this CPU (measure_gain; the runtime's warning says which)
+            warnings.warn(SparseNoGainWarning("kairox: the sparse FFN would not gain on this model here (its "
+                                              "pack's lists hold 60% of each layer's neurons or more, or its "
+                                              "sparse FFN timed slower than the dense one on this CPU): "
                                               "running dense"),
                           stacklevel=4)
         self._warn_if_approximate(stacklevel=4)

@@ -458,6 +458,8 @@ def prepare(model_path: str | Path, cfg: PrepareConfig | None = None, *,
     tables = _threshold_tables(model, data, fits, cfg)
     out = _write(model, hdr, cfg, thr, agg.counts / n_tokens, fits, groups, rank, stats, target, tables)
     seconds["pack"] = time.perf_counter() - t0
+    # ... and as the runtime will decide it on this machine: each layer timed both ways
+    say(_measured_gain(model, out, listed, cfg.threads, stats))
 
     # 8. perplexity
     if cfg.ppl_targets:
@@ -625,18 +627,49 @@ def listed_density(fits: list[dict]) -> list[float]:
     return [float(min(1.0, f["same"]["density"] * f["same"]["overprediction"])) for f in fits]
 
 
-def gain_report(listed: list[float]) -> tuple[int, str]:
-    """How many layers predicted mode runs sparse, and a sentence saying so: a layer whose
-    lists hold LISTED_GAINS_BELOW of its neurons or more runs dense (the sparse kernels then
-    cost what the dense matvec costs, without llama.cpp's repacked weights)."""
+def gain_report(listed: list[float], ratio: list[float | None] | None = None,
+                threads: int | None = None) -> tuple[int, str]:
+    """How many layers predicted mode runs sparse, and a sentence saying so. Without `ratio`:
+    a layer whose lists hold LISTED_GAINS_BELOW of its neurons or more runs dense (the select
+    falls back to every row there). With `ratio` (kairox.llama.sparse_cost on this CPU with
+    `threads`: the sparse FFN's time over the dense one's per layer, None for a layer over
+    that line) a layer runs sparse only where it timed faster, as the runtime decides at load."""
     from .pack import LISTED_GAINS_BELOW
-    n = sum(v < LISTED_GAINS_BELOW for v in listed)
     lo, hi = min(listed), max(listed)
     head = f"predicted lists hold {100 * lo:.0f}-{100 * hi:.0f}% of a layer's neurons"
-    if n == 0:
+    if ratio is None:
+        n = sum(v < LISTED_GAINS_BELOW for v in listed)
+        if n == 0:
+            return 0, (f"{head}: the sparse FFN will not gain on this model (it gains below "
+                       f"{100 * LISTED_GAINS_BELOW:.0f}%); --sparse predicted runs it dense")
+        return n, f"{head}: {n} of {len(listed)} layers run sparse in predicted mode, the others dense"
+    timed = [r for r in ratio if r is not None]
+    n = sum(r < 1.0 for r in timed)
+    where = f"on this CPU ({threads} threads)" if threads else "on this CPU"
+    per_layer = " ".join("dense" if r is None or r >= 1.0 else f"{1 / r:.2f}x" for r in ratio)
+    if not timed:
         return 0, (f"{head}: the sparse FFN will not gain on this model (it gains below "
                    f"{100 * LISTED_GAINS_BELOW:.0f}%); --sparse predicted runs it dense")
-    return n, f"{head}: {n} of {len(listed)} layers run sparse in predicted mode, the others dense"
+    timing = (f"{where} the sparse FFN takes {min(timed):.2f}-{max(timed):.2f} of the dense FFN's time "
+              f"at those shares")
+    if n == 0:
+        return 0, f"{head}; {timing}: the sparse FFN will not gain here; --sparse predicted runs it dense"
+    return n, (f"{head}; {timing}: {n} of {len(listed)} layers run sparse in predicted mode, the others dense "
+               f"(FFN speed-up per layer: {per_layer})")
+
+
+def _measured_gain(model: Path, pack: Path, listed: list[float], threads: int | None, stats: Any) -> str:
+    """gain_report with the sparse FFN timed against the dense one on this CPU (recorded in
+    stats.extra["sparse_cost"]); the listed-share report where the timing cannot run."""
+    from .llama import sparse_cost
+    threads = threads or os.cpu_count() or 1
+    try:
+        ratio = sparse_cost(model, pack, "predicted", threads)
+    except (OSError, ValueError) as e:
+        return f"could not time the sparse FFN on this CPU ({e})"
+    stats.extra["sparse_cost"] = {"threads": threads, "ratio": ratio}
+    stats.extra["sparse_layers"], stats.extra["gain"] = gain_report(listed, ratio, threads)
+    return stats.extra["gain"]
 
 
 def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.ndarray,

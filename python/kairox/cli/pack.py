@@ -93,7 +93,8 @@ def register(sub) -> None:
                    help="storage of the down-projection rows: f32, f16, q8_0 (n_embd divisible by "
                         "32), or q4_k / q6_k (by 256: half or three quarters of q8_0's bytes, more "
                         "neurons per GPU slot byte, the model's own rounding twice) (default: f32 if "
-                        "the model's ffn_down is F32, f16 if F16/BF16, else q8_0)")
+                        "the model's ffn_down is F32, f16 if F16/BF16, q4_k for a 2-4-bit K-quant such "
+                        "as Q4_K_M, else q8_0)")
     p.add_argument("--group-size", type=positive_int, default=32, metavar="G",
                    help="neurons per group, the unit the sparse FFN loads and computes "
                         "(default: %(default)s)")

@@ -105,8 +105,7 @@ def register(sub: Any) -> None:
     p.add_argument("-t", "--threads", type=positive_int, metavar="N", help="CPU threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling, training, grouping (default: 0)")
     p.add_argument("--down-type", choices=DOWN_TYPES,
-                   help="storage of the down rows, as `kairox pack --down-type` (default: f32 for "
-                        "F32 models, f16 for F16/BF16, else q8_0)")
+                   help="storage of the down rows, as `kairox pack --down-type` (and the same default)")
     p.add_argument("--ppl-curve", type=_fractions, metavar="S1,S2,...",
                    help="also measure held-out perplexity (llama-perplexity): dense, predicted, "
                         "and threshold mode at these target sparsities, e.g. 0.3,0.4,0.5,0.6 (slow)")
