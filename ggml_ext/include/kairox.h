@@ -271,7 +271,7 @@ struct kx_params {
     int64_t         vram_free_at_load;
     bool            measure_gain;      // sparse without the hybrid, a pack with listed densities: time each
                                        // layer's sparse FFN against the dense one on this CPU before the model
-                                       // loads, and run sparse only where it is faster (kx_sparse_cost; default
+                                       // loads, and run sparse only where it is 5% faster (kx_sparse_cost; default
                                        // true). false: sparse wherever the lists hold under 60% of the neurons
 };
 
@@ -361,7 +361,7 @@ LLAMA_API double  kx_plan_slots(const double * freq, const int64_t * n_group, co
 LLAMA_API int32_t kx_model_sparse_layers(const struct llama_model * model);
 // Per layer of the model at model_path with the pack at pack_path (NULL: next to the model), the
 // sparse FFN's time over the dense FFN's on this CPU with n_threads, at the share of neurons
-// the layer's predicted lists held on calibration tokens; < 1 where sparsity gains (what the load
+// the layer's predicted lists held on calibration tokens; < 0.95 where sparsity gains (what the load
 // decides with kx_params::measure_gain). mode: KX_SPARSE_PREDICTED or KX_SPARSE_THRESHOLD.
 // ratio[il] = -1 where the pack lists no share or one of 60% or more (the layer runs dense
 // without timing). Writes n_layer values (the pack's). Returns KX_OK, or KX_ERR_PACK with err.

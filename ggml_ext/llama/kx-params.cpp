@@ -220,7 +220,7 @@ static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp
     std::vector<bool> pays(listed.size());
     std::vector<int> ids;
     for (size_t il = 0; il < listed.size(); ++il) {
-        pays[il] = kx_layer_pays(listed[il]) && (il >= ratio.size() || ratio[il] < 1.0f);
+        pays[il] = kx_layer_pays(listed[il]) && (il >= ratio.size() || ratio[il] < kx_pays_max_ratio);
         if (pays[il]) {
             ids.push_back((int) il);
         }

@@ -15,6 +15,11 @@
 // plain rows at two densities, linear between them. -1 for a layer without a listed density.
 // Memoized per (model, pack, mode, threads): llama-bench loads one model for many rows.
 // Throws kx_pack_error when a file cannot be read.
+// A layer runs sparse when its sparse FFN times at most this share of the dense one: a gain
+// under 5% is within one timing's spread (two layers of KB-350M Q4_K_M timed 0.98 on two
+// cores), not worth trading llama.cpp's layout for (python/kairox/pack.py TIMED_GAINS_BELOW)
+constexpr float kx_pays_max_ratio = 0.95f;
+
 std::vector<float> kx_pays_measure(const std::string & model_path, const std::string & pack_path, int32_t mode,
                                    int32_t n_threads);
 
