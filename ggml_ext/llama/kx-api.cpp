@@ -1,6 +1,7 @@
 // The kairox C API (include/kairox.h) on top of libllama's internals.
 #include "kairox.h"
 #include "kx-hybrid.h"
+#include "kx-pays.h"
 #include "kx-context.h"
 #include "kx-stats.h"
 #include "kx-stream.h"
@@ -26,7 +27,14 @@ int32_t kx_model_load_pack(llama_model * model, const char * model_path, const c
         model->kx_hybrid_ptr.reset();
     }
     try {
-        model->kx_hybrid_ptr = std::make_shared<kx_hybrid>(kx_pack_load(*model, model_path, pack_path));
+        std::shared_ptr<kx_pack> pack = kx_pack_load(*model, model_path, pack_path);
+        // the load's measured choice (kx-pays.h) when it made one for this model and pack: the
+        // layers it chose hold their FFN weights unrepacked
+        const std::vector<bool> chosen = kx_pays_recall(model_path, pack_path);
+        for (size_t il = 0; chosen.size() == pack->layers.size() && il < chosen.size(); ++il) {
+            pack->layers[il].pays = chosen[il];
+        }
+        model->kx_hybrid_ptr = std::make_shared<kx_hybrid>(std::move(pack));
     } catch (const std::exception & e) {
         kx_set_err(err, err_size, e.what()); // the caller reports it (once)
         return 1;

@@ -5,7 +5,6 @@
 // naming the check that failed, so the caller can print it and keep running dense.
 #include "kairox.h"
 #include "kx-pack.h"
-#include "kx-pays.h"
 
 #include "llama-arch.h"
 #include "llama-model.h"
@@ -574,12 +573,9 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         }
     }
     const std::vector<float> listed = listed_density(gp, path, n_layer);
-    // the load's measured choice (kx-pays.h) when it made one for this model and pack: the
-    // layers it chose hold their FFN weights unrepacked
-    const std::vector<bool> chosen = kx_pays_recall(model_path, path);
     for (int64_t il = 0; il < (int64_t) listed.size(); ++il) {
         pack->layers[il].listed = listed[il];
-        pack->layers[il].pays   = chosen.size() == listed.size() ? (bool) chosen[il] : kx_layer_pays(listed[il]);
+        pack->layers[il].pays   = kx_layer_pays(listed[il]); // the load's measured choice, when made, replaces it
     }
     return pack;
 }

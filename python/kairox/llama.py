@@ -346,8 +346,8 @@ _lib = capi.declare(_C._lib)
 def sparse_cost(model: str | os.PathLike, pack: str | os.PathLike | None = None, mode: str = "predicted",
                 n_threads: int | None = None) -> list[float | None]:
     """Per layer, the sparse FFN's time over the dense FFN's on this CPU with n_threads (default:
-    all cores) at the share of neurons the pack's predicted lists held (kx_sparse_cost): below 1
-    where sparsity gains, what a load with measure_gain decides. None where the pack lists no
+    all cores) at the share of neurons the pack's predicted lists held (kx_sparse_cost): a layer
+    under pack.TIMED_GAINS_BELOW (0.95) runs sparse, as a load with measure_gain decides. None where the pack lists no
     share, or one of 60% or more (such a layer runs dense without timing)."""
     from .pack import K_N_LAYER, _kv, _open_gguf, pack_path_for
     pack = Path(pack) if pack is not None else pack_path_for(Path(model))

@@ -74,6 +74,9 @@ K_STATS = "kx.stats"  # optional (version 2): JSON activation statistics, `kairo
 # than LISTED_GAINS_BELOW dense (with llama.cpp's repacked weights)
 K_LISTED = "kx.listed_density"
 LISTED_GAINS_BELOW = 0.6  # ggml_ext/llama/kx-pack.h kx_max_density
+# ... and, timed on the CPU that runs (kairox.llama.sparse_cost), a layer whose sparse FFN takes
+# this share of the dense FFN's time or more runs dense too (ggml_ext/llama/kx-pays.h kx_pays_max_ratio)
+TIMED_GAINS_BELOW = 0.95
 
 
 class PackError(ValueError):
