@@ -210,7 +210,7 @@ static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp
     const int32_t mode = kp->sparse == KX_SPARSE_THRESHOLD || !pv.predictor ? KX_SPARSE_THRESHOLD : KX_SPARSE_PREDICTED;
     std::vector<float> ratio;
     try {
-        if (kp->measure_gain) {
+        if (kp->measure_gain && model_path) {
             ratio = kx_pays_measure(model_path, pack, mode, n_threads);
         }
     } catch (const std::exception & e) {
@@ -225,7 +225,9 @@ static void kx_sparse_model_params(const kx_params * kp, llama_model_params * mp
             ids.push_back((int) il);
         }
     }
-    kx_pays_remember(model_path, pack, pays);
+    if (model_path) {
+        kx_pays_remember(model_path, pack, pays);
+    }
     if (!ids.empty()) {
         kx_plain_ffn(mp, ids);
     }
