@@ -57,6 +57,8 @@ def main() -> int:
                     help="kairox hybrid: the live balancer with a fixed or an adaptive λ (static: none)")
     ap.add_argument("--lam", type=float, default=0.5, help="balancer: λ (at start, when adaptive)")
     ap.add_argument("--max-admit", type=int, help="balancer: neurons loaded per step and layer")
+    ap.add_argument("--eps", type=float, default=0.01,
+                    help="balancer: ε of τ = (1 − λ) + ε; -1 admits every listed neuron (the micro level)")
     ap.add_argument("--reload-method", default="gather", choices=["gather", "memcpy", "batch"])
     ap.add_argument("--max-blocks", type=int, default=32, help="balancer: the gather kernel's grid cap")
     ap.add_argument("--decide", default="auto", choices=["auto", "worker", "inline"],
@@ -115,7 +117,7 @@ def main() -> int:
     hybrid = args.impl == "kairox" and (args.gpu_slots is not None or args.vram_budget is not None)
     if hybrid:  # static: the balancer only records what ran (GPU hits), moving nothing
         from kairox.balancer import BalancerConfig
-        llm.start_balancer(BalancerConfig(lam=args.lam, adaptive=args.balancer == "adaptive",
+        llm.start_balancer(BalancerConfig(lam=args.lam, eps=args.eps, adaptive=args.balancer == "adaptive",
                                           max_admit=args.max_admit), max_blocks=args.max_blocks,
                            observe=args.balancer == "static", decide=args.decide,
                            pipeline=args.pipeline and args.balancer != "static")

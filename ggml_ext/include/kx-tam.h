@@ -18,7 +18,7 @@ extern "C" {
 
 struct kx_tam_config {
     float   lam;        // λ at start
-    float   eps;        // τ = (1 − λ) + ε
+    float   eps;        // τ = (1 − λ) + ε; ε ≤ −(1 − λ_min) makes every listed group a candidate
     float   alpha;      // largest step of λ
     float   alpha_min;  // smallest step of λ
     float   lam_min;

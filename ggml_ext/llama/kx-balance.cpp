@@ -170,9 +170,9 @@ kx_balancer::~kx_balancer() {
 std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model & model, const kx_pack & pack,
                                              const kx_balance_params & params) {
     const kx_tam_config & c = params.tam;
-    if (!(0 < c.lam_min && c.lam_min <= c.lam && c.lam <= c.lam_max && c.lam_max < 1) || !(0 <= c.eps && c.eps < 1) ||
+    if (!(0 < c.lam_min && c.lam_min <= c.lam && c.lam <= c.lam_max && c.lam_max < 1) || !(-1 <= c.eps && c.eps < 1) ||
         !(0 < c.alpha_min && c.alpha_min <= c.alpha)) {
-        throw std::runtime_error("balancer: need 0 < lam_min <= lam <= lam_max < 1, 0 <= eps < 1 and "
+        throw std::runtime_error("balancer: need 0 < lam_min <= lam <= lam_max < 1, -1 <= eps < 1 and "
                                  "0 < alpha_min <= alpha");
     }
     if (params.method < KX_RELOAD_GATHER || params.method > KX_RELOAD_BATCH || params.max_blocks <= 0) {

@@ -41,7 +41,7 @@ from .costs import Rates
 @dataclass(frozen=True)
 class BalancerConfig:
     lam: float = 0.5        # λ at start
-    eps: float = 0.01       # τ = (1 − λ) + ε
+    eps: float = 0.01       # τ = (1 − λ) + ε; ε ≤ −(1 − λ_min) admits every listed group (micro level)
     adaptive: bool = True   # adapt λ from the stall type (False: fixed λ)
     alpha: float = 0.05     # largest step of λ
     alpha_min: float = 0.005
@@ -52,8 +52,8 @@ class BalancerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.lam_min <= self.lam <= self.lam_max < 1:
             raise ValueError(f"need 0 < lam_min <= lam <= lam_max < 1, got {self.lam_min}, {self.lam}, {self.lam_max}")
-        if not 0 <= self.eps < 1:
-            raise ValueError(f"eps must be in [0, 1), got {self.eps}")
+        if not -1 <= self.eps < 1:
+            raise ValueError(f"eps must be in [-1, 1), got {self.eps}")
         if not 0 < self.alpha_min <= self.alpha:
             raise ValueError(f"need 0 < alpha_min <= alpha, got {self.alpha_min}, {self.alpha}")
         if self.max_admit is not None and self.max_admit < 0:
