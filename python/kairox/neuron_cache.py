@@ -22,6 +22,7 @@ is deterministic.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -195,21 +196,15 @@ def replay_listed(trace, listed: Sequence[np.ndarray], n_groups: int, capacity: 
         pol = layers.get(s.layer)
         if pol is None:
             init = list(initial.get(s.layer, ()))
-            if policy in ("static", "tam"):
-                c = config or BalancerConfig(adaptive=False)
-                if window is not None:
-                    c = BalancerConfig(**{**c.__dict__, "max_admit": window})
-                pol = LayerBalancer(n_groups, capacity, c, init)
-            elif policy == "tam-ahead":
-                c = config or BalancerConfig(adaptive=False)
-                if window is not None:
-                    c = BalancerConfig(**{**c.__dict__, "max_admit": window})
-                pol = PrefetchLayer(n_groups, init + [-1] * (capacity - len(init)), c)
-            else:
+            if policy == "two-level":
                 c = config or CacheConfig()
-                if window is not None:
-                    c = CacheConfig(c.lam, c.macro, c.half_life, window)
+                c = c if window is None else dataclasses.replace(c, window=window)
                 pol = TwoLevelLayer(n_groups, capacity, freq[s.layer], init, c)
+            else:
+                c = config or BalancerConfig(adaptive=False)
+                c = c if window is None else dataclasses.replace(c, max_admit=window)
+                pol = (PrefetchLayer(n_groups, init + [-1] * (capacity - len(init)), c) if policy == "tam-ahead"
+                       else LayerBalancer(n_groups, capacity, c, init))
             layers[s.layer] = pol
         w = np.full(n_groups, group_size, np.int64)
         if s.active:
