@@ -34,7 +34,7 @@ SESSIONS = {"drifting": ["code", "prose", "dialogue", "code"], "stationary": ["c
 
 
 def main() -> int:
-    from kairox.balancer import BalancerConfig, static_residents
+    from kairox.balancer import BalancerConfig, freq_by_neuron, static_residents
     from kairox.bench import git_commit, machine_facts, write_results
     from kairox.cli import main as kx
     from kairox.neuron_cache import CacheConfig, predicted_lists, replay_listed
@@ -73,11 +73,7 @@ def main() -> int:
         capacity = int(round(args.capacity * n_ff))
         window = max(1, int(round(window_share * n_ff)))
         initial = static_residents(pk, n_ff, capacity, 1)
-        freq = {}
-        for il, layer in enumerate(pk.layers):
-            f = np.empty(n_ff, np.float32)
-            f[layer.perm] = layer.freq
-            freq[il] = f
+        freq = {il: freq_by_neuron(layer.perm, layer.freq, np.float32) for il, layer in enumerate(pk.layers)}
         policies = [("static", "static", None, None),
                     ("TAM between decodes (λ 0.5)", "tam", fixed, window),
                     ("TAM one layer ahead (λ 0.5)", "tam-ahead", fixed, window),
@@ -107,7 +103,7 @@ def main() -> int:
                                  "speedup_ref": args.step_us / (args.step_us - args.host_us + args.host_us * ratio)})
     result = {"benchmark": "cache-sim", "model": model.name, "n_ff": n_ff, "n_layer": n_layer,
               "capacity": capacity, "window": window, "window_share": window_share,
-              "sessions": {k: v for k, v in SESSIONS.items()}, "requests": args.requests,
+              "sessions": SESSIONS, "requests": args.requests,
               "request_tokens": args.request_tokens, "command": shlex.join([sys.executable] + sys.argv),
               "commit": git_commit(), "machine": machine_facts(), "runs": runs, "wall_s": time.time() - t0}
     lines = [f"# Cache policies on recorded workloads: {model.name}, {capacity} of {n_ff} neurons resident per layer",

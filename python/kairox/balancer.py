@@ -401,11 +401,17 @@ def neuron_groups(perm: np.ndarray, group: np.ndarray, freq: np.ndarray, group_s
         return g
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    f = np.empty(perm.size, np.float64)
-    f[perm] = freq
+    f = freq_by_neuron(perm, freq)
     order = np.lexsort((np.arange(perm.size), -f))
     g[order] = np.arange(perm.size) // group_size
     return g
+
+
+def freq_by_neuron(perm: np.ndarray, freq: np.ndarray, dtype=np.float64) -> np.ndarray:
+    """The pack's offline frequencies (row i is neuron perm[i]) in model order."""
+    f = np.empty(np.asarray(perm).size, dtype)
+    f[perm] = freq
+    return f
 
 
 def static_residents(pack, n_groups: int, capacity: int, group_size: int | None = None) -> dict[int, list[int]]:
@@ -414,8 +420,7 @@ def static_residents(pack, n_groups: int, capacity: int, group_size: int | None 
     out = {}
     for il, layer in enumerate(pack.layers):
         g = neuron_groups(layer.perm, layer.group, layer.freq, group_size)
-        f = np.empty(g.size, np.float64)
-        f[layer.perm] = layer.freq
+        f = freq_by_neuron(layer.perm, layer.freq)
         score = np.zeros(n_groups, np.float64)
         np.add.at(score, g, f)
         out[il] = sorted(np.lexsort((np.arange(n_groups), -score))[:capacity].tolist())

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .balancer import Decision
+from .balancer import BalancerConfig, Decision, LayerBalancer, PrefetchLayer
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,6 @@ def replay_listed(trace, listed: Sequence[np.ndarray], n_groups: int, capacity: 
     (TwoLevelLayer, `config` a CacheConfig, `freq` its starting f per layer). `window` caps
     the loads of one layer step for every dynamic policy. A listed group weighs the neurons
     that fired in it, or `group_size` when none did (a wrong prediction)."""
-    from .balancer import BalancerConfig, LayerBalancer, PrefetchLayer
     if policy not in ("static", "tam", "tam-ahead", "two-level"):
         raise ValueError(f"unknown policy {policy!r}")
     if len(listed) != len(trace):
@@ -217,8 +216,7 @@ def replay_listed(trace, listed: Sequence[np.ndarray], n_groups: int, capacity: 
             on, d = pol.resident, None
         elif policy == "tam-ahead":
             d = pol.step(np.flatnonzero(lst).tolist(), "none", 0, s.step, s.layer)
-            on = np.zeros(n_groups, bool)
-            on[pol.residents()] = True
+            on = pol.slot_of >= 0   # late = 0: this step's loads have landed
         else:
             d = pol.step(lst, s.step, s.layer)
             on = pol.resident
