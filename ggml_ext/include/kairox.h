@@ -136,7 +136,8 @@ struct kx_balance_record {
     float   decide_us;    // time of the layer's decision
     int64_t reload_bytes; // bytes the loads move
     int32_t late;         // pipeline: 1 earlier loads still in flight at this step (no decision),
-                          // 2 this step's loads had not landed when its layer began
+                          // 2 this step's loads had not landed when its layer began,
+                          // 4 its predicted list had not come by then (no decision)
     int32_t decided;      // 1: the step made a decision (0: only what ran was recorded)
     float   hold_us;      // pipeline, decide = worker: time the layer's CPU part waited, at its
                           // end, for the balancer thread's decision (0: it was done)

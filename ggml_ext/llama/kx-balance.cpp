@@ -255,7 +255,7 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         kx_tam_state_init(&c, &L.st);
         L.row_bytes = (int64_t) (S.gate->nb[1] + S.up->nb[1] + S.down->nb[1]);
         L.tag = (int32_t) b->layers.size();
-        L.ahead = il > 0 && slots.layers[il - 1].n_slots > 0; // as kx-ffn.cpp builds the nodes
+        L.ahead = kx_slots_list_ahead(slots, il); // as kx-ffn.cpp builds the nodes (the pipeline needs a predictor)
         L.tmp.mark.assign(params.pipeline ? n_ff : 0, 0);
         L.tmp.tcand.resize(params.pipeline ? GGML_MAX_N_THREADS : 1);
         L.tmp.tvict.resize(L.tmp.tcand.size());
@@ -270,7 +270,12 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         return b;
     }
     if (params.pipeline) {
-        if (params.decide == KX_DECIDE_WORKER) {
+        // auto: on a device the list arrives while the CPU part runs, and the balancer's
+        // thread waits for it there; on the CPU it is there before, and the compute threads decide
+        if (params.decide == KX_DECIDE_AUTO && !slots.on_host) {
+            b->params.decide = KX_DECIDE_WORKER;
+        }
+        if (b->params.decide == KX_DECIDE_WORKER) {
             b->worker = std::thread(kx_balance_worker, b.get());
         }
         return b;

@@ -22,17 +22,19 @@
 // The pipeline (kx_balance_params::pipeline; the graph's nodes in kx-ffn.cpp) decides within a
 // decode instead, one layer ahead, per hybrid layer L whose predecessor is hybrid:
 //   prefetch (the first host nodes of layer L-1's CPU part: begin, a scan on every compute
-//      thread, end; L's list predicted from L-1's x):
+//      thread, end; L's list predicted from L-1's x, the list the host-cache warm-up reads,
+//      written by the device into host memory beside L-1's CPU part, so begin waits for it):
 //      loads of an earlier step that landed enter the slot map (else this step is skipped);
 //      TAM scores move with the predicted set; the best candidates (score > τ, not resident)
 //      take free slots or those of the worst residents not predicted whose score is lower;
 //      the victims go back to the host maps, their slots receive the candidates' rows
 //   publish (last host node of that CPU part): candidates whose rows landed enter the slot
 //      map; the device map stores of the step are made (synchronously, a side stream)
-//   With decide = worker the prefetch runs on the balancer's own thread instead: the first
-//   host node posts the predicted list and returns, the compute threads run the CPU part, and
-//   publish waits for the decision (kx_balance_record::hold_us) before it settles. The
-//   decision leaves the CPU part's critical path when a core is free for that thread.
+//   With decide = worker (auto on a device) the prefetch runs on the balancer's own thread
+//   instead: the first host node posts the step and returns, the compute threads run the CPU
+//   part, the thread waits for the list and decides, and publish waits for the decision
+//   (kx_balance_record::hold_us) before it settles, giving up on a list that has not come
+//   (late bit 4: no decision). The decision leaves the CPU part's critical path.
 // Between prefetch and publish no queued work reads layer L's slots or maps: layer L-1's
 // slot part runs, and the scheduler queues layer L's only after the CPU split returns.
 // Layers without a hybrid predecessor are decided between decodes from their last list.
@@ -42,6 +44,7 @@
 #include "kx-reload.h"
 #include "kx-tam.h"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -71,8 +74,8 @@ struct kx_balance_scratch {
     const int32_t * list = nullptr;
     int32_t n_list = 0;
     int32_t n_scan = 1;
-    std::vector<int32_t> posted;     // balancer thread: the predicted list it decides from (the
-                                     // graph's copy may be reused once the posting node returns)
+    const int32_t * host = nullptr;  // balancer thread: the layer's host list it waits for and
+                                     // decides from (kx_slot_layer::ahead: flag, count, ids)
 };
 
 // One hybrid layer's balancer: the committed residency, the decision in flight, the
@@ -176,6 +179,7 @@ struct kx_balancer {
     bool job = false, busy = false, quit = false;
     size_t job_rec = 0;                     // first trace record of the running decision
     kx_balance_layer * pipe_job = nullptr;  // the pipeline's layer being decided
+    std::atomic<bool> pipe_cancel{false};   // publish gives up on a list that has not come
 
     ~kx_balancer();
 };
@@ -208,13 +212,15 @@ void kx_balance_fetch(kx_balancer & b);
 void kx_balance_settle(kx_balancer & b);
 
 // The pipeline's graph nodes (kx-ffn.cpp): prefetch for hybrid layer il from its predicted
-// list (I32 [count, ids...]) in three phases (0 and 2 on one thread, 1 on thread ith of nth;
-// with the balancer's thread, phase 0 posts the whole prefetch to it), publish what landed.
+// list in host memory (kx_slot_layer::ahead: I32 [flag, count, ids...], the flag set once the
+// list is there) in three phases (0 and 2 on one thread, 1 on thread ith of nth; with the
+// balancer's thread, phase 0 posts the whole prefetch to it); publish what landed, and mark
+// the list used (consume: its flag, nullptr when the warm-up still reads the list).
 // Failures are kept and reported by the next boundary (kx_balance_step throws them); nothing
 // is done without a pipeline balancer (b nullptr or another kind).
-void kx_pipe_hook_prefetch(kx_balancer * b, int32_t il, int32_t phase, const int32_t * list, int ith,
+void kx_pipe_hook_prefetch(kx_balancer * b, int32_t il, int32_t phase, const int32_t * host, int ith,
                            int nth) noexcept;
-void kx_pipe_hook_publish(kx_balancer * b, int32_t il) noexcept;
+void kx_pipe_hook_publish(kx_balancer * b, int32_t il, int32_t * consume) noexcept;
 
 // ---------------------------------------------------------------- shared by the two policies' files
 // (the boundary: kx-balance.cpp; the pipeline: kx-pipeline.cpp)

@@ -78,20 +78,25 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
 // interleaved pair on the H200 (bench/results/archive/balance-live/warm/); beside a mapped share it
 // neither gains nor loses.
 // layer il of these slots warms up: a predicted hybrid layer whose list the layer before can
-// write to the host (not with the pipeline, whose ahead nodes sit in the same splits)
+// write to the host, on a device (with slots on the CPU both parts share one split: there is
+// no wait to fill)
 static bool kx_warm_layer(const kx_hybrid & hy, int32_t mode, int il) {
-    const kx_slots & slots = *hy.slots;
-    return hy.warm_on && mode == KX_SPARSE_PREDICTED && !hy.pipeline() && il > 0 && il < hy.pack->n_layer &&
-           slots.layers[il].n_slots > 0 && slots.layers[il].ahead && slots.layers[il].pred_a &&
-           (size_t) il < hy.warm.size();
+    return hy.warm_on && mode == KX_SPARSE_PREDICTED && !hy.slots->on_host && kx_slots_list_ahead(*hy.slots, il) &&
+           il < hy.pack->n_layer && (size_t) il < hy.warm.size();
+}
+
+// the balancer's pipeline prefetches layer il within the decode, from the list the warm-up
+// reads (any mode: the pipeline's list comes from the predictor)
+static bool kx_pipe_layer(const kx_hybrid & hy, int il) {
+    return hy.pipeline() && kx_slots_list_ahead(*hy.slots, il) && il < hy.pack->n_layer && hy.pack->layers[il].pred_a;
 }
 
 // the prefetch's three phases (kx-pipeline.cpp): begin and end on one thread, the scan on all.
 // Every compute thread calls every node (n_tasks only sizes the work buffer).
-static void kx_pipe_begin_op(ggml_tensor *, const ggml_tensor * list, int ith, int nth, void * hook) {
+static void kx_pipe_begin_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
     if (ith == 0) {
         const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-        kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 0, (const int32_t *) list->data, ith, nth);
+        kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 0, h->hybrid->slots->layers[h->il].ahead, ith, nth);
     }
 }
 
@@ -110,7 +115,7 @@ static void kx_pipe_end_op(ggml_tensor *, const ggml_tensor *, int ith, int nth,
 static void kx_pipe_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
     if (ith == 0) {
         const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-        kx_pipe_hook_publish(h->hybrid->balancer.get(), h->il);
+        kx_pipe_hook_publish(h->hybrid->balancer.get(), h->il, h->consume ? h->hybrid->slots->layers[h->il].ahead : nullptr);
     }
 }
 
@@ -160,6 +165,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
     g.cb(sel, "kx_sel", il);
     const bool warm      = kx_warm_layer(hy, mode, il);
     const bool warm_next = kx_warm_layer(hy, mode, il + 1);
+    const bool pipe_next = kx_pipe_layer(hy, il + 1);
     if (warm) {
         // first on the CPU, before anything that reads the split's inputs (kx-warm.h)
         kx_warm_hook & wh = hy.warm[il];
@@ -169,25 +175,35 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_set_name(w, "kx_warm");
         ggml_build_forward_expand(g.gf, w);
     }
-    // layer il+1's active set predicted from this x, next to this layer's (same split)
-    const bool ahead = hy.pipeline() && il + 1 < pack.n_layer && slots.layers[il + 1].n_slots > 0 &&
-                       pack.layers[il + 1].pred_a;
-    ggml_tensor * sel_next = nullptr;
-    if (ahead) {
-        ggml_tensor * s = kx_predict(ctx0, cur, pack.layers[il + 1], &slots.layers[il + 1]);
-        g.cb(s, "kx_pred_next", il);
-        sel_next = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
-        g.cb(sel_next, "kx_sel_next", il);
-        ggml_build_forward_expand(g.gf, sel_next);
+    // layer il+1's list predicted from this x (the residual stream changes little from one
+    // layer to the next), written by its select into host memory for the warm-up and the
+    // pipeline: no scheduler copy, so nothing waits for it
+    auto list_next = [&]() {
+        const kx_slot_layer & N = slots.layers[il + 1];
+        ggml_tensor * s = kx_predict(ctx0, cur, pack.layers[il + 1], &N);
+        // with load-aware thresholds, the rows the host part will read (not those it skips);
+        // the pipeline needs the whole list (a listed resident is no victim)
+        ggml_tensor * sn = ggml_kx_select_set_host(
+            hy.thr && !pipe_next ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, N.slotmap, N.thr_off)
+                                 : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE), N.ahead);
+        g.cb(sn, "kx_sel_next", il);
+        ggml_build_forward_expand(g.gf, sn);
+    };
+    if (pipe_next && slots.on_host) {
+        list_next(); // one split: the list first, for the prefetch below
     }
     // the balancer's view of this decode: the list, copied on the CPU beside the host part
     // (which receives the list anyway); a few KiB per layer
-    ggml_build_forward_expand(g.gf, on_cpu(ggml_cpy(ctx0, sel, H.seen)));
-    void * hook = ahead ? static_cast<void *>(const_cast<kx_pipe_hook *>(&hy.hooks[il + 1])) : nullptr;
-    if (ahead) {
-        // first on the CPU: the reloads then run beside both parts of this layer
-        // (with the balancer's thread the first node only posts the list: the thread decides)
-        ggml_tensor * p = on_cpu(ggml_map_custom1(ctx0, sel_next, kx_pipe_begin_op, 1, hook));
+    ggml_tensor * seen = on_cpu(ggml_cpy(ctx0, sel, H.seen));
+    ggml_build_forward_expand(g.gf, seen);
+    kx_pipe_hook * hook = pipe_next ? const_cast<kx_pipe_hook *>(&hy.hooks[il + 1]) : nullptr;
+    if (pipe_next) {
+        hook->consume = !warm_next;
+        // after the copy above (the prefetch observes this layer's list): the reloads then run
+        // beside both parts of this layer. The prefetch waits for layer il+1's list, which the
+        // device writes beside this CPU part; with the balancer's thread the node only posts
+        // the step and the thread waits and decides
+        ggml_tensor * p = on_cpu(ggml_map_custom1(ctx0, seen, kx_pipe_begin_op, 1, hook));
         if (!hy.pipe_worker()) {
             p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_scan_op, GGML_N_TASKS_MAX, hook));
             p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_end_op, 1, hook));
@@ -201,12 +217,12 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
     }
     g.cb(yc, "ffn_out_cpu", il);
-    if (warm_next) {
+    if (warm_next || pipe_next) {
         // in the split of the other CPU nodes: the device nodes that follow (the next layer's
         // list among them) then head the next split and run beside this CPU part
         ggml_build_forward_expand(g.gf, yc);
     }
-    if (ahead) {
+    if (pipe_next) {
         // last on the CPU, before the scheduler queues anything of layer il+1
         ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, yc, kx_pipe_publish_op, 1, hook)));
     }
@@ -227,17 +243,8 @@ static ggml_tensor * kx_build_ffn_hybrid(
         g.cb(yv, out_name, il);
         return yv;
     };
-    if (warm_next) {
-        // layer il+1's list for its warm-up, beside this layer's CPU part: the device writes
-        // it to the host itself, so nothing here waits for it
-        const kx_slot_layer & N = slots.layers[il + 1];
-        ggml_tensor * s = kx_predict(ctx0, cur, pack.layers[il + 1], &N);
-        // with load-aware thresholds, the rows the host part will read (not those it skips)
-        ggml_tensor * sn = ggml_kx_select_set_host(
-            hy.thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, N.slotmap, N.thr_off)
-                      : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE), N.ahead);
-        g.cb(sn, "kx_sel_warm", il);
-        ggml_build_forward_expand(g.gf, sn);
+    if ((warm_next || pipe_next) && !(pipe_next && slots.on_host)) {
+        list_next();
     }
     ggml_tensor * yg = device_part(H.gate, H.up, H.down, H.slotmap, H.slotmap, "ffn_up_gpu", "ffn_act_gpu", "ffn_out_gpu");
     if (H.n_mapped > 0) {

@@ -9,7 +9,7 @@
 
 kx_hybrid::kx_hybrid(std::shared_ptr<kx_pack> p) : pack(std::move(p)) {
     for (int64_t il = 0; il < pack->n_layer; ++il) {
-        hooks.push_back({ this, (int32_t) il });
+        hooks.push_back({ this, (int32_t) il, false });
     }
     warm.resize(hooks.size());
 }

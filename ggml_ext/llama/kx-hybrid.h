@@ -27,8 +27,10 @@ struct kx_hybrid;
 // what a pipeline graph node (kx-ffn.cpp) is handed: layer il of this hybrid; the node reads
 // the balancer when it runs (the graph is rebuilt whenever the balancer changes kind)
 struct kx_pipe_hook {
-    kx_hybrid * hybrid = nullptr;
-    int32_t     il     = 0;
+    kx_hybrid * hybrid  = nullptr;
+    int32_t     il      = 0;
+    bool        consume = false; // set at graph build: no warm-up of layer il reads its list
+                                 // after the prefetch, so publish marks it used
 };
 
 // Members are destroyed in reverse order: the policies first (their reloads write the slots

@@ -136,7 +136,6 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
     if (ith == 0) {
         L.tmp.n_scan = nth;
     }
-    const kx_slot_layer & S = b.slots->layers[L.il];
     const float lam = L.st.lam;
     const float tau = kx_tam_tau(&b.params.tam, lam);
     const int64_t n_ff = (int64_t) L.score.size();
@@ -154,13 +153,17 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
             cand.push_back(kx_tam_key(L.score[*p], 0, *p));
         }
     }
-    // victims: residents not predicted whose neuron is in this thread's score slice
+    // victims: residents not predicted whose neuron is in this thread's score slice, found
+    // through the residency bits in neuron order: reads in order of the score, not of the
+    // slots (random ones into maps the CPU part has pushed out of the caches)
     std::vector<uint64_t> & vict = L.tmp.tvict[ith];
     vict.clear();
-    for (int64_t s = 0; s < S.n_slots; ++s) {
-        const int32_t i = S.resident[s];
-        if (i >= f0 && i < f1 && !L.tmp.mark[i]) {
-            vict.push_back(kx_tam_key(L.score[i], 1, i));
+    for (int64_t w = f0 >> 6; f0 < f1 && w <= (f1 - 1) >> 6; ++w) {
+        for (uint64_t bits = L.hot_bits[w]; bits != 0; bits &= bits - 1) {
+            const int32_t i = (int32_t) (w * 64 + __builtin_ctzll(bits));
+            if (i >= f0 && i < f1 && !L.tmp.mark[i]) {
+                vict.push_back(kx_tam_key(L.score[i], 1, i));
+            }
         }
     }
     const int32_t m = b.params.tam.max_admit;
@@ -291,13 +294,49 @@ static void kx_pipe_flush(kx_balancer & b, kx_balance_layer & L) {
     }
 }
 
+// Layer L's predicted list in host memory (flag, count, ids): waits until the device has
+// flagged it, `cancel` is set or `limit_s` passed; the list (count, ids) or nullptr. The
+// device's head writes it within ~20 µs of the CPU split's start, beside the CPU part (on the
+// CPU it is written before the prefetch): a list that does not come means a graph whose
+// nodes did not run in that order, and the step is given up rather than the decode held.
+static const int32_t * kx_pipe_list(const int32_t * host, const std::atomic<bool> * cancel, double limit_s) {
+    if (!host) {
+        return nullptr;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t k = 0; __atomic_load_n(host, __ATOMIC_ACQUIRE) != 1; ++k) {
+        if ((cancel && cancel->load(std::memory_order_relaxed)) || (k % 64 == 63 && kx_seconds_since(t0) > limit_s)) {
+            return nullptr;
+        }
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    return host + 1;
+}
+
+// a step whose list did not come: recorded, nothing decided (the pending loads settle at publish)
+static void kx_pipe_no_list(kx_balancer & b, kx_balance_layer & L, int64_t step) {
+    kx_pipe_record(b, L, step, false).late |= 4;
+    L.tmp.skip = true;
+}
+
+// a list waited for at most this long on the compute threads (the balancer's thread waits
+// until publish gives up)
+static constexpr double kx_pipe_list_limit_s = 2e-3;
+
 // decide = worker: one layer's prefetch on the balancer's thread (kx_balance_worker), posted
-// by the first host node of the layer before
+// by the first host node of the layer before; it waits for the list there
 void kx_pipe_job(kx_balancer & b) {
     kx_balance_layer & L = *b.pipe_job;
     try {
         kx_pipe_observe(b, b.layers[b.index_of[L.il - 1]], b.pstep); // (ahead: il-1 is hybrid)
-        kx_pipe_prefetch(b, L, L.tmp.posted.data(), (int32_t) L.tmp.posted.size(), b.pstep);
+        const int32_t * list = kx_pipe_list(L.tmp.host, &b.pipe_cancel, kx_balance_wait_limit(b));
+        if (!list) {
+            kx_pipe_no_list(b, L, b.pstep);
+            return;
+        }
+        kx_pipe_prefetch(b, L, list + 1, std::max(list[0], 0), b.pstep);
     } catch (const std::exception & e) {
         b.error = e.what();
     }
@@ -314,7 +353,7 @@ static kx_balancer * kx_pipe_balancer(kx_balancer * b, int32_t il, kx_balance_la
     return (*L)->ahead ? b : nullptr;
 }
 
-void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, const int32_t * list, int ith,
+void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, const int32_t * host, int ith,
                            int nth) noexcept {
     kx_balance_layer * L = nullptr;
     kx_balancer * b = kx_pipe_balancer(balancer, il, &L);
@@ -326,10 +365,10 @@ void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, co
             ++b->pstep; // the first prefetch of a graph
         }
         if (phase == 0 && b->params.decide == KX_DECIDE_WORKER) {
-            // the list's graph copy may be reused once this node returns: the thread gets its own
-            L->tmp.posted.assign(list + 1, list + 1 + std::max(list[0], 0));
             {
                 std::lock_guard<std::mutex> lk(b->mu);
+                L->tmp.host = host;
+                b->pipe_cancel.store(false, std::memory_order_relaxed);
                 b->pipe_job = L;
                 b->job = true;
                 b->busy = true;
@@ -338,7 +377,12 @@ void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, co
         } else if (phase == 0) {
             kx_balance_layer & prev = b->layers[b->index_of[il - 1]];
             kx_pipe_observe(*b, prev, b->pstep); // its CPU split copied its list just before
-            kx_pipe_begin(*b, *L, list + 1, std::max(list[0], 0), b->pstep);
+            const int32_t * list = kx_pipe_list(host, nullptr, kx_pipe_list_limit_s);
+            if (list) {
+                kx_pipe_begin(*b, *L, list + 1, std::max(list[0], 0), b->pstep);
+            } else {
+                kx_pipe_no_list(*b, *L, b->pstep);
+            }
         } else if (phase == 1) {
             kx_pipe_scan(*b, *L, ith, nth);
         } else {
@@ -349,10 +393,17 @@ void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, co
     }
 }
 
-void kx_pipe_hook_publish(kx_balancer * balancer, int32_t il) noexcept {
+void kx_pipe_hook_publish(kx_balancer * balancer, int32_t il, int32_t * consume) noexcept {
     kx_balancer * w = balancer && balancer->params.pipeline && balancer->params.decide == KX_DECIDE_WORKER
                     ? balancer : nullptr;
+    if (w) {
+        w->pipe_cancel.store(true, std::memory_order_relaxed); // a list not there now is too late
+    }
     const double hold = w ? kx_balance_drain_decision(*w) : 0.0; // (before anything reads what the thread writes)
+    if (consume) {
+        // used: the next decode's list sets the flag again (the warm-up does this where it runs)
+        __atomic_store_n(consume, 0, __ATOMIC_RELEASE);
+    }
     kx_balance_layer * L = nullptr;
     kx_balancer * b = kx_pipe_balancer(balancer, il, &L, true);
     if (!b) {

@@ -100,6 +100,7 @@ std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
     ggml_backend_dev_t dev = kx_slots_device(device);
     auto slots = std::make_unique<kx_slots>();
     slots->device = ggml_backend_dev_name(dev);
+    slots->on_host = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     slots->layers.resize(n_layer);
 
     // pass 1: checks and tensor shapes
@@ -172,11 +173,12 @@ std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         throw std::runtime_error("cannot allocate host memory for the slot maps");
     }
     ggml_backend_buffer_set_usage(slots->buf_host, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    // the predicted lists the device writes for the host-cache warm-up: page-locked memory the
-    // device maps (its host buffer type); without one the warm-up is off for these slots
+    // the predicted lists the device writes for the host-cache warm-up and the pipeline:
+    // page-locked memory the device maps (its host buffer type), plain memory on the CPU;
+    // without one the warm-up and the pipeline are off for these slots
     const size_t ahead_stride = (sizeof(int32_t) * (size_t) (n_ff + 2) + 63) / 64 * 64;
     ggml_backend_buffer_type_t ahead_buft =
-        ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU ? nullptr : ggml_backend_dev_host_buffer_type(dev);
+        slots->on_host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_host_buffer_type(dev);
     if (ahead_buft) {
         slots->buf_ahead = ggml_backend_buft_alloc_buffer(ahead_buft, ahead_stride * (size_t) n_layer);
     }

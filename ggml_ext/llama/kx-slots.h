@@ -60,7 +60,8 @@ struct kx_slot_layer {
     std::vector<uint8_t> mapped;      // [n_ff] when a share was set: 1 for the neurons mapmap holds
     // page-locked, device-mapped I32 [n_ff + 2]: this layer's active list as predicted during
     // the layer before (flag, count, ids; ggml_kx_select_to_host), for the host-cache warm-up
-    // (kx-warm.h); nullptr where the device has no such memory
+    // (kx-warm.h) and the balancer's pipeline; plain host memory when the slots' device is the
+    // CPU; nullptr where the device has no such memory
     int32_t * ahead = nullptr;
     // the load-aware thresholds' offsets (device, F32 [2]: resident, host side), read by the
     // predicted select when thresholds are on (kx-thresholds.h)
@@ -69,6 +70,7 @@ struct kx_slot_layer {
 
 struct kx_slots {
     std::string device;               // ggml device name (CUDA0, or CPU for tests)
+    bool on_host = false;             // the device is the CPU: its "device" part runs in the CPU split
     std::vector<kx_slot_layer> layers;
     ggml_context *        ctx_dev  = nullptr;
     ggml_context *        ctx_host = nullptr;
@@ -83,6 +85,17 @@ struct kx_slots {
     ggml_backend_buffer_t buf_ahead = nullptr;     // the layers' `ahead` lists
     ~kx_slots();
 };
+
+// layer il's list can be predicted during layer il-1 into host memory (kx_slot_layer::ahead):
+// both layers are hybrid, and the predictor runs where the list's select runs (a device copy
+// of it, unless the slots' device is the CPU); the pack's predictor is checked by the caller
+inline bool kx_slots_list_ahead(const kx_slots & slots, int64_t il) {
+    if (il <= 0 || il >= (int64_t) slots.layers.size()) {
+        return false;
+    }
+    const kx_slot_layer & L = slots.layers[il];
+    return slots.layers[il - 1].n_slots > 0 && L.n_slots > 0 && L.ahead && (slots.on_host || L.pred_a);
+}
 
 // The device slots for `device` live on (nullptr: the first GPU); throws when there is none.
 ggml_backend_dev_t kx_slots_device(const char * device);
