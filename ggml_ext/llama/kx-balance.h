@@ -33,8 +33,8 @@
 //   With decide = worker (auto on a device) the prefetch runs on the balancer's own thread
 //   instead: the first host node posts the step and returns, the compute threads run the CPU
 //   part, the thread waits for the list and decides, and publish waits for the decision
-//   (kx_balance_record::hold_us) before it settles, giving up on a list that has not come
-//   (late bit 4: no decision). The decision leaves the CPU part's critical path.
+//   (kx_balance_record::hold_us) before it settles. A list that has not come within 2 ms is
+//   given up (late bit 4: no decision). The decision leaves the CPU part's critical path.
 // Between prefetch and publish no queued work reads layer L's slots or maps: layer L-1's
 // slot part runs, and the scheduler queues layer L's only after the CPU split returns.
 // Layers without a hybrid predecessor are decided between decodes from their last list.
@@ -44,7 +44,6 @@
 #include "kx-reload.h"
 #include "kx-tam.h"
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -179,7 +178,6 @@ struct kx_balancer {
     bool job = false, busy = false, quit = false;
     size_t job_rec = 0;                     // first trace record of the running decision
     kx_balance_layer * pipe_job = nullptr;  // the pipeline's layer being decided
-    std::atomic<bool> pipe_cancel{false};   // publish gives up on a list that has not come
 
     ~kx_balancer();
 };

@@ -295,17 +295,18 @@ static void kx_pipe_flush(kx_balancer & b, kx_balance_layer & L) {
 }
 
 // Layer L's predicted list in host memory (flag, count, ids): waits until the device has
-// flagged it, `cancel` is set or `limit_s` passed; the list (count, ids) or nullptr. The
-// device's head writes it within ~20 µs of the CPU split's start, beside the CPU part (on the
-// CPU it is written before the prefetch): a list that does not come means a graph whose
-// nodes did not run in that order, and the step is given up rather than the decode held.
-static const int32_t * kx_pipe_list(const int32_t * host, const std::atomic<bool> * cancel, double limit_s) {
+// flagged it or `limit_s` passed; the list (count, ids) or nullptr. The device's head writes
+// it beside the CPU part, within ~20 µs of the CPU split's start (on the CPU it is written
+// before the prefetch); where the CPU part is shorter (small models) the prefetch, and with
+// it publish, waits for it. A list that does not come means a graph whose nodes did not run
+// in that order: the step is given up rather than the decode held.
+static const int32_t * kx_pipe_list(const int32_t * host, double limit_s) {
     if (!host) {
         return nullptr;
     }
     const auto t0 = std::chrono::steady_clock::now();
     for (int64_t k = 0; __atomic_load_n(host, __ATOMIC_ACQUIRE) != 1; ++k) {
-        if ((cancel && cancel->load(std::memory_order_relaxed)) || (k % 64 == 63 && kx_seconds_since(t0) > limit_s)) {
+        if (k % 64 == 63 && kx_seconds_since(t0) > limit_s) {
             return nullptr;
         }
 #if defined(__x86_64__) || defined(__i386__)
@@ -321,8 +322,7 @@ static void kx_pipe_no_list(kx_balancer & b, kx_balance_layer & L, int64_t step)
     L.tmp.skip = true;
 }
 
-// a list waited for at most this long on the compute threads (the balancer's thread waits
-// until publish gives up)
+// a list is waited for at most this long (seconds)
 static constexpr double kx_pipe_list_limit_s = 2e-3;
 
 // decide = worker: one layer's prefetch on the balancer's thread (kx_balance_worker), posted
@@ -331,7 +331,7 @@ void kx_pipe_job(kx_balancer & b) {
     kx_balance_layer & L = *b.pipe_job;
     try {
         kx_pipe_observe(b, b.layers[b.index_of[L.il - 1]], b.pstep); // (ahead: il-1 is hybrid)
-        const int32_t * list = kx_pipe_list(L.tmp.host, &b.pipe_cancel, kx_balance_wait_limit(b));
+        const int32_t * list = kx_pipe_list(L.tmp.host, kx_pipe_list_limit_s);
         if (!list) {
             kx_pipe_no_list(b, L, b.pstep);
             return;
@@ -368,7 +368,6 @@ void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, co
             {
                 std::lock_guard<std::mutex> lk(b->mu);
                 L->tmp.host = host;
-                b->pipe_cancel.store(false, std::memory_order_relaxed);
                 b->pipe_job = L;
                 b->job = true;
                 b->busy = true;
@@ -377,7 +376,7 @@ void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, co
         } else if (phase == 0) {
             kx_balance_layer & prev = b->layers[b->index_of[il - 1]];
             kx_pipe_observe(*b, prev, b->pstep); // its CPU split copied its list just before
-            const int32_t * list = kx_pipe_list(host, nullptr, kx_pipe_list_limit_s);
+            const int32_t * list = kx_pipe_list(host, kx_pipe_list_limit_s);
             if (list) {
                 kx_pipe_begin(*b, *L, list + 1, std::max(list[0], 0), b->pstep);
             } else {
@@ -396,9 +395,6 @@ void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, co
 void kx_pipe_hook_publish(kx_balancer * balancer, int32_t il, int32_t * consume) noexcept {
     kx_balancer * w = balancer && balancer->params.pipeline && balancer->params.decide == KX_DECIDE_WORKER
                     ? balancer : nullptr;
-    if (w) {
-        w->pipe_cancel.store(true, std::memory_order_relaxed); // a list not there now is too late
-    }
     const double hold = w ? kx_balance_drain_decision(*w) : 0.0; // (before anything reads what the thread writes)
     if (consume) {
         // used: the next decode's list sets the flag again (the warm-up does this where it runs)
