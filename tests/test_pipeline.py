@@ -140,16 +140,19 @@ def test_a_failing_prefetch_stops_the_balancer_not_the_output(model4: Path, faul
     assert_stopped_by_fault(fault, gpu, (toks, got), (want_toks, want), capfd.readouterr().err, elapsed)
 
 
-@pytest.mark.parametrize("late,gpu,decide,eps", [(0, False, "auto", 0.01), (3, False, "auto", 0.01),
-                                                 (0, True, "auto", 0.01), (3, False, "worker", 0.01),
-                                                 (0, True, "worker", 0.01), (0, False, "auto", -1.0),
-                                                 (0, True, "auto", -1.0)])
-def test_pipeline_decisions_equal_the_reference(model4: Path, late: int, gpu: bool, decide: str, eps: float) -> None:
+@pytest.mark.parametrize("late,gpu,decide,eps,cap", [(0, False, "auto", 0.01, 12), (3, False, "auto", 0.01, 12),
+                                                     (0, True, "auto", 0.01, 12), (3, False, "worker", 0.01, 12),
+                                                     (0, True, "worker", 0.01, 12), (0, False, "auto", -1.0, 12),
+                                                     (0, True, "auto", -1.0, 12), (0, False, "auto", -1.0, None),
+                                                     (0, False, "worker", 0.01, 1)])
+def test_pipeline_decisions_equal_the_reference(model4: Path, late: int, gpu: bool, decide: str, eps: float,
+                                                cap: int | None) -> None:
     """Each decided record's loads, evictions and λ equal PrefetchLayer's fed the recorded
     predicted list, stall and landing bits; after a drain the slots hold its residents.
-    ε = −1 is the micro level (every listed neuron a candidate, kairox.neuron_cache)."""
+    ε = −1 is the micro level (every listed neuron a candidate, kairox.neuron_cache); cap:
+    max_admit (None: no cap, every candidate and victim kept by the scan)."""
     _gpu_or_skip(gpu)
-    cfg = dataclasses.replace(fast(), eps=eps)
+    cfg = dataclasses.replace(fast(), eps=eps, max_admit=cap)
     _, _, llm, initial = gen(model4, "predicted", gpu=gpu, slots=SLOTS, tokens=drifting(N_GEN), config=cfg,
                              late_every=late, record=True, decide=decide)
     try:

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 
 // s ← λ·s + (1 − λ)·predicted over the layer, rounded as kx_tam_score (and the reference):
@@ -128,6 +129,22 @@ static void kx_pipe_begin(kx_balancer & b, kx_balance_layer & L, const int32_t *
     L.tmp.n_list = n;
 }
 
+// keeps in `keep` the m keys that come first by `before` among those offered (a heap whose
+// front is the one to drop next); m < 0: every key
+template <typename Before>
+static inline void kx_keep_best(std::vector<uint64_t> & keep, uint64_t key, int32_t m, Before before) {
+    if (m < 0 || (int32_t) keep.size() < m) {
+        keep.push_back(key);
+        if (m >= 0) {
+            std::push_heap(keep.begin(), keep.end(), before);
+        }
+    } else if (m > 0 && before(key, keep.front())) {
+        std::pop_heap(keep.begin(), keep.end(), before);
+        keep.back() = key;
+        std::push_heap(keep.begin(), keep.end(), before);
+    }
+}
+
 static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth) {
     if (L.tmp.skip || nth > (int) L.tmp.tcand.size()) {
         GGML_ASSERT(nth <= (int) L.tmp.tcand.size() && "balancer: more compute threads than GGML_MAX_N_THREADS");
@@ -144,13 +161,17 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
     // the list slice's neurons were scored by whichever thread owns them: wait for the
     // scores only through the candidates' own slice (each thread scores, then reads, the
     // same neurons: a list entry belongs to the thread whose score slice holds it)
+    // no step uses more than max_admit candidates or victims: each slice keeps its best m
+    // candidates and its worst m victims in a bounded heap as it goes (one comparison for
+    // most keys) instead of collecting every resident's key and selecting afterwards
+    const int32_t m = b.params.tam.max_admit;
     std::vector<uint64_t> & cand = L.tmp.tcand[ith];
     cand.clear();
     const int32_t * lo = std::lower_bound(L.tmp.list, L.tmp.list + L.tmp.n_list, (int32_t) f0);
     const int32_t * hi = std::lower_bound(L.tmp.list, L.tmp.list + L.tmp.n_list, (int32_t) f1);
     for (const int32_t * p = lo; p < hi; ++p) {
         if (!kx_balance_layer_hot(L, *p) && L.score[*p] > tau) {
-            cand.push_back(kx_tam_key(L.score[*p], 0, *p));
+            kx_keep_best(cand, kx_tam_key(L.score[*p], 0, *p), m, std::greater<uint64_t>());
         }
     }
     // victims: residents not predicted whose neuron is in this thread's score slice, found
@@ -158,24 +179,15 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
     // slots (random ones into maps the CPU part has pushed out of the caches)
     std::vector<uint64_t> & vict = L.tmp.tvict[ith];
     vict.clear();
-    for (int64_t w = f0 >> 6; f0 < f1 && w <= (f1 - 1) >> 6; ++w) {
-        for (uint64_t bits = L.hot_bits[w]; bits != 0; bits &= bits - 1) {
-            const int32_t i = (int32_t) (w * 64 + __builtin_ctzll(bits));
+    // Downwards: among equal scores (residents not predicted decay through the same few
+    // values) the key falls with the id, so going up nearly every key would displace the
+    // heap's front, going down few do
+    for (int64_t w = f1 > f0 ? (f1 - 1) >> 6 : -1; w >= 0 && w >= (f0 >> 6); --w) {
+        for (uint64_t bits = L.hot_bits[w]; bits != 0; bits &= ~(1ull << (63 - __builtin_clzll(bits)))) {
+            const int32_t i = (int32_t) (w * 64 + 63 - __builtin_clzll(bits));
             if (i >= f0 && i < f1 && !L.tmp.mark[i]) {
-                vict.push_back(kx_tam_key(L.score[i], 1, i));
+                kx_keep_best(vict, kx_tam_key(L.score[i], 1, i), m, std::less<uint64_t>());
             }
-        }
-    }
-    const int32_t m = b.params.tam.max_admit;
-    if (m >= 0) {
-        // no step uses more than max_admit victims: keep this slice's worst m, and its best m candidates
-        if (vict.size() > (size_t) m) {
-            std::nth_element(vict.begin(), vict.begin() + m, vict.end());
-            vict.resize(m);
-        }
-        if (cand.size() > (size_t) m) {
-            std::nth_element(cand.begin(), cand.begin() + m, cand.end(), std::greater<uint64_t>());
-            cand.resize(m);
         }
     }
 }
