@@ -104,6 +104,9 @@ def host_op_us(res: dict) -> dict | None:
         n = sc["cpu_splits"]
         us.update(boundary=bd["ns"] / n / 1e3,
                   boundary_phases={k[:-3]: v / n / 1e3 for k, v in bd.items() if k.endswith("_ns")})
+    pp = c.get("pipeline") or {}
+    if pp.get("steps"):  # the pipeline's prefetch and publish within the decode, µs per prefetch step
+        us.update(pipe_phases={k[:-3]: v / pp["steps"] / 1e3 for k, v in pp.items() if k.endswith("_ns")})
     return us
 
 

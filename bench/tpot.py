@@ -123,7 +123,7 @@ def main() -> int:
                            pipeline=args.pipeline and args.balancer != "static")
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
-        from kairox._native import balance_counters, sched_counters, sparse_counters, warm_counters
+        from kairox._native import balance_counters, pipe_counters, sched_counters, sparse_counters, warm_counters
     t0 = time.perf_counter()
     llm.eval(toks[:args.prompt_len])
     prefill = time.perf_counter() - t0
@@ -132,6 +132,7 @@ def main() -> int:
         sched_counters(reset=True)
         warm_counters(reset=True)
         balance_counters(reset=True)
+        pipe_counters(reset=True)
     times = []
     logits = []
     if args.logits_out:
@@ -145,7 +146,8 @@ def main() -> int:
     if sparse:
         c = sparse_counters(reset=True)
         counters = {**dataclasses.asdict(c), "sched": sched_counters(reset=True), "warm": warm_counters(reset=True),
-                    "boundary": balance_counters(reset=True)}
+                    "boundary": balance_counters(reset=True),
+                    "pipeline": pipe_counters(reset=True)}
     balance = None
     if hybrid:  # the prompt is one batch of > 8 tokens (dense, not a step): every record is a decode's
         from kairox.report import summary, write_trace

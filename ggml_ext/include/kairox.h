@@ -502,6 +502,13 @@ LLAMA_API void    kx_warm_stats(int64_t * out, bool reset);
 // applying's device calls: storing the slot-map entries, queueing the copies.
 LLAMA_API void    kx_balance_stats(int64_t * out, bool reset);
 
+// The balancer's pipeline within each decode (llama/kx-pipeline.cpp), host time by phase since
+// the last reset. out: 7 values (may be NULL): prefetch steps, ns waiting for the predicted
+// lists, ns in begin (landed loads, marks), in the scan (thread 0's slice), in end (the
+// choice, evictions, copy list), queueing the copies, and in publish (the wait for the
+// balancer's thread, settling, the map stores).
+LLAMA_API void    kx_pipe_stats(int64_t * out, bool reset);
+
 #ifdef __cplusplus
 }
 #endif

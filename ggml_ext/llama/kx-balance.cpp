@@ -270,12 +270,7 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         return b;
     }
     if (params.pipeline) {
-        // auto: on a device the list arrives while the CPU part runs, and the balancer's
-        // thread waits for it there; on the CPU it is there before, and the compute threads decide
-        if (params.decide == KX_DECIDE_AUTO && !slots.on_host) {
-            b->params.decide = KX_DECIDE_WORKER;
-        }
-        if (b->params.decide == KX_DECIDE_WORKER) {
+        if (params.decide == KX_DECIDE_WORKER) {
             b->worker = std::thread(kx_balance_worker, b.get());
         }
         return b;

@@ -30,11 +30,12 @@
 //      the victims go back to the host maps, their slots receive the candidates' rows
 //   publish (last host node of that CPU part): candidates whose rows landed enter the slot
 //      map; the device map stores of the step are made (synchronously, a side stream)
-//   With decide = worker (auto on a device) the prefetch runs on the balancer's own thread
-//   instead: the first host node posts the step and returns, the compute threads run the CPU
-//   part, the thread waits for the list and decides, and publish waits for the decision
-//   (kx_balance_record::hold_us) before it settles. A list that has not come within 2 ms is
-//   given up (late bit 4: no decision). The decision leaves the CPU part's critical path.
+//   With decide = worker the prefetch runs on the balancer's own thread instead: the first
+//   host node posts the step and returns, the compute threads run the CPU part, the thread
+//   waits for the list and decides, and publish waits for the decision
+//   (kx_balance_record::hold_us) before it settles; the decision leaves the CPU part's path
+//   where a core is free for the thread. Either way a list that has not come within 2 ms is
+//   given up (late bit 4: no decision).
 // Between prefetch and publish no queued work reads layer L's slots or maps: layer L-1's
 // slot part runs, and the scheduler queues layer L's only after the CPU split returns.
 // Layers without a hybrid predecessor are decided between decodes from their last list.

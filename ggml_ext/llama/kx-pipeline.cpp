@@ -4,6 +4,7 @@
 #include "kx-balance.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
+#include "kx-stats.h"
 
 #include "llama-model.h"
 
@@ -12,6 +13,19 @@
 #include <cstring>
 #include <functional>
 #include <stdexcept>
+
+// counters (kx_pipe_stats): steps, then ns by phase
+enum { KX_PIPE_STEPS, KX_PIPE_LIST_NS, KX_PIPE_BEGIN_NS, KX_PIPE_SCAN_NS, KX_PIPE_END_NS, KX_PIPE_QUEUE_NS,
+       KX_PIPE_PUBLISH_NS, KX_PIPE_N_STATS };
+static std::atomic<int64_t> kx_pipe_stat[KX_PIPE_N_STATS];
+
+void kx_pipe_stats(int64_t * out, bool reset) {
+    kx_stats_read(kx_pipe_stat, out, reset);
+}
+
+static void kx_pipe_stat_lap(int32_t i, std::chrono::steady_clock::time_point & t) {
+    kx_pipe_stat[i].fetch_add(kx_lap_ns(t), std::memory_order_relaxed);
+}
 
 // s ← λ·s + (1 − λ)·predicted over the layer, rounded as kx_tam_score (and the reference):
 // after the product and after the sum (this file is compiled with -ffp-contract=off, so the
@@ -127,6 +141,9 @@ static void kx_pipe_begin(kx_balancer & b, kx_balance_layer & L, const int32_t *
     }
     L.tmp.list = list;
     L.tmp.n_list = n;
+    auto t = L.tmp.t0;
+    kx_pipe_stat[KX_PIPE_STEPS] += 1;
+    kx_pipe_stat_lap(KX_PIPE_BEGIN_NS, t);
 }
 
 // keeps in `keep` the m keys that come first by `before` among those offered (a heap whose
@@ -153,6 +170,11 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
     if (ith == 0) {
         L.tmp.n_scan = nth;
     }
+    struct lap { // thread 0's slice, timed
+        bool on;
+        std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+        ~lap() { if (on) kx_pipe_stat_lap(KX_PIPE_SCAN_NS, t); }
+    } timed{ ith == 0 };
     const float lam = L.st.lam;
     const float tau = kx_tam_tau(&b.params.tam, lam);
     const int64_t n_ff = (int64_t) L.score.size();
@@ -196,6 +218,7 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
     if (L.tmp.skip) {
         return;
     }
+    auto t = std::chrono::steady_clock::now();
     kx_slot_layer & S = b.slots->layers[L.il];
     const kx_pack_layer & pl = b.pack->layers[L.il];
     const kx_tam_config & c = b.params.tam;
@@ -257,6 +280,7 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
         kx_slot_row_copies(S, ml, pl, i, s, copies.data() + copies.size() - 3);
         L.pend.push_back({ i, s });
     }
+    kx_pipe_stat_lap(KX_PIPE_END_NS, t);
     if (!copies.empty()) {
         L.pend_t0 = std::chrono::steady_clock::now();
         if (++b.batches == b.params.hang_at) {
@@ -270,6 +294,7 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
             L.fake_late = 2; // reported late at publish and at the next prefetch
         }
     }
+    kx_pipe_stat_lap(KX_PIPE_QUEUE_NS, t);
     r.n_load = (int32_t) L.pend.size();
     r.n_evict = ne;
     r.lam = L.st.lam;
@@ -316,15 +341,17 @@ static const int32_t * kx_pipe_list(const int32_t * host, double limit_s) {
     if (!host) {
         return nullptr;
     }
-    const auto t0 = std::chrono::steady_clock::now();
+    auto t0 = std::chrono::steady_clock::now();
     for (int64_t k = 0; __atomic_load_n(host, __ATOMIC_ACQUIRE) != 1; ++k) {
         if (k % 64 == 63 && kx_seconds_since(t0) > limit_s) {
+            kx_pipe_stat_lap(KX_PIPE_LIST_NS, t0);
             return nullptr;
         }
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
     }
+    kx_pipe_stat_lap(KX_PIPE_LIST_NS, t0);
     return host + 1;
 }
 
@@ -405,6 +432,10 @@ void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, co
 }
 
 void kx_pipe_hook_publish(kx_balancer * balancer, int32_t il, int32_t * consume) noexcept {
+    struct lap {
+        std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+        ~lap() { kx_pipe_stat_lap(KX_PIPE_PUBLISH_NS, t); }
+    } timed;
     kx_balancer * w = balancer && balancer->params.pipeline && balancer->params.decide == KX_DECIDE_WORKER
                     ? balancer : nullptr;
     const double hold = w ? kx_balance_drain_decision(*w) : 0.0; // (before anything reads what the thread writes)

@@ -225,6 +225,16 @@ def balance_counters(reset: bool = False) -> dict[str, int]:
     return _read_stats(load_llama_cpp().llama_cpp._lib, "kx_balance_stats", BALANCE_STATS, reset)
 
 
+PIPE_STATS = ("steps", "list_ns", "begin_ns", "scan_ns", "end_ns", "queue_ns", "publish_ns")
+
+
+def pipe_counters(reset: bool = False) -> dict[str, int]:
+    """The balancer's pipeline within each decode by phase since the last reset
+    (kx_pipe_stats, kairox.h): prefetch steps, ns waiting for the predicted lists, in begin,
+    in the scan (thread 0's slice), in end, queueing the copies, in publish."""
+    return _read_stats(load_llama_cpp().llama_cpp._lib, "kx_pipe_stats", PIPE_STATS, reset)
+
+
 def sparse_counters(reset: bool = False) -> SparseCounters:
     lib = ggml_library("ggml-cpu")
     vals = [ctypes.c_int64() for _ in dataclasses.fields(SparseCounters)]
