@@ -180,13 +180,12 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
     const int64_t n_ff = (int64_t) L.score.size();
     const int64_t f0 = n_ff * ith / nth, f1 = n_ff * (ith + 1) / nth;
     kx_pipe_scores(L.score.data() + f0, L.tmp.mark.data() + f0, f1 - f0, lam);
-    // the list slice's neurons were scored by whichever thread owns them: wait for the
-    // scores only through the candidates' own slice (each thread scores, then reads, the
-    // same neurons: a list entry belongs to the thread whose score slice holds it)
-    // no step uses more than max_admit candidates or victims: each slice keeps its best m
+    // No step uses more than max_admit candidates or victims: each slice keeps its best m
     // candidates and its worst m victims in a bounded heap as it goes (one comparison for
-    // most keys) instead of collecting every resident's key and selecting afterwards
+    // most keys) instead of collecting every resident's key and selecting afterwards.
     const int32_t m = b.params.tam.max_admit;
+    // candidates from the list's own slice: each thread scores, then reads, the same neurons
+    // (a list entry belongs to the thread whose score slice holds it), so no wait
     std::vector<uint64_t> & cand = L.tmp.tcand[ith];
     cand.clear();
     const int32_t * lo = std::lower_bound(L.tmp.list, L.tmp.list + L.tmp.n_list, (int32_t) f0);
