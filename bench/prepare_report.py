@@ -120,10 +120,17 @@ def main() -> int:
         same_p = [ls.precision for ls in stats.layers]
         lines += ["## Predictor input: same layer vs one layer ahead (held-out)", "",
                   f"rank {e.get('predictor_rank')}", "",
-                  "| layer | recall same | precision same | recall ahead | precision ahead |",
-                  "|---:|---:|---:|---:|---:|"]
+                  "The runtime lists layer l's neurons one layer early, while layer l-1 computes. "
+                  "*ahead*: the ahead predictor (trained on layer l-1's FFN input); *own on l-1*: "
+                  "layer l's own predictor fed layer l-1's input (what a pack without ahead "
+                  "predictors lists).", "",
+                  "| layer | recall same | precision same | recall ahead | precision ahead "
+                  "| recall own on l-1 | precision own on l-1 |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
         for il, a in enumerate(ahead):
-            lines.append(f"| {il} | {same_r[il]:.3f} | {same_p[il]:.3f} | {a['recall']:.3f} | {a['precision']:.3f} |")
+            proxy = (f"{a['proxy_recall']:.3f} | {a['proxy_precision']:.3f}" if "proxy_recall" in a else "- | -")
+            lines.append(f"| {il} | {same_r[il]:.3f} | {same_p[il]:.3f} | {a['recall']:.3f} | {a['precision']:.3f} "
+                         f"| {proxy} |")
         lines.append("")
     lines += ["## Plots", ""] + [f"![{p.stem}]({out.name}-{p.name})" for p in pngs] + [
         "", "Command:", "", "```", result["command"], "```", ""]

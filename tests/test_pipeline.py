@@ -48,10 +48,12 @@ def fast() -> BalancerConfig:
     return BalancerConfig(lam=0.2, eps=0.01, lam_min=0.05, adaptive=True, max_admit=12)
 
 
-def gen(model: Path, mode: str, gpu: bool = False, slots=None, tokens=None, **balancer):
+def gen(model: Path, mode: str, gpu: bool = False, slots=None, tokens=None, pack: Path | None = None, **balancer):
     import kairox
     where = {"n_gpu_layers": -1} if gpu else {"slots_device": "CPU"}
     kw = {"gpu_slots": slots, **where} if slots else {}
+    if pack:
+        kw["sparse_pack"] = str(pack)
     # two compute threads: the prefetch's scan phase runs split over them
     llm = kairox.Llama(str(model), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
                        n_threads=2, verbose=False, sparse=mode, balancer_record=bool(balancer.pop("record", False)),
@@ -177,6 +179,50 @@ def test_pipeline_decisions_equal_the_reference(model4: Path, late: int, gpu: bo
             ref.drain()
             assert sorted(llm.slot_residents(il)) == ref.residents(), il
         assert moved > N_GEN
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_ahead_predictor_lists_the_layer_a_layer_early(model4: Path, tmp_path: Path, gpu: bool) -> None:
+    """Where the pack has ahead predictors (kx_ahead_*, trained on the previous layer's FFN
+    input), they write the list the pipeline (and on a GPU the warm-up) reads one layer
+    early, not the layer's own predictor. Each layer's ahead predictor here lists a fixed set
+    (A and B zero, c ±1): every list a layer's prefetch decided from is that set, and the
+    output is the pack's without them (the own predictor still picks what a layer computes)."""
+    _gpu_or_skip(gpu)
+    from kairox.pack import PackLayout, PackPredictor, pack_path_for, read_pack, write_pack
+    from kairox.predictor import sketch_for_model
+    src = read_pack(pack_path_for(model4))
+    rng = np.random.default_rng(11)
+    fixed = [np.sort(rng.choice(N_FF, 40 + 10 * il, replace=False)) for il in range(N_LAYER)]
+    rank = src.layers[0].pred_a.shape[0]
+    n_embd = src.base.n_embd
+
+    def ahead_layer(il: int):
+        c = np.full(N_FF, -1.0, np.float32)
+        c[fixed[il]] = 1.0
+        return np.zeros((rank, n_embd), np.float32), np.zeros((N_FF, rank), np.float32), c
+
+    layout = PackLayout(layer=lambda il: (src.layers[il].perm, src.layers[il].group, src.layers[il].freq),
+                        threshold=src.threshold)
+    pack = write_pack(model4, tmp_path / "ahead.kxpack.gguf", predictor=sketch_for_model(model4), layout=layout,
+                      ahead=PackPredictor(rank=rank, layer=ahead_layer), quiet=True)
+    assert read_pack(pack).layers[1].ahead_a is not None
+    cfg = dataclasses.replace(fast(), eps=-1.0)
+    want_toks, want, ref, _ = gen(model4, "predicted", gpu=gpu, slots=SLOTS, config=cfg)
+    ref.close()
+    toks, got, llm, _ = gen(model4, "predicted", gpu=gpu, slots=SLOTS, pack=pack, config=cfg, record=True)
+    try:
+        assert toks == want_toks
+        tol = 1e-3 if gpu else 1e-5
+        assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max())
+        seen = 0
+        for r in llm.balance_trace():
+            if r["decided"] and r["layer"] > 0 and not r["late"] & 4:
+                assert sorted(llm.balance_activity(r["step"], r["layer"])) == fixed[r["layer"]].tolist(), r
+                seen += 1
+        assert seen >= (N_LAYER - 1) * N_GEN
     finally:
         llm.close()
 

@@ -109,6 +109,10 @@ def test_prepare_relu_predicted_mode(kb_tiny: Path, prepared) -> None:
     for ls in prepared.stats.layers:
         assert ls.recall >= 0.95 and ls.precision > 0.2
         assert ls.overfetch["metis"] < ls.overfetch["random"]
+    # one layer early: the ahead predictor beside the layer's own fed the same (previous) input
+    for il, a in enumerate(prepared.stats.extra["ahead"]):
+        assert 0.0 <= a["proxy_recall"] <= 1.0 and 0.0 <= a["proxy_precision"] <= 1.0, il
+        assert a["recall"] >= 0.9, (il, a)
 
     kw = dict(n_ctx=512, n_threads=2, verbose=False, seed=0)
     dense = Llama(str(kb_tiny), **kw)

@@ -88,7 +88,7 @@ static bool kx_warm_layer(const kx_hybrid & hy, int32_t mode, int il) {
 // the balancer's pipeline prefetches layer il within the decode, from the list the warm-up
 // reads (any mode: the pipeline's list comes from the predictor)
 static bool kx_pipe_layer(const kx_hybrid & hy, int il) {
-    return hy.pipeline() && kx_slots_list_ahead(*hy.slots, il) && il < hy.pack->n_layer && hy.pack->layers[il].pred_a;
+    return hy.pipeline() && kx_slots_list_ahead(*hy.slots, il) && il < hy.pack->n_layer && hy.pack->layers[il].pred;
 }
 
 // the prefetch's three phases (kx-pipeline.cpp): begin and end on one thread, the scan on all.
@@ -124,14 +124,14 @@ static void kx_pipe_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int,
 // gives each row a block, 15.9 µs per layer for KB-7B's [256, 11008] F32 B on the
 // decode's critical path (H200, Nsight Compute). Rows in 16-byte loads need rank % 8 == 0;
 // another rank stays on ggml's matvec rather than copying B to the CPU each token.
-static ggml_tensor * kx_predict(ggml_context * ctx0, ggml_tensor * cur, const kx_pack_layer & L,
-                                const kx_slot_layer * H) {
-    // the slots copy all three parts of a layer's predictor or none (kx-slots.cpp)
-    const bool dev = H && H->pred_a;
-    ggml_tensor * s = ggml_mul_mat(ctx0, dev ? H->pred_a : L.pred_a, cur);
-    s = dev && H->pred_b->ne[0] % 8 == 0 ? ggml_kx_mul_mat_rows(ctx0, H->pred_b, s, nullptr, nullptr)
-                                         : ggml_mul_mat(ctx0, dev ? H->pred_b : L.pred_b, s);
-    return ggml_add(ctx0, s, dev ? H->pred_c : L.pred_c);
+static ggml_tensor * kx_predict(ggml_context * ctx0, ggml_tensor * cur, const kx_lowrank & host,
+                                const kx_lowrank * dev) {
+    // the slots copy each of a layer's predictors whole or not at all (kx-slots.cpp)
+    const bool on_dev = dev && *dev;
+    const kx_lowrank & p = on_dev ? *dev : host;
+    ggml_tensor * s = ggml_mul_mat(ctx0, p.a, cur);
+    s = on_dev && p.b->ne[0] % 8 == 0 ? ggml_kx_mul_mat_rows(ctx0, p.b, s, nullptr, nullptr) : ggml_mul_mat(ctx0, p.b, s);
+    return ggml_add(ctx0, s, p.c);
 }
 
 static ggml_tensor * kx_build_ffn_hybrid(
@@ -156,7 +156,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         g.cb(g_all, "ffn_gate", il);
         sel = on_cpu(ggml_kx_select(ctx0, g_all, kx_mode_threshold(mode, L), kx_max_density, act));
     } else {
-        ggml_tensor * s = kx_predict(ctx0, cur, L, &H);
+        ggml_tensor * s = kx_predict(ctx0, cur, L.pred, &H.pred);
         g.cb(s, "kx_pred", il);
         // load-aware thresholds (kx-thresholds.h): one offset per side, read from the slots' device
         sel = hy.thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, H.slotmap, H.thr_off)
@@ -180,7 +180,10 @@ static ggml_tensor * kx_build_ffn_hybrid(
     // pipeline: no scheduler copy, so nothing waits for it
     auto list_next = [&]() {
         const kx_slot_layer & N = slots.layers[il + 1];
-        ggml_tensor * s = kx_predict(ctx0, cur, pack.layers[il + 1], &N);
+        const kx_pack_layer & P = pack.layers[il + 1];
+        // its ahead predictor where the pack has one (trained on this input), else its own
+        ggml_tensor * s = P.pred_ahead ? kx_predict(ctx0, cur, P.pred_ahead, &N.pred_ahead)
+                                       : kx_predict(ctx0, cur, P.pred, &N.pred);
         // with load-aware thresholds, the rows the host part will read (not those it skips);
         // the pipeline needs the whole list (a listed resident is no victim)
         ggml_tensor * sn = ggml_kx_select_set_host(
@@ -291,7 +294,7 @@ ggml_tensor * kx_build_ffn_sparse(
         return nullptr;
     }
     const bool slots = hy->slots && hy->slots->layers[il].n_slots > 0;
-    if (mode == KX_SPARSE_PREDICTED && !L.pred_a) {
+    if (mode == KX_SPARSE_PREDICTED && !L.pred) {
         return nullptr; // no predictor: the dense FFN
     }
     if (!slots && (mode == KX_SPARSE_EXACT ? act != KX_SELECT_RELU : !L.pays)) {
@@ -324,7 +327,7 @@ ggml_tensor * kx_build_ffn_sparse(
         g.cb(gv, "ffn_gate", il);
         sel = ggml_kx_select(ctx0, gv, kx_mode_threshold(mode, L), kx_max_density, act);
     } else {
-        ggml_tensor * s = kx_predict(ctx0, cur, L, nullptr);
+        ggml_tensor * s = kx_predict(ctx0, cur, L.pred, nullptr);
         g.cb(s, "kx_pred", il);
         sel = ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }

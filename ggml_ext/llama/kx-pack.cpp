@@ -25,8 +25,8 @@
 
 namespace {
 
-// version 2 = version 1 + optional ahead predictors (blk.L.kx_ahead_*, read by the online
-// balancer, not by this loader) and an optional kx.stats key; version 3 = version 2 + the
+// version 2 = version 1 + optional ahead predictors (blk.L.kx_ahead_*: the hybrid's lists one
+// layer early) and an optional kx.stats key; version 3 = version 2 + the
 // checksum tensor (required), the only version read: older packs cannot be checked
 constexpr uint32_t    KX_PACK_VERSION = 3;
 constexpr const char * KX_CHECKSUM    = "kx_checksum";
@@ -401,14 +401,12 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
         };
         static const char * const pred_k[3]  = { "kx_pred_a", "kx_pred_b", "kx_pred_c" };
         static const char * const ahead_k[3] = { "kx_ahead_a", "kx_ahead_b", "kx_ahead_c" };
-        const auto pred = trio(pred_k);
-        if (pred[0]) {
-            L.pred_a = take(pred[0]);
-            L.pred_b = take(pred[1]);
-            L.pred_c = take(pred[2]);
-            ++n_pred;
-        }
-        trio(ahead_k);  // validated and accepted; not loaded: the CPU path does not read it
+        auto load = [&](const std::array<ggml_tensor *, 3> & t) {
+            return t[0] ? kx_lowrank{ take(t[0]), take(t[1]), take(t[2]) } : kx_lowrank{};
+        };
+        L.pred  = load(trio(pred_k));
+        L.pred_ahead = load(trio(ahead_k));
+        n_pred += L.pred ? 1 : 0;
     }
     ggml_tensor * thr = need("kx_threshold");
     check_tensor(thr, path, { GGML_TYPE_F32 }, n_layer, 1);

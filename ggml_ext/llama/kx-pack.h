@@ -25,12 +25,20 @@ struct llama_model;
 // runs llama.cpp's dense FFN (repacked weights where the CPU backend has them).
 static constexpr float kx_max_density = 0.6f;
 
+// a low-rank predictor (docs/pack-format.md): score = b (a x) + c, neuron id i listed where
+// score[i] > 0; all three tensors or none
+struct kx_lowrank {
+    ggml_tensor * a = nullptr; // [n_embd, rank]
+    ggml_tensor * b = nullptr; // [rank, n_ff]
+    ggml_tensor * c = nullptr; // F32 [n_ff]
+    explicit operator bool() const { return a != nullptr; }
+};
+
 struct kx_pack_layer {
     ggml_tensor * down_t = nullptr; // [n_embd, n_ff] ggml ne: one row per pack position
     ggml_tensor * rowmap = nullptr; // I32 [n_ff]: neuron id -> row of down_t; null if identity
-    ggml_tensor * pred_a = nullptr; // [n_embd, rank] (optional, with pred_b and pred_c)
-    ggml_tensor * pred_b = nullptr; // [rank, n_ff]
-    ggml_tensor * pred_c = nullptr; // F32 [n_ff]
+    kx_lowrank pred;                // the layer's predictor, fed its FFN input (optional)
+    kx_lowrank pred_ahead;          // fed layer l-1's FFN input: the list one layer early (optional)
     float threshold = 0.0f;         // activation magnitude above which a neuron counts as active
     std::vector<float> freq;        // [n_ff] measured activation frequency per neuron id (1 = unknown)
     // the load-aware thresholds' calibration (optional, kx-thresholds.h): score offsets, and per

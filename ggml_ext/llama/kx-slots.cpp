@@ -89,6 +89,29 @@ void kx_slots_check_types(ggml_backend_dev_t dev, int32_t gate, int32_t up, int3
     }
 }
 
+// a copy of a pack predictor on the slots' device (none where the pack has none)
+static kx_lowrank kx_lowrank_dup(ggml_context * ctx, const kx_lowrank & p, int64_t il, const char * what) {
+    if (!p) {
+        return {};
+    }
+    kx_lowrank d = { ggml_dup_tensor(ctx, p.a), ggml_dup_tensor(ctx, p.b), ggml_dup_tensor(ctx, p.c) };
+    ggml_format_name(d.a, "blk.%d.kx_slot_%s_a", (int) il, what);
+    ggml_format_name(d.b, "blk.%d.kx_slot_%s_b", (int) il, what);
+    ggml_format_name(d.c, "blk.%d.kx_slot_%s_c", (int) il, what);
+    return d;
+}
+
+static void kx_lowrank_set(const kx_lowrank & dst, const kx_lowrank & src) {
+    if (!dst) {
+        return;
+    }
+    ggml_tensor * const d[3] = { dst.a, dst.b, dst.c };
+    const ggml_tensor * const s[3] = { src.a, src.b, src.c };
+    for (int i = 0; i < 3; ++i) {
+        ggml_backend_tensor_set(d[i], s[i]->data, 0, ggml_nbytes(s[i]));
+    }
+}
+
 std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pack & pack,
                                          const std::vector<int64_t> & n_slots, const char * device,
                                          int32_t faults) {
@@ -142,14 +165,9 @@ std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         L.mapmap  = dev_t(GGML_TYPE_I32, n_ff, 1, "mapmap");
         L.mapdown = dev_t(GGML_TYPE_I32, n_ff, 1, "mapdown");
         L.thr_off = dev_t(GGML_TYPE_F32, 2, 1, "thr_off");
-        if (pl.pred_a) {
-            L.pred_a = ggml_dup_tensor(slots->ctx_dev, pl.pred_a);
-            L.pred_b = ggml_dup_tensor(slots->ctx_dev, pl.pred_b);
-            L.pred_c = ggml_dup_tensor(slots->ctx_dev, pl.pred_c);
-            ggml_format_name(L.pred_a, "blk.%d.kx_slot_pred_a", (int) il);
-            ggml_format_name(L.pred_b, "blk.%d.kx_slot_pred_b", (int) il);
-            ggml_format_name(L.pred_c, "blk.%d.kx_slot_pred_c", (int) il);
-        }
+        L.pred       = kx_lowrank_dup(slots->ctx_dev, pl.pred, il, "pred");
+        // layer 0's list is never predicted a layer early (kx_slots_list_ahead)
+        L.pred_ahead = il > 0 ? kx_lowrank_dup(slots->ctx_dev, pl.pred_ahead, il, "ahead") : kx_lowrank{};
         L.coldmap  = ggml_new_tensor_1d(slots->ctx_host, GGML_TYPE_I32, n_ff);
         L.colddown = ggml_new_tensor_1d(slots->ctx_host, GGML_TYPE_I32, n_ff);
         ggml_format_name(L.coldmap, "blk.%d.kx_coldmap", (int) il);
@@ -227,11 +245,8 @@ std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
         std::memcpy(L.coldmap->data, coldmap.data(), ggml_nbytes(L.coldmap));
         std::memcpy(L.colddown->data, colddown.data(), ggml_nbytes(L.colddown));
         ((int32_t *) L.seen->data)[0] = -1; // no decode recorded yet
-        if (L.pred_a) {
-            ggml_backend_tensor_set(L.pred_a, pl.pred_a->data, 0, ggml_nbytes(pl.pred_a));
-            ggml_backend_tensor_set(L.pred_b, pl.pred_b->data, 0, ggml_nbytes(pl.pred_b));
-            ggml_backend_tensor_set(L.pred_c, pl.pred_c->data, 0, ggml_nbytes(pl.pred_c));
-        }
+        kx_lowrank_set(L.pred, pl.pred);
+        kx_lowrank_set(L.pred_ahead, pl.pred_ahead);
     }
     return slots;
 }

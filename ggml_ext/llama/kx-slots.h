@@ -22,6 +22,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "kx-pack.h"
 #include "kx-reload.h"
 
 #include <cstdint>
@@ -42,9 +43,8 @@ struct kx_slot_layer {
     ggml_tensor * slotmap  = nullptr;
     ggml_tensor * coldmap  = nullptr;
     ggml_tensor * colddown = nullptr;
-    ggml_tensor * pred_a   = nullptr; // the pack's predictor, on the slots' device
-    ggml_tensor * pred_b   = nullptr;
-    ggml_tensor * pred_c   = nullptr;
+    kx_lowrank pred;                  // the pack's predictors, on the slots' device
+    kx_lowrank pred_ahead;
     ggml_tensor * seen     = nullptr; // host, I32 [n_ff + 1]: the last decode's active list (the
                                       // graph copies it here; the balancer reads and clears it)
     std::vector<int32_t> resident;    // neuron ids, slot order; -1 for a slot given up and not refilled
@@ -94,7 +94,7 @@ inline bool kx_slots_list_ahead(const kx_slots & slots, int64_t il) {
         return false;
     }
     const kx_slot_layer & L = slots.layers[il];
-    return slots.layers[il - 1].n_slots > 0 && L.n_slots > 0 && L.ahead && (slots.on_host || L.pred_a);
+    return slots.layers[il - 1].n_slots > 0 && L.n_slots > 0 && L.ahead && (slots.on_host || L.pred);
 }
 
 // The device slots for `device` live on (nullptr: the first GPU); throws when there is none.

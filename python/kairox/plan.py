@@ -552,7 +552,11 @@ def slot_costs(model_path: str | Path, pack_path: str | Path | None = None) -> S
     down = next((t for t in pack.tensors if t.name == "blk.0.kx_down_t"), None)
     if down is None or len(rows) != 2:
         raise PlanError(f"{model_path} has no gated FFN with a pack down projection; it cannot have neuron slots")
-    pred = sum(t.nbytes for t in pack.tensors if "kx_pred_" in t.name) + n_layer * 4 * n_ff
+    # the predictors on the GPU: each layer's own, and its ahead one but layer 0's (nothing lists
+    # layer 0 a layer early), with the maps
+    pred = sum(t.nbytes for t in pack.tensors
+               if "kx_pred_" in t.name or ("kx_ahead_" in t.name and not t.name.startswith("blk.0."))) \
+        + n_layer * 4 * n_ff
     return SlotCosts(n_layer, n_ff, sum(rows.values()) + down.nbytes // down.ne[1], pred,
                      rows["blk.0.ffn_gate.weight"])
 
