@@ -16,6 +16,7 @@ extern "C" {
 #endif
 
 struct kx_tam_config;
+struct ggml_backend;
 
 // one contiguous run of bytes: host source (registered with host_register) -> device dest
 struct kx_row_copy {
@@ -67,11 +68,14 @@ struct kx_reload_iface {
     // the previous layer computes and must not wait on other layers' batches. tag_copy
     // queues copies with the staging and completion event of `tag` (a hybrid layer), waiting
     // only for that tag's previous batch; tag_query: 1 when the tag's copies have landed, 0
-    // while they run, < 0 on error; side_write: stores on a stream of their own, done when it
-    // returns, not ordered after any copy (the caller publishes only landed rows).
+    // while they run, < 0 on error; queue_write: stores not ordered after any copy (the caller
+    // publishes only landed rows): queued on the stream of `reader` (a backend of the engine's
+    // device: the one whose next work reads them), behind what is queued there and ahead of
+    // what follows, without waiting on the host (its staging is reused once the stores queued
+    // a few calls before have run); reader NULL: on a stream of their own, done when it returns.
     int32_t (*tag_copy)(void * r, int32_t tag, const struct kx_row_copy * c, int64_t n);
     int32_t (*tag_query)(void * r, int32_t tag);
-    int32_t (*side_write)(void * r, const struct kx_i32_write * w, int64_t n);
+    int32_t (*queue_write)(void * r, struct ggml_backend * reader, const struct kx_i32_write * w, int64_t n);
 };
 
 // The balancer's decision for every hybrid layer on the device, queued on engine r's stream

@@ -214,12 +214,13 @@ void kx_balance_settle(kx_balancer & b);
 // list in host memory (kx_slot_layer::ahead: I32 [flag, count, ids...], the flag set once the
 // list is there) in three phases (0 and 2 on one thread, 1 on thread ith of nth; with the
 // balancer's thread, phase 0 posts the whole prefetch to it); publish what landed, and mark
-// the list used (consume: its flag, nullptr when the warm-up still reads the list).
+// the list used (consume: its flag, nullptr when the warm-up still reads the list); the
+// slot map's stores go ahead of the next work of `reader` (the slots' device backend).
 // Failures are kept and reported by the next boundary (kx_balance_step throws them); nothing
 // is done without a pipeline balancer (b nullptr or another kind).
 void kx_pipe_hook_prefetch(kx_balancer * b, int32_t il, int32_t phase, const int32_t * host, int ith,
                            int nth) noexcept;
-void kx_pipe_hook_publish(kx_balancer * b, int32_t il, int32_t * consume) noexcept;
+void kx_pipe_hook_publish(kx_balancer * b, int32_t il, int32_t * consume, ggml_backend * reader) noexcept;
 
 // ---------------------------------------------------------------- shared by the two policies' files
 // (the boundary: kx-balance.cpp; the pipeline: kx-pipeline.cpp)

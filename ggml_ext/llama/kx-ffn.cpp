@@ -115,8 +115,21 @@ static void kx_pipe_end_op(ggml_tensor *, const ggml_tensor *, int ith, int nth,
 static void kx_pipe_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
     if (ith == 0) {
         const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-        kx_pipe_hook_publish(h->hybrid->balancer.get(), h->il, h->consume ? h->hybrid->slots->layers[h->il].ahead : nullptr);
+        kx_pipe_hook_publish(h->hybrid->balancer.get(), h->il, h->consume ? h->hybrid->slots->layers[h->il].ahead : nullptr,
+                             h->reader);
     }
+}
+
+// the graph scheduler's backend of ggml device `device` (nullptr when it has none)
+static ggml_backend_t kx_sched_backend_of(const llm_graph_context & g, const std::string & device) {
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(g.sched); ++i) {
+        ggml_backend_t be = ggml_backend_sched_get_backend(g.sched, i);
+        ggml_backend_dev_t dev = ggml_backend_get_device(be);
+        if (dev && device == ggml_backend_dev_name(dev)) {
+            return be;
+        }
+    }
+    return nullptr;
 }
 
 // s = B·(A·x) + c with the predictor copy on the slots' device where there is one.
@@ -202,6 +215,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
     kx_pipe_hook * hook = pipe_next ? const_cast<kx_pipe_hook *>(&hy.hooks[il + 1]) : nullptr;
     if (pipe_next) {
         hook->consume = !warm_next;
+        hook->reader  = kx_sched_backend_of(g, slots.device);
         // after the copy above (the prefetch observes this layer's list): the reloads then run
         // beside both parts of this layer. The prefetch waits for layer il+1's list, which the
         // device writes beside this CPU part; with the balancer's thread the node only posts

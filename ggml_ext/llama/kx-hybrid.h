@@ -31,6 +31,8 @@ struct kx_pipe_hook {
     int32_t     il      = 0;
     bool        consume = false; // set at graph build: no warm-up of layer il reads its list
                                  // after the prefetch, so publish marks it used
+    ggml_backend_t reader = nullptr; // set at graph build: the scheduler's backend of the slots'
+                                     // device, whose stream publish queues the map stores on
 };
 
 // Members are destroyed in reverse order: the policies first (their reloads write the slots

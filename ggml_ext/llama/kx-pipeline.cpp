@@ -320,10 +320,11 @@ static void kx_pipe_settle(kx_balancer & b, kx_balance_layer & L, int64_t step) 
     }
 }
 
-// the step's device map stores, done when it returns
-static void kx_pipe_flush(kx_balancer & b, kx_balance_layer & L) {
+// the step's device map stores: queued ahead of the next work of `reader` (publish: the
+// device's backend, whose next split reads the map), else done when it returns
+static void kx_pipe_flush(kx_balancer & b, kx_balance_layer & L, ggml_backend * reader = nullptr) {
     if (!L.writes.empty()) {
-        if (b.io->side_write(b.engine, L.writes.data(), (int64_t) L.writes.size())) {
+        if (b.io->queue_write(b.engine, reader, L.writes.data(), (int64_t) L.writes.size())) {
             throw std::runtime_error("balancer: slot map update failed");
         }
         L.writes.clear();
@@ -430,7 +431,7 @@ void kx_pipe_hook_prefetch(kx_balancer * balancer, int32_t il, int32_t phase, co
     }
 }
 
-void kx_pipe_hook_publish(kx_balancer * balancer, int32_t il, int32_t * consume) noexcept {
+void kx_pipe_hook_publish(kx_balancer * balancer, int32_t il, int32_t * consume, ggml_backend * reader) noexcept {
     struct lap {
         std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
         ~lap() { kx_pipe_stat_lap(KX_PIPE_PUBLISH_NS, t); }
@@ -459,8 +460,9 @@ void kx_pipe_hook_publish(kx_balancer * balancer, int32_t il, int32_t * consume)
     }
     try {
         // an evicted neuron's host maps already say "host": the device map must stop saying
-        // "slot" before the layer runs, or both sides would compute it
-        kx_pipe_flush(*b, *L);
+        // "slot" before the layer runs, or both sides would compute it (the stores go ahead
+        // of the layer's split on the device's stream)
+        kx_pipe_flush(*b, *L, reader);
     } catch (const std::exception & e) {
         if (b->error.empty()) {
             b->error = e.what();

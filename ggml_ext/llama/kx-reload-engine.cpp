@@ -31,10 +31,13 @@ static double  kx_host_wait(void *) { return 0.0; }
 static int32_t kx_host_tag_copy(void * r, int32_t, const kx_row_copy * c, int64_t n) { return kx_host_copy(r, c, n); }
 static int32_t kx_host_tag_query(void *, int32_t) { return 1; }
 static void *  kx_host_addr(void *, const void * host) { return const_cast<void *>(host); }
+static int32_t kx_host_queue_write(void * r, ggml_backend *, const kx_i32_write * w, int64_t n) {
+    return kx_host_write_i32(r, w, n);
+}
 
 static const kx_reload_iface kx_host_reload = {
     kx_host_create, kx_host_destroy, kx_host_register, kx_host_addr, kx_host_copy, kx_host_write_i32, kx_host_query,
-    kx_host_wait, kx_host_tag_copy, kx_host_tag_query, kx_host_write_i32,
+    kx_host_wait, kx_host_tag_copy, kx_host_tag_query, kx_host_queue_write,
 };
 
 
