@@ -29,7 +29,8 @@
 //      take free slots or those of the worst residents not predicted whose score is lower;
 //      the victims go back to the host maps, their slots receive the candidates' rows
 //   publish (last host node of that CPU part): candidates whose rows landed enter the slot
-//      map; the device map stores of the step are made (synchronously, a side stream)
+//      map; the device map stores of the step are queued on the device's stream, ahead of
+//      layer L's split
 //   With decide = worker the prefetch runs on the balancer's own thread instead: the first
 //   host node posts the step and returns, the compute threads run the CPU part, the thread
 //   waits for the list and decides, and publish waits for the decision
