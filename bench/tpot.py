@@ -65,6 +65,9 @@ def main() -> int:
                     help="balancer: where the TAM step runs (auto: on the GPU)")
     ap.add_argument("--pipeline", action="store_true",
                     help="balancer: decide one layer ahead within each token instead of between tokens")
+    ap.add_argument("--backoff", type=int, default=0,
+                    help="balancer: back off to the split as it stands where it does not pay, probing N tokens "
+                         "(kairox.backoff; 0: always run)")
     ap.add_argument("--balance-trace", help="balancer: write its per-step records here (JSON lines)")
     ap.add_argument("--sched-trace", help="kairox: the scheduler's split trace to this file (kairox trace FILE)")
     ap.add_argument("--sched-trace-max", type=int, default=0, help="kairox: records the trace keeps (0: 131072)")
@@ -116,11 +119,13 @@ def main() -> int:
     counters = None
     hybrid = args.impl == "kairox" and (args.gpu_slots is not None or args.vram_budget is not None)
     if hybrid:  # static: the balancer only records what ran (GPU hits), moving nothing
+        from kairox.backoff import BackoffConfig
         from kairox.balancer import BalancerConfig
         llm.start_balancer(BalancerConfig(lam=args.lam, eps=args.eps, adaptive=args.balancer == "adaptive",
                                           max_admit=args.max_admit), max_blocks=args.max_blocks,
                            observe=args.balancer == "static", decide=args.decide,
-                           pipeline=args.pipeline and args.balancer != "static")
+                           pipeline=args.pipeline and args.balancer != "static",
+                           backoff=BackoffConfig(window=args.backoff) if args.backoff and args.balancer != "static" else None)
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
         from kairox._native import balance_counters, pipe_counters, sched_counters, sparse_counters, warm_counters

@@ -167,7 +167,7 @@ def test_balancer_option_starts_it(synth_model: Path) -> None:
     """Llama(balancer=...) starts the balancer at load; the runtime then balances after every decode."""
     import kairox
     llm = kairox.Llama(str(synth_model), n_ctx=64, n_batch=1, n_ubatch=1, sparse="predicted", gpu_slots=SLOTS,
-                       slots_device="CPU", balancer=fast_config(), verbose=False)
+                       slots_device="CPU", balancer=fast_config(), balancer_backoff=None, verbose=False)
     try:
         llm.eval(PROMPT)
         for t in topic_tokens(10):

@@ -255,7 +255,7 @@ def test_pipeline_stops_and_the_graph_drops_its_nodes(model4: Path) -> None:
     import kairox
     llm = kairox.Llama(str(model4), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
                        verbose=False, sparse="predicted", gpu_slots=SLOTS, slots_device="CPU",
-                       balancer=fast(), balancer_pipeline=True)
+                       balancer=fast(), balancer_pipeline=True, balancer_backoff=None)
     try:
         llm.eval(PROMPT)
         toks = []

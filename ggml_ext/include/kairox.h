@@ -89,6 +89,19 @@ LLAMA_API int32_t kx_model_slots_swap(struct llama_model * model, int32_t il, co
 // the next step from the decode's active lists (TAM, include/kx-tam.h) on a worker thread
 // while the next decode runs. A neuron enters the slot map only after its rows have landed,
 // so outputs are those of the static split whatever the reloads do.
+// The back-off (llama/kx-backoff.cpp; reference kairox.backoff): the balancer runs `window`
+// decoded tokens, is held `window` tokens (the split as it stands), and keeps running only
+// where its median token time is below the held one by `margin`; the outcome holds window *
+// 2^k tokens (k: the outcome's repeats, <= max_doubling) before the next probe. Token times
+// are the context's single-token decodes (llama_perf_context; a context made with no_perf
+// gives none, and the balancer then keeps running).
+struct kx_backoff_config {
+    int32_t window;       // tokens measured in each probe phase; 0: never back off
+    int32_t settle;       // tokens after a switch not measured (the graph is rebuilt)
+    float   margin;       // in [0, 1)
+    int32_t max_doubling;
+};
+
 struct kx_balance_params {
     struct kx_tam_config tam;
     double  cpu_gbs;     // matvec rates of the stall model (a step whose host part outlasts its
@@ -107,6 +120,7 @@ struct kx_balance_params {
     int32_t fail_at;     // tests, fault injection: the balancer's n-th reload batch fails to queue (0: never)
     int32_t hang_at;     // tests, fault injection: its n-th reload batch never finishes (0: never)
     int32_t trace_keep;  // records kept in memory (kx_model_balance_trace), the newest; <= 0: 262144, else >= 1024
+    struct kx_backoff_config backoff; // window 0: the balancer never backs off
 };
 // The one-layer-ahead pipeline (pipeline = 1, the predicted mode's predictor): while hybrid
 // layer i computes, layer i+1's active set is predicted from layer i's FFN input, and its
@@ -319,6 +333,10 @@ LLAMA_API int32_t kx_model_params_apply_ctx(struct kx_params * kp, struct llama_
 // NULL for bad arguments. Each decode step's measurements go to kx_migrate_step (1: a new
 // choice was made, 0: none, -1: bad state); kx_migrate_streamed fills the current choice
 // (n flags) and returns how many stream.
+// The back-off's policy on a series of n token times (seconds): on[i] = 1 where the balancer
+// runs after token i (kairox.backoff.run_backoff is the reference). 0, or 1 for bad arguments.
+LLAMA_API int32_t kx_backoff_run(const struct kx_backoff_config * cfg, const double * seconds, int64_t n,
+                                 uint8_t * on);
 struct kx_migrate_state;
 LLAMA_API struct kx_migrate_state * kx_migrate_new(const int64_t * nbytes, const int64_t * gpu_bytes_before,
                                                    const double * read, int32_t n, int64_t gpu_bytes,
@@ -495,11 +513,12 @@ LLAMA_API int64_t kx_host_pageable_bytes(void);
 LLAMA_API void    kx_warm_stats(int64_t * out, bool reset);
 
 // The live balancer's boundary (kx_context_balance), host time by phase since the last reset
-// (llama/kx-balance.cpp). out: 10 values (may be NULL, to reset only): boundaries, ns in
+// (llama/kx-balance.cpp). out: 11 values (may be NULL, to reset only): boundaries, ns in
 // kx_context_balance, ns of it synchronizing the context, taking the decode's active lists
 // and GPU hits, waiting for the reload stream (or the host decision), reading the device
 // decision, applying the last one (the host's maps and copy list), starting the next one, and
-// applying's device calls: storing the slot-map entries, queueing the copies.
+// applying's device calls: storing the slot-map entries, queueing the copies; then the
+// boundaries the back-off held the balancer at (no step).
 LLAMA_API void    kx_balance_stats(int64_t * out, bool reset);
 
 // The balancer's pipeline within each decode (llama/kx-pipeline.cpp), host time by phase since

@@ -193,6 +193,32 @@ kx_balancer * kx_model_balancer(const llama_model * model) {
     return h ? h->balancer.get() : nullptr;
 }
 
+// The back-off (kx-backoff.h): the decode that just finished ran with the balancer held or not,
+// and its time (the context's eval counters; plus the last boundary's own step when it ran)
+// decides the next one. Holding drains what was decided (the slots then hold it), resuming
+// starts from there; either way the graphs change with the pipeline's nodes.
+static void kx_balance_backoff(llama_context * ctx, kx_hybrid & h, kx_balancer & b, const llama_model & model) {
+    if (b.params.backoff.window <= 0 || b.params.observe) {
+        return;
+    }
+    const llama_perf_context_data p = llama_perf_context(ctx);
+    const bool sample = b.bo_ctx == ctx && p.n_eval == b.bo_n_eval + 1 && p.t_eval_ms > b.bo_t_eval_ms;
+    const double s = (p.t_eval_ms - b.bo_t_eval_ms) * 1e-3 + (b.held ? 0.0 : b.bo_step_s);
+    b.bo_ctx = ctx;
+    b.bo_n_eval = p.n_eval;
+    b.bo_t_eval_ms = p.t_eval_ms;
+    if (!sample || kx_backoff_step(b.backoff, s) == !b.held) {
+        return;
+    }
+    if (!b.held) {
+        kx_balance_drain(b, *h.slots, model, *h.pack);
+    }
+    b.held = !b.held;
+    if (b.params.pipeline) {
+        ++h.graph_gen;
+    }
+}
+
 int32_t kx_context_balance(llama_context * ctx, char * err, size_t err_size) {
     if (!ctx) {
         kx_set_err(err, err_size, "kx_context_balance: no context");
@@ -206,9 +232,16 @@ int32_t kx_context_balance(llama_context * ctx, char * err, size_t err_size) {
     auto lap = std::chrono::steady_clock::now();
     ctx->synchronize(); // the decode's graph has finished reading the maps and slots
     const int64_t sync_ns = kx_lap_ns(lap);
-    kx_context_refresh_sparse(ctx);
-    const kx_hybrid & h = *kx_model_hybrid(&model);
-    const int32_t rc = kx_guard(err, err_size, [&] { kx_balance_step(*b, *h.slots, model, *h.pack); });
+    kx_hybrid & h = *kx_model_hybrid(&model);
+    int32_t rc = kx_guard(err, err_size, [&] { kx_balance_backoff(ctx, h, *b, model); });
+    kx_context_refresh_sparse(ctx); // (after the back-off: a change of the pipeline's nodes)
+    if (rc == 0 && !b->held) {
+        auto t = std::chrono::steady_clock::now();
+        rc = kx_guard(err, err_size, [&] { kx_balance_step(*b, *h.slots, model, *h.pack); });
+        b->bo_step_s = 1e-9 * (double) kx_lap_ns(t);
+    } else if (rc == 0) {
+        kx_balance_stat_add(KX_BAL_HELD, 1);
+    }
     kx_balance_stat_add(KX_BAL_STEPS, 1);
     kx_balance_stat_add(KX_BAL_SYNC_NS, sync_ns);
     kx_balance_stat_add(KX_BAL_NS, sync_ns + kx_lap_ns(lap));

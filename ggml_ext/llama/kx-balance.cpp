@@ -188,11 +188,17 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
         throw std::runtime_error("balancer: the pipeline predicts the next layer with the pack's predictor, "
                                  "and " + pack.path + " has none");
     }
+    const kx_backoff_config & bo = params.backoff;
+    if (bo.window < 0 || bo.settle < 0 || bo.max_doubling < 0 || bo.max_doubling > 30 ||
+        !(bo.margin >= 0.0f && bo.margin < 1.0f)) {
+        throw std::runtime_error("balancer: the back-off needs window, settle >= 0, 0 <= max_doubling <= 30 and margin in [0, 1)");
+    }
     if (params.late_every < 0 || params.fail_at < 0 || params.hang_at < 0) {
         throw std::runtime_error("balancer: late_every, fail_at and hang_at must be >= 0");
     }
     auto b = std::make_unique<kx_balancer>();
     b->params = params;
+    b->backoff.cfg = params.backoff;
     // record mode indexes its active lists by record: it keeps every record
     // (at least 1024: a step's records, which the decision and the writer still fill, stay)
     b->trace.cap = params.record ? 0 : params.trace_keep > 0 ? std::max<size_t>(1024, (size_t) params.trace_keep)

@@ -43,6 +43,7 @@
 #pragma once
 
 #include "kairox.h"
+#include "kx-backoff.h"
 #include "kx-reload.h"
 #include "kx-tam.h"
 
@@ -144,6 +145,15 @@ struct kx_record_log {
 
 struct kx_balancer {
     kx_balance_params params = {};
+    // the back-off (params.backoff): held, the boundary takes no step and graphs carry no
+    // pipeline nodes; the context's eval counters at the last boundary give the token times
+    kx_backoff backoff;
+    bool    held         = false;
+    int32_t held_tokens  = 0;
+    const void * bo_ctx  = nullptr;
+    int32_t bo_n_eval    = 0;
+    double  bo_t_eval_ms = 0.0;
+    double  bo_step_s    = 0.0; // the last boundary's own time, added to the next token's
     const kx_reload_iface * io = nullptr;
     void * engine = nullptr;
     std::vector<kx_balance_layer> layers;   // hybrid layers only
@@ -191,7 +201,7 @@ struct kx_balancer {
 // applying's device calls apart: storing the slot-map entries, queueing the copies (the host
 // loops alone are 1.5 of apply's 7-9 µs per KB-70B layer, bench/apply_probe.cpp)
 enum { KX_BAL_STEPS, KX_BAL_NS, KX_BAL_SYNC_NS, KX_BAL_SNAP_NS, KX_BAL_WAIT_NS, KX_BAL_FETCH_NS, KX_BAL_APPLY_NS,
-       KX_BAL_LAUNCH_NS, KX_BAL_STORE_NS, KX_BAL_QUEUE_NS, KX_BAL_N_STATS };
+       KX_BAL_LAUNCH_NS, KX_BAL_STORE_NS, KX_BAL_QUEUE_NS, KX_BAL_HELD, KX_BAL_N_STATS };
 void kx_balance_stat_add(int32_t i, int64_t v);
 
 

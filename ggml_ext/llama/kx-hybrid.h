@@ -54,7 +54,7 @@ struct kx_hybrid {
     explicit kx_hybrid(std::shared_ptr<kx_pack> p);
     // graphs carry the pipeline's one-layer-ahead nodes; with the balancer's thread deciding,
     // one node rather than three
-    bool pipeline() const { return balancer && balancer->params.pipeline; }
+    bool pipeline() const { return balancer && balancer->params.pipeline && !balancer->held; }
     bool pipe_worker() const { return pipeline() && balancer->params.decide == KX_DECIDE_WORKER; }
 };
 

@@ -213,7 +213,7 @@ def warm_counters(reset: bool = False) -> dict[str, int]:
 
 
 BALANCE_STATS = ("steps", "ns", "sync_ns", "snap_ns", "wait_ns", "fetch_ns", "apply_ns", "launch_ns", "store_ns",
-                 "queue_ns")
+                 "queue_ns", "held")
 
 
 def balance_counters(reset: bool = False) -> dict[str, int]:
@@ -221,7 +221,8 @@ def balance_counters(reset: bool = False) -> dict[str, int]:
     (kx_balance_stats, kairox.h): boundaries, ns in all, and ns synchronizing the context,
     taking the decode's lists and hits, waiting for the reload stream (or the host decision),
     reading the device decision, applying the last one (host maps), starting the next, and
-    applying's device calls: storing slot-map entries, queueing copies."""
+    applying's device calls: storing slot-map entries, queueing copies; boundaries the back-off
+    held the balancer at (kairox.backoff)."""
     return _read_stats(load_llama_cpp().llama_cpp._lib, "kx_balance_stats", BALANCE_STATS, reset)
 
 

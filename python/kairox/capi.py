@@ -54,12 +54,17 @@ class TamConfig(ctypes.Structure):  # struct kx_tam_config
                 ("adaptive", ctypes.c_int32), ("max_admit", ctypes.c_int32)]
 
 
+class BackoffParams(ctypes.Structure):  # struct kx_backoff_config
+    _fields_ = [("window", ctypes.c_int32), ("settle", ctypes.c_int32), ("margin", ctypes.c_float),
+                ("max_doubling", ctypes.c_int32)]
+
+
 class BalanceParams(ctypes.Structure):  # struct kx_balance_params
     _fields_ = [("tam", TamConfig), ("cpu_gbs", ctypes.c_double), ("gpu_gbs", ctypes.c_double),
                 ("method", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("decide", ctypes.c_int32),
                 ("record", ctypes.c_int32), ("observe", ctypes.c_int32), ("pipeline", ctypes.c_int32),
                 ("late_every", ctypes.c_int32), ("wait_limit_ms", ctypes.c_int32), ("fail_at", ctypes.c_int32),
-                ("hang_at", ctypes.c_int32), ("trace_keep", ctypes.c_int32)]
+                ("hang_at", ctypes.c_int32), ("trace_keep", ctypes.c_int32), ("backoff", BackoffParams)]
 
 
 class BalanceRecord(ctypes.Structure):  # struct kx_balance_record
@@ -118,6 +123,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_place_order": ([P(ctypes.c_char_p), i32, P(i32)], i32),
         "kx_stream_place": ([P(ctypes.c_char_p), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double,
                              ctypes.c_double, ctypes.c_double, ctypes.c_double, P(ctypes.c_int8), P(i64)], i32),
+        "kx_backoff_run": ([P(BackoffParams), P(ctypes.c_double), i64, P(ctypes.c_uint8)], i32),
         "kx_migrate_new": ([P(i64), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double, ctypes.c_double,
                             ctypes.c_double, ctypes.c_double, i32, i32, ctypes.c_double], vp),
         "kx_migrate_step": ([vp] + [ctypes.c_double] * 6, i32),

@@ -34,6 +34,7 @@ from typing import Any
 
 from . import capi
 from ._native import load_llama_cpp
+from .backoff import BackoffConfig
 from .balancer import BalancerConfig
 from .budget import VramBudgetError, VramReport
 from .capi import DECIDE, RELOAD_METHODS, SPARSE_MODES, STALLS, BalanceRecord
@@ -86,6 +87,9 @@ class KairoxOptions:
     # prefetch while the CPU part of the layer before computes, and wants a core of its own);
     # inline (the calling thread, or with the pipeline the compute threads)
     balancer_decide: str = "auto"
+    # the balancer backs off to the split as it stands wherever it does not measurably pay
+    # (a kairox.backoff.BackoffConfig; None: it always runs)
+    balancer_backoff: Any = dataclasses.field(default_factory=BackoffConfig)
     # hybrid: warm the host caches with the next layer's predicted rows while the GPU works
     warm: bool = True
     # a VRAM budget of whole tensors (no pack): host tensors the placement picks are copied into
@@ -136,6 +140,9 @@ class KairoxOptions:
                                  "vram_budget or a plan")
         if self.balancer_pipeline and not self.balancer:
             raise ValueError("balancer_pipeline is a mode of the live balancer: give balancer= too")
+        if self.balancer_backoff is not None and not isinstance(self.balancer_backoff, BackoffConfig):
+            raise TypeError(f"balancer_backoff must be a kairox.backoff.BackoffConfig or None, "
+                            f"not {type(self.balancer_backoff).__name__}")
         if self.balancer_decide not in DECIDE:
             raise ValueError(f"balancer_decide must be one of {', '.join(DECIDE)}, not {self.balancer_decide!r}")
         if self.reload_method not in RELOAD_METHODS:
@@ -238,6 +245,7 @@ class KairoxOptions:
             kp.balance.decide = DECIDE.index(self.balancer_decide)
             kp.balance.record = int(self.balancer_record)
             kp.balance.pipeline = int(self.balancer_pipeline)
+            kp.balance.backoff = (self.balancer_backoff or BackoffConfig(window=0)).native()
         kp.trace = text(self.trace)
         kp.sched_trace, kp.sched_trace_max = text(self.sched_trace), self.sched_trace_max
         kp.error_budget = -1.0 if self.error_budget is None else float(self.error_budget)
@@ -581,7 +589,7 @@ class Llama(llama_cpp.Llama):
     def start_balancer(self, config: Any = True, *, decide: str = "auto", observe: bool = False,
                        max_blocks: int = 32, cpu_gbs: float = 0.0, gpu_gbs: float = 0.0,
                        pipeline: bool = False, late_every: int = 0, wait_limit_ms: int = 0, fail_at: int = 0,
-                       hang_at: int = 0, trace_keep: int = 0) -> None:
+                       hang_at: int = 0, trace_keep: int = 0, backoff: Any = None) -> None:
         """Starts the live balancer on this model's slots (a BalancerConfig, True for the
         defaults, None to stop it): from the next decode on, the runtime ends every decode
         with a balancing step. ValueError without slots or with a bad configuration.
@@ -596,7 +604,8 @@ class Llama(llama_cpp.Llama):
         wait_limit_ms: how long a boundary waits for reloads before the balancer stops (0:
         10 s); fail_at / hang_at (tests, fault injection): the n-th reload batch fails to
         queue / never finishes; trace_keep: records kept in memory for balance_trace(), the
-        newest (0: 262144; a trace file gets every one)."""
+        newest (0: 262144; a trace file gets every one); backoff: a kairox.backoff.BackoffConfig
+        (the balancer holds itself wherever it does not measurably pay; None: it always runs)."""
         if decide not in DECIDE:
             raise ValueError(f"decide must be one of {', '.join(DECIDE)}, not {decide!r}")
         err = ctypes.create_string_buffer(1024)
@@ -610,6 +619,8 @@ class Llama(llama_cpp.Llama):
                                RELOAD_METHODS.index(self.kx_options.reload_method), max_blocks, DECIDE.index(decide),
                                int(self.kx_options.balancer_record), int(observe), int(pipeline), late_every,
                                wait_limit_ms, fail_at, hang_at, trace_keep)
+        if backoff is not None:
+            p.backoff = backoff.native()
         if _lib.kx_model_balancer_start(self._model.model, ctypes.byref(p), err, 1024):
             raise ValueError(err.value.decode("utf-8", "replace"))
         self._kx_refresh_graph()

@@ -63,9 +63,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.error_budget is not None:
                 hybrid["error_budget"] = args.error_budget
             if args.balancer:
+                from ..backoff import BackoffConfig
                 from ..balancer import BalancerConfig
                 hybrid["balancer"] = BalancerConfig(adaptive=args.balancer == "adaptive")
                 hybrid["balancer_pipeline"] = args.pipeline
+                window = BackoffConfig().window if args.backoff is None else args.backoff
+                if window:
+                    hybrid["balancer_backoff"] = BackoffConfig(window=window)
                 if args.balancer_thread:
                     if not args.pipeline:
                         raise ValueError("--balancer-thread is a mode of --pipeline")
@@ -74,9 +78,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                     hybrid["trace"] = args.kx_trace
                 if args.hw:
                     hybrid["hw_profile"] = args.hw
-            elif args.kx_trace or args.pipeline or args.balancer_thread or args.hw:
+            elif args.kx_trace or args.pipeline or args.balancer_thread or args.hw or args.backoff is not None:
                 flag = ("--kx-trace" if args.kx_trace else "--pipeline" if args.pipeline else
-                        "--balancer-thread" if args.balancer_thread else "--hw")
+                        "--balancer-thread" if args.balancer_thread else "--hw" if args.hw else "--backoff")
                 raise ValueError(f"{flag} needs the live balancer: "
                                  "add --balancer")
             if not args.warm:
@@ -270,6 +274,10 @@ def register(sub) -> None:
                    help="with --pipeline: a thread of its own makes each layer's prefetch while the CPU part "
                    "of the layer before computes (instead of the compute threads before it); give it a core: "
                    "--threads one less than the cores")
+    p.add_argument("--backoff", type=int, default=None, metavar="N",
+                   help="with --balancer: the balancer runs N tokens, is held N tokens, and keeps running only "
+                   "where its median token time is lower; the outcome holds 2^k x N tokens before the next "
+                   "probe (default with --balancer: 16; 0: it always runs)")
     p.add_argument("--kx-trace", default=None, metavar="FILE",
                    help="with --balancer: write its per-step records here (JSON lines; `kairox report FILE`)")
     p.add_argument("--hw", default=None, metavar="FILE",

@@ -1,0 +1,68 @@
+// The back-off's state machine (kx-backoff.h), step for step python/kairox/backoff.py's
+// Backoff (tests/test_backoff.py runs both on the same token times).
+#include "kx-backoff.h"
+
+#include <algorithm>
+
+// the median as Python's statistics.median takes it (the mean of the middle two of an even count)
+static double kx_median(std::vector<double> v) {
+    const size_t m = v.size() / 2;
+    std::nth_element(v.begin(), v.begin() + m, v.end());
+    const double hi = v[m];
+    if (v.size() % 2 == 1) {
+        return hi;
+    }
+    const double lo = *std::max_element(v.begin(), v.begin() + m);
+    return (lo + hi) / 2.0;
+}
+
+bool kx_backoff_step(kx_backoff & b, double seconds) {
+    const kx_backoff_config & c = b.cfg;
+    if (c.window <= 0) {
+        return true;
+    }
+    b.n += 1;
+    if (b.phase == 0) {
+        if (b.n > c.settle) {
+            b.s_on.push_back(seconds);
+        }
+        if (b.n == (int64_t) c.settle + c.window) {
+            b.phase = 1;
+            b.n     = 0;
+            b.on    = false;
+        }
+    } else if (b.phase == 1) {
+        if (b.n > c.settle) {
+            b.s_off.push_back(seconds);
+        }
+        if (b.n == (int64_t) c.settle + c.window) {
+            const bool won = kx_median(b.s_on) < kx_median(b.s_off) * (1.0 - (double) c.margin);
+            b.streak   = (b.last_won == (int32_t) won) ? b.streak + 1 : 0;
+            b.last_won = won;
+            b.hold     = (int64_t) c.window << std::min(b.streak, c.max_doubling);
+            b.phase    = 2;
+            b.n        = 0;
+            b.on       = won;
+            b.s_on.clear();
+            b.s_off.clear();
+        }
+    } else if (b.n == b.hold) {
+        b.phase = 0;
+        b.n     = 0;
+        b.on    = true;
+    }
+    return b.on;
+}
+
+int32_t kx_backoff_run(const kx_backoff_config * cfg, const double * seconds, int64_t n, uint8_t * on) {
+    if (!cfg || (n > 0 && (!seconds || !on)) || cfg->window < 0 || cfg->settle < 0 || cfg->max_doubling < 0 ||
+        !(cfg->margin >= 0.0f && cfg->margin < 1.0f)) {
+        return 1;
+    }
+    kx_backoff b;
+    b.cfg = *cfg;
+    for (int64_t i = 0; i < n; ++i) {
+        on[i] = kx_backoff_step(b, seconds[i]) ? 1 : 0;
+    }
+    return 0;
+}

@@ -1,0 +1,135 @@
+"""The balancer's back-off (kairox.backoff; the runtime's llama/kx-backoff.cpp, wired into the
+per-token boundary): it runs the balancer only while the balancer measurably pays."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kairox.backoff import BackoffConfig, run_backoff
+from test_pipeline import model4  # noqa: F401 (the fixture)
+
+
+def phases(on: list[bool]) -> list[tuple[bool, int]]:
+    """Runs of equal answers: (answer, length)."""
+    out: list[tuple[bool, int]] = []
+    for x in on:
+        if out and out[-1][0] == x:
+            out[-1] = (x, out[-1][1] + 1)
+        else:
+            out.append((x, 1))
+    return out
+
+
+def test_a_balancer_that_loses_is_held_ever_longer() -> None:
+    """Tokens with the balancer take 2 s, held ones 1 s: after each probe (window + settle on,
+    the same held) the hold lasts window, 2 window, 4 window, ... up to 2^max_doubling."""
+    cfg = BackoffConfig(window=4, settle=1, max_doubling=2)
+    from kairox.backoff import Backoff
+    b, b_on, on = Backoff(cfg), True, []
+    for _ in range(200):
+        b_on = b.step(2.0 if b_on else 1.0)
+        on.append(b_on)
+    runs = phases(on)
+    # first answer follows the first token: 4 more on (settle + window = 5 tokens ran on)
+    assert runs[0] == (True, 4)
+    # held: the probe's 5 tokens and its outcome's hold, then 5 on again
+    assert runs[1:8] == [(False, 5 + 4), (True, 5), (False, 5 + 8), (True, 5), (False, 5 + 16), (True, 5),
+                         (False, 5 + 16)]
+
+
+def test_a_balancer_that_pays_keeps_running() -> None:
+    """Tokens with the balancer take 1 s, held ones 2 s: held only while probing."""
+    from kairox.backoff import Backoff
+    cfg = BackoffConfig(window=4, settle=1, max_doubling=3)
+    b, last, on = Backoff(cfg), True, []
+    for _ in range(300):
+        last = b.step(1.0 if last else 2.0)
+        on.append(last)
+    held = [n for x, n in phases(on) if not x]
+    assert held and all(n == 5 for n in held)  # each probe's held half, nothing more
+    assert on.count(False) < 0.2 * len(on)
+
+
+def test_margin_and_window_zero() -> None:
+    assert run_backoff(BackoffConfig(window=0), [5.0, 1.0, 9.0]) == [True] * 3
+    # equal times: the balancer does not pay (its median must be lower, by the margin)
+    on = run_backoff(BackoffConfig(window=3, settle=0), [1.0] * 12)
+    assert on == [True, True, False, False, False, False, False, False, True, True, True, False]
+    with pytest.raises(ValueError):
+        BackoffConfig(margin=1.0)
+    with pytest.raises(ValueError):
+        BackoffConfig(window=-1)
+
+
+@pytest.mark.parametrize("cfg", [BackoffConfig(), BackoffConfig(window=3, settle=0, margin=0.05, max_doubling=1),
+                                 BackoffConfig(window=8, settle=3, margin=0.0, max_doubling=5),
+                                 BackoffConfig(window=1, settle=2, margin=0.2, max_doubling=0)])
+def test_the_runtime_policy_is_the_reference(native, cfg: BackoffConfig) -> None:
+    """kx_backoff_run (C++) answers as run_backoff on the same token times: noisy series whose
+    level moves, with ties and even windows (the medians' means of two)."""
+    from kairox.llama import _lib
+    rng = np.random.default_rng(cfg.window * 7 + cfg.settle)
+    for _ in range(20):
+        n = int(rng.integers(1, 600))
+        level = np.repeat(rng.uniform(0.5, 2.0, n // 40 + 1), 40)[:n]
+        t = np.round(level * rng.uniform(0.8, 1.2, n), int(rng.integers(1, 4)))
+        got = (ctypes.c_uint8 * n)()
+        assert _lib.kx_backoff_run(ctypes.byref(cfg.native()), (ctypes.c_double * n)(*t), n, got) == 0
+        assert [bool(x) for x in got] == run_backoff(cfg, t.tolist())
+    bad = BackoffConfig().native()
+    bad.margin = 1.5
+    assert _lib.kx_backoff_run(ctypes.byref(bad), None, 0, None) == 1
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_the_runtime_holds_the_balancer_as_the_reference_says(model4: Path, pipeline: bool) -> None:
+    """Live, CPU-device slots: with a margin no balancer meets (0.99: it would have to be 100x
+    faster), every probe ends held. The boundaries held are the reference's answers on as many
+    token times, the decode's outputs stay the unbalanced run's, and the pipeline's graph nodes
+    come and go with the holds."""
+    import kairox
+    from kairox._native import balance_counters, pipe_counters
+    from test_pipeline import N_GEN, N_LAYER, PROMPT, SLOTS, drifting, fast
+
+    toks = drifting(N_GEN)
+
+    def decode(backoff: BackoffConfig | None):
+        llm = kairox.Llama(str(model4), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
+                           n_threads=2, verbose=False, sparse="predicted", gpu_slots=SLOTS, slots_device="CPU")
+        try:
+            if backoff is not None:
+                llm.start_balancer(dataclasses.replace(fast(), eps=-1.0), pipeline=pipeline, backoff=backoff)
+            balance_counters(reset=True)
+            pipe_counters(reset=True)
+            llm.eval(PROMPT)
+            for t in toks:
+                llm.eval([t])
+            return np.array(llm.scores[:llm.n_tokens]), {**balance_counters(reset=True),
+                                                         "prefetches": pipe_counters(reset=True)["steps"]}
+        finally:
+            llm.close()
+
+    want, _ = decode(None)
+    cfg = BackoffConfig(window=3, settle=1, margin=0.99, max_doubling=2)
+    got, c = decode(cfg)
+    assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max())
+    boundaries = len(PROMPT) + N_GEN
+    assert c["steps"] == boundaries
+    ref = run_backoff(cfg, [1.0] * (boundaries - 1))  # the first boundary has no token time before it
+    assert c["held"] == ref.count(False) > boundaries // 2
+    if pipeline:  # layers 1-3 prefetch within the decodes the balancer ran (the first, and those
+        # after a boundary that ran it), layer 0 at those boundaries; none in held ones
+        assert 0 < c["prefetches"] <= N_LAYER * (boundaries - c["held"] + 1) < N_LAYER * boundaries // 2
+
+
+def test_run_cli_backoff_needs_the_balancer(model4: Path, capsys) -> None:
+    from kairox.cli import main
+    assert main(["run", "-m", str(model4), "-n", "2", "--backoff", "8"]) == 2
+    assert "--backoff needs the live balancer" in capsys.readouterr().err
+    assert main(["run", "-m", str(model4), "-n", "2", "--gpu-slots", "64", "--balancer", "fixed",
+                 "--backoff", "-1"]) == 2
+    assert "window" in capsys.readouterr().err
