@@ -19,9 +19,9 @@ LAYERS = {
     # numpy reference model, argument types
     "base": "_version capi _native argtypes gguf_header gguffile checkpoint reference default_model",
     "pack format": "pack stats",
-    # pure numpy references of the runtime's policies: balancer, its two-level cache, thresholds,
-    # placement, budget, migration
-    "policies": "costs balancer neuron_cache thresholds plan budget migrate",
+    # pure numpy references of the runtime's policies: balancer, its back-off, its two-level
+    # cache, thresholds, placement, budget, migration
+    "policies": "costs balancer backoff neuron_cache thresholds plan budget migrate",
     # the binding: kairox.Llama, the native TAM replay, measurement helpers
     "runtime": "llama tam bench",
     # what turns a model into a pack: profiling, fitting, grouping, preparing, converting, synthesizing

@@ -130,6 +130,10 @@ class KairoxOptions:
             object.__setattr__(self, "_rates", _read_rates(self.hw_profile))  # a readable error before loading
         if isinstance(self.faults, str) or any(f not in capi.FAULTS for f in self.faults):
             raise ValueError(f"faults must be names among {', '.join(capi.FAULTS)}, not {self.faults!r}")
+        # a pickled Llama's state holds its configurations as dicts (dataclasses.asdict)
+        for name, cls in (("balancer", BalancerConfig), ("balancer_backoff", BackoffConfig)):
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, cls(**getattr(self, name)))
         if self.balancer is not None and self.balancer is not False:
             if self.balancer is True:
                 object.__setattr__(self, "balancer", BalancerConfig())
