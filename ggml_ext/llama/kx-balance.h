@@ -149,7 +149,6 @@ struct kx_balancer {
     // pipeline nodes; the context's eval counters at the last boundary give the token times
     kx_backoff backoff;
     bool    held         = false;
-    int32_t held_tokens  = 0;
     const void * bo_ctx  = nullptr;
     int32_t bo_n_eval    = 0;
     double  bo_t_eval_ms = 0.0;

@@ -32,6 +32,7 @@ struct kx_lowrank {
     ggml_tensor * b = nullptr; // [rank, n_ff]
     ggml_tensor * c = nullptr; // F32 [n_ff]
     explicit operator bool() const { return a != nullptr; }
+    int64_t nbytes() const { return a ? (int64_t) (ggml_nbytes(a) + ggml_nbytes(b) + ggml_nbytes(c)) : 0; }
 };
 
 struct kx_pack_layer {

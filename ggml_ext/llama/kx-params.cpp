@@ -486,13 +486,9 @@ static kx_slot_costs kx_slot_costs_of(const llama_model & model, const kx_pack &
     }
     c.n_ff = pack.n_ff;
     c.per_neuron = (int64_t) (l0.ffn_gate->nb[1] + l0.ffn_up->nb[1] + pack.layers[0].down_t->nb[1]);
-    for (const kx_pack_layer & pl : pack.layers) {
+    for (size_t il = 0; il < pack.layers.size(); ++il) {
         // layer 0's ahead predictor stays in the pack: no layer lists layer 0 (kx_slots_list_ahead)
-        const bool ahead = &pl != &pack.layers[0];
-        for (const ggml_tensor * t : { pl.pred.a, pl.pred.b, pl.pred.c, ahead ? pl.pred_ahead.a : nullptr,
-                                       ahead ? pl.pred_ahead.b : nullptr, ahead ? pl.pred_ahead.c : nullptr }) {
-            c.pred += t ? (int64_t) ggml_nbytes(t) : 0;
-        }
+        c.pred += pack.layers[il].pred.nbytes() + (il > 0 ? pack.layers[il].pred_ahead.nbytes() : 0);
     }
     c.pred += pack.n_layer * 4 * pack.n_ff;
     return c;

@@ -538,6 +538,14 @@ class _ProfileData:
         return self.x(self.base.n_layer - 1, rows - 1), self.masks(0, rows)
 
 
+def _proxy_quality(arrays: dict[str, np.ndarray], x_prev: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """Without an ahead predictor a runtime lists layer l's set one layer early with the layer's
+    own predictor fed layer l-1's input: the baseline the ahead predictor must beat."""
+    from .fit import evaluate_predictor
+    q = evaluate_predictor(arrays["same_a"], arrays["same_b"], arrays["same_c"], x_prev, y)
+    return {"recall": q.recall, "precision": q.precision}
+
+
 def _fit_stage(folder: Path, data: _ProfileData, hdr: Any, cfg: PrepareConfig,
                say: Callable) -> tuple[list[dict], int]:
     from tqdm import tqdm
@@ -569,16 +577,12 @@ def _fit_stage(folder: Path, data: _ProfileData, hdr: Any, cfg: PrepareConfig,
                 arrays.update({f"{kind}_a": r.a, f"{kind}_b": r.b, f"{kind}_c": r.c})
                 quality[kind] = {"recall": q.recall, "precision": q.precision,
                                  "overprediction": q.overprediction, "density": q.true_density}
+            quality["proxy"] = _proxy_quality(arrays, xh, yh)  # (xh, yh: the ahead pairs)
             _atomic_npz(path, quality=np.array(json.dumps(quality)), **arrays)
         with np.load(path) as z:
             fit = {**json.loads(str(z["quality"])), "arrays": {k: z[k] for k in z.files if k != "quality"}}
-        if "proxy" not in fit:
-            # without an ahead predictor a runtime lists layer il's set one layer early with the
-            # layer's own predictor on layer il-1's input: the baseline the ahead one must beat
-            arr = fit["arrays"]
-            xh, yh = data.fit_pairs(il, data.held_rows, True)
-            q = evaluate_predictor(arr["same_a"], arr["same_b"], arr["same_c"], xh, yh)
-            fit["proxy"] = {"recall": q.recall, "precision": q.precision}
+        if "proxy" not in fit:  # a work folder fitted before the proxy was measured
+            fit["proxy"] = _proxy_quality(fit["arrays"], *data.fit_pairs(il, data.held_rows, True))
         fits.append(fit)
     return fits, rank
 
