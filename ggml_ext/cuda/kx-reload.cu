@@ -380,20 +380,29 @@ static int32_t kx_reload_tag_copy(void * p, int32_t tag, const kx_row_copy * c, 
     return kx_reload_launch(r, b, c, n);
 }
 
-// stores w through staging on `stream`, done when it returns
-static int32_t kx_reload_store(kx_cuda_reload * r, cudaStream_t stream, kx_i32_write *& stage, int64_t & cap,
-                               const kx_i32_write * w, int64_t n) {
+// queues the stores w on `stream` through page-locked staging (whose last reader must have
+// finished): a kernel reads them from host memory
+static int32_t kx_reload_store_queue(cudaStream_t stream, kx_i32_write *& stage, int64_t & cap,
+                                     const kx_i32_write * w, int64_t n) {
     if (!kx_reload_grow(stage, cap, n)) {
         return 4;
     }
     std::copy(w, w + n, stage);
     kx_i32_write * d_w = nullptr;
     KX_RELOAD_CHECK(cudaHostGetDevicePointer((void **) &d_w, stage, 0), 6);
-    const int64_t grid = (n + 255) / 256;
-    kx_reload_write_kernel<<<(unsigned) grid, 256, 0, stream>>>(d_w, n);
+    kx_reload_write_kernel<<<(unsigned) ((n + 255) / 256), 256, 0, stream>>>(d_w, n);
     KX_RELOAD_CHECK(cudaGetLastError(), 7);
-    KX_RELOAD_CHECK(cudaStreamSynchronize(stream), 8);
     return 0;
+}
+
+// stores w through staging on `stream`, done when it returns
+static int32_t kx_reload_store(cudaStream_t stream, kx_i32_write *& stage, int64_t & cap,
+                               const kx_i32_write * w, int64_t n) {
+    const int32_t rc = kx_reload_store_queue(stream, stage, cap, w, n);
+    if (rc == 0) {
+        KX_RELOAD_CHECK(cudaStreamSynchronize(stream), 8);
+    }
+    return rc;
 }
 
 static int32_t kx_reload_write_i32(void * p, const kx_i32_write * w, int64_t n) {
@@ -403,7 +412,7 @@ static int32_t kx_reload_write_i32(void * p, const kx_i32_write * w, int64_t n) 
     }
     KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
     // ordered after the copies queued before (a map entry is published after its rows land)
-    const int32_t rc = kx_reload_store(r, r->stream, r->wstage, r->wstage_cap, w, n);
+    const int32_t rc = kx_reload_store(r->stream, r->wstage, r->wstage_cap, w, n);
     if (rc == 0) {
         r->pending = false;
         for (kx_reload_batch & b : r->tags) {
@@ -425,7 +434,7 @@ static int32_t kx_reload_queue_write(void * p, ggml_backend * reader, const kx_i
         if (!r->side) {
             KX_RELOAD_CHECK(cudaStreamCreateWithFlags(&r->side, cudaStreamNonBlocking), 3);
         }
-        return kx_reload_store(r, r->side, r->sstage, r->sstage_cap, w, n);
+        return kx_reload_store(r->side, r->sstage, r->sstage_cap, w, n);
     }
     cudaStream_t stream = ((ggml_backend_cuda_context *) reader->context)->stream();
     kx_write_stage & s = r->ring[r->ring_next];
@@ -437,14 +446,10 @@ static int32_t kx_reload_queue_write(void * p, ggml_backend * reader, const kx_i
         KX_RELOAD_CHECK(cudaEventSynchronize(s.done), 3);
         s.pending = false;
     }
-    if (!kx_reload_grow(s.stage, s.cap, n)) {
-        return 4;
+    const int32_t rc = kx_reload_store_queue(stream, s.stage, s.cap, w, n);
+    if (rc != 0) {
+        return rc;
     }
-    std::copy(w, w + n, s.stage);
-    kx_i32_write * d_w = nullptr;
-    KX_RELOAD_CHECK(cudaHostGetDevicePointer((void **) &d_w, s.stage, 0), 6);
-    kx_reload_write_kernel<<<(unsigned) ((n + 255) / 256), 256, 0, stream>>>(d_w, n);
-    KX_RELOAD_CHECK(cudaGetLastError(), 7);
     KX_RELOAD_CHECK(cudaEventRecord(s.done, stream), 8);
     s.pending = true;
     return 0;

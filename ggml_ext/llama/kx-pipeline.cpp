@@ -106,9 +106,9 @@ static void kx_pipe_commit(kx_balancer & b, kx_balance_layer & L) {
 // One step of layer L from its predicted list (kairox.balancer.PrefetchLayer.step), in three
 // phases so the O(n_ff + slots) part runs on every compute thread of the CPU split (measured on
 // the H200 machine: ~97 µs per KB-7B layer on one thread, which the 15 others spent waiting):
-//   begin (one thread): landed loads enter, the step's stall, λ, the predicted marks
-//   scan  (thread ith of nth): scores of a slice of the neurons, candidate keys from a slice
-//         of the list, the worst victim keys of a slice of the slots
+//   begin (one thread): landed loads enter, the step's stall, λ
+//   scan  (thread ith of nth): the predicted marks, scores, candidate keys and the worst
+//         victim keys of a slice of the neurons (and of the list's entries in it)
 //   end   (one thread): the best candidates against the worst victims, evictions, copies
 static void kx_pipe_begin(kx_balancer & b, kx_balance_layer & L, const int32_t * list, int32_t n, int64_t step) {
     L.tmp.t0 = std::chrono::steady_clock::now();
@@ -136,9 +136,6 @@ static void kx_pipe_begin(kx_balancer & b, kx_balance_layer & L, const int32_t *
         return;
     }
     kx_tam_adapt(&b.params.tam, &L.st, r.stall);
-    for (int32_t k = 0; k < n; ++k) {
-        L.tmp.mark[list[k]] = 1;
-    }
     L.tmp.list = list;
     L.tmp.n_list = n;
     auto t = L.tmp.t0;
@@ -179,6 +176,13 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
     const float tau = kx_tam_tau(&b.params.tam, lam);
     const int64_t n_ff = (int64_t) L.score.size();
     const int64_t f0 = n_ff * ith / nth, f1 = n_ff * (ith + 1) / nth;
+    // the list is ascending: its entries in this thread's neurons are marked predicted here
+    // and cleared at the end, so no other thread reads or writes them
+    const int32_t * lo = std::lower_bound(L.tmp.list, L.tmp.list + L.tmp.n_list, (int32_t) f0);
+    const int32_t * hi = std::lower_bound(lo, L.tmp.list + L.tmp.n_list, (int32_t) f1);
+    for (const int32_t * p = lo; p < hi; ++p) {
+        L.tmp.mark[*p] = 1;
+    }
     kx_pipe_scores(L.score.data() + f0, L.tmp.mark.data() + f0, f1 - f0, lam);
     // No step uses more than max_admit candidates or victims: each slice keeps its best m
     // candidates and its worst m victims in a bounded heap as it goes (one comparison for
@@ -188,8 +192,6 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
     // (a list entry belongs to the thread whose score slice holds it), so no wait
     std::vector<uint64_t> & cand = L.tmp.tcand[ith];
     cand.clear();
-    const int32_t * lo = std::lower_bound(L.tmp.list, L.tmp.list + L.tmp.n_list, (int32_t) f0);
-    const int32_t * hi = std::lower_bound(L.tmp.list, L.tmp.list + L.tmp.n_list, (int32_t) f1);
     for (const int32_t * p = lo; p < hi; ++p) {
         if (!kx_balance_layer_hot(L, *p) && L.score[*p] > tau) {
             kx_keep_best(cand, kx_tam_key(L.score[*p], 0, *p), m, std::greater<uint64_t>());
@@ -210,6 +212,9 @@ static void kx_pipe_scan(kx_balancer & b, kx_balance_layer & L, int ith, int nth
                 kx_keep_best(vict, kx_tam_key(L.score[i], 1, i), m, std::less<uint64_t>());
             }
         }
+    }
+    for (const int32_t * p = lo; p < hi; ++p) {
+        L.tmp.mark[*p] = 0;
     }
 }
 
@@ -246,9 +251,6 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
             vict.resize(need);
         }
         std::sort(vict.begin(), vict.end());
-    }
-    for (int32_t k = 0; k < L.tmp.n_list; ++k) {
-        L.tmp.mark[L.tmp.list[k]] = 0;
     }
     int32_t * slotmap = (int32_t *) S.slotmap->data;
     const llama_layer & ml = b.model->layers[L.il];
