@@ -111,6 +111,17 @@ static void kx_pipe_side_end(void * hook) {
     kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 2, nullptr, 0, 1);
 }
 
+// EXPERIMENT (temporary): the prefetch's phases as nodes of their own
+static void kx_exp_scan_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
+    kx_pipe_side_scan(hook, ith, nth);
+}
+static void kx_exp_end_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
+    if (ith == 0) {
+        kx_pipe_side_end(hook);
+    }
+}
+static void kx_exp_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook);
+
 // with the balancer's thread (decide = worker) a node of its own posts the step: the thread
 // waits for the list and decides beside the host part
 static void kx_pipe_post_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
@@ -126,6 +137,12 @@ static void kx_pipe_side_publish(void * hook) {
     const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
     kx_pipe_hook_publish(h->hybrid->balancer.get(), h->il, h->consume ? h->hybrid->slots->layers[h->il].ahead : nullptr,
                          h->reader);
+}
+
+static void kx_exp_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
+    if (ith == 0) {
+        kx_pipe_side_publish(hook);
+    }
 }
 
 // the graph scheduler's backend of ggml device `device` (nullptr when it has none)
@@ -220,6 +237,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
     // (which receives the list anyway); a few KiB per layer
     ggml_tensor * seen = on_cpu(ggml_cpy(ctx0, sel, H.seen));
     ggml_build_forward_expand(g.gf, seen);
+    int exp_mode = 0; // EXPERIMENT (temporary)
     kx_pipe_hook * hook = pipe_next ? const_cast<kx_pipe_hook *>(&hy.hooks[il + 1]) : nullptr;
     if (pipe_next) {
         hook->consume = !warm_next;
@@ -227,7 +245,17 @@ static ggml_tensor * kx_build_ffn_hybrid(
         // after the copy above (the prefetch observes this layer's list): the reloads then run
         // beside both parts of this layer. The prefetch waits for layer il+1's list, which the
         // device writes beside this CPU part
-        if (hy.pipe_worker()) {
+        const char * exp = getenv("KX_EXP_PIPE");
+        exp_mode = exp ? (strcmp(exp, "nodes") == 0 ? 2 : strcmp(exp, "side-node") == 0 ? 1 : 0) : 0;
+        if (exp_mode == 2 && !hy.pipe_worker()) {
+            ggml_tensor * p = on_cpu(ggml_map_custom1(ctx0, seen, kx_pipe_post_op, 1, hook));
+            p = on_cpu(ggml_map_custom1(ctx0, p, kx_exp_scan_op, GGML_N_TASKS_MAX, hook));
+            p = on_cpu(ggml_map_custom1(ctx0, p, kx_exp_end_op, 1, hook));
+            ggml_build_forward_expand(g.gf, p);
+            hook->side = {};
+        } else if (exp_mode == 1 && !hy.pipe_worker()) {
+            hook->side = { kx_pipe_side_begin, kx_pipe_side_scan, kx_pipe_side_end, nullptr, hook };
+        } else if (hy.pipe_worker()) {
             ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, seen, kx_pipe_post_op, 1, hook)));
             hook->side = { nullptr, nullptr, nullptr, kx_pipe_side_publish, hook };
         } else {
@@ -240,8 +268,12 @@ static ggml_tensor * kx_build_ffn_hybrid(
     if (warm) {
         ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
     }
-    if (pipe_next) {
+    if (pipe_next && exp_mode != 2) {
         ggml_kx_ffn_rows_side(yc, &hook->side); // (after `seen` in the split: the prefetch reads it)
+    }
+    if (pipe_next && exp_mode != 0 && !hy.pipe_worker()) {
+        ggml_build_forward_expand(g.gf, yc);
+        ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, yc, kx_exp_publish_op, 1, hook)));
     }
     g.cb(yc, "ffn_out_cpu", il);
     if (warm_next || pipe_next) {
