@@ -268,7 +268,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
     if (warm) {
         ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
     }
-    if (pipe_next && exp_mode != 2) {
+    if (pipe_next && (exp_mode != 2 || hy.pipe_worker())) {
         ggml_kx_ffn_rows_side(yc, &hook->side); // (after `seen` in the split: the prefetch reads it)
     }
     if (pipe_next && exp_mode != 0 && !hy.pipe_worker()) {
