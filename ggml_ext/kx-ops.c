@@ -3,8 +3,6 @@
 
 #include "ggml-impl.h"
 
-#include <string.h>
-
 struct ggml_tensor * ggml_kx_select(
         struct ggml_context * ctx,
         struct ggml_tensor  * scores,
@@ -199,10 +197,4 @@ struct ggml_tensor * ggml_kx_ffn_rows(
 void ggml_kx_ffn_rows_own_shares(struct ggml_tensor * ffn_rows) {
     GGML_ASSERT(ffn_rows->op == GGML_OP_KX_FFN_ROWS);
     ggml_set_op_params_i32(ffn_rows, 1, 1);
-}
-
-// op params 2-3 hold the pointer (read by kx_ffn_rows_side_of)
-void ggml_kx_ffn_rows_side(struct ggml_tensor * ffn_rows, const struct kx_ffn_side * side) {
-    GGML_ASSERT(ffn_rows->op == GGML_OP_KX_FFN_ROWS);
-    memcpy((char *) ffn_rows->op_params + 2*sizeof(int32_t), &side, sizeof(side));
 }

@@ -97,8 +97,7 @@ static size_t kx_ffn_align(size_t n) {
 struct kx_ffn_work {
     char    * xq;
     int64_t * cnt;    // cnt[ith * KX_CACHE_LINE / 8]
-    atomic_int_fast64_t * next; // [4]: the next chunk of pass a, of pass b; the threads done
-                                // with the side job's par, with their rows (own cache line)
+    atomic_int_fast64_t * next; // [2]: the next chunk of pass a, of pass b (own cache line)
     int64_t * fired;  // fired[c]: neurons of pass-a chunk c that fired
     float   * gs;     // gs[rank * nt + t]
     int32_t * rid;    // rid[rank]
@@ -225,13 +224,6 @@ static int64_t kx_ffn_claim(const struct kx_ffn_work * w, int word, int64_t nck,
         }
     }
     return c;
-}
-
-// the node's side job (ggml_kx_ffn_rows_side), NULL when it has none
-static const struct kx_ffn_side * kx_ffn_rows_side_of(const struct ggml_tensor * node) {
-    const struct kx_ffn_side * side;
-    memcpy(&side, (const char *) node->op_params + 2*sizeof(int32_t), sizeof(side));
-    return side;
 }
 
 static inline int64_t kx_ffn_row(const int32_t * map, int64_t i) {
@@ -415,14 +407,6 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     float * scr = hb + KX_FFN_BLK * nt;                  // k floats: a dequantized row (reference path)
 
     const int64_t t_enter = kx_ffn_now_ns();
-    const struct kx_ffn_side * side = kx_ffn_rows_side_of(dst);
-    if (side && ith == 0) {
-        if (side->pre) {
-            side->pre(side->user); // the other threads convert x and count meanwhile
-        }
-        atomic_store_explicit(&w.next[2], 0, memory_order_relaxed); // read after the barrier
-        atomic_store_explicit(&w.next[3], 0, memory_order_relaxed);
-    }
     // this thread's cache line: [0] neurons present in its static slice, [1] its phase-2 ns
     int64_t * line = w.cnt + ith * (KX_CACHE_LINE / sizeof(int64_t));
 
@@ -459,19 +443,6 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         memset(acc, 0, sizeof(float) * (size_t) (m * nt));
     }
     ggml_barrier(params->threadpool);
-
-    // the side job: every thread's part, then the serial rest on the thread that finishes last
-    // (acq_rel: it sees what the others wrote); the chunks of the passes below go to the
-    // threads that are free meanwhile, so nobody waits for it
-    if (side && side->par) {
-        side->par(side->user, ith, nth);
-        if (atomic_fetch_add_explicit(&w.next[2], 1, memory_order_acq_rel) == nth - 1) {
-            if (side->post) {
-                side->post(side->user);
-            }
-            atomic_store_explicit(&w.next[2], nth + 1, memory_order_release); // post is done
-        }
-    }
 
     // phase 2: this thread's share of the present neurons, ranks [r0, r1) in list order
     int64_t total = 0;
@@ -635,16 +606,6 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     }
     line[1] = work_ns + kx_ffn_now_ns() - t_work;
     line[3] = rows + B.rows;
-    // `done` after `post`: a thread that finishes its rows before `post` has ended leaves it to
-    // a later one (the thread that ran `post` comes here after it, so one always takes it)
-    if (side && side->done &&
-        (!side->par || atomic_load_explicit(&w.next[2], memory_order_acquire) == nth + 1)) {
-        int_fast64_t none = 0;
-        if (atomic_compare_exchange_strong_explicit(&w.next[3], &none, 1, memory_order_acq_rel,
-                                                    memory_order_relaxed)) {
-            side->done(side->user);
-        }
-    }
     ggml_barrier(params->threadpool);
 
     // phase 3: columns split across threads, accumulators added in order: one pass, the

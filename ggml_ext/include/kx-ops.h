@@ -175,22 +175,6 @@ GGML_API struct ggml_tensor * ggml_kx_ffn_rows(
 // 117-126 µs against 110-113 µs without the warm-up, and 82 µs with own shares.)
 GGML_API void ggml_kx_ffn_rows_own_shares(struct ggml_tensor * ffn_rows);
 
-// Work a ggml_kx_ffn_rows node runs beside its own, so that one thread's serial part does not
-// hold the others at a node's barrier (the balancer's pipeline, kx-pipeline.cpp): `pre` on
-// thread 0 before the node's first barrier, `par` on every thread after it, `post` on the
-// thread that finishes `par` last (the node's chunks go to the threads that are free
-// meanwhile), `done` on the first thread to finish its share of the rows (while the others
-// finish theirs). Any of them may be NULL (`post` runs only with `par`). `side` must stay
-// valid while graphs holding the node compute.
-struct kx_ffn_side {
-    void (*pre)(void * user);
-    void (*par)(void * user, int ith, int nth);
-    void (*post)(void * user);
-    void (*done)(void * user);
-    void * user;
-};
-GGML_API void ggml_kx_ffn_rows_side(struct ggml_tensor * ffn_rows, const struct kx_ffn_side * side);
-
 // Rows the CPU kernels were asked to compute, summed over ggml_kx_select calls since the
 // last reset: `selected` ids listed (after the density fallback), `total` ids possible,
 // `calls` selections, `fallbacks` selections that went dense. Any pointer may be NULL.

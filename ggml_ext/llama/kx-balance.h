@@ -21,20 +21,19 @@
 //
 // The pipeline (kx_balance_params::pipeline; the graph's nodes in kx-ffn.cpp) decides within a
 // decode instead, one layer ahead, per hybrid layer L whose predecessor is hybrid:
-//   prefetch (the side job of layer L-1's host part, kx_ffn_side: begin on one thread, a scan
-//      on every compute thread, end on the last to scan while the others compute rows; L's
-//      list predicted from L-1's x, the list the host-cache warm-up reads, written by the
-//      device into host memory beside L-1's CPU part, so begin waits for it):
+//   prefetch (the first host nodes of layer L-1's CPU part: begin, a scan on every compute
+//      thread, end; L's list predicted from L-1's x, the list the host-cache warm-up reads,
+//      written by the device into host memory beside L-1's CPU part, so begin waits for it):
 //      loads of an earlier step that landed enter the slot map (else this step is skipped);
 //      TAM scores move with the predicted set; the best candidates (score > τ, not resident)
 //      take free slots or those of the worst residents not predicted whose score is lower;
 //      the victims go back to the host maps, their slots receive the candidates' rows
-//   publish (the first thread of that host part to finish its rows, after end): candidates
-//      whose rows landed enter the slot map; the device map stores of the step are queued on
-//      the device's stream, ahead of layer L's split
-//   With decide = worker the prefetch runs on the balancer's own thread instead: a host node
-//   posts the step and returns, the compute threads run the CPU part, the thread waits for
-//   the list and decides, and publish waits for the decision
+//   publish (last host node of that CPU part): candidates whose rows landed enter the slot
+//      map; the device map stores of the step are queued on the device's stream, ahead of
+//      layer L's split
+//   With decide = worker the prefetch runs on the balancer's own thread instead: the first
+//   host node posts the step and returns, the compute threads run the CPU part, the thread
+//   waits for the list and decides, and publish waits for the decision
 //   (kx_balance_record::hold_us) before it settles; the decision leaves the CPU part's path
 //   where a core is free for the thread. Either way a list that has not come within 2 ms is
 //   given up (late bit 4: no decision).

@@ -25,11 +25,11 @@
 // (patch 0010) runs it while the CPU part computes.
 //
 // One layer ahead (the balancer's pipeline, kx-balance.h): when layer il+1 is hybrid too,
-// layer il also predicts il+1's active set from its own x; the host part, as its side job,
-// starts the reloads of il+1's missing neurons (they run while both parts of il compute;
-// kx-pipeline.cpp) and, as its first thread finishes, publishes those that landed into il+1's
-// slot map. The scheduler queues il+1's slot part only after this CPU split returns, so it
-// sees a settled map.
+// layer il also predicts il+1's active set from its own x, and two host nodes bracket the CPU
+// part: the first starts the reloads of il+1's missing neurons (they run while both parts of
+// il compute; three nodes, kx-pipeline.cpp), the last publishes those that landed into il+1's
+// slot map. The scheduler
+// queues il+1's slot part only after this CPU split returns, so it sees a settled map.
 #include "kx-ffn.h"
 #include "kx-hybrid.h"
 #include "kx-warm.h"
@@ -91,57 +91,32 @@ static bool kx_pipe_layer(const kx_hybrid & hy, int il) {
     return hy.pipeline() && kx_slots_list_ahead(*hy.slots, il) && il < hy.pack->n_layer && hy.pack->layers[il].pred;
 }
 
-// the prefetch's three phases (kx-pipeline.cpp) as the host part's side job (kx_ffn_side):
-// begin on thread 0 while the others convert x, the scan on every thread, the end on the
-// thread that scans last while the others start on the layer's rows. (As three nodes of
-// their own, begin, end and the reloads' queueing ran on one thread while 15 waited at the
-// nodes' barriers: 30-40 µs of each KB-7B layer step on the H200.)
-static void kx_pipe_side_begin(void * hook) {
-    const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-    kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 0, h->hybrid->slots->layers[h->il].ahead, 0, 1);
+// the prefetch's three phases (kx-pipeline.cpp): begin and end on one thread, the scan on all.
+// Every compute thread calls every node (n_tasks only sizes the work buffer).
+static void kx_pipe_begin_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
+    if (ith == 0) {
+        const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
+        kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 0, h->hybrid->slots->layers[h->il].ahead, ith, nth);
+    }
 }
 
-static void kx_pipe_side_scan(void * hook, int ith, int nth) {
+static void kx_pipe_scan_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
     const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
     kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 1, nullptr, ith, nth);
 }
 
-static void kx_pipe_side_end(void * hook) {
-    const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-    kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 2, nullptr, 0, 1);
-}
-
-// EXPERIMENT (temporary): the prefetch's phases as nodes of their own
-static void kx_exp_scan_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
-    kx_pipe_side_scan(hook, ith, nth);
-}
-static void kx_exp_end_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
+static void kx_pipe_end_op(ggml_tensor *, const ggml_tensor *, int ith, int nth, void * hook) {
     if (ith == 0) {
-        kx_pipe_side_end(hook);
-    }
-}
-static void kx_exp_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook);
-
-// with the balancer's thread (decide = worker) a node of its own posts the step: the thread
-// waits for the list and decides beside the host part
-static void kx_pipe_post_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
-    if (ith == 0) {
-        kx_pipe_side_begin(hook);
+        const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
+        kx_pipe_hook_prefetch(h->hybrid->balancer.get(), h->il, 2, nullptr, ith, nth);
     }
 }
 
-// publish, on the first thread done with its rows while the others finish theirs (a node of
-// its own after the host part cost 11-13 µs of one thread per KB-7B layer step, the others
-// waiting, on the H200)
-static void kx_pipe_side_publish(void * hook) {
-    const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
-    kx_pipe_hook_publish(h->hybrid->balancer.get(), h->il, h->consume ? h->hybrid->slots->layers[h->il].ahead : nullptr,
-                         h->reader);
-}
-
-static void kx_exp_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
+static void kx_pipe_publish_op(ggml_tensor *, const ggml_tensor *, int ith, int, void * hook) {
     if (ith == 0) {
-        kx_pipe_side_publish(hook);
+        const kx_pipe_hook * h = (const kx_pipe_hook *) hook;
+        kx_pipe_hook_publish(h->hybrid->balancer.get(), h->il, h->consume ? h->hybrid->slots->layers[h->il].ahead : nullptr,
+                             h->reader);
     }
 }
 
@@ -237,30 +212,20 @@ static ggml_tensor * kx_build_ffn_hybrid(
     // (which receives the list anyway); a few KiB per layer
     ggml_tensor * seen = on_cpu(ggml_cpy(ctx0, sel, H.seen));
     ggml_build_forward_expand(g.gf, seen);
-    int exp_mode = 0; // EXPERIMENT (temporary)
     kx_pipe_hook * hook = pipe_next ? const_cast<kx_pipe_hook *>(&hy.hooks[il + 1]) : nullptr;
     if (pipe_next) {
         hook->consume = !warm_next;
         hook->reader  = kx_sched_backend_of(g, slots.device);
         // after the copy above (the prefetch observes this layer's list): the reloads then run
         // beside both parts of this layer. The prefetch waits for layer il+1's list, which the
-        // device writes beside this CPU part
-        const char * exp = getenv("KX_EXP_PIPE");
-        exp_mode = exp ? (strcmp(exp, "nodes") == 0 ? 2 : strcmp(exp, "side-node") == 0 ? 1 : 0) : 0;
-        if (exp_mode == 2 && !hy.pipe_worker()) {
-            ggml_tensor * p = on_cpu(ggml_map_custom1(ctx0, seen, kx_pipe_post_op, 1, hook));
-            p = on_cpu(ggml_map_custom1(ctx0, p, kx_exp_scan_op, GGML_N_TASKS_MAX, hook));
-            p = on_cpu(ggml_map_custom1(ctx0, p, kx_exp_end_op, 1, hook));
-            ggml_build_forward_expand(g.gf, p);
-            hook->side = {};
-        } else if (exp_mode == 1 && !hy.pipe_worker()) {
-            hook->side = { kx_pipe_side_begin, kx_pipe_side_scan, kx_pipe_side_end, nullptr, hook };
-        } else if (hy.pipe_worker()) {
-            ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, seen, kx_pipe_post_op, 1, hook)));
-            hook->side = { nullptr, nullptr, nullptr, kx_pipe_side_publish, hook };
-        } else {
-            hook->side = { kx_pipe_side_begin, kx_pipe_side_scan, kx_pipe_side_end, kx_pipe_side_publish, hook };
+        // device writes beside this CPU part; with the balancer's thread the node only posts
+        // the step and the thread waits and decides
+        ggml_tensor * p = on_cpu(ggml_map_custom1(ctx0, seen, kx_pipe_begin_op, 1, hook));
+        if (!hy.pipe_worker()) {
+            p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_scan_op, GGML_N_TASKS_MAX, hook));
+            p = on_cpu(ggml_map_custom1(ctx0, p, kx_pipe_end_op, 1, hook));
         }
+        ggml_build_forward_expand(g.gf, p);
     }
 
     // host part (neurons not resident): coldmap sends the resident ones to -1
@@ -268,18 +233,15 @@ static ggml_tensor * kx_build_ffn_hybrid(
     if (warm) {
         ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
     }
-    if (pipe_next && (exp_mode != 2 || hy.pipe_worker())) {
-        ggml_kx_ffn_rows_side(yc, &hook->side); // (after `seen` in the split: the prefetch reads it)
-    }
-    if (pipe_next && exp_mode != 0 && !hy.pipe_worker()) {
-        ggml_build_forward_expand(g.gf, yc);
-        ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, yc, kx_exp_publish_op, 1, hook)));
-    }
     g.cb(yc, "ffn_out_cpu", il);
     if (warm_next || pipe_next) {
         // in the split of the other CPU nodes: the device nodes that follow (the next layer's
         // list among them) then head the next split and run beside this CPU part
         ggml_build_forward_expand(g.gf, yc);
+    }
+    if (pipe_next) {
+        // last on the CPU, before the scheduler queues anything of layer il+1
+        ggml_build_forward_expand(g.gf, on_cpu(ggml_map_custom1(ctx0, yc, kx_pipe_publish_op, 1, hook)));
     }
 
     // device parts: the resident neurons from the slots, and the mapped share of the host side

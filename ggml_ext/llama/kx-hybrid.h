@@ -12,7 +12,6 @@
 
 #include "kairox.h"
 #include "kx-balance.h"
-#include "kx-ops.h"
 #include "kx-pack.h"
 #include "kx-slots.h"
 #include "kx-thresholds.h"
@@ -34,7 +33,6 @@ struct kx_pipe_hook {
                                  // after the prefetch, so publish marks it used
     ggml_backend_t reader = nullptr; // set at graph build: the scheduler's backend of the slots'
                                      // device, whose stream publish queues the map stores on
-    kx_ffn_side side = {};           // the prefetch as the host part's side job (kx-ffn.cpp)
 };
 
 // Members are destroyed in reverse order: the policies first (their reloads write the slots
