@@ -110,6 +110,27 @@ def host_op_us(res: dict) -> dict | None:
     return us
 
 
+def medians(results: list[dict]) -> list[str]:
+    """The rows of one label over the call's rounds, in first-seen order: runs, median tok/s
+    with the range, held boundaries (the back-off), and against the median of the static
+    rows (None without one). Markdown table lines."""
+    import statistics
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(r["row"], []).append(r)
+    base = statistics.median(r["tok_s"] for r in groups["static"]) if "static" in groups else None
+    lines = ["| row | runs | tok/s median (min-max) | vs static median | held boundaries |",
+             "|---|---:|---|---:|---|"]
+    for label, rs in groups.items():
+        t = [r["tok_s"] for r in rs]
+        med = statistics.median(t)
+        held = [((r.get("counters") or {}).get("boundary") or {}).get("held") for r in rs]
+        lines.append(f"| {label} | {len(rs)} | {med:.2f} ({min(t):.2f}-{max(t):.2f}) | "
+                     + (f"{med / base:.2f}x" if base else "-") + " | "
+                     + (", ".join(str(h) for h in held) if any(held) else "-") + " |")
+    return lines
+
+
 def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict, bd: dict | None) -> dict:
     c = res.get("counters") or {}
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
@@ -258,6 +279,9 @@ def main() -> int:
                    + (f" ({lu['boundary']:.0f}) |" if "boundary" in lu else " |")
                    if lu and "cpu_split" in lu else " - |")
                 if base else f"| {r['row']} | {r['threads']} | {r['tok_s']:.2f} |")
+        if base:
+            lines += ["", "Over the rounds (vs the median of the static rows; the table above compares each row with "
+                      "the first static row):", ""] + medians(results)
         if trace:
             from kairox.trace import summary_text
             lines += ["", f"Scheduler trace of one more static run ({trace['png']}, records {trace['records']}; "
