@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -114,7 +115,6 @@ def medians(results: list[dict]) -> list[str]:
     """The rows of one label over the call's rounds, in first-seen order: runs, median tok/s
     with the range, held boundaries (the back-off), and against the median of the static
     rows (None without one). Markdown table lines."""
-    import statistics
     groups: dict[str, list[dict]] = {}
     for r in results:
         groups.setdefault(r["row"], []).append(r)
