@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kairox.backoff import BackoffConfig, run_backoff
+from kairox.backoff import Backoff, BackoffConfig, run_backoff
 from test_pipeline import model4  # noqa: F401 (the fixture)
 
 
@@ -26,13 +26,16 @@ def phases(on: list[bool]) -> list[tuple[bool, int]]:
 
 def test_a_balancer_that_loses_is_held_ever_longer() -> None:
     """Tokens with the balancer take 2 s, held ones 1 s: after each probe (window + settle on,
-    the same held) the hold lasts window, 2 window, 4 window, ... up to 2^max_doubling."""
+    the same held) the hold lasts window, 2 window, 4 window, ... up to 2^max_doubling. Each
+    switch to held, and only those, puts the static split back (home)."""
     cfg = BackoffConfig(window=4, settle=1, max_doubling=2)
-    from kairox.backoff import Backoff
-    b, b_on, on = Backoff(cfg), True, []
+    b, b_on, on, home = Backoff(cfg), True, [], []
     for _ in range(200):
-        b_on = b.step(2.0 if b_on else 1.0)
+        was, b_on = b_on, b.step(2.0 if b_on else 1.0)
         on.append(b_on)
+        home.append(b.home)
+        assert b.home == (was and not b_on)
+    assert sum(home) == sum(r[0] is False for r in phases(on)) > 5
     runs = phases(on)
     # first answer follows the first token: 4 more on (settle + window = 5 tokens ran on)
     assert runs[0] == (True, 4)
@@ -89,8 +92,9 @@ def test_the_runtime_policy_is_the_reference(native, cfg: BackoffConfig) -> None
 def test_the_runtime_holds_the_balancer_as_the_reference_says(model4: Path, pipeline: bool) -> None:
     """Live, CPU-device slots: with a margin no balancer meets (0.99: it would have to be 100x
     faster), every probe ends held. The boundaries held are the reference's answers on as many
-    token times, the decode's outputs stay the unbalanced run's, and the pipeline's graph nodes
-    come and go with the holds."""
+    token times, a held boundary leaves the slots holding the static split (the residents the
+    balancer started from, which its probes had moved away from), the decode's outputs stay the
+    unbalanced run's, and the pipeline's graph nodes come and go with the holds."""
     import kairox
     from kairox._native import balance_counters, pipe_counters
     from test_pipeline import N_GEN, N_LAYER, PROMPT, SLOTS, drifting, fast
@@ -101,14 +105,23 @@ def test_the_runtime_holds_the_balancer_as_the_reference_says(model4: Path, pipe
         llm = kairox.Llama(str(model4), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
                            n_threads=2, verbose=False, sparse="predicted", gpu_slots=SLOTS, slots_device="CPU")
         try:
+            home = [set(llm.slot_residents(il)) for il in range(N_LAYER)]
             if backoff is not None:
                 llm.start_balancer(dataclasses.replace(fast(), eps=-1.0), pipeline=pipeline, backoff=backoff)
             balance_counters(reset=True)
             pipe_counters(reset=True)
-            llm.eval(PROMPT)
-            for t in toks:
+            held, moved, at_home = 0, 0, 0
+            for t in PROMPT + toks:  # (n_batch 1: the prompt too, a boundary per token)
                 llm.eval([t])
-            return np.array(llm.scores[:llm.n_tokens]), {**balance_counters(reset=True),
+                placed = [set(llm.slot_residents(il)) for il in range(N_LAYER)]
+                now = balance_counters()["held"]
+                if now > held:  # this boundary held the balancer
+                    at_home += placed == home
+                else:
+                    moved += placed != home
+                held = now
+            return np.array(llm.scores[:llm.n_tokens]), {**balance_counters(reset=True), "moved": moved,
+                                                         "at_home": at_home,
                                                          "prefetches": pipe_counters(reset=True)["steps"]}
         finally:
             llm.close()
@@ -119,8 +132,14 @@ def test_the_runtime_holds_the_balancer_as_the_reference_says(model4: Path, pipe
     assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max())
     boundaries = len(PROMPT) + N_GEN
     assert c["steps"] == boundaries
-    ref = run_backoff(cfg, [1.0] * (boundaries - 1))  # the first boundary has no token time before it
-    assert c["held"] == ref.count(False) > boundaries // 2
+    ref, on, homes = Backoff(cfg), [], 0  # the first boundary has no token time before it
+    for _ in range(boundaries - 1):
+        on.append(ref.step(1.0))
+        homes += ref.home
+    assert c["held"] == on.count(False) > boundaries // 2
+    assert c["homes"] == homes > 1
+    assert c["at_home"] == c["held"]  # every held boundary: the static split, exactly
+    assert c["moved"] > 0 and c["home_loads"] > 0  # which the probes had left
     if pipeline:  # layers 1-3 prefetch within the decodes the balancer ran (the first, and those
         # after a boundary that ran it), layer 0 at those boundaries; none in held ones
         assert 0 < c["prefetches"] <= N_LAYER * (boundaries - c["held"] + 1) < N_LAYER * boundaries // 2

@@ -195,8 +195,10 @@ kx_balancer * kx_model_balancer(const llama_model * model) {
 
 // The back-off (kx-backoff.h): the decode that just finished ran with the balancer held or not,
 // and its time (the context's eval counters; plus the last boundary's own step when it ran)
-// decides the next one. Holding drains what was decided (the slots then hold it), resuming
-// starts from there; either way the graphs change with the pipeline's nodes.
+// decides the next one. Holding puts the static split back (kx_balance_home): a balancer that
+// lost would otherwise leave the held tokens the placement its last probe made, measured
+// worse than the static one (docs/ARCHITECTURE.md); resuming starts from it. Either way the
+// graphs change with the pipeline's nodes.
 static void kx_balance_backoff(llama_context * ctx, kx_hybrid & h, kx_balancer & b, const llama_model & model) {
     if (b.params.backoff.window <= 0 || b.params.observe) {
         return;
@@ -211,7 +213,7 @@ static void kx_balance_backoff(llama_context * ctx, kx_hybrid & h, kx_balancer &
         return;
     }
     if (!b.held) {
-        kx_balance_drain(b, *h.slots, model, *h.pack);
+        kx_balance_home(b, *h.slots, model, *h.pack);
     }
     b.held = !b.held;
     if (b.params.pipeline) {

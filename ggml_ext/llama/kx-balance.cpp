@@ -167,6 +167,28 @@ kx_balancer::~kx_balancer() {
 
 // ---------------------------------------------------------------- boundary
 
+// the device decision's state, from every layer's decided residency (its scores and λ start
+// afresh: the balancer's start, and the back-off's return to the static split)
+static void kx_balance_tam_new(kx_balancer & b) {
+    if (b.tam) {
+        b.tam_io->destroy(b.tam);
+        b.tam = nullptr;
+    }
+    std::vector<int32_t> n, cap;
+    std::vector<uint8_t> initial; // every layer's residency, concatenated
+    b.tam_off.clear();
+    for (const kx_balance_layer & L : b.layers) {
+        b.tam_off.push_back((int64_t) initial.size());
+        n.push_back((int32_t) L.decided.size());
+        cap.push_back(L.cap);
+        initial.insert(initial.end(), L.decided.begin(), L.decided.end());
+    }
+    b.tam = b.tam_io->create(b.engine, &b.params.tam, (int32_t) b.layers.size(), n.data(), cap.data(), initial.data());
+    if (!b.tam) {
+        throw std::runtime_error(kx_fmt("balancer: cannot set up the decision on %s", b.slots->device.c_str()));
+    }
+}
+
 std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model & model, const kx_pack & pack,
                                              const kx_balance_params & params) {
     const kx_tam_config & c = params.tam;
@@ -254,6 +276,7 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
             if (i >= 0) {
                 kx_balance_layer_set_slot(L, i, (int32_t) s);
                 L.decided[i] = 1;
+                L.home.push_back(i);
             } else {
                 L.free_slots.push_back((int32_t) s);
             }
@@ -283,18 +306,7 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
     }
     b->tam_io = kx_reload_decision(slots.device);
     if (params.decide == KX_DECIDE_AUTO && b->tam_io) {
-        std::vector<int32_t> n, cap;
-        std::vector<uint8_t> initial; // every layer's residency, concatenated
-        for (const kx_balance_layer & L : b->layers) {
-            b->tam_off.push_back((int64_t) initial.size());
-            n.push_back((int32_t) L.decided.size());
-            cap.push_back(L.cap);
-            initial.insert(initial.end(), L.decided.begin(), L.decided.end());
-        }
-        b->tam = b->tam_io->create(b->engine, &c, (int32_t) b->layers.size(), n.data(), cap.data(), initial.data());
-        if (!b->tam) {
-            throw std::runtime_error(kx_fmt("balancer: cannot set up the decision on %s", slots.device.c_str()));
-        }
+        kx_balance_tam_new(*b);
         b->tam_ids.resize(b->layers.size());
         b->tam_n_ids.resize(b->layers.size());
         b->tam_stall.resize(b->layers.size());
@@ -516,4 +528,53 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
     kx_balance_fetch(b);
     kx_balance_apply(b, slots, pack, model); // the pending decision
     kx_balance_apply(b, slots, pack, model); // its loads, waited for and committed
+}
+
+void kx_balance_home(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {
+    if (b.params.observe) {
+        return;
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    kx_balance_drain(b, slots, model, pack);
+    int64_t loads = 0;
+    for (kx_balance_layer & L : b.layers) {
+        std::vector<uint8_t> & home = L.tmp.active; // scratch: a byte per neuron
+        std::fill(home.begin(), home.end(), 0);
+        for (int32_t i : L.home) {
+            home[i] = 1;
+        }
+        L.evict.clear();
+        L.admit.clear();
+        for (int32_t i : slots.layers[L.il].resident) {
+            if (i >= 0 && !home[i]) {
+                L.evict.push_back(i);
+            }
+        }
+        for (int32_t i : L.home) {
+            if (!kx_balance_layer_hot(L, i)) {
+                L.admit.push_back(i);
+            }
+        }
+        loads += (int64_t) L.admit.size();
+    }
+    kx_balance_apply(b, slots, pack, model); // evictions stored, loads queued
+    kx_balance_apply(b, slots, pack, model); // loads waited for and committed
+    // the policy's state restarts from the static split, as a new balancer's would
+    for (kx_balance_layer & L : b.layers) {
+        kx_tam_state_init(&b.params.tam, &L.st);
+        std::fill(L.score.begin(), L.score.end(), 0.0f);
+        std::fill(L.decided.begin(), L.decided.end(), 0);
+        for (int32_t i : L.home) {
+            L.decided[i] = 1;
+        }
+        L.late_prev = false;
+        L.snap.clear();
+        L.snap_fresh = false;
+    }
+    if (b.tam) {
+        kx_balance_tam_new(b);
+    }
+    kx_balance_stat_add(KX_BAL_HOMES, 1);
+    kx_balance_stat_add(KX_BAL_HOME_LOADS, loads);
+    kx_balance_stat_add(KX_BAL_HOME_NS, kx_lap_ns(t0));
 }

@@ -96,6 +96,7 @@ struct kx_balance_layer {
                                      // are cold and slot_of is 32x larger (KB-70B: 112 KiB a layer, 21.5
                                      // against 10 µs per layer on the H200 host, bench/snap_probe.cpp)
     std::vector<int32_t> free_slots;
+    std::vector<int32_t> home;       // the residents the balancer started from (the static split)
     // between decodes: decode k's list, the decision waiting to be applied, the rows in flight
     int32_t stall = 0;               // enum kx_tam_stall of the step being decided
     std::vector<int32_t> snap;       // decode k's active ids
@@ -198,9 +199,11 @@ struct kx_balancer {
 // lists and hits (step 1), waiting for the reload stream (2), reading the device decision,
 // applying (3-5: the host's maps and the copy list), starting the next decision (6), and of
 // applying's device calls apart: storing the slot-map entries, queueing the copies (the host
-// loops alone are 1.5 of apply's 7-9 µs per KB-70B layer, bench/apply_probe.cpp)
+// loops alone are 1.5 of apply's 7-9 µs per KB-70B layer, bench/apply_probe.cpp); the
+// back-off's held boundaries, and its returns to the static split (count, neurons loaded, ns)
 enum { KX_BAL_STEPS, KX_BAL_NS, KX_BAL_SYNC_NS, KX_BAL_SNAP_NS, KX_BAL_WAIT_NS, KX_BAL_FETCH_NS, KX_BAL_APPLY_NS,
-       KX_BAL_LAUNCH_NS, KX_BAL_STORE_NS, KX_BAL_QUEUE_NS, KX_BAL_HELD, KX_BAL_N_STATS };
+       KX_BAL_LAUNCH_NS, KX_BAL_STORE_NS, KX_BAL_QUEUE_NS, KX_BAL_HELD, KX_BAL_HOMES, KX_BAL_HOME_LOADS, KX_BAL_HOME_NS,
+       KX_BAL_N_STATS };
 void kx_balance_stat_add(int32_t i, int64_t v);
 
 
@@ -212,6 +215,11 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
 // Applies everything decided so far and waits for its copies: the slots then hold exactly
 // the decided residents (tests compare them with the reference).
 void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack);
+// The back-off's hold (kx-api.cpp): everything decided is drained, then the slots go back to
+// the residents the balancer started from (kx_balance_layer::home) and the policy's state
+// (scores, λ, the device decision's residency) restarts there, so a held balancer runs the
+// static split exactly and a resumed one starts from it as a new one would.
+void kx_balance_home(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack);
 // Waits for the decision the worker is making (its trace records are then complete); the
 // seconds waited.
 double kx_balance_drain_decision(kx_balancer & b);

@@ -213,7 +213,7 @@ def warm_counters(reset: bool = False) -> dict[str, int]:
 
 
 BALANCE_STATS = ("steps", "ns", "sync_ns", "snap_ns", "wait_ns", "fetch_ns", "apply_ns", "launch_ns", "store_ns",
-                 "queue_ns", "held")
+                 "queue_ns", "held", "homes", "home_loads", "home_ns")
 
 
 def balance_counters(reset: bool = False) -> dict[str, int]:
@@ -222,7 +222,8 @@ def balance_counters(reset: bool = False) -> dict[str, int]:
     taking the decode's lists and hits, waiting for the reload stream (or the host decision),
     reading the device decision, applying the last one (host maps), starting the next, and
     applying's device calls: storing slot-map entries, queueing copies; boundaries the back-off
-    held the balancer at (kairox.backoff)."""
+    held the balancer at (kairox.backoff), its returns to the static split (each switch to
+    held), the neurons those loaded and the ns they took."""
     return _read_stats(load_llama_cpp().llama_cpp._lib, "kx_balance_stats", BALANCE_STATS, reset)
 
 

@@ -9,6 +9,13 @@ before the next probe, twice as long each time the same outcome repeats (up to
 window * 2**max_doubling tokens), so a run that settles pays little for the probing. The
 first `settle` tokens after each switch are not measured (a switch rebuilds the graph).
 
+Held means the static split, exactly: at each switch from running to held the runtime puts
+back the residents the balancer started from and restarts the policy's state there (scores,
+λ), so the held probe phase measures the balancer against the static split (not against
+the placement its own probe left, which on a stationary workload is worse), a lost probe
+costs only its own tokens, and a resumed balancer starts from the static split as a new one
+would (`Backoff.home`: the token after which that happens).
+
 This is the reference the runtime's C++ (llama/kx-backoff.cpp) is checked against, decision
 for decision, on the same series of token times (tests/test_backoff.py).
 """
@@ -58,8 +65,17 @@ class Backoff:
     hold: int = 0
     samples_on: list[float] = field(default_factory=list)
     samples_off: list[float] = field(default_factory=list)
+    _home: bool = False
+
+    @property
+    def home(self) -> bool:
+        """Whether the last step switched the balancer from running to held (the runtime
+        then puts the static split back)."""
+        return self._home
 
     def step(self, seconds: float) -> bool:
+        was = self.on
+        self._home = False
         if self.cfg.window == 0:
             return True
         c = self.cfg
@@ -84,6 +100,7 @@ class Backoff:
                 self.samples_off.clear()
         elif self.n == self.hold:
             self.phase, self.n, self.on = PROBE_ON, 0, True
+        self._home = was and not self.on
         return self.on
 
 
