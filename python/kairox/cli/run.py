@@ -275,9 +275,10 @@ def register(sub) -> None:
                    "of the layer before computes (instead of the compute threads before it); give it a core: "
                    "--threads one less than the cores")
     p.add_argument("--backoff", type=int, default=None, metavar="N",
-                   help="with --balancer: the balancer runs N tokens, is held N tokens, and keeps running only "
-                   "where its median token time is lower; the outcome holds 2^k x N tokens before the next "
-                   "probe (default with --balancer: 16; 0: it always runs)")
+                   help="with --balancer: the balancer runs N tokens, is held N tokens on the static split "
+                   "(the slots go back to it), and keeps running only where its median token time is lower; "
+                   "the outcome holds 2^k x N tokens before the next probe (default with --balancer: 16; 0: "
+                   "it always runs)")
     p.add_argument("--kx-trace", default=None, metavar="FILE",
                    help="with --balancer: write its per-step records here (JSON lines; `kairox report FILE`)")
     p.add_argument("--hw", default=None, metavar="FILE",
