@@ -2,8 +2,8 @@
 
 A dynamic policy costs every token something (its decisions, its reloads) and gains only
 where the workload drifts. The back-off measures both sides on the run itself: it lets the
-balancer run for `window` decoded tokens, then holds it for `window` tokens (the static split
-as it stands), and compares the median token times. The balancer keeps running only when
+balancer run for `window` decoded tokens, then holds it for `window` tokens (on the static
+split, below), and compares the median token times. The balancer keeps running only when
 its median is below the held one by `margin`; either way the outcome holds for a while
 before the next probe, twice as long each time the same outcome repeats (up to
 window * 2**max_doubling tokens), so a run that settles pays little for the probing. The
