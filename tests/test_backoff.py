@@ -91,8 +91,8 @@ def test_the_runtime_policy_is_the_reference(native, cfg: BackoffConfig) -> None
 @pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("gpu", [False, True])
 def test_the_runtime_holds_the_balancer_as_the_reference_says(model4: Path, pipeline: bool, gpu: bool) -> None:
-    """Live, CPU-device slots (or GPU ones: the device's decision, rebuilt at each return): with a margin no balancer meets (0.99: it would have to be 100x
-    faster), every probe ends held. The boundaries held are the reference's answers on as many
+    """Live, CPU-device slots (or GPU ones: the device's decision, rebuilt at each return): with
+    a margin no balancer meets (0.99: it would have to be 100x faster), every probe ends held. The boundaries held are the reference's answers on as many
     token times, a held boundary leaves the slots holding the static split (the residents the
     balancer started from, which its probes had moved away from), the decode's outputs stay the
     unbalanced run's, and the pipeline's graph nodes come and go with the holds."""

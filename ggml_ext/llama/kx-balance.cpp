@@ -535,7 +535,20 @@ void kx_balance_home(kx_balancer & b, kx_slots & slots, const llama_model & mode
         return;
     }
     auto t0 = std::chrono::steady_clock::now();
-    kx_balance_drain(b, slots, model, pack);
+    if (b.params.pipeline) {
+        kx_pipe_drain(b); // its decisions were applied within the decodes: the landed loads enter
+    } else {
+        // The decision still pending is dropped, not applied: its loads (fixed λ: hundreds of
+        // MiB) would only be evicted again below. The loads already in flight land and enter.
+        kx_balance_drain_decision(b);
+        kx_balance_wait(b);
+        kx_balance_fetch(b);
+        for (kx_balance_layer & L : b.layers) {
+            L.admit.clear();
+            L.evict.clear();
+        }
+        kx_balance_apply(b, slots, pack, model);
+    }
     int64_t loads = 0;
     for (kx_balance_layer & L : b.layers) {
         std::vector<uint8_t> & home = L.tmp.active; // scratch: a byte per neuron
@@ -543,8 +556,6 @@ void kx_balance_home(kx_balancer & b, kx_slots & slots, const llama_model & mode
         for (int32_t i : L.home) {
             home[i] = 1;
         }
-        L.evict.clear();
-        L.admit.clear();
         for (int32_t i : slots.layers[L.il].resident) {
             if (i >= 0 && !home[i]) {
                 L.evict.push_back(i);

@@ -215,7 +215,8 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
 // Applies everything decided so far and waits for its copies: the slots then hold exactly
 // the decided residents (tests compare them with the reference).
 void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack);
-// The back-off's hold (kx-api.cpp): everything decided is drained, then the slots go back to
+// The back-off's hold (kx-api.cpp): the loads in flight land (a decision not yet applied is
+// dropped), then the slots go back to
 // the residents the balancer started from (kx_balance_layer::home) and the policy's state
 // (scores, λ, the device decision's residency) restarts there, so a held balancer runs the
 // static split exactly and a resumed one starts from it as a new one would.

@@ -65,17 +65,10 @@ class Backoff:
     hold: int = 0
     samples_on: list[float] = field(default_factory=list)
     samples_off: list[float] = field(default_factory=list)
-    _home: bool = False
-
-    @property
-    def home(self) -> bool:
-        """Whether the last step switched the balancer from running to held (the runtime
-        then puts the static split back)."""
-        return self._home
+    home: bool = False      # the last step switched it from running to held (the static split back)
 
     def step(self, seconds: float) -> bool:
         was = self.on
-        self._home = False
         if self.cfg.window == 0:
             return True
         c = self.cfg
@@ -100,7 +93,7 @@ class Backoff:
                 self.samples_off.clear()
         elif self.n == self.hold:
             self.phase, self.n, self.on = PROBE_ON, 0, True
-        self._home = was and not self.on
+        self.home = was and not self.on
         return self.on
 
 
