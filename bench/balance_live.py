@@ -65,6 +65,20 @@ def split_env(spec: str) -> tuple[str, dict[str, str]]:
     return head, env
 
 
+def sched_summary(path: Path) -> dict:
+    """A row's scheduler trace summarized (kairox.trace.summarize: overlap, and the hand-offs and
+    splits beside the reloads), the file then gzip-compressed in place."""
+    import gzip
+    import shutil
+    from kairox.trace import read_trace, summarize
+    recs, dropped = read_trace(path)
+    gz = path.with_name(path.name + ".gz")
+    with open(path, "rb") as src, gzip.open(gz, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+    return {**summarize(recs), "file": gz.name, "records": len(recs), "dropped": dropped}
+
+
 def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipeline: bool, bw: dict) -> dict:
     """The row's physical floor per token (offload.py's bound of the static hybrid's placement
     at the row's own GPU share), with its reloads on PCIe and, one layer ahead, every
@@ -291,6 +305,12 @@ def main() -> int:
             lines += ["", f"Scheduler trace of one more static run ({trace['png']}, records {trace['records']}; "
                       "stamps cost a few µs each, so it is not a timing run):", ""]
             lines += ["    " + ln for ln in summary_text(trace).splitlines()]
+        for r in results:
+            if r.get("sched_trace"):
+                from kairox.trace import summary_text
+                lines += ["", f"Scheduler trace of row {r['row']} ({r['sched_trace']['file']}; stamps cost a few µs "
+                          "each, so it is not a timing run):", ""]
+                lines += ["    " + ln for ln in summary_text(r["sched_trace"]).splitlines()]
         cmd = shlex.join([sys.executable] + sys.argv)
         write_results(out / name, {"command": cmd, "commit": git_commit(), "machine": machine_facts(), "bandwidths": bw,
                                    "config": args.config, "budget_gib": budget, "gen": args.gen,
@@ -312,6 +332,10 @@ def main() -> int:
             traced_pipe = True
         extra += ["--decide", "worker" if kind == "pipe-thread" else "auto" if kind in PIPELINED else args.decide]
         row_env = {k: v for k, v in renv.items() if not k.startswith("--")}
+        sched = None  # @--sched-trace=FILE: the row's scheduler trace, FILE under --out
+        if "--sched-trace" in renv:
+            sched = out / Path(renv["--sched-trace"]).name
+            renv = {**renv, "--sched-trace": str(sched)}
         extra += [a for k, v in renv.items() if k.startswith("--") for a in (k, v)]
         logits = work / f"{name}.row{len(results)}.logits.npy"
         extra += ["--logits-out", str(logits)]
@@ -324,6 +348,8 @@ def main() -> int:
             bd = row_bound(lay, costs, res["counters"], args.gen, reload, kind in PIPELINED, bw)
         results.append(row_of(kind, lam, max_admit, threads, res, bd))
         results[-1]["thresholds"] = res.get("thresholds")
+        if sched is not None and sched.exists():
+            results[-1]["sched_trace"] = sched_summary(sched)
         ref = next((i for i, r in enumerate(results) if r["row"] == "static"), None)
         if ref is not None:
             import numpy as np

@@ -82,6 +82,21 @@ struct kx_trace_rec * kx_trace_add(int32_t split, const char * backend, enum kx_
     return r;
 }
 
+struct kx_trace_rec * kx_trace_add_reload(int32_t il, int64_t n_copies, int64_t bytes) {
+    struct kx_trace_rec * r = kx_trace_add(-1, "reload", KX_TRACE_RELOAD, NULL);
+    if (r) {
+        r->n_nodes = (int32_t) n_copies;
+        r->bytes   = bytes;
+        if (il >= 0) {
+            snprintf(r->first, sizeof(r->first), "reload-%d", (int) il);
+        } else {
+            snprintf(r->first, sizeof(r->first), "reload");
+        }
+        memcpy(r->last, r->first, sizeof(r->last));
+    }
+    return r;
+}
+
 int64_t kx_trace_dump(const char * path) {
     if (!path || !kx_recs) {
         return 0;
@@ -95,9 +110,9 @@ int64_t kx_trace_dump(const char * path) {
     for (int64_t i = 0; i < n; i++) {
         const struct kx_trace_rec * r = &kx_recs[i];
         fprintf(f, "{\"graph\":%d,\"split\":%d,\"part\":\"%c\",\"backend\":\"%s\",\"n_nodes\":%d,"
-                   "\"first\":\"%s\",\"last\":\"%s\",\"t0\":%lld,\"t1\":%lld}\n",
+                   "\"first\":\"%s\",\"last\":\"%s\",\"t0\":%lld,\"t1\":%lld,\"bytes\":%lld}\n",
                 r->graph, r->split, r->part, r->backend, r->n_nodes, r->first, r->last,
-                (long long) r->t0, (long long) r->t1);
+                (long long) r->t0, (long long) r->t1, (long long) r->bytes);
     }
     fprintf(f, "{\"dropped\":%lld}\n", (long long) (n_all - n));
     const int bad = ferror(f);

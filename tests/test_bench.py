@@ -75,6 +75,25 @@ def test_bound_is_the_slowest_resource() -> None:
     assert b["seconds"] == pytest.approx(0.1)
 
 
+def test_balance_live_summarizes_a_rows_scheduler_trace(tmp_path: Path) -> None:
+    """A row run with @--sched-trace=FILE: its trace summarized (the reloads' figures with it)
+    and kept gzip-compressed."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_trace import reload_lines
+    from kairox.trace import read_trace
+    spec = importlib.util.spec_from_file_location("balance_live", ROOT / "bench" / "balance_live.py")
+    bl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bl)
+    path = tmp_path / "pipe.jsonl"
+    path.write_text("\n".join(reload_lines()) + "\n")
+    s = bl.sched_summary(path)
+    assert not path.exists() and s["file"] == "pipe.jsonl.gz"
+    assert read_trace(tmp_path / "pipe.jsonl.gz")[0] and s["dropped"] == 7
+    assert s["reloads"]["batches"] == 2 and s["reloads"]["hand-off"]["delay_us"] == 6
+
+
 def test_balance_live_rows_and_their_bound() -> None:
     import sys
     from types import SimpleNamespace

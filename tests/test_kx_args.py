@@ -145,10 +145,33 @@ def test_the_scheduler_trace_from_a_tool(native: Path, synth_model: Path, tmp_pa
     assert len(recs) == 2 and dropped > 0
 
 
+def test_a_balanced_tool_traces_its_reloads(native: Path, synth_model: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The balancer in a tool, under --kx-sched-trace: its reload batches are records beside the
+    splits, of the bytes its steps loaded (--kx-trace). --kx-decode-priority (CUDA: the decode's
+    streams above the reloads) is accepted, also as LLAMA_ARG_KX_DECODE_PRIORITY, and changes
+    no output."""
+    from kairox import trace as kt
+    base = ("--gpu-slots", "60", *CPU_SLOTS, "--balancer", "fixed", "--balancer-lambda", "0.2",
+            "--balancer-backoff", "0")
+    out, steps = tmp_path / "sched.jsonl", tmp_path / "steps.jsonl"
+    r = complete(native, synth_model, *base, "--kx-sched-trace", str(out), "--kx-trace", str(steps))
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs, _ = kt.read_trace(out)
+    rel = [x for x in recs if x.part == "r"]
+    moved = sum(json.loads(ln)["reload_bytes"] for ln in steps.read_text().splitlines())
+    assert rel and moved > 0 and sum(x.bytes for x in rel) == moved
+    plain = complete(native, synth_model, *base)
+    for more, env in (("--kx-decode-priority",), None), ((), {"LLAMA_ARG_KX_DECODE_PRIORITY": "1"}):
+        r = complete(native, synth_model, *base, *more, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert same_text(r.stdout, plain.stdout)
+
+
 def test_help_lists_the_options(native: Path) -> None:
     r = tool(native, "llama-completion", "--help")
     for flag in ("--vram-budget", "--gpu-slots", "--kx-plan", "--mapped-share", "--balancer ", "--balancer-lambda",
-                 "--balancer-pipeline", "--balancer-backoff", "--kx-error-budget", "--kx-trace", "--kx-sched-trace", "--sparse-pack", "LLAMA_ARG_VRAM_BUDGET"):
+                 "--balancer-pipeline", "--balancer-backoff", "--kx-error-budget", "--kx-trace", "--kx-sched-trace", "--sparse-pack", "--kx-decode-priority",
+                 "LLAMA_ARG_VRAM_BUDGET"):
         assert flag in r.stdout, flag
 
 

@@ -134,3 +134,115 @@ def test_a_run_writes_its_trace(tmp_path: Path, synth_model: Path, native: Path)
     from kairox.cli import main
     assert main(["trace", str(out), "--json", str(tmp_path / "s.json")]) == 0
     assert json.loads((tmp_path / "s.json").read_text())["graphs"] == len(graphs)
+
+
+def reload_lines() -> list[str]:
+    """known_lines() with two reload batches: [95, 130] (beside layer 0's hand-off [90, 100],
+    its GPU head [90, 150], its CPU split [100, 200]) and [195, 210] (beside the CPU split's end
+    and the tail [205, 230]), queued during graph 0; plus a second graph of the same splits,
+    none beside a reload, whose hand-off took 4 µs."""
+    def reload(t0: int, t1: int, nbytes: int, name: str) -> str:
+        return json.dumps({"graph": 0, "split": -1, "part": "r", "backend": "reload", "n_nodes": 6,
+                           "first": name, "last": name, "t0": t0, "t1": t1, "bytes": nbytes})
+    second = [rec(1, 0, "w", "CUDA0", 1010, 1090, "attn_norm-0"), rec(1, 1, "i", "CPU", 1090, 1094, "x-0"),
+              rec(1, 2, "h", "CUDA0", 1094, 1150, "kx_slots-0"), rec(1, 1, "w", "CPU", 1094, 1180, "kx_host-0"),
+              rec(1, 2, "t", "CUDA0", 1185, 1200, "ffn_out-0"), rec(1, 4, "h", "CUDA0", 1200, 1210, "kx_slots-1"),
+              rec(1, 3, "w", "CPU", 1210, 1250, "kx_host-1")]
+    return known_lines() + [reload(95, 130, 3 << 20, "reload-1"), reload(195, 210, 1 << 20, "reload")] + second
+
+
+def test_reloads_beside_the_splits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reload records: counted apart from the splits (the overlap figures do not change), and
+    what ran beside them compared with the same splits that did not, by hand."""
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("\n".join(known_lines()[:-1] + reload_lines()[len(known_lines()) + 2:]) + "\n")
+    path = tmp_path / "reloads.jsonl"
+    path.write_text("\n".join(reload_lines()) + "\n")
+    recs, _ = kt.read_trace(path)
+    s, s0 = kt.summarize(recs), kt.summarize(kt.read_trace(plain)[0])
+    assert {k: v for k, v in s.items() if k != "reloads"} == {k: v for k, v in s0.items() if k != "reloads"}
+    assert s0["reloads"] is None
+    rl = s["reloads"]
+    assert rl["batches"] == 2 and rl["mib"] == 4.0 and rl["busy_us"] == 35 + 15
+    assert rl["gbs"] == pytest.approx((4 << 20) / 50 / 1e3)
+    # hand-offs: graph 0's [90, 100] beside (10 µs), graph 1's [1090, 1094] not (4 µs): delay 6
+    h = rl["hand-off"]
+    assert (h["beside"], h["alone"], h["beside_us"], h["alone_us"], h["delay_us"]) == (1, 1, 10, 4, 6)
+    # CPU splits: layer 0's [100, 200] beside (100 µs; alone in graph 1: 86), layer 1's [250, 300] not
+    c = rl["CPU split"]
+    assert (c["beside"], c["alone"], c["paired"]) == (1, 3, 1) and c["delay_us"] == 100 - 86
+    # GPU splits beside one: graph 0's head [90, 150] and tail [205, 230]; the first split
+    # [10, 90] ends before the first reload starts
+    g = rl["GPU split"]
+    assert g["beside"] == 2 and g["delay_us"] == pytest.approx(((60 - 56) + (25 - 15)) / 2)
+    from kairox.cli import main
+    assert main(["trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "reloads: 2 batches, 4.0 MiB" in out and "hand-offs beside a reload: 1, 10.0 µs" in out
+    # the timeline draws the reload lane (matplotlib is a test dependency)
+    png = tmp_path / "g.png"
+    kt.plot_graph(recs, 0, png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reload_overlap_equals_a_per_microsecond_count() -> None:
+    """_covered over the union of random intervals against counting each µs by hand."""
+    import numpy as np
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        spans = [(int(a), int(a + b)) for a, b in zip(rng.integers(0, 400, 8), rng.integers(0, 60, 8))]
+        mask = np.zeros(600, bool)
+        for a, b in spans:
+            mask[a:b] = True  # µs [t, t+1) for t in [a, b)
+        starts, ends = kt._union(spans)
+        for _ in range(20):
+            t0 = int(rng.integers(0, 500))
+            t1 = t0 + int(rng.integers(0, 90))
+            assert kt._covered(starts, ends, t0, t1) == int(mask[t0:t1].sum())
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_balanced_run_traces_its_reloads(tmp_path: Path, synth_model: Path, native: Path, pipeline: bool,
+                                           gpu: bool) -> None:
+    """The live balancer under the scheduler trace: every reload batch it queued is one reload
+    record, stamped by the engine (the host engine on CPU slots, the reload stream on the
+    GPU), of the bytes its steps decided to load; the pipeline's batches name their layer."""
+    from kairox._native import has_gpu
+    if gpu and not has_gpu():
+        pytest.skip("needs a GPU")
+    out, steps = tmp_path / "run.jsonl", tmp_path / "steps.json"
+    where = "n_gpu_layers=-1, decode_priority=True" if gpu else "slots_device='CPU'"
+    code = (
+        "import json, kairox\n"
+        "from kairox.balancer import BalancerConfig\n"
+        f"llm = kairox.Llama({str(synth_model)!r}, sparse='predicted', gpu_slots=[60, 100], n_ctx=128, n_batch=1, "
+        f"n_ubatch=1, verbose=False, sched_trace={str(out)!r}, {where}, balancer_backoff=None, "
+        f"balancer_pipeline={pipeline}, balancer=BalancerConfig(lam=0.2, eps=0.01, lam_min=0.05, adaptive=True, "
+        "max_admit=16))\n"
+        "llm.eval([1, 2, 3, 4])\n"
+        "for k in range(40):\n"
+        "    llm.eval([10 + 20 * (k // 10) + k % 7])\n"
+        "llm.drain_balancer()\n"
+        f"json.dump(llm.balance_trace(), open({str(steps)!r}, 'w'))\n"
+        "llm.close()\n")
+    import kairox
+    pkg_parent = str(Path(kairox.__file__).resolve().parent.parent)
+    env = {**os.environ, "KAIROX_LIB_DIR": str(native),
+           "PYTHONPATH": f"{pkg_parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    recs, dropped = kt.read_trace(out)
+    rel = [r for r in recs if r.part == "r"]
+    tr = json.loads(steps.read_text())
+    loads = [r for r in tr if r["n_load"] > 0]
+    assert dropped == 0 and loads, "the balancer moved nothing: the test checks nothing"
+    assert sum(r.bytes for r in rel) == sum(r["reload_bytes"] for r in tr)
+    assert all(r.backend == "reload" and r.split == -1 and r.t1 >= r.t0 > 0 and r.n_nodes % 3 == 0 for r in rel)
+    if pipeline:
+        # a batch per layer step that loaded, named for the model layer it fills
+        assert len(rel) == len(loads)
+        assert sorted(r.first for r in rel) == sorted(f"reload-{r['layer']}" for r in loads)
+    else:
+        # a batch per boundary that loaded, every layer's loads in one
+        assert len(rel) == len({r["step"] for r in loads}) and {r.first for r in rel} == {"reload"}
+    assert kt.summarize(recs)["reloads"]["batches"] == len(rel)

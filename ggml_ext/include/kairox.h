@@ -288,6 +288,10 @@ struct kx_params {
                                        // layer's sparse FFN against the dense one on this CPU before the model
                                        // loads, and run sparse only where it is 5% faster (kx_sparse_cost; default
                                        // true). false: sparse wherever the lists hold under 60% of the neurons
+    bool            decode_priority;   // CUDA: the decode's streams (its kernels, its CPU<->GPU hand-offs) at the
+                                       // device's greatest priority, above the slot reloads and the balancer's
+                                       // kernels (cuda/kx-stream-priority.cu). Process-wide, for contexts created
+                                       // after the load that sets it (default false)
 };
 
 // what a budgeted context measured on its device (bytes)

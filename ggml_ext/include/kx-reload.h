@@ -76,6 +76,11 @@ struct kx_reload_iface {
     int32_t (*tag_copy)(void * r, int32_t tag, const struct kx_row_copy * c, int64_t n);
     int32_t (*tag_query)(void * r, int32_t tag);
     int32_t (*queue_write)(void * r, struct ggml_backend * reader, const struct kx_i32_write * w, int64_t n);
+    // The scheduler trace (include/kx-trace.h) of the reloads: *t_us (µs, ggml_time_us) is
+    // written when the engine's stream reaches this point, i.e. when what was queued before it
+    // has finished (a host engine: now). Queued around a batch, the two stamps give when the
+    // engine moved it, beside the decode's splits.
+    void    (*mark)(void * r, int64_t * t_us);
 };
 
 // The balancer's decision for every hybrid layer on the device, queued on engine r's stream

@@ -9,7 +9,9 @@
 //    backend's registry as "kx_backend_trace_mark"), so a trace shows when the GPU really
 //    worked, not when work was queued;
 //  - input hand-offs: host time the scheduler spent copying a split's inputs (this includes
-//    waiting for the producer).
+//    waiting for the producer);
+//  - slot reloads: when the balancer's reload engine ran each batch (stamped by its stream),
+//    so a hand-off or a split can be seen beside the reloads running at the same time.
 // Records go to a fixed array (MAX, default 131072) and are written as JSON lines
 // at exit or by kx_trace_dump(). Off by default: each GPU stamp costs a few µs.
 #pragma once
@@ -28,6 +30,7 @@ enum kx_trace_part {
     KX_TRACE_HEAD  = 'h', // leading nodes queued early, beside the previous CPU split (0010)
     KX_TRACE_TAIL  = 't', // the rest of a split whose head ran early
     KX_TRACE_INPUT = 'i', // copying a split's inputs to its backend (host time)
+    KX_TRACE_RELOAD = 'r', // a batch of slot reloads, as the reload engine ran it (backend "reload")
 };
 
 struct kx_trace_rec {
@@ -39,6 +42,7 @@ struct kx_trace_rec {
     char    backend[11];
     char    first[GGML_MAX_NAME]; // name of the first and last node (layer ids are in the names)
     char    last[GGML_MAX_NAME];
+    int64_t bytes;       // reloads: the bytes the batch moves (0 for splits)
 };
 
 // where a GPU backend stamps the time when its stream reaches this point
@@ -54,6 +58,10 @@ GGML_API void                  kx_trace_next_graph(void);
 // a new record, or NULL when the trace is off or full (counted in the file's last line)
 GGML_API struct kx_trace_rec * kx_trace_add(int32_t split, const char * backend, enum kx_trace_part part,
                                             const struct ggml_cgraph * g);
+// a record of one batch of slot reloads (part 'r', backend "reload", split -1): n_nodes holds
+// its copies, bytes their size; named "reload-IL" for model layer il, "reload" (il < 0) for a
+// batch of several layers. The engine stamps t0 and t1 (kx_reload_iface.mark). NULL when off or full.
+GGML_API struct kx_trace_rec * kx_trace_add_reload(int32_t il, int64_t n_copies, int64_t bytes);
 // write all records so far as JSON lines (they must be complete: synchronize first);
 // returns the number written, -1 when the file cannot be written
 GGML_API int64_t               kx_trace_dump(const char * path);

@@ -379,7 +379,7 @@ static void kx_balance_apply(kx_balancer & b, kx_slots & slots, const kx_pack & 
     if (fault && b.batches == b.params.hang_at) {
         b.hung = true; // queued in name only: its rows never land (its slots are not mapped yet)
     } else if ((fault && b.batches == b.params.fail_at) ||
-               b.io->copy(b.engine, copies.data(), (int64_t) copies.size())) {
+               kx_reload_queue(b.io, b.engine, -1, -1, copies.data(), (int64_t) copies.size())) {
         throw std::runtime_error("balancer: queueing slot reloads failed");
     }
     phase(KX_BAL_QUEUE_NS);

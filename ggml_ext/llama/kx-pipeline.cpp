@@ -3,6 +3,7 @@
 // the balancer's thread; and what of it the boundary between decodes still does.
 #include "kx-balance.h"
 #include "kx-pack.h"
+#include "kx-reload-engine.h"
 #include "kx-slots.h"
 #include "kx-stats.h"
 
@@ -287,7 +288,7 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
         if (++b.batches == b.params.hang_at) {
             L.hung = b.hung = true; // queued in name only: its rows never land
         } else if (b.batches == b.params.fail_at ||
-                   b.io->tag_copy(b.engine, L.tag, copies.data(), (int64_t) copies.size())) {
+                   kx_reload_queue(b.io, b.engine, L.tag, L.il, copies.data(), (int64_t) copies.size())) {
             throw std::runtime_error("balancer: queueing slot reloads failed");
         }
         ++L.batches;

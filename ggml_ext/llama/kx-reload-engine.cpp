@@ -4,6 +4,7 @@
 #include "kx-pack.h"
 
 #include "ggml-backend.h"
+#include "kx-trace.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -35,10 +36,32 @@ static int32_t kx_host_queue_write(void * r, ggml_backend *, const kx_i32_write 
     return kx_host_write_i32(r, w, n);
 }
 
+static void    kx_host_mark(void *, int64_t * t_us) { *t_us = ggml_time_us(); }
+
 static const kx_reload_iface kx_host_reload = {
     kx_host_create, kx_host_destroy, kx_host_register, kx_host_addr, kx_host_copy, kx_host_write_i32, kx_host_query,
-    kx_host_wait, kx_host_tag_copy, kx_host_tag_query, kx_host_queue_write,
+    kx_host_wait, kx_host_tag_copy, kx_host_tag_query, kx_host_queue_write, kx_host_mark,
 };
+
+int32_t kx_reload_queue(const kx_reload_iface * io, void * engine, int32_t tag, int32_t il,
+                        const kx_row_copy * c, int64_t n) {
+    kx_trace_rec * rec = nullptr;
+    if (n > 0 && kx_trace_enabled()) { // the boundary queues empty batches too
+        int64_t bytes = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            bytes += (int64_t) c[i].bytes;
+        }
+        rec = kx_trace_add_reload(il, n, bytes);
+    }
+    if (rec) {
+        io->mark(engine, &rec->t0);
+    }
+    const int32_t rc = tag < 0 ? io->copy(engine, c, n) : io->tag_copy(engine, tag, c, n);
+    if (rec && rc == 0) {
+        io->mark(engine, &rec->t1);
+    }
+    return rc;
+}
 
 
 // the table the registry of device `device`'s backend hands out under `name`, or nullptr

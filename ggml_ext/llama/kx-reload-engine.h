@@ -18,3 +18,8 @@ const kx_reload_iface * kx_reload_engine(const std::string & device, int32_t * i
 const kx_tam_iface * kx_reload_decision(const std::string & device);
 // The first GPU backend's page-locking of host memory, or nullptr (no GPU, or none to lock for).
 const kx_pin_iface * kx_reload_pinning();
+// Queues copies on an engine: tag < 0 with copy(), else with tag_copy(tag). While the scheduler
+// trace records, the batch becomes a reload record of model layer il (< 0: several layers)
+// stamped by the engine's stream before and after it. The engine's return code.
+int32_t kx_reload_queue(const kx_reload_iface * io, void * engine, int32_t tag, int32_t il,
+                        const kx_row_copy * c, int64_t n);

@@ -103,6 +103,10 @@ class KairoxOptions:
     # before the model loads and run sparse only where it is faster (False: wherever the pack's
     # lists hold under 60% of a layer's neurons)
     measure_gain: bool = True
+    # CUDA: the decode's streams (its kernels and CPU<->GPU hand-offs) at the device's greatest
+    # priority, above the slot reloads and the balancer's kernels; process-wide, for contexts
+    # created from this load on (off by default until it measures faster, docs/ARCHITECTURE.md)
+    decode_priority: bool = False
     # the balancer's records, appended as JSON lines while running (`kairox report FILE`)
     trace: str | None = None
     # the scheduler's split trace for the whole process, written at exit (`kairox trace FILE`),
@@ -177,7 +181,7 @@ class KairoxOptions:
                              "vram_budget or a plan")
         if self.error_budget is not None and self.sparse in ("exact", "threshold"):
             raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode")
-        for name in ("pinned", "warm", "stream", "migrate", "measure_gain"):
+        for name in ("pinned", "warm", "stream", "migrate", "measure_gain", "decode_priority"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.trace is not None and not self.balancer:
@@ -240,7 +244,7 @@ class KairoxOptions:
         kp.plan = text(self.plan)
         kp.slots_device = text(self.slots_device)
         kp.pinned, kp.warm, kp.stream, kp.migrate = self.pinned, self.warm, self.stream, self.migrate
-        kp.measure_gain = self.measure_gain
+        kp.measure_gain, kp.decode_priority = self.measure_gain, self.decode_priority
         kp.mapped_share = float(self.mapped_share)
         if self.balancer:
             kp.balancer = capi.BALANCER_MODES.index("adaptive" if self.balancer.adaptive else "fixed")

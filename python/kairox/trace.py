@@ -11,7 +11,11 @@ queued the work (ggml_ext/include/kx-trace.h).
 `kairox trace FILE` reads such a file and says how much of each hybrid layer's CPU work
 ran while the GPU worked on the same layer: for every CPU split followed by a GPU split
 whose leading nodes were queued before it ("head", the scheduler's overlap, patch 0010),
-the two intervals and their intersection. `--png` draws one token's timeline. A trace may be
+the two intervals and their intersection. A run with the live balancer also records when
+its reload engine moved each batch of neuron rows into the slots ("reload" records, part
+r); the summary then compares the hand-offs and splits that ran beside a reload with the
+same ones that did not (what a reload costs the critical path). `--png` draws one token's
+timeline. A trace may be
 gzip-compressed (the results keep theirs as .jsonl.gz): open_text reads either.
 """
 from __future__ import annotations
@@ -31,13 +35,15 @@ _LAYER_RE = re.compile(r"-(\d+)(?:\D.*)?$")
 class TraceRec:
     graph: int
     split: int
-    part: str          # w whole split, h head queued early, t tail, i input copies (host time)
+    part: str          # w whole split, h head queued early, t tail, i input copies (host time),
+                       # r a batch of slot reloads (backend "reload", n_nodes its copies)
     backend: str
     n_nodes: int
     first: str
     last: str
     t0: int            # µs
     t1: int
+    bytes: int = 0     # reloads: the bytes the batch moved
 
     @property
     def cpu(self) -> bool:
@@ -108,7 +114,7 @@ def read_trace(path: str | Path) -> tuple[list[TraceRec], int]:
                 dropped = int(d["dropped"])
                 continue
             r = TraceRec(int(d["graph"]), int(d["split"]), str(d["part"]), str(d["backend"]), int(d["n_nodes"]),
-                         str(d["first"]), str(d["last"]), int(d["t0"]), int(d["t1"]))
+                         str(d["first"]), str(d["last"]), int(d["t0"]), int(d["t1"]), int(d.get("bytes", 0)))
         except (ValueError, KeyError, TypeError) as e:
             raise TraceError(f"{path}:{i}: not a kairox trace line ({e})") from None
         if r.t0 > 0 and r.t1 >= r.t0:
@@ -141,10 +147,83 @@ def overlaps(recs: list[TraceRec]) -> list[Overlap]:
 
 
 def by_graph(recs: list[TraceRec]) -> dict[int, list[TraceRec]]:
+    """The scheduler's records (splits and hand-offs) by graph; reload batches are left out:
+    they are queued during one graph and may run into the next."""
     g: dict[int, list[TraceRec]] = {}
     for r in recs:
-        g.setdefault(r.graph, []).append(r)
+        if r.part != "r":
+            g.setdefault(r.graph, []).append(r)
     return g
+
+
+def _union(spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Disjoint intervals covering the given ones, as sorted starts and ends."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for t0, t1 in sorted(spans):
+        if ends and t0 <= ends[-1]:
+            ends[-1] = max(ends[-1], t1)
+        else:
+            starts.append(t0)
+            ends.append(t1)
+    return starts, ends
+
+
+def _covered(starts: list[int], ends: list[int], t0: int, t1: int) -> int:
+    """µs of [t0, t1] inside the union (starts, ends)."""
+    from bisect import bisect_right
+    k = max(0, bisect_right(starts, t0) - 1)
+    got = 0
+    while k < len(starts) and starts[k] < t1:
+        got += max(0, min(t1, ends[k]) - max(t0, starts[k]))
+        k += 1
+    return got
+
+
+RELOAD_KINDS = ("hand-off", "CPU split", "GPU split")
+
+
+def _kind(r: TraceRec) -> str | None:
+    if r.part == "i":
+        return "hand-off"
+    if r.part == "r":
+        return None
+    return "CPU split" if r.cpu else "GPU split"
+
+
+def beside_reloads(recs: list[TraceRec]) -> dict[str, Any] | None:
+    """What the reloads cost the decode: the reload batches (count, MiB, busy µs, GB/s while
+    running), and for hand-offs, CPU splits and GPU splits, those that ran beside a reload (any
+    overlap) against those that did not: count and mean µs of each, and the paired delay, the
+    mean over the beside ones of (its µs - the mean of the same split's, same part, records
+    not beside one); None without reload records. A hand-off's time includes waiting for its
+    producer, so its delay is what the critical path saw."""
+    rel = [r for r in recs if r.part == "r"]
+    if not rel:
+        return None
+    starts, ends = _union([(r.t0, r.t1) for r in rel])
+    busy = sum(e - b for b, e in zip(starts, ends))
+    moved = sum(r.bytes for r in rel)
+    groups: dict[tuple[str, int, str], tuple[list[int], list[int]]] = {}
+    for r in recs:
+        kind = _kind(r)
+        if kind is None:
+            continue
+        beside, alone = groups.setdefault((kind, r.split, r.part), ([], []))
+        (beside if _covered(starts, ends, r.t0, r.t1) > 0 else alone).append(r.us)
+    out: dict[str, Any] = {"batches": len(rel), "mib": moved / 2**20, "busy_us": busy,
+                           "us_per_batch": sum(r.us for r in rel) / len(rel),
+                           "gbs": moved / busy / 1e3 if busy else None}
+    for kind in RELOAD_KINDS:
+        keys = [k for k in groups if k[0] == kind]
+        beside = [u for k in keys for u in groups[k][0]]
+        alone = [u for k in keys for u in groups[k][1]]
+        delays = [u - sum(groups[k][1]) / len(groups[k][1]) for k in keys if groups[k][1] for u in groups[k][0]]
+        out[kind] = {"beside": len(beside), "alone": len(alone),
+                     "beside_us": sum(beside) / len(beside) if beside else None,
+                     "alone_us": sum(alone) / len(alone) if alone else None,
+                     "delay_us": sum(delays) / len(delays) if delays else None, "paired": len(delays)}
+    return out
 
 
 def summarize(recs: list[TraceRec]) -> dict[str, Any]:
@@ -174,6 +253,7 @@ def summarize(recs: list[TraceRec]) -> dict[str, Any]:
         "concurrency": (busy_cpu + busy_gpu) / wall if wall else None,
         "graph_ms": wall / len(graphs) / 1e3 if graphs else None,
         "handoff_us_per_pair": (sum(r.us for g in graphs for r in per[g] if r.part == "i") / n) if n else None,
+        "reloads": beside_reloads(recs),
     }
 
 
@@ -231,17 +311,19 @@ def plot_graph(recs: list[TraceRec], graph: int, path: str | Path, title: str = 
         from matplotlib.figure import Figure
     except ImportError as e:
         raise RuntimeError(f"plotting needs matplotlib ({e}); install it with `pip install matplotlib`") from None
-    rs = [r for r in recs if r.graph == graph]
+    rs = by_graph(recs).get(graph)
     if not rs:
         raise TraceError(f"graph {graph} is not in the trace")
-    t_start = min(r.t0 for r in rs)
-    lanes = {"GPU": 2, "CPU": 1, "hand-off": 0}
-    colors = {"h": "tab:green", "t": "tab:blue", "w": "tab:blue", "i": "tab:gray"}
+    t_start, t_end = min(r.t0 for r in rs), max(r.t1 for r in rs)
+    # the reload batches that ran during the graph, whichever graph queued them
+    rs = rs + [r for r in recs if r.part == "r" and r.t1 > t_start and r.t0 < t_end]
+    lanes = {"reload": 3, "GPU": 2, "CPU": 1, "hand-off": 0}
+    colors = {"h": "tab:green", "t": "tab:blue", "w": "tab:blue", "i": "tab:gray", "r": "tab:red"}
     fig = Figure(figsize=(14, 3.2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for r in rs:
-        lane = "hand-off" if r.part == "i" else ("CPU" if r.cpu else "GPU")
+        lane = "hand-off" if r.part == "i" else "reload" if r.part == "r" else ("CPU" if r.cpu else "GPU")
         color = "tab:orange" if lane == "CPU" else colors[r.part]
         x0, w = (r.t0 - t_start) / 1e3, max(r.us, 1) / 1e3
         ax.broken_barh([(x0, w)], (lanes[lane] - 0.38, 0.76), facecolors=color, edgecolors="none")
@@ -250,7 +332,8 @@ def plot_graph(recs: list[TraceRec], graph: int, path: str | Path, title: str = 
     ax.set_yticks(list(lanes.values()), list(lanes.keys()))
     ax.set_xlabel("ms since the step's first split")
     ax.set_title(title or f"graph {graph}: GPU (green: head queued beside the CPU split, blue: rest), "
-                          f"CPU (orange, layer numbers), input hand-offs (gray, host time)", fontsize=9)
+                          f"CPU (orange, layer numbers), input hand-offs (gray, host time), slot reloads (red)",
+                 fontsize=9)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(str(path), dpi=130)
@@ -273,9 +356,18 @@ def trim(src: str | Path, dst: str | Path, graphs: list[int]) -> int:
 def summary_text(s: dict[str, Any]) -> str:
     def f(v: Any, spec: str = ".1f") -> str:
         return "-" if v is None else format(v, spec)
-    return (f"{s['graphs']} graphs, {s['overlapped_graphs']} with overlapped layers "
+    text = (f"{s['graphs']} graphs, {s['overlapped_graphs']} with overlapped layers "
             f"({f(s['pairs_per_graph'])} CPU splits beside a GPU head per graph)\n"
             f"per pair: CPU {f(s['cpu_us_per_pair'])} µs, GPU head {f(s['gpu_head_us_per_pair'])} µs, "
             f"both at once {f(s['overlap_us_per_pair'])} µs, hand-offs {f(s['handoff_us_per_pair'])} µs\n"
             f"hidden: {f(s['hidden'], '.2f')} of the shorter side ran beside the longer; "
             f"concurrency {f(s['concurrency'], '.2f')} (CPU+GPU busy / wall); step {f(s['graph_ms'], '.2f')} ms")
+    rl = s.get("reloads")
+    if rl:
+        text += (f"\nreloads: {rl['batches']} batches, {rl['mib']:.1f} MiB, {f(rl['us_per_batch'])} µs each, "
+                 f"{f(rl['gbs'])} GB/s while running")
+        for kind in RELOAD_KINDS:
+            k = rl[kind]
+            text += (f"\n  {kind}s beside a reload: {k['beside']}, {f(k['beside_us'])} µs; not beside one: "
+                     f"{k['alone']}, {f(k['alone_us'])} µs; delay, paired by split: {f(k['delay_us'])} µs")
+    return text

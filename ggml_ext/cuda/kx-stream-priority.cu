@@ -1,0 +1,31 @@
+// Stream priorities (kx_params.decode_priority): the CUDA backend's streams (the decode's
+// kernels and its CPU<->GPU hand-off copies) at the device's greatest priority, so that the
+// block scheduler dispatches them ahead of the slot reloads' gather kernels and the
+// balancer's decision kernel, which run on the reload engine's stream at the least
+// priority (kx-reload.cu). A priority ranks kernel blocks waiting for an SM; it does not
+// order copy-engine transfers or PCIe traffic, which the gather's grid cap throttles
+// (kx_balance_params.max_blocks).
+//
+// One choice per process: common.cuh (patches/0020) creates each backend context's streams
+// on first use at ggml_cuda_kx_stream_priority(), so the choice made before a context runs
+// its first graph (kx_model_params_apply) holds for that context.
+#include "kx-ops-cuda.cuh"
+
+#include <atomic>
+
+static std::atomic<bool> kx_decode_high{false};
+
+void ggml_cuda_kx_set_decode_priority(bool high) {
+    kx_decode_high.store(high);
+}
+
+// the current device's greatest priority when asked for, else 0 (CUDA's default, which is
+// also its least: a stream created without a priority)
+int ggml_cuda_kx_stream_priority(void) {
+    if (!kx_decode_high.load()) {
+        return 0;
+    }
+    int least = 0, greatest = 0;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    return greatest;
+}
