@@ -73,6 +73,19 @@ def test_run_tiny_streams_with_tokens_per_second(native, tiny_relu_gguf):
     assert "generated 8 tokens, decode" in r.stderr and "tokens/s" in r.stderr
 
 
+def test_run_writes_the_scheduler_trace(native, tiny_relu_gguf, tmp_path):
+    """--kx-sched-trace: every token's splits, written at exit, read by `kairox trace`."""
+    out = tmp_path / "sched.jsonl"
+    r = kairox("run", "-m", str(tiny_relu_gguf), "-p", "Hello", "-n", "6", "-t", "2", "--kx-sched-trace", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"scheduler trace in {out}" in r.stderr
+    from kairox.trace import read_trace
+    recs, dropped = read_trace(out)
+    assert dropped == 0 and len({x.graph for x in recs}) >= 6  # the prompt and each decode
+    t = kairox("trace", str(out))
+    assert t.returncode == 0 and "graphs" in t.stdout, t.stderr
+
+
 def test_run_refuses_a_prompt_longer_than_the_context(native, tiny_relu_gguf):
     r = kairox("run", "-m", str(tiny_relu_gguf), "-p", "hello world " * 400, "-n", "4", "-c", "256", "-t", "2")
     assert r.returncode == 2 and "Traceback" not in r.stderr

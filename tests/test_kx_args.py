@@ -208,7 +208,8 @@ def test_llama_bench_lists_and_columns(native: Path, synth_model: Path) -> None:
         [(-1, "auto", "-", "off"), (16, "auto", "-", "off")]
     assert all(x["avg_ts"] > 0 for x in rows)
     md = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", "-r", "1", "-t", "2",
-              "--gpu-slots", "8", "--sparse", "exact", "--balancer", "off,fixed", "--kx-slots-device", "CPU")
+              "--gpu-slots", "8", "--sparse", "exact", "--balancer", "off,fixed", "--kx-slots-device", "CPU",
+              "--kx-decode-priority")
     assert md.returncode == 0, md.stderr[-2000:]
     header = next(ln for ln in md.stdout.splitlines() if ln.startswith("| model"))
     for col in ("gpu_slots", "sparse", "balancer"):

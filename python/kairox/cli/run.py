@@ -91,6 +91,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 hybrid["migrate"] = True
             if args.decode_priority:
                 hybrid["decode_priority"] = True
+            if args.sched_trace:
+                hybrid["sched_trace"] = args.sched_trace
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
                 hybrid["n_gpu_layers"] = args.n_gpu_layers or 0
             llm = kxl.Llama(str(model), n_ctx=ctx, n_threads=args.threads, seed=args.seed,
@@ -151,6 +153,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"reloaded per token, λ {s['lam_first']:.2f} -> {s['lam_last']:.2f}", file=sys.stderr)
         if args.kx_trace:
             print(f"kairox: balancer trace in {args.kx_trace} (`kairox report {args.kx_trace}`)", file=sys.stderr)
+    if args.sched_trace:
+        print(f"kairox: scheduler trace in {args.sched_trace}, written at exit (`kairox trace {args.sched_trace}`)",
+              file=sys.stderr)
     return 0
 
 
@@ -286,6 +291,9 @@ def register(sub) -> None:
                    "it always runs)")
     p.add_argument("--kx-trace", default=None, metavar="FILE",
                    help="with --balancer: write its per-step records here (JSON lines; `kairox report FILE`)")
+    p.add_argument("--kx-sched-trace", dest="sched_trace", default=None, metavar="FILE",
+                   help="write when the CPU and the GPU ran each part of every token (splits, hand-offs, slot "
+                   "reloads) to FILE at exit (`kairox trace FILE`); the stamps cost a few µs each")
     p.add_argument("--hw", default=None, metavar="FILE",
                    help="with --balancer: a `kairox profile-hw` file; its measured CPU and GPU rates name each "
                    "step's stall (default: 100 and 2000 GB/s)")
