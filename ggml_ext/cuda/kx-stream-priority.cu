@@ -10,6 +10,7 @@
 // on first use at ggml_cuda_kx_stream_priority(), so the choice made before a context runs
 // its first graph (kx_model_params_apply) holds for that context.
 #include "kx-ops-cuda.cuh"
+#include "ggml-backend-impl.h"
 
 #include <atomic>
 
@@ -28,4 +29,22 @@ int ggml_cuda_kx_stream_priority(void) {
     int least = 0, greatest = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     return greatest;
+}
+
+// tests ("kx_backend_stream_priority"): the priority of the backend's compute stream and the
+// device's range (CUDA: least is the numerically larger). 0 ok
+int32_t ggml_cuda_kx_backend_stream_priority(ggml_backend_t backend, int32_t * prio, int32_t * least,
+                                             int32_t * greatest) {
+    auto * ctx = (ggml_backend_cuda_context *) backend->context;
+    ggml_cuda_set_device(ctx->device);
+    int p = 0, lo = 0, hi = 0;
+    if (cudaStreamGetPriority(ctx->stream(), &p) != cudaSuccess ||
+        cudaDeviceGetStreamPriorityRange(&lo, &hi) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return 1;
+    }
+    *prio = p;
+    *least = lo;
+    *greatest = hi;
+    return 0;
 }

@@ -294,6 +294,12 @@ struct kx_params {
                                        // after the load that sets it (default false)
 };
 
+// tests: the priority of ctx's first GPU backend's compute stream (after a decode created it) and
+// its device's least and greatest (CUDA: least is the larger number; kx_params.decode_priority).
+// 0, or 1 when ctx has no GPU backend that reports one
+LLAMA_API int32_t kx_context_stream_priority(struct llama_context * ctx, int32_t * prio, int32_t * least,
+                                             int32_t * greatest);
+
 // what a budgeted context measured on its device (bytes)
 struct kx_vram_report {
     int64_t budget;

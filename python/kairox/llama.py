@@ -672,6 +672,15 @@ class Llama(llama_cpp.Llama):
         _lib.kx_model_balance_activity(self._model.model, step, il, arr, n)
         return list(arr[:n])
 
+    def stream_priority(self) -> tuple[int, int, int] | None:
+        """The priority of the context's GPU compute stream and its device's least and greatest
+        (CUDA numbers: greatest < least), after a decode; None without a GPU backend
+        (decode_priority= chooses it)."""
+        v = [ctypes.c_int32() for _ in range(3)]
+        if _lib.kx_context_stream_priority(self._ctx.ctx, *(ctypes.byref(x) for x in v)):
+            return None
+        return v[0].value, v[1].value, v[2].value
+
     @property
     def pack_has_predictor(self) -> bool:
         return bool(_lib.kx_model_pack_has_predictor(self._model.model))
