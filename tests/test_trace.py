@@ -168,6 +168,10 @@ def test_reloads_beside_the_splits(tmp_path: Path, capsys: pytest.CaptureFixture
     # hand-offs: graph 0's [90, 100] beside (10 µs), graph 1's [1090, 1094] not (4 µs): delay 6
     h = rl["hand-off"]
     assert (h["beside"], h["alone"], h["beside_us"], h["alone_us"], h["delay_us"]) == (1, 1, 10, 4, 6)
+    # hand-backs, a CPU split's end to its device tail's start: graph 0's [200, 205] beside the
+    # second reload, graph 1's [1180, 1185] not (layer 1 has no tail: none)
+    b = rl["hand-back"]
+    assert (b["beside"], b["alone"], b["beside_us"], b["alone_us"], b["delay_us"]) == (1, 1, 5, 5, 0)
     # CPU splits: layer 0's [100, 200] beside (100 µs; alone in graph 1: 86), layer 1's [250, 300] not
     c = rl["CPU split"]
     assert (c["beside"], c["alone"], c["paired"]) == (1, 3, 1) and c["delay_us"] == 100 - 86

@@ -13,10 +13,9 @@ ran while the GPU worked on the same layer: for every CPU split followed by a GP
 whose leading nodes were queued before it ("head", the scheduler's overlap, patch 0010),
 the two intervals and their intersection. A run with the live balancer also records when
 its reload engine moved each batch of neuron rows into the slots ("reload" records, part
-r); the summary then compares the hand-offs and splits that ran beside a reload with the
-same ones that did not (what a reload costs the critical path). `--png` draws one token's
-timeline. A trace may be
-gzip-compressed (the results keep theirs as .jsonl.gz): open_text reads either.
+r); the summary then compares the hand-offs, hand-backs and splits that ran beside a
+reload with the same ones that did not (what a reload costs the critical path). `--png`
+draws one token's timeline. A trace may be gzip-compressed (the results keep theirs as .jsonl.gz): open_text reads either.
 """
 from __future__ import annotations
 
@@ -180,37 +179,46 @@ def _covered(starts: list[int], ends: list[int], t0: int, t1: int) -> int:
     return got
 
 
-RELOAD_KINDS = ("hand-off", "CPU split", "GPU split")
+RELOAD_KINDS = ("hand-off", "hand-back", "CPU split", "GPU split")
 
 
-def _kind(r: TraceRec) -> str | None:
-    if r.part == "i":
-        return "hand-off"
-    if r.part == "r":
-        return None
-    return "CPU split" if r.cpu else "GPU split"
+def _spans(recs: list[TraceRec]) -> list[tuple[str, tuple[int, str], int, int]]:
+    """The intervals a reload may stretch, as (kind, key, t0, t1), the key naming the same
+    interval in every graph: input copies (host time, which includes waiting for the
+    producer), CPU splits, GPU splits, and each hand-back, from a CPU split's end to the start
+    of the device split that follows it (its result's copy and the launch: the gap the
+    critical path waits through)."""
+    out = []
+    nxt = {(r.graph, r.split): r for r in recs if r.part in "tw" and not r.cpu}
+    for r in recs:
+        if r.part == "r":
+            continue
+        if r.part == "i":
+            out.append(("hand-off", (r.split, r.part), r.t0, r.t1))
+            continue
+        out.append(("CPU split" if r.cpu else "GPU split", (r.split, r.part), r.t0, r.t1))
+        tail = nxt.get((r.graph, r.split + 1)) if r.cpu and r.part in "tw" else None
+        if tail is not None and tail.t0 >= r.t1:
+            out.append(("hand-back", (r.split, "b"), r.t1, tail.t0))
+    return out
 
 
 def beside_reloads(recs: list[TraceRec]) -> dict[str, Any] | None:
     """What the reloads cost the decode: the reload batches (count, MiB, busy µs, GB/s while
-    running), and for hand-offs, CPU splits and GPU splits, those that ran beside a reload (any
-    overlap) against those that did not: count and mean µs of each, and the paired delay, the
-    mean over the beside ones of (its µs - the mean of the same split's, same part, records
-    not beside one); None without reload records. A hand-off's time includes waiting for its
-    producer, so its delay is what the critical path saw."""
+    running), and for each kind of interval (_spans) those that overlapped a reload against
+    those that did not: count and mean µs of each, and the paired delay, the mean over the
+    beside ones of (its µs - the mean µs of the same interval in the graphs where it was not
+    beside one). None without reload records."""
     rel = [r for r in recs if r.part == "r"]
     if not rel:
         return None
     starts, ends = _union([(r.t0, r.t1) for r in rel])
     busy = sum(e - b for b, e in zip(starts, ends))
     moved = sum(r.bytes for r in rel)
-    groups: dict[tuple[str, int, str], tuple[list[int], list[int]]] = {}
-    for r in recs:
-        kind = _kind(r)
-        if kind is None:
-            continue
-        beside, alone = groups.setdefault((kind, r.split, r.part), ([], []))
-        (beside if _covered(starts, ends, r.t0, r.t1) > 0 else alone).append(r.us)
+    groups: dict[tuple[str, tuple[int, str]], tuple[list[int], list[int]]] = {}
+    for kind, key, t0, t1 in _spans(recs):
+        beside, alone = groups.setdefault((kind, key), ([], []))
+        (beside if _covered(starts, ends, t0, t1) > 0 else alone).append(t1 - t0)
     out: dict[str, Any] = {"batches": len(rel), "mib": moved / 2**20, "busy_us": busy,
                            "us_per_batch": sum(r.us for r in rel) / len(rel),
                            "gbs": moved / busy / 1e3 if busy else None}
