@@ -15,7 +15,8 @@ the two intervals and their intersection. A run with the live balancer also reco
 its reload engine moved each batch of neuron rows into the slots ("reload" records, part
 r); the summary then compares the hand-offs, hand-backs and splits that ran beside a
 reload with the same ones that did not (what a reload costs the critical path). `--png`
-draws one token's timeline. A trace may be gzip-compressed (the results keep theirs as .jsonl.gz): open_text reads either.
+draws one token's timeline. A trace may be gzip-compressed (the results keep theirs as
+.jsonl.gz): open_text reads either.
 """
 from __future__ import annotations
 
