@@ -68,6 +68,9 @@ def main() -> int:
     ap.add_argument("--backoff", type=int, default=0,
                     help="balancer: back off to the split as it stands where it does not pay, probing N tokens "
                          "(kairox.backoff; 0: always run)")
+    ap.add_argument("--backoff-doubling", type=int,
+                    help="balancer, with --backoff: a repeated outcome holds at most N x 2^this tokens "
+                         "(default: kairox.backoff.BackoffConfig's; bench/backoff_schedule.py models it)")
     ap.add_argument("--balance-trace", help="balancer: write its per-step records here (JSON lines)")
     ap.add_argument("--sched-trace", help="kairox: the scheduler's split trace to this file (kairox trace FILE)")
     ap.add_argument("--sched-trace-max", type=int, default=0, help="kairox: records the trace keeps (0: 131072)")
@@ -130,7 +133,9 @@ def main() -> int:
                                           max_admit=args.max_admit), max_blocks=args.max_blocks,
                            observe=args.balancer == "static", decide=args.decide,
                            pipeline=args.pipeline and args.balancer != "static",
-                           backoff=BackoffConfig(window=args.backoff) if args.backoff and args.balancer != "static" else None)
+                           backoff=BackoffConfig(window=args.backoff, **({} if args.backoff_doubling is None else
+                                                                         {"max_doubling": args.backoff_doubling}))
+                           if args.backoff and args.balancer != "static" else None)
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
         from kairox._native import balance_counters, pipe_counters, sched_counters, sparse_counters, warm_counters

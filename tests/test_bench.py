@@ -75,6 +75,47 @@ def test_bound_is_the_slowest_resource() -> None:
     assert b["seconds"] == pytest.approx(0.1)
 
 
+def test_backoff_schedule_models_probing(tmp_path: Path) -> None:
+    """bench/backoff_schedule.py: the schedule of an always-losing balancer (kairox.backoff's
+    count, by hand for the first probes), the cost formula, and the calibrated probe speed
+    reproducing the measured ratio it was solved from."""
+    import json
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("backoff_schedule", ROOT / "bench" / "backoff_schedule.py")
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+    from kairox.backoff import BackoffConfig
+    cfg = BackoffConfig(window=16, settle=2, max_doubling=4)
+    # probe on 18 (settle + window), held 18 (the probe's held half), then holds of 32: one
+    # return per lost probe, 18 balancer tokens each
+    on, homes = bs.schedule(18 + 18, cfg)
+    assert (on, homes) == (18, 1)
+    on, homes = bs.schedule(1024, cfg)
+    assert on == 18 * homes and 0 < homes < 1024 // 36
+    c = bs.cost(1024, cfg, 0.5, 0.01, 0.01)  # a return costs one token
+    assert c["vs_static"] == pytest.approx(1024 / ((1024 - on) + 2 * on + homes))
+    r = bs.probe_ratio(c["vs_static"], 1024, cfg, 0.01, 0.01)
+    assert r == pytest.approx(0.5)
+    # longer holds: fewer balancer tokens and returns over a long run
+    assert bs.schedule(65536, BackoffConfig(max_doubling=6))[0] < bs.schedule(65536, cfg)[0] / 3
+    # end to end on two call files
+    def rows(static: float, kind: float, homes: int) -> dict:
+        bd = {"homes": homes, "home_ns": homes * 30e6} if homes else {}
+        return {"config": "KB-7B", "session": "code", "commit": "abc", "gen": 1024,
+                "rows": [{"row": "static", "tok_s": static},
+                         {"row": "adaptive λ0=0.5" + (" [--backoff=16]" if homes else ""), "tok_s": kind,
+                          "counters": {"boundary": bd}}]}
+    (tmp_path / "with.json").write_text(json.dumps(rows(100.0, 97.0, 7)))
+    (tmp_path / "without.json").write_text(json.dumps(rows(100.0, 80.0, 0)))
+    assert bs.main(["--backoff", str(tmp_path / "with.json"), "--no-backoff", str(tmp_path / "without.json"),
+                    "--tokens", "1024", "--doubling", "4", "--out", str(tmp_path / "s")]) == 0
+    got = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert len(got) == 1 and got[0]["vs_static_calibrated"] == pytest.approx(0.97)
+    on, homes = bs.schedule(1024, cfg)
+    assert got[0]["vs_static_bound"] == pytest.approx(1024 / ((1024 - on) + on / 0.8 + homes * 0.03 / 0.01))
+
+
 def test_balance_live_summarizes_a_rows_scheduler_trace(tmp_path: Path) -> None:
     """A row run with @--sched-trace=FILE: its trace summarized (the reloads' figures with it)
     and kept gzip-compressed."""
