@@ -175,6 +175,7 @@ def test_reloads_beside_the_splits(tmp_path: Path, capsys: pytest.CaptureFixture
     # CPU splits: layer 0's [100, 200] beside (100 µs; alone in graph 1: 86), layer 1's [250, 300] not
     c = rl["CPU split"]
     assert (c["beside"], c["alone"], c["paired"]) == (1, 3, 1) and c["delay_us"] == 100 - 86
+    assert c["alone_us"] == 50  # the median of 86, 50 and 40
     # GPU splits beside one: graph 0's head [90, 150] and tail [205, 230]; the first split
     # [10, 90] ends before the first reload starts
     g = rl["GPU split"]
@@ -182,7 +183,7 @@ def test_reloads_beside_the_splits(tmp_path: Path, capsys: pytest.CaptureFixture
     from kairox.cli import main
     assert main(["trace", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "reloads: 2 batches, 4.0 MiB" in out and "hand-offs beside a reload: 1, 10.0 µs" in out
+    assert "reloads: 2 batches, 4.0 MiB" in out and "hand-offs beside a reload: 1, median 10.0 µs" in out
     # the timeline draws the reload lane (matplotlib is a test dependency)
     png = tmp_path / "g.png"
     kt.plot_graph(recs, 0, png)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import statistics
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,9 +208,10 @@ def _spans(recs: list[TraceRec]) -> list[tuple[str, tuple[int, str], int, int]]:
 def beside_reloads(recs: list[TraceRec]) -> dict[str, Any] | None:
     """What the reloads cost the decode: the reload batches (count, MiB, busy µs, GB/s while
     running), and for each kind of interval (_spans) those that overlapped a reload against
-    those that did not: count and mean µs of each, and the paired delay, the mean over the
-    beside ones of (its µs - the mean µs of the same interval in the graphs where it was not
-    beside one). None without reload records."""
+    those that did not: count and median µs of each, and the paired delay, the median over the
+    beside ones of (its µs - the median µs of the same interval in the graphs where it was not
+    beside one). Medians, because a prompt's graphs (batches of many tokens) share the decode
+    steps' split numbers at many times their length. None without reload records."""
     rel = [r for r in recs if r.part == "r"]
     if not rel:
         return None
@@ -227,11 +229,11 @@ def beside_reloads(recs: list[TraceRec]) -> dict[str, Any] | None:
         keys = [k for k in groups if k[0] == kind]
         beside = [u for k in keys for u in groups[k][0]]
         alone = [u for k in keys for u in groups[k][1]]
-        delays = [u - sum(groups[k][1]) / len(groups[k][1]) for k in keys if groups[k][1] for u in groups[k][0]]
+        delays = [u - statistics.median(groups[k][1]) for k in keys if groups[k][1] for u in groups[k][0]]
         out[kind] = {"beside": len(beside), "alone": len(alone),
-                     "beside_us": sum(beside) / len(beside) if beside else None,
-                     "alone_us": sum(alone) / len(alone) if alone else None,
-                     "delay_us": sum(delays) / len(delays) if delays else None, "paired": len(delays)}
+                     "beside_us": statistics.median(beside) if beside else None,
+                     "alone_us": statistics.median(alone) if alone else None,
+                     "delay_us": statistics.median(delays) if delays else None, "paired": len(delays)}
     return out
 
 
@@ -377,6 +379,6 @@ def summary_text(s: dict[str, Any]) -> str:
                  f"{f(rl['gbs'])} GB/s while running")
         for kind in RELOAD_KINDS:
             k = rl[kind]
-            text += (f"\n  {kind}s beside a reload: {k['beside']}, {f(k['beside_us'])} µs; not beside one: "
-                     f"{k['alone']}, {f(k['alone_us'])} µs; delay, paired by split: {f(k['delay_us'])} µs")
+            text += (f"\n  {kind}s beside a reload: {k['beside']}, median {f(k['beside_us'])} µs; not beside "
+                     f"one: {k['alone']}, {f(k['alone_us'])} µs; delay, paired by split: {f(k['delay_us'])} µs")
     return text
