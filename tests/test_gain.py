@@ -124,6 +124,20 @@ def test_without_a_measure_every_layer_runs_sparse(q4_model: Path, tmp_path: Pat
         llm.close()
 
 
+def test_the_load_times_with_the_contexts_threads() -> None:
+    """The context parameters the load sees (its sparse FFN timing, the budget's dry run) carry
+    the threads the context will run with: the ones asked for, else llama-cpp-python's
+    defaults (half the cores for decoding, all for batches). With other threads the load timed
+    anew and could choose otherwise than kx_sparse_cost at the context's threads."""
+    import multiprocessing
+    from kairox.llama import _context_params
+    cp = _context_params({"n_threads": 3, "n_threads_batch": 5})
+    assert (cp.n_threads, cp.n_threads_batch) == (3, 5)
+    cores = multiprocessing.cpu_count()
+    cp = _context_params({})
+    assert (cp.n_threads, cp.n_threads_batch) == (max(cores // 2, 1), cores)
+
+
 def test_the_load_runs_sparse_exactly_where_the_sparse_ffn_timed_faster(q4_model: Path, tmp_path: Path, dense,
                                                                        native: Path) -> None:
     from kairox.llama import sparse_cost

@@ -24,6 +24,7 @@ import collections
 import ctypes
 import dataclasses
 import inspect
+import multiprocessing
 import os
 import sys
 import threading
@@ -390,6 +391,11 @@ def _context_params(kwargs: dict[str, Any]) -> Any:
     n_ctx = int(get("n_ctx"))
     n_batch = min(n_ctx, int(get("n_batch"))) if n_ctx else int(get("n_batch"))
     cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, min(n_batch, int(get("n_ubatch")))
+    # the threads the base class will give the context (its defaults): the load times the
+    # sparse FFN with them (measure_gain), and a timing with other threads decides wrongly
+    cores = multiprocessing.cpu_count()
+    cp.n_threads = int(get("n_threads") or max(cores // 2, 1))
+    cp.n_threads_batch = int(get("n_threads_batch") or cores)
     cp.offload_kqv = bool(get("offload_kqv"))
     cp.flash_attn_type = _C.LLAMA_FLASH_ATTN_TYPE_ENABLED if get("flash_attn") else _C.LLAMA_FLASH_ATTN_TYPE_DISABLED
     for k in ("op_offload", "swa_full", "type_k", "type_v"):
