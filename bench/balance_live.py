@@ -79,6 +79,14 @@ def sched_summary(path: Path) -> dict:
     return {**summarize(recs), "file": gz.name, "records": len(recs), "dropped": dropped}
 
 
+def trace_lines(what: str, summary: dict) -> list[str]:
+    """The call table's lines for a scheduler trace's summary (what: the run it is of, with an
+    opening parenthesis the line closes)."""
+    from kairox.trace import summary_text
+    return ["", f"Scheduler trace of {what}; stamps cost a few µs each, so it is not a timing run):", ""] + \
+        ["    " + ln for ln in summary_text(summary).splitlines()]
+
+
 def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipeline: bool, bw: dict) -> dict:
     """The row's physical floor per token (offload.py's bound of the static hybrid's placement
     at the row's own GPU share), with its reloads on PCIe and, one layer ahead, every
@@ -301,16 +309,10 @@ def main() -> int:
             lines += ["", "Over the rounds (vs the median of the static rows; the table above compares each row with "
                       "the first static row):", ""] + medians(results)
         if trace:
-            from kairox.trace import summary_text
-            lines += ["", f"Scheduler trace of one more static run ({trace['png']}, records {trace['records']}; "
-                      "stamps cost a few µs each, so it is not a timing run):", ""]
-            lines += ["    " + ln for ln in summary_text(trace).splitlines()]
+            lines += trace_lines(f"one more static run ({trace['png']}, records {trace['records']}", trace)
         for r in results:
             if r.get("sched_trace"):
-                from kairox.trace import summary_text
-                lines += ["", f"Scheduler trace of row {r['row']} ({r['sched_trace']['file']}; stamps cost a few µs "
-                          "each, so it is not a timing run):", ""]
-                lines += ["    " + ln for ln in summary_text(r["sched_trace"]).splitlines()]
+                lines += trace_lines(f"row {r['row']} ({r['sched_trace']['file']}", r["sched_trace"])
         cmd = shlex.join([sys.executable] + sys.argv)
         write_results(out / name, {"command": cmd, "commit": git_commit(), "machine": machine_facts(), "bandwidths": bw,
                                    "config": args.config, "budget_gib": budget, "gen": args.gen,

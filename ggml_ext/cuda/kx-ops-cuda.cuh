@@ -20,6 +20,8 @@ bool ggml_cuda_kx_supports_op(const ggml_tensor * op);
 
 // scheduler trace stamp (kx-trace-mark.cu; include/kx-trace.h: kx_backend_trace_mark_t)
 void ggml_cuda_kx_trace_mark(ggml_backend_t backend, int64_t * t_us);
+// ... and the stamp itself on any stream (the reload engine's too): *t_us when the stream reaches it
+cudaError_t ggml_cuda_kx_stamp(cudaStream_t stream, int64_t * t_us);
 // the scheduler's deferred wait polls it (kx-trace-mark.cu; kx-trace.h: kx_event_busy_t)
 bool ggml_cuda_kx_event_busy(ggml_backend_event_t event);
 
@@ -37,6 +39,8 @@ const kx_timer_iface *  ggml_cuda_kx_timer_iface(void);
 // the decode's streams above the slot reloads' (kx-stream-priority.cu; common.cuh creates
 // the backend's streams at ggml_cuda_kx_stream_priority())
 void ggml_cuda_kx_set_decode_priority(bool high);
+// the current device's greatest (or least) stream priority; 0 (CUDA's default) where it has none
+int  ggml_cuda_kx_priority(bool greatest);
 int32_t ggml_cuda_kx_backend_stream_priority(ggml_backend_t backend, int32_t * prio, int32_t * least,
                                              int32_t * greatest);
 // every hybrid layer's TAM step in one launch (kx-tam.cu), driven by the reload engine

@@ -110,17 +110,6 @@ static __global__ void kx_reload_write_kernel(const kx_i32_write * w, int64_t n)
     }
 }
 
-// the current device's least stream priority: reloads and the balancer's kernels yield SMs to
-// the decode's kernels when those rank higher (kx-stream-priority.cu)
-static int kx_reload_priority() {
-    int least = 0, greatest = 0;
-    if (cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess) {
-        (void) cudaGetLastError();
-        return 0;
-    }
-    return least;
-}
-
 // the device address of a host byte, through the registered range holding it; 0 if none
 static uintptr_t kx_reload_dev_addr(const kx_cuda_reload & r, const void * host) {
     const uintptr_t h = (uintptr_t) host;
@@ -236,8 +225,10 @@ static void * kx_reload_create(int32_t device, int32_t method, int32_t max_block
     r->device = device;
     r->method = method;
     r->max_blocks = max_blocks;
+    // at the device's least priority: reloads and the balancer's kernels yield SMs to the
+    // decode's kernels when those rank higher (kx-stream-priority.cu)
     if (cudaSetDevice(device) != cudaSuccess ||
-        cudaStreamCreateWithPriority(&r->stream, cudaStreamNonBlocking, kx_reload_priority()) != cudaSuccess ||
+        cudaStreamCreateWithPriority(&r->stream, cudaStreamNonBlocking, ggml_cuda_kx_priority(false)) != cudaSuccess ||
         cudaEventCreateWithFlags(&r->done, cudaEventDisableTiming) != cudaSuccess) {
         fprintf(stderr, "kx reload: cannot create a stream on device %d\n", (int) device);
         kx_reload_destroy(r);
@@ -443,7 +434,7 @@ static int32_t kx_reload_queue_write(void * p, ggml_backend * reader, const kx_i
     KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
     if (!reader) {
         if (!r->side) {
-            KX_RELOAD_CHECK(cudaStreamCreateWithPriority(&r->side, cudaStreamNonBlocking, kx_reload_priority()), 3);
+            KX_RELOAD_CHECK(cudaStreamCreateWithPriority(&r->side, cudaStreamNonBlocking, ggml_cuda_kx_priority(false)), 3);
         }
         return kx_reload_store(r->side, r->sstage, r->sstage_cap, w, n);
     }
@@ -504,14 +495,10 @@ static void kx_reload_host_unpin(void * ptr) {
     }
 }
 
-static void CUDART_CB kx_reload_stamp(void * t_us) {
-    *(int64_t *) t_us = ggml_time_us(); // no CUDA calls allowed here
-}
-
 // only while the scheduler trace records: a host function costs a few µs of the stream's time
 static void kx_reload_mark(void * p, int64_t * t_us) {
     auto * r = (kx_cuda_reload *) p;
-    if (cudaSetDevice(r->device) != cudaSuccess || cudaLaunchHostFunc(r->stream, kx_reload_stamp, t_us) != cudaSuccess) {
+    if (cudaSetDevice(r->device) != cudaSuccess || ggml_cuda_kx_stamp(r->stream, t_us) != cudaSuccess) {
         (void) cudaGetLastError(); // an unstamped record is left out of the trace (t1 stays 0)
     }
 }

@@ -20,15 +20,19 @@ void ggml_cuda_kx_set_decode_priority(bool high) {
     kx_decode_high.store(high);
 }
 
+int ggml_cuda_kx_priority(bool greatest) {
+    int lo = 0, hi = 0;
+    if (cudaDeviceGetStreamPriorityRange(&lo, &hi) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return 0;
+    }
+    return greatest ? hi : lo;
+}
+
 // the current device's greatest priority when asked for, else 0 (CUDA's default, which is
 // also its least: a stream created without a priority)
 int ggml_cuda_kx_stream_priority(void) {
-    if (!kx_decode_high.load()) {
-        return 0;
-    }
-    int least = 0, greatest = 0;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    return greatest;
+    return kx_decode_high.load() ? ggml_cuda_kx_priority(true) : 0;
 }
 
 // tests ("kx_backend_stream_priority"): the priority of the backend's compute stream and the

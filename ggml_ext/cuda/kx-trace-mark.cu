@@ -11,10 +11,14 @@ static void CUDART_CB kx_trace_stamp(void * t_us) {
     *(int64_t *) t_us = ggml_time_us(); // no CUDA calls allowed here
 }
 
+cudaError_t ggml_cuda_kx_stamp(cudaStream_t stream, int64_t * t_us) {
+    return cudaLaunchHostFunc(stream, kx_trace_stamp, t_us);
+}
+
 void ggml_cuda_kx_trace_mark(ggml_backend_t backend, int64_t * t_us) {
     auto * ctx = (ggml_backend_cuda_context *) backend->context;
     ggml_cuda_set_device(ctx->device);
-    CUDA_CHECK(cudaLaunchHostFunc(ctx->stream(), kx_trace_stamp, t_us));
+    CUDA_CHECK(ggml_cuda_kx_stamp(ctx->stream(), t_us));
 }
 
 // "kx_event_busy": the deferred device wait (kx-trace.h) polls whether the read-backs a CPU

@@ -25,6 +25,7 @@ import json
 import re
 import statistics
 import zlib
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -172,7 +173,6 @@ def _union(spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
 
 def _covered(starts: list[int], ends: list[int], t0: int, t1: int) -> int:
     """µs of [t0, t1] inside the union (starts, ends)."""
-    from bisect import bisect_right
     k = max(0, bisect_right(starts, t0) - 1)
     got = 0
     while k < len(starts) and starts[k] < t1:
