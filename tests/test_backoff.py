@@ -156,3 +156,53 @@ def test_run_cli_backoff_needs_the_balancer(model4: Path, capsys) -> None:
     assert main(["run", "-m", str(model4), "-n", "2", "--gpu-slots", "64", "--balancer", "fixed",
                  "--backoff", "-1"]) == 2
     assert "window" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_each_return_restarts_the_decision_from_the_static_split(model4: Path, gpu: bool) -> None:  # noqa: F811
+    """Recorded, with every probe ending held: each run of the balancer decides as a new one
+    would (kairox.balancer.LayerBalancer made afresh from the static split, fed the run's
+    recorded active lists and stall types): loads, evictions and λ of every step. On the GPU
+    machine the device's decision table, reset in place at each return."""
+    import kairox
+    from kairox.balancer import LayerBalancer
+    from test_pipeline import N_FF, N_GEN, N_LAYER, PROMPT, SLOTS, _gpu_or_skip, drifting, fast
+
+    _gpu_or_skip(gpu)
+    where = {"n_gpu_layers": -1} if gpu else {"slots_device": "CPU"}
+    llm = kairox.Llama(str(model4), n_ctx=256, n_batch=1, n_ubatch=1, type_k=0, type_v=0, n_threads=2,
+                       verbose=False, sparse="predicted", gpu_slots=SLOTS, balancer_record=True, **where)
+    try:
+        home = [llm.slot_residents(il) for il in range(N_LAYER)]
+        bal, cfg = dataclasses.replace(fast(), eps=-1.0), BackoffConfig(window=3, settle=1, margin=0.99, max_doubling=2)
+        llm.start_balancer(bal, decide="auto" if gpu else "inline", backoff=cfg)
+        for t in PROMPT + drifting(N_GEN):
+            llm.eval([t])
+        trace = llm.balance_trace()
+        # the runs: boundary 0 runs (no token time before it), then the reference's answers
+        ref, runs, on = Backoff(cfg), [1], True
+        for _ in range(len(PROMPT) + N_GEN - 1):
+            now = ref.step(1.0)
+            if now and on:
+                runs[-1] += 1
+            elif now:
+                runs.append(1)
+            on = now
+        assert len(runs) > 2 and sum(runs) == len({r["step"] for r in trace})
+        compared = 0
+        for il in range(N_LAYER):
+            recs = sorted((r for r in trace if r["layer"] == il), key=lambda r: r["step"])
+            k = 0
+            for n in runs:
+                lb = LayerBalancer(N_FF, SLOTS[il], bal, initial=home[il])
+                for r in recs[k:k + n]:
+                    act = np.zeros(N_FF, bool)
+                    act[llm.balance_activity(r["step"], il)] = True
+                    d = lb.step(act, r["stall"])
+                    assert (len(d.admit), len(d.evict)) == (r["n_load"], r["n_evict"]), r
+                    assert np.float32(d.lam) == np.float32(r["lam"]), r
+                    compared += len(d.admit) + len(d.evict)
+                k += n
+        assert compared > len(runs) * N_LAYER
+    finally:
+        llm.close()

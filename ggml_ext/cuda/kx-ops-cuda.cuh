@@ -50,4 +50,5 @@ void *  ggml_cuda_kx_tam_batch_new(const kx_tam_config * cfg, int32_t n_layers, 
 void    ggml_cuda_kx_tam_batch_free(void * t);
 int32_t ggml_cuda_kx_tam_batch_launch(void * t, cudaStream_t stream, const int32_t * const * active,
                                       const int32_t * n_active, const int32_t * stalls);
+int32_t ggml_cuda_kx_tam_batch_reset(void * t, cudaStream_t stream, const uint8_t * initial);
 int32_t ggml_cuda_kx_tam_batch_fetch(void * t, const int32_t ** ids, float * lam, int32_t * counts, float * kernel_us);

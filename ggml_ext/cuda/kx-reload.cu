@@ -478,6 +478,17 @@ static int32_t kx_reload_tam_launch(void * p, void * t, const int32_t * const * 
     return 0;
 }
 
+static int32_t kx_reload_tam_reset(void * p, void * t, const uint8_t * initial) {
+    auto * r = (kx_cuda_reload *) p;
+    KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
+    if (ggml_cuda_kx_tam_batch_reset(t, r->stream, initial)) {
+        return 3;
+    }
+    KX_RELOAD_CHECK(cudaEventRecord(r->done, r->stream), 4);
+    r->pending = true;
+    return 0;
+}
+
 static void * kx_reload_host_addr(void * p, const void * host) {
     return p ? (void *) kx_reload_dev_addr(*(const kx_cuda_reload *) p, host) : nullptr;
 }
@@ -511,6 +522,7 @@ static const kx_reload_iface kx_cuda_reload_iface_v = {
 
 static const kx_tam_iface kx_cuda_tam_iface_v = {
     kx_reload_tam_new, ggml_cuda_kx_tam_batch_free, kx_reload_tam_launch, ggml_cuda_kx_tam_batch_fetch,
+    kx_reload_tam_reset,
 };
 
 static const kx_pin_iface kx_cuda_pin_iface_v = {

@@ -300,6 +300,26 @@ void * ggml_cuda_kx_tam_batch_new(const kx_tam_config * cfg, int32_t n_layers, c
     return t;
 }
 
+// back to a new table's state (the back-off's return: fresh scores and λ, residency
+// `initial`), queued on `stream` behind what runs there: no allocation, so no cudaFree's
+// device-wide synchronization. The last launch's results are dropped.
+int32_t ggml_cuda_kx_tam_batch_reset(void * p, cudaStream_t stream, const uint8_t * initial) {
+    auto * t = (kx_cuda_tam_batch *) p;
+    const size_t N = (size_t) t->n_total, L = (size_t) t->n_layers;
+    std::vector<kx_tam_state> st(L);
+    for (auto & x : st) {
+        kx_tam_state_init(&t->cfg, &x);
+    }
+    // pageable sources: each copy returns once its bytes are staged, so the vectors may go
+    if (cudaMemcpyAsync(t->d_st, st.data(), L * sizeof(kx_tam_state), cudaMemcpyHostToDevice, stream) != cudaSuccess ||
+        cudaMemsetAsync(t->d_score, 0, N * sizeof(float), stream) != cudaSuccess ||
+        cudaMemcpyAsync(t->d_res, initial, N, cudaMemcpyHostToDevice, stream) != cudaSuccess) {
+        return 1;
+    }
+    t->launched = false;
+    return 0;
+}
+
 // queues one step of every layer on `stream`: layer l's active ids at active[l] (n_active[l]),
 // stalls [n_layers]
 int32_t ggml_cuda_kx_tam_batch_launch(void * p, cudaStream_t stream, const int32_t * const * active,

@@ -101,6 +101,9 @@ struct kx_tam_iface {
     int32_t (*launch)(void * r, void * t, const int32_t * const * active, const int32_t * n_active,
                       const int32_t * stalls);
     int32_t (*fetch)(void * t, const int32_t ** ids, float * lam, int32_t * counts, float * kernel_us);
+    // back to create's state with residency initial [Σn], queued on engine r's stream (the
+    // engine's wait() covers it); the last launch's results are dropped. 0 ok
+    int32_t (*reset)(void * r, void * t, const uint8_t * initial);
 };
 
 // Page-locks [ptr, ptr+size) for every device, mapped: the host weights' buffer

@@ -168,12 +168,10 @@ kx_balancer::~kx_balancer() {
 // ---------------------------------------------------------------- boundary
 
 // the device decision's state, from every layer's decided residency (its scores and λ start
-// afresh: the balancer's start, and the back-off's return to the static split)
+// afresh): a new table at the balancer's start; at the back-off's return the same table,
+// reset in place on the engine's stream (a new one meant ~20 allocations, and freeing the
+// old one's device memory synchronizes the whole device)
 static void kx_balance_tam_new(kx_balancer & b) {
-    if (b.tam) {
-        b.tam_io->destroy(b.tam);
-        b.tam = nullptr;
-    }
     std::vector<int32_t> n, cap;
     std::vector<uint8_t> initial; // every layer's residency, concatenated
     b.tam_off.clear();
@@ -182,6 +180,13 @@ static void kx_balance_tam_new(kx_balancer & b) {
         n.push_back((int32_t) L.decided.size());
         cap.push_back(L.cap);
         initial.insert(initial.end(), L.decided.begin(), L.decided.end());
+    }
+    if (b.tam) {
+        if (b.tam_io->reset(b.engine, b.tam, initial.data()) == 0) {
+            return;
+        }
+        b.tam_io->destroy(b.tam);
+        b.tam = nullptr;
     }
     b.tam = b.tam_io->create(b.engine, &b.params.tam, (int32_t) b.layers.size(), n.data(), cap.data(), initial.data());
     if (!b.tam) {
