@@ -94,7 +94,8 @@ def test_the_runtime_holds_the_balancer_as_the_reference_says(model4: Path, pipe
     """Live, CPU-device slots (or GPU ones: the device's decision, rebuilt at each return): with
     a margin no balancer meets (0.99: it would have to be 100x faster), every probe ends held. The boundaries held are the reference's answers on as many
     token times, a held boundary leaves the slots holding the static split (the residents the
-    balancer started from, which its probes had moved away from), the decode's outputs stay the
+    balancer started from, which its probes had moved away from; on the GPU a return's loads
+    enter when they have landed), the decode's outputs stay the
     unbalanced run's, and the pipeline's graph nodes come and go with the holds."""
     import kairox
     from kairox._native import balance_counters, pipe_counters
@@ -113,18 +114,19 @@ def test_the_runtime_holds_the_balancer_as_the_reference_says(model4: Path, pipe
                 llm.start_balancer(dataclasses.replace(fast(), eps=-1.0), pipeline=pipeline, backoff=backoff)
             balance_counters(reset=True)
             pipe_counters(reset=True)
-            held, moved, at_home = 0, 0, 0
+            held, moved, at_home, within = 0, 0, 0, 0
             for t in PROMPT + toks:  # (n_batch 1: the prompt too, a boundary per token)
                 llm.eval([t])
                 placed = [set(llm.slot_residents(il)) for il in range(N_LAYER)]
                 now = balance_counters()["held"]
                 if now > held:  # this boundary held the balancer
                     at_home += placed == home
+                    within += all(p <= h for p, h in zip(placed, home))
                 else:
                     moved += placed != home
                 held = now
             return np.array(llm.scores[:llm.n_tokens]), {**balance_counters(reset=True), "moved": moved,
-                                                         "at_home": at_home,
+                                                         "at_home": at_home, "within": within,
                                                          "prefetches": pipe_counters(reset=True)["steps"]}
         finally:
             llm.close()
@@ -142,7 +144,10 @@ def test_the_runtime_holds_the_balancer_as_the_reference_says(model4: Path, pipe
         homes += ref.home
     assert c["held"] == on.count(False) > boundaries // 2
     assert c["homes"] == homes > 1
-    assert c["at_home"] == c["held"]  # every held boundary: the static split, exactly
+    # every held boundary: the static split, its loads once landed (a host engine's land at
+    # once; a device's within the next decode on this model); never a neuron it does not hold
+    assert c["within"] == c["held"]
+    assert c["at_home"] >= c["held"] - (c["homes"] if gpu else 0)
     assert c["moved"] > 0 and c["home_loads"] > 0  # which the probes had left
     if pipeline:  # layers 1-3 prefetch within the decodes the balancer ran (the first, and those
         # after a boundary that ran it), layer 0 at those boundaries; none in held ones

@@ -214,6 +214,8 @@ static void kx_balance_backoff(llama_context * ctx, kx_hybrid & h, kx_balancer &
     }
     if (!b.held) {
         kx_balance_home(b, *h.slots, model, *h.pack);
+    } else {
+        kx_balance_land(b, *h.slots, model, *h.pack, true); // the resumed balancer starts from the whole static split
     }
     b.held = !b.held;
     if (b.params.pipeline) {
@@ -242,6 +244,7 @@ int32_t kx_context_balance(llama_context * ctx, char * err, size_t err_size) {
         rc = kx_guard(err, err_size, [&] { kx_balance_step(*b, *h.slots, model, *h.pack); });
         b->bo_step_s = 1e-9 * (double) kx_lap_ns(t);
     } else if (rc == 0) {
+        rc = kx_guard(err, err_size, [&] { kx_balance_land(*b, *h.slots, model, *h.pack, false); });
         kx_balance_stat_add(KX_BAL_HELD, 1);
     }
     kx_balance_stat_add(KX_BAL_STEPS, 1);

@@ -524,6 +524,7 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
     if (b.params.observe) {
         return;
     }
+    kx_balance_land(b, slots, model, pack, true);
     if (b.params.pipeline) {
         kx_pipe_drain(b);
         return;
@@ -533,6 +534,24 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
     kx_balance_fetch(b);
     kx_balance_apply(b, slots, pack, model); // the pending decision
     kx_balance_apply(b, slots, pack, model); // its loads, waited for and committed
+}
+
+bool kx_balance_land(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack, bool wait) {
+    if (!b.home_pending) {
+        return true;
+    }
+    if (!wait) {
+        const int32_t q = b.hung ? 0 : b.io->query(b.engine);
+        if (q < 0) {
+            throw std::runtime_error("balancer: a slot reload failed");
+        }
+        if (q == 0) {
+            return false;
+        }
+    }
+    kx_balance_apply(b, slots, pack, model); // waited for (if need be) and committed; nothing else queued
+    b.home_pending = false;
+    return true;
 }
 
 void kx_balance_home(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {
@@ -574,7 +593,8 @@ void kx_balance_home(kx_balancer & b, kx_slots & slots, const llama_model & mode
         loads += (int64_t) L.admit.size();
     }
     kx_balance_apply(b, slots, pack, model); // evictions stored, loads queued
-    kx_balance_apply(b, slots, pack, model); // loads waited for and committed
+    b.home_pending = true;
+    kx_balance_land(b, slots, model, pack, false); // committed now if they have landed (a host engine's have)
     // the policy's state restarts from the static split, as a new balancer's would
     for (kx_balance_layer & L : b.layers) {
         kx_tam_state_init(&b.params.tam, &L.st);
