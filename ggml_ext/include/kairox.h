@@ -523,13 +523,14 @@ LLAMA_API int64_t kx_host_pageable_bytes(void);
 LLAMA_API void    kx_warm_stats(int64_t * out, bool reset);
 
 // The live balancer's boundary (kx_context_balance), host time by phase since the last reset
-// (llama/kx-balance.cpp). out: 14 values (may be NULL, to reset only): boundaries, ns in
+// (llama/kx-balance.cpp). out: 15 values (may be NULL, to reset only): boundaries, ns in
 // kx_context_balance, ns of it synchronizing the context, taking the decode's active lists
 // and GPU hits, waiting for the reload stream (or the host decision), reading the device
 // decision, applying the last one (the host's maps and copy list), starting the next one, and
 // applying's device calls: storing the slot-map entries, queueing the copies; then the
 // boundaries the back-off held the balancer at (no step), its returns to the static split
-// (each switch to held), the neurons those loaded and the ns they took.
+// (each switch to held), the neurons those loaded and the ns they took, and the held
+// boundaries at which a return's loads were still in flight (they enter once landed).
 LLAMA_API void    kx_balance_stats(int64_t * out, bool reset);
 
 // The balancer's pipeline within each decode (llama/kx-pipeline.cpp), host time by phase since

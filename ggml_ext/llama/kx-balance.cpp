@@ -546,6 +546,7 @@ bool kx_balance_land(kx_balancer & b, kx_slots & slots, const llama_model & mode
             throw std::runtime_error("balancer: a slot reload failed");
         }
         if (q == 0) {
+            kx_balance_stat_add(KX_BAL_HOME_LATE, 1);
             return false;
         }
     }
@@ -593,8 +594,7 @@ void kx_balance_home(kx_balancer & b, kx_slots & slots, const llama_model & mode
         loads += (int64_t) L.admit.size();
     }
     kx_balance_apply(b, slots, pack, model); // evictions stored, loads queued
-    b.home_pending = true;
-    kx_balance_land(b, slots, model, pack, false); // committed now if they have landed (a host engine's have)
+    b.home_pending = true; // committed by the held boundaries once landed (a host engine's have)
     // the policy's state restarts from the static split, as a new balancer's would
     for (kx_balance_layer & L : b.layers) {
         kx_tam_state_init(&b.params.tam, &L.st);

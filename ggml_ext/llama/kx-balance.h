@@ -201,10 +201,11 @@ struct kx_balancer {
 // applying (3-5: the host's maps and the copy list), starting the next decision (6), and of
 // applying's device calls apart: storing the slot-map entries, queueing the copies (the host
 // loops alone are 1.5 of apply's 7-9 µs per KB-70B layer, bench/apply_probe.cpp); the
-// back-off's held boundaries, and its returns to the static split (count, neurons loaded, ns)
+// back-off's held boundaries, and its returns to the static split (count, neurons loaded, ns;
+// held boundaries at which their loads had not yet landed)
 enum { KX_BAL_STEPS, KX_BAL_NS, KX_BAL_SYNC_NS, KX_BAL_SNAP_NS, KX_BAL_WAIT_NS, KX_BAL_FETCH_NS, KX_BAL_APPLY_NS,
        KX_BAL_LAUNCH_NS, KX_BAL_STORE_NS, KX_BAL_QUEUE_NS, KX_BAL_HELD, KX_BAL_HOMES, KX_BAL_HOME_LOADS, KX_BAL_HOME_NS,
-       KX_BAL_N_STATS };
+       KX_BAL_HOME_LATE, KX_BAL_N_STATS };
 void kx_balance_stat_add(int32_t i, int64_t v);
 
 

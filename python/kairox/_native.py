@@ -213,7 +213,8 @@ def warm_counters(reset: bool = False) -> dict[str, int]:
 
 
 BALANCE_STATS = ("steps", "ns", "sync_ns", "snap_ns", "wait_ns", "fetch_ns", "apply_ns", "launch_ns", "store_ns",
-                 "queue_ns", "held", "homes", "home_loads", "home_ns")
+                 "queue_ns", "held", "homes", "home_loads", "home_ns",
+                 "home_late")
 
 
 def balance_counters(reset: bool = False) -> dict[str, int]:
@@ -223,7 +224,8 @@ def balance_counters(reset: bool = False) -> dict[str, int]:
     reading the device decision, applying the last one (host maps), starting the next, and
     applying's device calls: storing slot-map entries, queueing copies; boundaries the back-off
     held the balancer at (kairox.backoff), its returns to the static split (each switch to
-    held), the neurons those loaded and the ns they took."""
+    held), the neurons those loaded and the ns they took, and the checks at which a return's
+    loads had not yet landed (they enter the slots once they have)."""
     return _read_stats(load_llama_cpp().llama_cpp._lib, "kx_balance_stats", BALANCE_STATS, reset)
 
 
