@@ -154,14 +154,14 @@ def test_balance_live_rows_and_their_bound() -> None:
     # rows over the rounds: medians against the static rows' median, held boundaries listed
     runs = [{"row": "static", "tok_s": 100.0}, {"row": "pipe", "tok_s": 90.0,
                                                  "counters": {"boundary": {"held": 7, "homes": 2,
-                                                                           "home_loads": 300}}},
+                                                                           "home_loads": 300, "home_late": 3}}},
             {"row": "static", "tok_s": 130.0}, {"row": "pipe", "tok_s": 120.0,
                                                  "counters": {"boundary": {"held": 9}}},
             {"row": "static", "tok_s": 110.0}]
     t = bl.medians(runs)
     assert t[2] == "| static | 3 | 110.00 (100.00-130.00) | 1.00x | - | - |"
-    assert t[3] == "| pipe | 2 | 105.00 (90.00-120.00) | 0.95x | 7, 9 | 2 (300) |"
-    assert bl.medians(runs[1:2])[2] == "| pipe | 1 | 90.00 (90.00-90.00) | - | 7 | 2 (300) |"
+    assert t[3] == "| pipe | 2 | 105.00 (90.00-120.00) | 0.95x | 7, 9 | 2 (300, 3) |"
+    assert bl.medians(runs[1:2])[2] == "| pipe | 1 | 90.00 (90.00-90.00) | - | 7 | 2 (300, 3) |"
     # static-split and static-sync: rows of older results, their switches retired
     for bad in ("pipes", "pipe:0.9:32:15:1", "static-split", "static-sync"):
         with pytest.raises(ValueError):
