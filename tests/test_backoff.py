@@ -81,11 +81,11 @@ def test_the_runtime_policy_is_the_reference(native, cfg: BackoffConfig) -> None
         level = np.repeat(rng.uniform(0.5, 2.0, n // 40 + 1), 40)[:n]
         t = np.round(level * rng.uniform(0.8, 1.2, n), int(rng.integers(1, 4)))
         got = (ctypes.c_uint8 * n)()
-        assert _lib.kx_backoff_run(ctypes.byref(cfg.native()), (ctypes.c_double * n)(*t), n, got) == 0
+        assert _lib.kx_backoff_run(ctypes.byref(cfg.native()), (ctypes.c_double * n)(*t), None, n, got) == 0
         assert [bool(x) for x in got] == run_backoff(cfg, t.tolist())
     bad = BackoffConfig().native()
     bad.margin = 1.5
-    assert _lib.kx_backoff_run(ctypes.byref(bad), None, 0, None) == 1
+    assert _lib.kx_backoff_run(ctypes.byref(bad), None, None, 0, None) == 1
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
@@ -132,7 +132,7 @@ def test_the_runtime_holds_the_balancer_as_the_reference_says(model4: Path, pipe
             llm.close()
 
     want, _ = decode(None)
-    cfg = BackoffConfig(window=3, settle=1, margin=0.99, max_doubling=2)
+    cfg = BackoffConfig(window=3, settle=1, margin=0.99, max_doubling=2, drift=0.0)
     got, c = decode(cfg)
     tol = 1e-3 if gpu else 1e-5  # CUDA kernels vs the CPU's: rounding
     assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max())
@@ -181,7 +181,7 @@ def test_each_return_restarts_the_decision_from_the_static_split(model4: Path, g
                        verbose=False, sparse="predicted", gpu_slots=SLOTS, balancer_record=True, **where)
     try:
         home = [llm.slot_residents(il) for il in range(N_LAYER)]
-        bal, cfg = dataclasses.replace(fast(), eps=-1.0), BackoffConfig(window=3, settle=1, margin=0.99, max_doubling=2)
+        bal, cfg = dataclasses.replace(fast(), eps=-1.0), BackoffConfig(window=3, settle=1, margin=0.99, max_doubling=2, drift=0.0)
         llm.start_balancer(bal, decide="auto" if gpu else "inline", backoff=cfg)
         for t in PROMPT + drifting(N_GEN):
             llm.eval([t])

@@ -100,6 +100,7 @@ struct kx_backoff_config {
     int32_t settle;       // tokens after a switch not measured (the graph is rebuilt)
     float   margin;       // in [0, 1)
     int32_t max_doubling;
+    float   drift;        // in [0, 1): a lost probe repeats once the static split's hit rate fell by this; 0: on schedule
 };
 
 struct kx_balance_params {
@@ -343,10 +344,11 @@ LLAMA_API int32_t kx_model_params_apply_ctx(struct kx_params * kp, struct llama_
 // NULL for bad arguments. Each decode step's measurements go to kx_migrate_step (1: a new
 // choice was made, 0: none, -1: bad state); kx_migrate_streamed fills the current choice
 // (n flags) and returns how many stream.
-// The back-off's policy on a series of n token times (seconds): on[i] = 1 where the balancer
+// The back-off's policy on a series of n token times (seconds) and of the static split's hit
+// rates (hits, NULL for none; read where the policy asks for one): on[i] = 1 where the balancer
 // runs after token i (kairox.backoff.run_backoff is the reference). 0, or 1 for bad arguments.
-LLAMA_API int32_t kx_backoff_run(const struct kx_backoff_config * cfg, const double * seconds, int64_t n,
-                                 uint8_t * on);
+LLAMA_API int32_t kx_backoff_run(const struct kx_backoff_config * cfg, const double * seconds, const double * hits,
+                                 int64_t n, uint8_t * on);
 struct kx_migrate_state;
 LLAMA_API struct kx_migrate_state * kx_migrate_new(const int64_t * nbytes, const int64_t * gpu_bytes_before,
                                                    const double * read, int32_t n, int64_t gpu_bytes,

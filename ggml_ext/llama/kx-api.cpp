@@ -209,7 +209,9 @@ static void kx_balance_backoff(llama_context * ctx, kx_hybrid & h, kx_balancer &
     b.bo_ctx = ctx;
     b.bo_n_eval = p.n_eval;
     b.bo_t_eval_ms = p.t_eval_ms;
-    if (!sample || kx_backoff_step(b.backoff, s) == !b.held) {
+    // held, the decode's lists tell how well the static split covers the text (the drift gate)
+    const double hit = sample && b.held && kx_backoff_wants_hit(b.backoff) ? kx_balance_held_hits(b, *h.slots) : -1.0;
+    if (!sample || kx_backoff_step(b.backoff, s, hit) == !b.held) {
         return;
     }
     if (!b.held) {

@@ -1,7 +1,8 @@
 // The balancer's back-off (include/kairox.h: struct kx_backoff_config; reference
 // python/kairox/backoff.py): from the context's decoded-token times, whether the balancer runs
 // for the next token. Probes on (window tokens), then held (window tokens); keeps the faster by
-// median, holds that outcome for a while, probes again.
+// median, holds that outcome for a while, probes again (after a loss: once the static split's
+// hit rate has fallen by drift, or after four holds).
 #pragma once
 
 #include "kairox.h"
@@ -17,8 +18,12 @@ struct kx_backoff {
     int32_t streak   = 0;  // repeats of the last outcome
     int32_t last_won = -1; // -1: no outcome yet
     int64_t hold     = 0;  // tokens the outcome holds
-    std::vector<double> s_on, s_off;
+    double  lost_hit = -1; // the static split's hit rate in the last lost probe (< 0: no drift gate)
+    std::vector<double> s_on, s_off, h_off, recent;
 };
 
-// one decoded token's seconds (it ran with the previous answer); whether the balancer runs next
-bool kx_backoff_step(kx_backoff & b, double seconds);
+// whether the next token's static hit rate is used (the boundary counts it only then)
+bool kx_backoff_wants_hit(const kx_backoff & b);
+// one decoded token's seconds (it ran with the previous answer) and, held, the static split's
+// hit rate on it (< 0: not counted); whether the balancer runs next
+bool kx_backoff_step(kx_backoff & b, double seconds, double hit);

@@ -217,8 +217,9 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
     }
     const kx_backoff_config & bo = params.backoff;
     if (bo.window < 0 || bo.settle < 0 || bo.max_doubling < 0 || bo.max_doubling > 30 ||
-        !(bo.margin >= 0.0f && bo.margin < 1.0f)) {
-        throw std::runtime_error("balancer: the back-off needs window, settle >= 0, 0 <= max_doubling <= 30 and margin in [0, 1)");
+        !(bo.margin >= 0.0f && bo.margin < 1.0f) || !(bo.drift >= 0.0f && bo.drift < 1.0f)) {
+        throw std::runtime_error("balancer: the back-off needs window, settle >= 0, 0 <= max_doubling <= 30, "
+                                 "margin and drift in [0, 1)");
     }
     if (params.late_every < 0 || params.fail_at < 0 || params.hang_at < 0) {
         throw std::runtime_error("balancer: late_every, fail_at and hang_at must be >= 0");
@@ -534,6 +535,19 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
     kx_balance_fetch(b);
     kx_balance_apply(b, slots, pack, model); // the pending decision
     kx_balance_apply(b, slots, pack, model); // its loads, waited for and committed
+}
+
+double kx_balance_held_hits(const kx_balancer & b, const kx_slots & slots) {
+    int64_t hit = 0, all = 0;
+    for (const kx_balance_layer & L : b.layers) {
+        const int32_t * seen = (const int32_t *) slots.layers[L.il].seen->data;
+        if (seen[0] < 0) {
+            return -1.0;
+        }
+        hit += kx_balance_layer_hits(L, seen + 1, seen[0]);
+        all += seen[0];
+    }
+    return all > 0 ? (double) hit / (double) all : -1.0;
 }
 
 bool kx_balance_land(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack, bool wait) {

@@ -226,6 +226,10 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
 // (the neurons not yet back run on the CPU side) instead of waiting for the copies (a return
 // on KB-7B moved ~600 MiB in 22-43 ms, two to four decodes).
 void kx_balance_home(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack);
+// The static split's hit rate on the decode just run, held (the back-off's drift gate): the
+// share of its listed neurons the slots held, over every hybrid layer; < 0 where a layer
+// recorded no list. Tens of µs on KB-7B, so counted only where the back-off asks for it.
+double kx_balance_held_hits(const kx_balancer & b, const kx_slots & slots);
 // Commits a return's loads once they have landed (wait: blocks for them, as the balancer's
 // resume and a drain do); true when none is left pending.
 bool kx_balance_land(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack, bool wait);

@@ -42,7 +42,7 @@ struct kx_params kx_params_default(void) {
     kp.balance.tam = { 0.5f, 0.01f, 0.05f, 0.005f, 0.05f, 0.95f, 1, -1 };
     kp.balance.max_blocks = 32;
     // the back-off (python/kairox/backoff.py: BackoffConfig): on wherever a balancer runs
-    kp.balance.backoff = { 16, 2, 0.0f, 4 };
+    kp.balance.backoff = { 16, 2, 0.0f, 4, 0.03f };
     kp.vram_free_at_load = -1;
     kp.error_budget = -1.0f; // load-aware thresholds off
     kp.fallback_dense = false; // what was asked runs, or the client stops

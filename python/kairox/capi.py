@@ -56,7 +56,7 @@ class TamConfig(ctypes.Structure):  # struct kx_tam_config
 
 class BackoffParams(ctypes.Structure):  # struct kx_backoff_config
     _fields_ = [("window", ctypes.c_int32), ("settle", ctypes.c_int32), ("margin", ctypes.c_float),
-                ("max_doubling", ctypes.c_int32)]
+                ("max_doubling", ctypes.c_int32), ("drift", ctypes.c_float)]
 
 
 class BalanceParams(ctypes.Structure):  # struct kx_balance_params
@@ -124,7 +124,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_place_order": ([P(ctypes.c_char_p), i32, P(i32)], i32),
         "kx_stream_place": ([P(ctypes.c_char_p), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double,
                              ctypes.c_double, ctypes.c_double, ctypes.c_double, P(ctypes.c_int8), P(i64)], i32),
-        "kx_backoff_run": ([P(BackoffParams), P(ctypes.c_double), i64, P(ctypes.c_uint8)], i32),
+        "kx_backoff_run": ([P(BackoffParams), P(ctypes.c_double), P(ctypes.c_double), i64, P(ctypes.c_uint8)], i32),
         "kx_migrate_new": ([P(i64), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double, ctypes.c_double,
                             ctypes.c_double, ctypes.c_double, i32, i32, ctypes.c_double], vp),
         "kx_migrate_step": ([vp] + [ctypes.c_double] * 6, i32),
