@@ -71,6 +71,9 @@ def main() -> int:
     ap.add_argument("--backoff-doubling", type=int,
                     help="balancer, with --backoff: a repeated outcome holds at most N x 2^this tokens "
                          "(default: kairox.backoff.BackoffConfig's; bench/backoff_schedule.py models it)")
+    ap.add_argument("--backoff-drift", type=float,
+                    help="balancer, with --backoff: a lost probe repeats once the static split's hit rate fell by "
+                         "this (0: on schedule; default: kairox.backoff.BackoffConfig's)")
     ap.add_argument("--balance-trace", help="balancer: write its per-step records here (JSON lines)")
     ap.add_argument("--sched-trace", help="kairox: the scheduler's split trace to this file (kairox trace FILE)")
     ap.add_argument("--sched-trace-max", type=int, default=0, help="kairox: records the trace keeps (0: 131072)")
@@ -133,8 +136,8 @@ def main() -> int:
                                           max_admit=args.max_admit), max_blocks=args.max_blocks,
                            observe=args.balancer == "static", decide=args.decide,
                            pipeline=args.pipeline and args.balancer != "static",
-                           backoff=BackoffConfig(window=args.backoff, **({} if args.backoff_doubling is None else
-                                                                         {"max_doubling": args.backoff_doubling}))
+                           backoff=BackoffConfig(window=args.backoff, **{k: v for k, v in (
+                               ("max_doubling", args.backoff_doubling), ("drift", args.backoff_drift)) if v is not None})
                            if args.backoff and args.balancer != "static" else None)
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
@@ -170,6 +173,11 @@ def main() -> int:
         if args.balance_trace:
             write_trace(args.balance_trace, trace)
         balance = summary(trace) if trace else None
+        bo = llm.backoff_trace()
+        if bo and balance is not None:  # the back-off's probes (switches to running) and its hit-rate counts
+            balance["backoff"] = {"tokens": len(bo), "probes": sum(on and not was for (_, _, was), (_, _, on)
+                                                                    in zip(bo, bo[1:])),
+                                  "hits_counted": sum(h is not None for _, h, _ in bo)}
     pp_s = None
     if args.pp:
         batch = (toks * (args.pp // len(toks) + 1))[:args.pp]

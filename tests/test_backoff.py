@@ -57,6 +57,43 @@ def test_a_balancer_that_pays_keeps_running() -> None:
     assert on.count(False) < 0.2 * len(on)
 
 
+def test_a_lost_probe_waits_for_the_hit_rate_to_fall() -> None:
+    """The drift gate: the balancer loses every probe (2 s against 1 s). While the static
+    split's hit rate stays put, a lost probe repeats only after four holds; once the held
+    tokens' median hit rate falls more than `drift` below the lost probe's, the next probe
+    follows at the end of the hold; hit rates are asked for only in the held probe phase and
+    the hold's last window."""
+    from kairox.backoff import HOLD
+    cfg = BackoffConfig(window=4, settle=1, max_doubling=2, drift=0.05)
+    b, last, on, asked, where = Backoff(cfg), True, [], [], []
+    for i in range(400):
+        hit = 0.60 if i < 250 else 0.50  # the text changes at token 250
+        asked.append(b.wants_hit)
+        where.append((b.phase, b.hold, last, b.n + 1))
+        last = b.step(2.0 if last else 1.0, hit if b.wants_hit else None)
+        on.append(last)
+    runs = phases(on)
+    assert runs[:6] == [(True, 4), (False, 5 + 4 * 4), (True, 5), (False, 5 + 4 * 8), (True, 5),
+                        (False, 5 + 4 * 16)]
+    # the change: a probe at the end of the hold length it fell into (16: its last window
+    # below 0.60 - 0.05), not four holds later
+    starts = [sum(n for _, n in runs[:k]) for k in range(len(runs)) if runs[k][0]]
+    assert 250 < next(s for s in starts if s > 250) <= 250 + 16
+    # asked: never while the balancer runs; in gated holds of 16, on each length's last window
+    assert not any(a and ran for a, (_, _, ran, _) in zip(asked, where))
+    in16 = [(a, n) for a, (ph, hold, _, n) in zip(asked, where) if ph == HOLD and hold == 16]
+    assert len(in16) >= 64 and all(a == (n % 16 == 0 or n % 16 > 12) for a, n in in16)
+    # without the gate (drift 0) the probes come on schedule
+    b0, last, on0 = Backoff(dataclasses.replace(cfg, drift=0.0)), True, []
+    for i in range(400):
+        assert not b0.wants_hit
+        last = b0.step(2.0 if last else 1.0, 0.6)
+        on0.append(last)
+    assert phases(on0)[:4] == [(True, 4), (False, 5 + 4), (True, 5), (False, 5 + 8)]
+    with pytest.raises(ValueError):
+        BackoffConfig(drift=1.0)
+
+
 def test_margin_and_window_zero() -> None:
     assert run_backoff(BackoffConfig(window=0), [5.0, 1.0, 9.0]) == [True] * 3
     # equal times: the balancer does not pay (its median must be lower, by the margin)
@@ -69,20 +106,25 @@ def test_margin_and_window_zero() -> None:
 
 
 @pytest.mark.parametrize("cfg", [BackoffConfig(), BackoffConfig(window=3, settle=0, margin=0.05, max_doubling=1),
-                                 BackoffConfig(window=8, settle=3, margin=0.0, max_doubling=5),
-                                 BackoffConfig(window=1, settle=2, margin=0.2, max_doubling=0)])
+                                 BackoffConfig(window=8, settle=3, margin=0.0, max_doubling=5, drift=0.0),
+                                 BackoffConfig(window=1, settle=2, margin=0.2, max_doubling=0, drift=0.1),
+                                 BackoffConfig(window=4, settle=1, max_doubling=1, drift=0.02)])
 def test_the_runtime_policy_is_the_reference(native, cfg: BackoffConfig) -> None:
-    """kx_backoff_run (C++) answers as run_backoff on the same token times: noisy series whose
-    level moves, with ties and even windows (the medians' means of two)."""
+    """kx_backoff_run (C++) answers as run_backoff on the same token times and hit rates: noisy
+    series whose levels move, with ties and even windows (the medians' means of two)."""
     from kairox.llama import _lib
     rng = np.random.default_rng(cfg.window * 7 + cfg.settle)
     for _ in range(20):
         n = int(rng.integers(1, 600))
         level = np.repeat(rng.uniform(0.5, 2.0, n // 40 + 1), 40)[:n]
         t = np.round(level * rng.uniform(0.8, 1.2, n), int(rng.integers(1, 4)))
+        hits = np.round(np.repeat(rng.uniform(0.4, 0.8, n // 60 + 1), 60)[:n] + rng.normal(0, 0.01, n), 3)
         got = (ctypes.c_uint8 * n)()
         assert _lib.kx_backoff_run(ctypes.byref(cfg.native()), (ctypes.c_double * n)(*t), None, n, got) == 0
         assert [bool(x) for x in got] == run_backoff(cfg, t.tolist())
+        assert _lib.kx_backoff_run(ctypes.byref(cfg.native()), (ctypes.c_double * n)(*t), (ctypes.c_double * n)(*hits),
+                                   n, got) == 0
+        assert [bool(x) for x in got] == run_backoff(cfg, t.tolist(), hits.tolist())
     bad = BackoffConfig().native()
     bad.margin = 1.5
     assert _lib.kx_backoff_run(ctypes.byref(bad), None, None, 0, None) == 1
@@ -213,3 +255,34 @@ def test_each_return_restarts_the_decision_from_the_static_split(model4: Path, g
         assert compared > len(runs) * N_LAYER
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_runtime_gates_probes_on_its_own_hit_rates(model4: Path, gpu: bool) -> None:  # noqa: F811
+    """The drift gate live: the runtime's back-off samples (kairox.Llama.backoff_trace) carry a
+    hit rate exactly where the reference asks for one, each a share in (0, 1], and the
+    reference fed those samples answers as the runtime did, token for token."""
+    import kairox
+    from test_pipeline import N_GEN, PROMPT, SLOTS, _gpu_or_skip, drifting, fast
+
+    _gpu_or_skip(gpu)
+    where = {"n_gpu_layers": -1} if gpu else {"slots_device": "CPU"}
+    llm = kairox.Llama(str(model4), n_ctx=512, n_batch=1, n_ubatch=1, type_k=0, type_v=0, n_threads=2,
+                       verbose=False, sparse="predicted", gpu_slots=SLOTS, **where)
+    try:
+        cfg = BackoffConfig(window=3, settle=1, margin=0.99, max_doubling=1, drift=0.02)
+        llm.start_balancer(dataclasses.replace(fast(), eps=-1.0), backoff=cfg)
+        for t in PROMPT + drifting(3 * N_GEN):
+            llm.eval([t])
+        trace = llm.backoff_trace()
+    finally:
+        llm.close()
+    assert len(trace) == len(PROMPT) + 3 * N_GEN - 1  # every boundary but the first times a token
+    ref, counted = Backoff(cfg), 0
+    for seconds, hit, on in trace:
+        assert ref.wants_hit == (hit is not None)
+        if hit is not None:
+            assert 0.0 < hit <= 1.0
+            counted += 1
+        assert ref.step(seconds, hit) == on
+    assert counted > 2 * cfg.window and sum(not on for _, _, on in trace) > len(trace) // 2

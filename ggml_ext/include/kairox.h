@@ -172,6 +172,12 @@ LLAMA_API int32_t kx_model_balance_drain(struct llama_model * model, char * err,
 // kept: the newest, between half of params.trace_keep and all of it (every one in record mode;
 // a trace file gets every one).
 LLAMA_API int64_t kx_model_balance_trace(struct llama_model * model, struct kx_balance_record * dst, int64_t capacity);
+// The back-off's samples, oldest first (the newest 65536 at most): each measured token's
+// seconds, the static split's hit rate where the back-off counted one (else -1) and whether
+// the balancer ran after it (kairox.backoff.run_backoff on the first two gives the third).
+// Copies up to capacity; returns how many are kept (0 without a balancer).
+LLAMA_API int64_t kx_model_backoff_trace(struct llama_model * model, double * seconds, double * hits, uint8_t * on,
+                                         int64_t capacity);
 // Record mode: the active ids of hybrid layer il at step; returns the count (-1: none kept).
 LLAMA_API int64_t kx_model_balance_activity(struct llama_model * model, int64_t step, int32_t il, int32_t * dst,
                                             int64_t capacity);

@@ -211,7 +211,15 @@ static void kx_balance_backoff(llama_context * ctx, kx_hybrid & h, kx_balancer &
     b.bo_t_eval_ms = p.t_eval_ms;
     // held, the decode's lists tell how well the static split covers the text (the drift gate)
     const double hit = sample && b.held && kx_backoff_wants_hit(b.backoff) ? kx_balance_held_hits(b, *h.slots) : -1.0;
-    if (!sample || kx_backoff_step(b.backoff, s, hit) == !b.held) {
+    if (!sample) {
+        return;
+    }
+    const bool on = kx_backoff_step(b.backoff, s, hit);
+    if (b.bo_trace.size() == 65536) {
+        b.bo_trace.erase(b.bo_trace.begin(), b.bo_trace.begin() + 32768); // the newest half stays
+    }
+    b.bo_trace.push_back({ s, hit, (uint8_t) on });
+    if (on == !b.held) {
         return;
     }
     if (!b.held) {
@@ -274,6 +282,21 @@ int64_t kx_model_balance_trace(llama_model * model, kx_balance_record * dst, int
     const int64_t n = (int64_t) b->trace.kept.size();
     if (dst) {
         std::copy(b->trace.kept.begin(), b->trace.kept.begin() + std::min(n, capacity), dst);
+    }
+    return n;
+}
+
+int64_t kx_model_backoff_trace(llama_model * model, double * seconds, double * hits, uint8_t * on, int64_t capacity) {
+    const kx_balancer * b = kx_model_balancer(model);
+    if (!b) {
+        return 0;
+    }
+    const int64_t n = (int64_t) b->bo_trace.size();
+    for (int64_t i = 0; i < std::min(n, capacity); ++i) {
+        const kx_backoff_sample & x = b->bo_trace[(size_t) i];
+        seconds[i] = x.seconds;
+        hits[i]    = x.hit;
+        on[i]      = x.on;
     }
     return n;
 }

@@ -16,10 +16,16 @@ static double kx_median(std::vector<double> v) {
     return (lo + hi) / 2.0;
 }
 
+// a gated hold is checked at the end of each hold length, on the window before it
+static bool kx_backoff_checked(const kx_backoff & b, int64_t n) {
+    const int64_t m = n % b.hold;
+    return m == 0 || m > b.hold - b.cfg.window;
+}
+
 bool kx_backoff_wants_hit(const kx_backoff & b) {
     const kx_backoff_config & c = b.cfg;
     return c.window > 0 && c.drift > 0.0f &&
-           (b.phase == 1 || (b.phase == 2 && b.lost_hit >= 0 && b.n + 1 > b.hold - c.window));
+           (b.phase == 1 || (b.phase == 2 && b.lost_hit >= 0 && kx_backoff_checked(b, b.n + 1)));
 }
 
 bool kx_backoff_step(kx_backoff & b, double seconds, double hit) {
@@ -59,7 +65,7 @@ bool kx_backoff_step(kx_backoff & b, double seconds, double hit) {
             b.recent.clear();
         }
     } else {
-        if (b.lost_hit >= 0 && hit >= 0 && b.n > b.hold - c.window) {
+        if (b.lost_hit >= 0 && hit >= 0 && kx_backoff_checked(b, b.n)) {
             b.recent.push_back(hit);
             if (b.recent.size() > (size_t) c.window) {
                 b.recent.erase(b.recent.begin());
@@ -69,7 +75,7 @@ bool kx_backoff_step(kx_backoff & b, double seconds, double hit) {
         // hit rate of the last window to fall below the lost probe's (at most four holds)
         const bool drifted = b.recent.size() == (size_t) c.window &&
                              kx_median(b.recent) < b.lost_hit - (double) c.drift;
-        if (b.n >= b.hold && (b.lost_hit < 0 || b.n >= 4 * b.hold || drifted)) {
+        if (b.n % b.hold == 0 && (b.lost_hit < 0 || b.n == 4 * b.hold || drifted)) {
             b.phase = 0;
             b.n     = 0;
             b.on    = true;

@@ -22,6 +22,13 @@ struct kx_backoff {
     std::vector<double> s_on, s_off, h_off, recent;
 };
 
+// one measured token as the boundary fed it to the back-off, and the answer
+struct kx_backoff_sample {
+    double  seconds;
+    double  hit; // < 0: not counted
+    uint8_t on;
+};
+
 // whether the next token's static hit rate is used (the boundary counts it only then)
 bool kx_backoff_wants_hit(const kx_backoff & b);
 // one decoded token's seconds (it ran with the previous answer) and, held, the static split's

@@ -155,6 +155,7 @@ struct kx_balancer {
     int32_t bo_n_eval    = 0;
     double  bo_t_eval_ms = 0.0;
     double  bo_step_s    = 0.0; // the last boundary's own time, added to the next token's
+    std::vector<kx_backoff_sample> bo_trace; // the measured tokens (kx_model_backoff_trace)
     const kx_reload_iface * io = nullptr;
     void * engine = nullptr;
     std::vector<kx_balance_layer> layers;   // hybrid layers only

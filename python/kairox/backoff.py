@@ -21,7 +21,8 @@ the static split's hit rate (the share of the decode's active neurons that its s
 and after a lost probe the next one waits, beyond its hold, until the median hit rate of the
 last `window` held tokens has fallen more than `drift` below the one measured in the lost
 probe's held phase: the requests moved to text the static split covers worse, where a
-dynamic cache can gain. At most four holds pass without a probe. On a stationary workload
+dynamic cache can gain (checked at the end of each hold length, on its last window; at most
+four holds pass without a probe). On a stationary workload
 the probing then stops after the first loss; a change of domain probes again. (The hit rate
 of one synthetic workload's static split: per 16 tokens 0.624-0.648 on one domain; 0.56,
 0.64 and 0.69 on three: bench/results/KB-350M-cpu/backoff-drift/.)
@@ -88,8 +89,12 @@ class Backoff:
         """Whether the next token's hit rate is used (the runtime counts it only then)."""
         c = self.cfg
         return c.window > 0 and c.drift > 0 and (
-            self.phase == PROBE_OFF or (self.phase == HOLD and self.lost_hit is not None
-                                        and self.n + 1 > self.hold - c.window))
+            self.phase == PROBE_OFF or (self.phase == HOLD and self.lost_hit is not None and self._checked(self.n + 1)))
+
+    def _checked(self, n: int) -> bool:
+        # a gated hold is checked at the end of each hold length, on the window before it
+        m = n % self.hold
+        return m == 0 or m > self.hold - self.cfg.window
 
     def step(self, seconds: float, hit: float | None = None) -> bool:
         """One decoded token (it ran with the previous answer): its seconds and, held, the
@@ -124,9 +129,9 @@ class Backoff:
                 self.hits_off.clear()
                 self.recent.clear()
         else:
-            if self.lost_hit is not None and hit is not None and self.n > self.hold - c.window:
+            if self.lost_hit is not None and hit is not None and self._checked(self.n):
                 self.recent = (self.recent + [float(hit)])[-c.window:]
-            if self.n >= self.hold and (self.lost_hit is None or self.n >= 4 * self.hold or self._drifted()):
+            if self.n % self.hold == 0 and (self.lost_hit is None or self.n == 4 * self.hold or self._drifted()):
                 self.phase, self.n, self.on = PROBE_ON, 0, True
         self.home = was and not self.on
         return self.on

@@ -162,6 +162,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_model_balance_drain": ([vp, cp, sz], i32),
         "kx_model_balance_trace": ([vp, P(BalanceRecord), i64], i64),
         "kx_model_balance_activity": ([vp, i64, i32, P(i32), i64], i64),
+        "kx_model_backoff_trace": ([vp, P(ctypes.c_double), P(ctypes.c_double), P(ctypes.c_uint8), i64], i64),
         "kx_context_stream_priority": ([vp, P(i32), P(i32), P(i32)], i32),
         "kx_model_tensor_buffer_type": ([vp, cp], cp),
         "kx_context_stream_stats": ([vp, P(i64)], i32),

@@ -669,6 +669,14 @@ class Llama(llama_cpp.Llama):
             out.append(d)
         return out
 
+    def backoff_trace(self) -> list[tuple[float, float | None, bool]]:
+        """The back-off's measured tokens, oldest first: seconds, the static split's hit rate
+        where it counted one (else None), and whether the balancer ran after it."""
+        n = _lib.kx_model_backoff_trace(self._model.model, None, None, None, 0)
+        s, h, on = (ctypes.c_double * max(n, 1))(), (ctypes.c_double * max(n, 1))(), (ctypes.c_uint8 * max(n, 1))()
+        n = min(n, _lib.kx_model_backoff_trace(self._model.model, s, h, on, n))
+        return [(s[i], h[i] if h[i] >= 0 else None, bool(on[i])) for i in range(n)]
+
     def balance_activity(self, step: int, il: int) -> list[int]:
         """Record mode: the active neurons of layer il that step `step` was decided from."""
         n = _lib.kx_model_balance_activity(self._model.model, step, il, None, 0)
