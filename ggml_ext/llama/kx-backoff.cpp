@@ -72,10 +72,11 @@ bool kx_backoff_step(kx_backoff & b, double seconds, double hit) {
             }
         }
         // after a loss, nothing changed is no reason to pay for another probe: it waits for the
-        // hit rate of the last window to fall below the lost probe's (at most four holds)
-        const bool drifted = b.recent.size() == (size_t) c.window &&
-                             kx_median(b.recent) < b.lost_hit - (double) c.drift;
-        if (b.n % b.hold == 0 && (b.lost_hit < 0 || b.n == 4 * b.hold || drifted)) {
+        // hit rate of the last window to fall below the lost probe's (at most four holds); the
+        // median only at a check
+        if (b.n % b.hold == 0 && (b.lost_hit < 0 || b.n == 4 * b.hold ||
+                                  (b.recent.size() == (size_t) c.window &&
+                                   kx_median(b.recent) < b.lost_hit - (double) c.drift))) {
             b.phase = 0;
             b.n     = 0;
             b.on    = true;

@@ -147,9 +147,5 @@ def run_backoff(cfg: BackoffConfig, seconds: Iterable[float], hits: Iterable[flo
     """Whether the balancer runs after each token of a series of token times (and of the
     static split's hit rates, given where the back-off asks for one)."""
     b = Backoff(cfg)
-    if hits is None:
-        return [b.step(t) for t in seconds]
-    out = []
-    for t, h in zip(seconds, hits):
-        out.append(b.step(t, h if b.wants_hit else None))
-    return out
+    hit_list = list(hits) if hits is not None else None
+    return [b.step(t, hit_list[i] if hit_list is not None and b.wants_hit else None) for i, t in enumerate(seconds)]
