@@ -31,20 +31,76 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
 SESSIONS = {"drifting": ["code", "prose", "dialogue", "code"], "stationary": ["code"]}
+# real text (kairox.workload): text no offline profile saw; stationary in one of the pack's styles
+TEXT_SESSIONS = {"drifting": ["code", "novel", "economics", "detective"], "stationary": ["novel"]}
+
+
+def drift_stats(trace, n_ff: int, per: int, domains: list[str]) -> dict:
+    """What the workload is, from its recorded activations: density, adjacent-token Jaccard
+    distance within requests, working-set distance between requests of one domain and of
+    different domains (kairox.stats), means over layers."""
+    from kairox.stats import adjacent_jaccard, request_distances
+    by_layer: dict[int, list] = {}
+    for st in trace:
+        by_layer.setdefault(st.layer, []).append(st.active)
+    rid = np.repeat(np.arange(len(domains)), per)
+    dens, adj, same, other = [], [], [], []
+    for acts in by_layer.values():
+        m = np.zeros((len(acts), n_ff), bool)
+        for t, a in enumerate(acts):
+            m[t, list(a)] = True
+        dens.append(m.mean())
+        adj.append(adjacent_jaccard(m, rid))
+        a, b = request_distances(m, rid, domains)
+        same.append(a)
+        other.append(b)
+    mean = lambda v: float(np.nanmean(v)) if np.isfinite(v).any() else None  # noqa: E731
+    return {"density": mean(dens), "adjacent_jaccard": mean(adj), "request_distance_same_domain": mean(same),
+            "request_distance_other_domain": mean(other)}
+
+
+def hit_windows(hits: np.ndarray, per: int, window: int) -> dict:
+    """The static split's hit rate as the back-off's drift gate reads it: per request the
+    median, and the medians of every `window`-token window."""
+    w = np.array([np.median(hits[i:i + window]) for i in range(len(hits) - window + 1)])
+    return {"per_request": [float(np.median(hits[i:i + per])) for i in range(0, len(hits), per)],
+            "window_min": float(w.min()), "window_max": float(w.max()), "series": hits.tolist()}
+
+
+def losing_probes(hits: np.ndarray, per: int, drift: float, tokens: int = 8192, seed: int = 0) -> int:
+    """Tokens a balancer that always loses (its tokens 2% slower than held ones) runs under the
+    default back-off (kairox.backoff) with the drift gate at `drift` (0: probes on schedule),
+    over `tokens` tokens of the session's requests in a seeded random order: the recorded
+    session repeats with a period (a domain cycle of 4 x 64 tokens is the longest hold), which
+    would put every check of a hold at the same point of it."""
+    import dataclasses
+
+    from kairox.backoff import Backoff, BackoffConfig
+    reqs = hits[:len(hits) // per * per].reshape(-1, per)
+    order = np.random.default_rng(seed).integers(0, len(reqs), -(-tokens // per))
+    b = Backoff(dataclasses.replace(BackoffConfig(), drift=drift))
+    ran = 0
+    for h in reqs[order].reshape(-1)[:tokens]:
+        ran += b.on
+        b.step(1.02 if b.on else 1.0, float(h) if b.wants_hit else None)
+    return ran
 
 
 def main() -> int:
-    from kairox.balancer import BalancerConfig, freq_by_neuron, static_residents
+    from kairox.balancer import BalancerConfig, static_residents
     from kairox.bench import git_commit, machine_facts, write_results
     from kairox.cli import main as kx
-    from kairox.neuron_cache import CacheConfig, predicted_lists, replay_listed
+    from kairox.neuron_cache import CacheConfig, predicted_lists, replay_listed, static_hits
     from kairox.pack import pack_path_for, read_pack
-    from kairox.profile import record_trace
+    from kairox.profile import Profiler, record_trace
     from kairox.synth import topic_prompts
+    from kairox.workload import text_requests
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="KB-350M")
-    ap.add_argument("--model", help="a synthetic model with its pack (default: synthesize --preset)")
+    ap.add_argument("--model", help="a model with its pack (default: synthesize --preset)")
+    ap.add_argument("--text", action="store_true", help="sessions of real text (kairox.workload: code, novel, "
+                    "economics, detective), each request from an empty cache; needs --model, any model with a pack")
     ap.add_argument("--capacity", type=float, default=0.2, help="resident share of each layer's neurons "
                     "(KB-7B F16 @ 7 GiB holds about 0.2)")
     ap.add_argument("--requests", type=int, default=12, help="requests per session")
@@ -56,14 +112,19 @@ def main() -> int:
     ap.add_argument("--neuron-bytes", type=int, default=3 * 4096 * 2, help="a neuron's rows (KB-7B F16)")
     ap.add_argument("--ref-ff", type=int, default=11008, help="the reference model's neurons per layer")
     ap.add_argument("--predictors", default="1,1;0.95,0.5", help="recall,precision pairs (1,1: the oracle)")
+    ap.add_argument("--window", type=int, default=16, help="tokens per median of the drift gate's hit rate "
+                    "(the back-off's probe length)")
     ap.add_argument("-t", "--threads", type=int)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "KB-350M-cpu" / "cache-sim"))
     args = ap.parse_args()
+    if args.text and not args.model:
+        ap.error("--text needs --model (a model with its pack, e.g. from kairox prepare)")
     t0 = time.time()
     window_share = args.pcie_gbs * 1e9 * args.step_us * 1e-6 / args.neuron_bytes / args.ref_ff
     preds = [tuple(float(x) for x in p.split(",")) for p in args.predictors.split(";")]
     fixed = BalancerConfig(lam=0.5, adaptive=False)
     micro = BalancerConfig(lam=0.5, eps=-1.0, adaptive=False)
+    sessions = TEXT_SESSIONS if args.text else SESSIONS
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else Path(tmp) / f"{args.preset}.gguf"
         if not args.model and kx(["synth", "--preset", args.preset, "-o", str(model), "--pack", "--profile", "512", "-q"]):
@@ -73,7 +134,7 @@ def main() -> int:
         capacity = int(round(args.capacity * n_ff))
         window = max(1, int(round(window_share * n_ff)))
         initial = static_residents(pk, n_ff, capacity, 1)
-        freq = {il: freq_by_neuron(layer.perm, layer.freq, np.float32) for il, layer in enumerate(pk.layers)}
+        freq = {il: np.asarray(layer.freq, np.float32) for il, layer in enumerate(pk.layers)}  # by neuron id
         policies = [("static", "static", None, None),
                     ("TAM between decodes (λ 0.5)", "tam", fixed, window),
                     ("TAM one layer ahead (λ 0.5)", "tam-ahead", fixed, window),
@@ -82,12 +143,22 @@ def main() -> int:
                     ("two-level, macro 0.5 + micro", "two-level", CacheConfig(0.5, 0.5), window),
                     ("two-level, macro 0.8 + micro", "two-level", CacheConfig(0.5, 0.8), window),
                     ("two-level, macro 0.5 + micro, no window", "two-level", CacheConfig(0.5, 0.5), None)]
-        runs = []
-        for wl, doms in SESSIONS.items():
+        runs, workloads = [], {}
+        for wl, doms in sessions.items():
             order = [doms[i % len(doms)] for i in range(args.requests)]
-            toks = [t for req in topic_prompts(model, args.requests, args.request_tokens, seed=2, domains=order)
-                    for t in req]
-            trace, _, _ = record_trace(model, None, [toks], threads=args.threads, group_size=1)
+            if args.text:
+                with Profiler(model, n_ctx=16, threads=args.threads) as prof:
+                    prompts = text_requests(lambda text: prof.tokenize(text).tolist(), order,
+                                            args.request_tokens, prof.bos())
+            else:  # one document: the synthetic sessions as measured before
+                prompts = [[t for req in topic_prompts(model, args.requests, args.request_tokens, seed=2,
+                                                       domains=order) for t in req]]
+            trace, _, _ = record_trace(model, None, prompts, threads=args.threads, group_size=1)
+            hits = static_hits(trace, n_ff, initial)
+            workloads[wl] = {"domains": order, **drift_stats(trace, n_ff, args.request_tokens, order),
+                             "static_hit_rate": hit_windows(hits, args.request_tokens, args.window),
+                             "losing_probe_tokens": {"gate": losing_probes(hits, args.request_tokens, 0.03),
+                                                     "no_gate": losing_probes(hits, args.request_tokens, 0.0)}}
             for rec, prec in preds:
                 listed = predicted_lists(trace, n_ff, rec, prec, freq, seed=3)
                 base = None
@@ -103,25 +174,50 @@ def main() -> int:
                                  "speedup_ref": args.step_us / (args.step_us - args.host_us + args.host_us * ratio)})
     result = {"benchmark": "cache-sim", "model": model.name, "n_ff": n_ff, "n_layer": n_layer,
               "capacity": capacity, "window": window, "window_share": window_share,
-              "sessions": SESSIONS, "requests": args.requests,
-              "request_tokens": args.request_tokens, "command": shlex.join([sys.executable] + sys.argv),
+              "sessions": sessions, "text": args.text, "requests": args.requests,
+              "request_tokens": args.request_tokens, "workloads": workloads,
+              "command": shlex.join([sys.executable] + sys.argv),
               "commit": git_commit(), "machine": machine_facts(), "runs": runs, "wall_s": time.time() - t0}
+    source = ("real text, each request from an empty cache (kairox.workload)" if args.text
+              else "the synthetic domains' text, one document (kairox.synth.topic_prompts)")
     lines = [f"# Cache policies on recorded workloads: {model.name}, {capacity} of {n_ff} neurons resident per layer",
              "",
-             f"Sessions of {args.requests} requests of {args.request_tokens} tokens, domains cycling "
-             f"{'/'.join(SESSIONS['drifting'])} (drifting) or code only (stationary); {n_layer} layers; "
-             f"window {window} neurons per layer step ({window_share:.4f} of a layer: {args.pcie_gbs:g} GB/s over "
-             f"{args.step_us:g} µs in {args.neuron_bytes}-byte neurons); commit {result['commit'][:10]}.",
-             "GPU share: of the predicted lists' neurons, those resident when the layer ran. Speed-up: the CPU "
-             f"work left, carried to a {args.step_us:g} µs step whose host op takes {args.host_us:g} µs at the static split.",
-             "", "| workload | predictor (recall, precision) | policy | GPU share | CPU neurons / token | vs static | "
-             "reloads / token | MiB / token (KB-7B F16) | speed-up (modelled) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             f"Sessions of {args.requests} requests of {args.request_tokens} tokens, {source}: domains cycling "
+             f"{'/'.join(sessions['drifting'])} (drifting) or {sessions['stationary'][0]} only (stationary); "
+             f"{n_layer} layers; window {window} neurons per layer step ({window_share:.4f} of a layer: "
+             f"{args.pcie_gbs:g} GB/s over {args.step_us:g} µs in {args.neuron_bytes}-byte neurons); commit "
+             f"{result['commit'][:10]}.",
+             "",
+             "The workloads (means over layers; a neuron is active above its layer's pack threshold; request "
+             "distance: Jaccard distance between requests' working sets, as the cross-prompt statistic) and the "
+             f"static split's hit rate on the active neurons per token, as the back-off's drift gate reads it "
+             f"(medians per request, and the range of {args.window}-token window medians); of 8192 tokens of the "
+             "session's requests in a random order, those a balancer that always loses runs under the default "
+             "back-off, with the drift gate (0.03) and without:",
+             "",
+             "| workload | density | adjacent | request distance, same domain | other domains | "
+             "hit rate per request | window medians | losing balancer's tokens, gate / none |",
+             "|---|---:|---:|---:|---:|---|---|---|"]
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for wl, w in workloads.items():
+        h = w["static_hit_rate"]
+        lines.append(f"| {wl} | {fmt(w['density'])} | {fmt(w['adjacent_jaccard'])} | "
+                     f"{fmt(w['request_distance_same_domain'])} | {fmt(w['request_distance_other_domain'])} | "
+                     f"{' '.join(f'{x:.2f}' for x in h['per_request'])} | {h['window_min']:.3f}-{h['window_max']:.3f} | "
+                     f"{w['losing_probe_tokens']['gate']} / {w['losing_probe_tokens']['no_gate']} |")
+    lines += ["",
+              "GPU share: of the predicted lists' neurons, those resident when the layer ran. Speed-up: the CPU "
+              f"work left, carried to a {args.step_us:g} µs step whose host op takes {args.host_us:g} µs at the "
+              "static split.",
+              "", "| workload | predictor (recall, precision) | policy | GPU share | CPU neurons / token | vs static | "
+              "reloads / token | MiB / token (KB-7B F16) | speed-up (modelled) |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         lines.append(f"| {r['workload']} | {r['recall']:g}, {r['precision']:g} | {r['policy']} | {r['share']:.3f} | "
                      f"{r['cpu_neurons_per_token']:.0f} | {r['cpu_vs_static']:.3f} | {r['loads_per_token']:.0f} | "
                      f"{r['reload_mib_per_token_ref']:.0f} | {r['speedup_ref']:.2f}x |")
-    write_results(Path(args.out) / f"cache-sim-{model.stem}", result, lines)
+    suffix = "" if args.capacity == 0.2 else f"-cap{round(100 * args.capacity)}"
+    write_results(Path(args.out) / f"cache-sim-{model.stem}{suffix}", result, lines)
     return 0
 
 

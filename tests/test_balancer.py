@@ -152,7 +152,7 @@ def test_neuron_groups_of_the_pack_and_by_frequency() -> None:
     from kairox.balancer import neuron_groups
     perm = np.array([2, 0, 3, 1])        # pack row i is neuron perm[i]
     group = np.array([0, 0, 1, 1])
-    freq = np.array([0.1, 0.9, 0.5, 0.9], np.float32)  # per pack row
+    freq = np.array([0.9, 0.9, 0.1, 0.5], np.float32)  # by neuron id, as the pack's kx_freq
     np.testing.assert_array_equal(neuron_groups(perm, group, freq), [0, 1, 0, 1])
     # neuron frequencies: n0 0.9, n1 0.9, n2 0.1, n3 0.5 -> order n0, n1, n3, n2
     np.testing.assert_array_equal(neuron_groups(perm, group, freq, 2), [0, 0, 1, 1])

@@ -90,9 +90,14 @@ def test_split_reproduces_the_unsplit_layer(synth_model: Path, mode: str, slots)
 
 
 def test_residents_are_the_most_active_neurons(synth_model: Path) -> None:
+    """The static split holds each layer's most frequent neurons (the pack's kx_freq, by neuron
+    id; its rows are permuted), the ones the Python reference's static placement names."""
     import kairox
+    from kairox.balancer import neuron_groups, static_residents
     from kairox.pack import pack_path_for, read_pack
-    freqs = [layer.freq for layer in read_pack(pack_path_for(synth_model)).layers]
+    pk = read_pack(pack_path_for(synth_model))
+    freqs = [layer.freq for layer in pk.layers]
+    assert not np.array_equal(pk.layers[0].perm, np.arange(N_FF))
     llm = kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=[10, 40], slots_device="CPU", verbose=False)
     try:
         for il, S in enumerate([10, 40]):
@@ -100,6 +105,9 @@ def test_residents_are_the_most_active_neurons(synth_model: Path) -> None:
             assert len(res) == S and len(set(res)) == S
             order = np.argsort(-freqs[il], kind="stable")
             assert sorted(res) == sorted(order[:S].tolist())
+            # the reference numbers groups of one neuron by frequency rank (kairox.balancer.neuron_groups)
+            g = neuron_groups(pk.layers[il].perm, pk.layers[il].group, freqs[il], 1)
+            assert sorted(g[res].tolist()) == static_residents(pk, N_FF, S, 1)[il]
         assert llm.slots_bytes > 0
     finally:
         llm.close()

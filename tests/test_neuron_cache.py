@@ -138,3 +138,13 @@ def test_eps_minus_one_admits_a_one_hit_neuron() -> None:
     assert q.step([5], "none", 0).admit == []   # τ = 0.51: one prediction scores 0.5
     with pytest.raises(ValueError, match="eps"):
         BalancerConfig(eps=-1.5)
+
+
+def test_static_hits_counts_the_fired_neurons_in_resident_groups() -> None:
+    from kairox.neuron_cache import static_hits
+    trace = [TraceStep(0, 0, (0, 1, 2), counts=(3, 1, 1)), TraceStep(0, 1, (5,)),
+             TraceStep(1, 0, ()), TraceStep(1, 1, ()),
+             TraceStep(2, 0, (4,)), TraceStep(2, 1, (5, 6))]
+    got = static_hits(trace, 8, {0: [0, 2], 1: [6]})
+    # token 0: layer 0 hits 3 + 1 of 5, layer 1 none of 1; token 1: nothing fired; token 2: 1 of 3
+    np.testing.assert_allclose(got, [4 / 6, 1.0, 1 / 3])

@@ -312,3 +312,40 @@ def test_runtime_validates_ahead_predictors(tmp_path: Path, kb_tiny: Path, prepa
     for path, words in cases.values():
         with pytest.raises(ValueError, match=words):
             Llama(str(kb_tiny), sparse="predicted", sparse_pack=str(path), **kw)
+
+
+def test_record_trace_uses_the_packs_thresholds(tiny_silu_gguf: Path, tiny_silu_hf: Path, tmp_path: Path) -> None:
+    """A recorded trace lists, per token and layer, the neurons with |act(gate)| above the
+    pack's threshold of that layer (the sparse mode's rule), as the float64 reference
+    computes them, with requests profiled one after another from an empty cache."""
+    from kairox.pack import PackLayout, write_pack
+    from kairox.profile import record_trace
+    from kairox.reference import LlamaReference
+
+    ref = LlamaReference.from_checkpoint(tiny_silu_hf)
+    reqs = [[1, 5, 9, 300, 42, 7], [7, 100, 2000, 15, 8, 31999, 3]]
+    gates = []
+    for r in reqs:
+        g = {}
+        ref._forward(np.array(r, np.int32), lambda il, h, lw: g.__setitem__(il, h @ lw.w_gate.T))
+        gates.append(g)
+    n_layer, n_ff = len(gates[0]), gates[0][0].shape[1]
+    acts = [np.abs(_silu(np.concatenate([g[il] for g in gates]))) for il in range(n_layer)]
+    thr = np.array([np.quantile(acts[il], 0.5 + 0.15 * il) for il in range(n_layer)], np.float32)
+    ids = np.arange(n_ff)
+    model = tmp_path / "m.gguf"
+    model.symlink_to(tiny_silu_gguf)
+    write_pack(model, group_size=4, quiet=True, workers=1,
+               layout=PackLayout(lambda il: (ids, ids // 4, np.full(n_ff, 0.5, np.float32)), thr))
+    trace, n_groups, _ = record_trace(model, None, reqs, threads=2, group_size=1)
+    assert n_groups == n_ff and len(trace) == n_layer * sum(map(len, reqs))
+    tokens = sum(map(len, reqs))
+    for s in trace:
+        a = acts[s.layer][s.step]
+        clear = np.abs(a - thr[s.layer]) > 1e-3 * max(1.0, float(a.max()))
+        got = np.zeros(n_ff, bool)
+        got[list(s.active)] = True
+        assert np.array_equal(got[clear], (a > thr[s.layer])[clear]), (s.step, s.layer)
+    assert sorted({s.step for s in trace}) == list(range(tokens))
+    dens = [np.mean([len(s.active) for s in trace if s.layer == il]) / n_ff for il in range(n_layer)]
+    assert dens[0] > dens[-1] + 0.1  # the thresholds differ by layer, and so do the traces

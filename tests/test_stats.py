@@ -419,3 +419,22 @@ def test_cmd_stats_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(pack, "read_pack_stats", fake_reader(AssertionError("not called")), raising=False)
     assert cmd_stats(parse(str(tmp_path / "none.gguf"))) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_request_distances_by_domain() -> None:
+    from kairox.stats import request_distances
+    n = 8
+    rows = []
+    # request 0 and 2 (domain a) use neurons {0, 1}; request 1 (domain b) {4, 5}; request 3 (b) {4, 6}
+    for ids in ([0, 1], [4, 5], [0, 1], [4, 6]):
+        m = np.zeros((2, n), bool)
+        m[:, ids] = True
+        rows.append(m)
+    masks = np.concatenate(rows)
+    rid = np.repeat(np.arange(4), 2)
+    same, other = request_distances(masks, rid, ["a", "b", "a", "b"])
+    assert same == pytest.approx((0.0 + 2 / 3) / 2)   # (0,2) identical; (1,3) share 4 of {4,5,6}
+    assert other == pytest.approx(1.0)                  # a and b never overlap
+    assert np.isnan(request_distances(masks, rid, ["a", "b", "c", "d"])[0])
+    with pytest.raises(ValueError):
+        request_distances(masks, rid[:-1], ["a", "b", "a", "b"])

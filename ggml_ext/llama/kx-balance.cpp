@@ -521,6 +521,23 @@ void kx_balance_step(kx_balancer & b, kx_slots & slots, const llama_model & mode
     kx_balance_stat_add(KX_BAL_LAUNCH_NS, kx_lap_ns(lap));
 }
 
+// Between decodes, without the pipeline: the decision the balancer's thread may be making is
+// waited for and the loads in flight land and enter; that decision is then applied (its loads
+// queued: `keep`) or dropped.
+static void kx_balance_quiesce(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack,
+                               bool keep) {
+    kx_balance_drain_decision(b);
+    kx_balance_wait(b);
+    kx_balance_fetch(b);
+    if (!keep) {
+        for (kx_balance_layer & L : b.layers) {
+            L.admit.clear();
+            L.evict.clear();
+        }
+    }
+    kx_balance_apply(b, slots, pack, model);
+}
+
 void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & model, const kx_pack & pack) {
     if (b.params.observe) {
         return;
@@ -530,10 +547,7 @@ void kx_balance_drain(kx_balancer & b, kx_slots & slots, const llama_model & mod
         kx_pipe_drain(b);
         return;
     }
-    kx_balance_drain_decision(b);
-    kx_balance_wait(b);
-    kx_balance_fetch(b);
-    kx_balance_apply(b, slots, pack, model); // the pending decision
+    kx_balance_quiesce(b, slots, model, pack, true);
     kx_balance_apply(b, slots, pack, model); // its loads, waited for and committed
 }
 
@@ -579,14 +593,7 @@ void kx_balance_home(kx_balancer & b, kx_slots & slots, const llama_model & mode
     } else {
         // The decision still pending is dropped, not applied: its loads (fixed λ: hundreds of
         // MiB) would only be evicted again below. The loads already in flight land and enter.
-        kx_balance_drain_decision(b);
-        kx_balance_wait(b);
-        kx_balance_fetch(b);
-        for (kx_balance_layer & L : b.layers) {
-            L.admit.clear();
-            L.evict.clear();
-        }
-        kx_balance_apply(b, slots, pack, model);
+        kx_balance_quiesce(b, slots, model, pack, false);
     }
     int64_t loads = 0;
     for (kx_balance_layer & L : b.layers) {

@@ -393,7 +393,7 @@ def simulate(trace: Sequence[TraceStep], n_groups: int, capacity: int, costs: Si
 def neuron_groups(perm: np.ndarray, group: np.ndarray, freq: np.ndarray, group_size: int | None = None) -> np.ndarray:
     """neuron (model order) -> group: the pack's (row i of the pack is neuron perm[i], in
     group[i]), or, with group_size, groups of that many neurons by descending pack
-    frequency (ties by neuron id)."""
+    frequency (`freq` by neuron id, as the pack's kx_freq; ties by neuron id)."""
     perm, group, freq = (np.asarray(a) for a in (perm, group, freq))
     g = np.empty(perm.size, np.int64)
     if group_size is None:
@@ -401,17 +401,9 @@ def neuron_groups(perm: np.ndarray, group: np.ndarray, freq: np.ndarray, group_s
         return g
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    f = freq_by_neuron(perm, freq)
-    order = np.lexsort((np.arange(perm.size), -f))
+    order = np.lexsort((np.arange(perm.size), -freq.astype(np.float64)))
     g[order] = np.arange(perm.size) // group_size
     return g
-
-
-def freq_by_neuron(perm: np.ndarray, freq: np.ndarray, dtype=np.float64) -> np.ndarray:
-    """The pack's offline frequencies (row i is neuron perm[i]) in model order."""
-    f = np.empty(np.asarray(perm).size, dtype)
-    f[perm] = freq
-    return f
 
 
 def static_residents(pack, n_groups: int, capacity: int, group_size: int | None = None) -> dict[int, list[int]]:
@@ -420,8 +412,7 @@ def static_residents(pack, n_groups: int, capacity: int, group_size: int | None 
     out = {}
     for il, layer in enumerate(pack.layers):
         g = neuron_groups(layer.perm, layer.group, layer.freq, group_size)
-        f = freq_by_neuron(layer.perm, layer.freq)
         score = np.zeros(n_groups, np.float64)
-        np.add.at(score, g, f)
+        np.add.at(score, g, np.asarray(layer.freq, np.float64))  # kx_freq is by neuron id
         out[il] = sorted(np.lexsort((np.arange(n_groups), -score))[:capacity].tolist())
     return out

@@ -224,3 +224,24 @@ def replay_listed(trace, listed: Sequence[np.ndarray], n_groups: int, capacity: 
         res.on_gpu += int(w[lst & on].sum())
         res.loads += len(d.admit) if d else 0
     return res
+
+
+def static_hits(trace, n_groups: int, initial: dict[int, Sequence[int]]) -> np.ndarray:
+    """The static split's hit rate token by token over a recorded trace (kairox.balancer.
+    TraceStep): of the neurons that fired in every layer, the share in resident groups
+    (`initial[layer]`); what the back-off's drift gate watches while held. A token where
+    nothing fired counts 1."""
+    resident = {}
+    hit: dict[int, float] = {}
+    act: dict[int, float] = {}
+    for s in trace:
+        r = resident.get(s.layer)
+        if r is None:
+            r = resident[s.layer] = np.zeros(n_groups, bool)
+            r[list(initial.get(s.layer, ()))] = True
+        g = np.asarray(s.active, np.int64)
+        w = np.asarray(s.counts, np.int64) if s.counts else np.ones(g.size, np.int64)
+        hit[s.step] = hit.get(s.step, 0.0) + float(w[r[g]].sum())
+        act[s.step] = act.get(s.step, 0.0) + float(w.sum())
+    steps = sorted(act)
+    return np.array([hit[t] / act[t] if act[t] else 1.0 for t in steps])

@@ -447,7 +447,8 @@ def record_trace(model_path: str | Path, pack_path: str | Path | None, prompts: 
                  threads: int | None = None, group_size: int | None = None
                  ) -> tuple[list[TraceStep], int, np.ndarray]:
     """Active groups of every layer for every token of the prompts (a dense forward pass
-    with the native profiler; a neuron is active when its activation is > 0), with the
+    with the native profiler; a neuron is active when |act| exceeds the pack's threshold of
+    its layer, the rule of the sparse mode: 0 for ReLU models), with the
     neurons that fired in each, numbered token by token across the prompts. Groups are the
     pack's, or with `group_size` groups of that many neurons by descending offline
     frequency (hot with hot; 1: neuron-granular). Returns the trace, the group count and
@@ -459,7 +460,7 @@ def record_trace(model_path: str | Path, pack_path: str | Path | None, prompts: 
     freq = np.zeros((len(groups), n_groups), np.float64)
     t0 = 0
     with Profiler(model_path, n_ctx=max(len(p) for p in prompts), threads=threads) as prof:
-        prof.set_thresholds(np.zeros(prof.base.n_layer, np.float32))
+        prof.set_thresholds(np.asarray(pack.threshold, np.float32))
         for toks in prompts:
             rows = prof.run(np.asarray(toks, np.int32))
             per_layer = []

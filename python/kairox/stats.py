@@ -59,6 +59,7 @@ import dataclasses
 import json
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,32 @@ def cross_prompt_jaccard(masks: np.ndarray, segment_id: np.ndarray, doc_id: np.n
         total += float(np.sum(1.0 - inter[keep] / union[keep]))
         pairs += int(np.count_nonzero(keep))
     return total / pairs if pairs else math.nan
+
+
+def request_distances(masks: np.ndarray, request_id: np.ndarray, domain: Sequence[str]) -> tuple[float, float]:
+    """Mean Jaccard distance between the working sets (working_set) of requests of one domain
+    and of requests of different domains: (same, other). request_id[T] numbers each token's
+    request from 0; domain[r] names request r's domain. NaN where no pair exists; pairs of
+    two empty sets are skipped."""
+    m = _as_masks(masks)
+    rid = np.asarray(request_id).reshape(-1)
+    if rid.shape[0] != m.shape[0]:
+        raise ValueError(f"request_id has {rid.shape[0]} entries for {m.shape[0]} tokens")
+    n_req = len(domain)
+    if rid.size and (rid.min() < 0 or rid.max() >= n_req):
+        raise ValueError(f"request ids must lie in [0, {n_req})")
+    W = np.zeros((n_req, m.shape[1]), dtype=bool)
+    for r in range(n_req):
+        W[r, working_set(m[rid == r])] = True
+    sums = {True: [0.0, 0], False: [0.0, 0]}
+    for a in range(n_req):
+        for b in range(a + 1, n_req):
+            union = np.count_nonzero(W[a] | W[b])
+            if union:
+                acc = sums[domain[a] == domain[b]]
+                acc[0] += 1.0 - np.count_nonzero(W[a] & W[b]) / union
+                acc[1] += 1
+    return tuple(t / n if n else math.nan for t, n in (sums[True], sums[False]))
 
 
 def cold_mask(counts: np.ndarray, cold_fraction: float = 0.7) -> np.ndarray:
