@@ -197,3 +197,32 @@ def test_balance_cli_records_and_compares_policies(tmp_path: Path, native: Path)
     assert main(["balance", str(model), "--trace", str(rec), "--capacity", "0.5", "--json", str(out)]) == 0
     assert [r["hit_rate"] for r in json.loads(out.read_text())["runs"]] == [r["hit_rate"] for r in d["runs"]]
     assert main(["balance", str(model), "--capacity", "99", "--tokens", "8"]) == 2
+
+
+def test_balance_cli_gives_a_real_model_real_text(tmp_path: Path, tiny_relu_gguf: Path, native: Path) -> None:
+    """A model that is not synthetic is profiled on requests of real text (kairox.workload),
+    one per prompt with BOS, whose domains cycle: the recorded trace holds their tokens."""
+    import json
+    from kairox.cli import main
+    from kairox.pack import write_pack
+    from kairox.profile import Profiler
+    from kairox.workload import TEXT_DOMAINS, text_requests
+    model = tmp_path / "tiny.gguf"
+    model.symlink_to(tiny_relu_gguf)
+    write_pack(model, group_size=8, quiet=True)
+    out, rec = tmp_path / "bal.json", tmp_path / "trace.jsonl"
+    assert main(["balance", str(model), "--prompts", "5", "--tokens", "12", "--json", str(out), "--record", str(rec),
+                 "-t", "2"]) == 0
+    d = json.loads(out.read_text())
+    assert d["tokens"] == 60 and all(0 < r["hit_rate"] <= 1 for r in d["runs"])
+    with Profiler(model, n_ctx=16) as prof:
+        want = text_requests(lambda t: prof.tokenize(t).tolist(), [*TEXT_DOMAINS, TEXT_DOMAINS[0]], 12, prof.bos())
+        # the first request's activations: the same trace as profiling its tokens again
+        rows = prof.run(np.asarray(want[0], np.int32))
+    from kairox.profile import unpack_masks
+    steps = [s for s in read_activation_trace(rec) if s.step < 12 and s.layer == 0]
+    m = unpack_masks(rows[0].mask, prof.base.n_ff)
+    groups = np.zeros((12, d["n_groups"]), bool)
+    for t, i in zip(*np.nonzero(m)):
+        groups[t, i // 8] = True
+    assert [list(s.active) for s in steps] == [np.flatnonzero(g).tolist() for g in groups]

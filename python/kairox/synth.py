@@ -463,6 +463,12 @@ def synth(out: str | Path, shape: Shape, *, seed: int = 0, vocab_gguf: Path | No
     return finish_atomically(w, tmp, out, data())
 
 
+def has_topics(model_path: str | Path) -> bool:
+    """Whether the model is a kairox synthetic model with topics (topic_prompts writes its text)."""
+    from .gguf_header import scan_header
+    return int(scan_header(model_path).kv.get(K_TOPICS, 0)) > 0
+
+
 def topic_prompts(model_path: str | Path, n_prompts: int, length: int, *, seed: int = 0,
                   common: float = DEFAULT_COMMON, switch_every: int | None = None,
                   domains: list[int | str] | None = None) -> list[list[int]]:

@@ -8,20 +8,20 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-
 from ..balancer import (BalancerConfig, SimCosts, read_activation_trace, simulate, static_residents,
                        write_activation_trace)
 from ..pack import pack_path_for, read_pack
 from ..plan import HwProfile, slot_costs
-from ..profile import record_trace
-from ..synth import topic_prompts
+from ..profile import Profiler, record_trace
+from ..synth import has_topics, topic_prompts
+from ..workload import TEXT_DOMAINS, text_requests
 
 # what `kairox balance --help` says
 HELP = """Simulate the online neuron balancer on a model's recorded activations: a dense pass on the
 CPU records which neuron groups each token activates (synthetic models get topic text that
-changes every --switch-every tokens), then the static placement, the momentum policy with a
-fixed λ and the adaptive λ replay them; prints the hit rates and reloads of each.
+changes every --switch-every tokens; real models, requests of real text whose domain cycles
+code, novel, economics, detective: kairox.workload), then the static placement, the momentum
+policy with a fixed λ and the adaptive λ replay them; prints the hit rates and reloads of each.
 """
 
 
@@ -38,12 +38,13 @@ def cmd_balance(args) -> int:
         if args.trace:
             trace = read_activation_trace(args.trace)
         else:
-            try:
+            if has_topics(model):
                 prompts = topic_prompts(model, args.prompts, args.tokens, seed=args.seed,
                                         switch_every=args.switch_every or None)
-            except Exception:  # not a synthetic model: random tokens
-                rng = np.random.default_rng(args.seed)
-                prompts = [rng.integers(100, 1000, args.tokens).tolist() for _ in range(args.prompts)]
+            else:  # a real model: requests of real text changing domain (kairox.workload)
+                with Profiler(model, n_ctx=16, threads=args.threads) as prof:
+                    doms = [TEXT_DOMAINS[i % len(TEXT_DOMAINS)] for i in range(args.prompts)]
+                    prompts = text_requests(lambda t: prof.tokenize(t).tolist(), doms, args.tokens, prof.bos())
             trace, _, _ = record_trace(model, pack, prompts, threads=args.threads, group_size=args.group_size)
             if args.record:
                 write_activation_trace(args.record, trace)
@@ -83,7 +84,8 @@ def register(sub) -> None:
                        "(static placement vs TAM vs adaptive λ)",
                        description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="model GGUF (ReLU) with a sparse pack")
+    p.add_argument("model", help="model GGUF with a sparse pack (a gated model's neurons are active above "
+                   "the pack's thresholds)")
     p.add_argument("--pack", help="the pack (default: MODEL.kxpack.gguf)")
     p.add_argument("--capacity", type=float, default=0.25,
                    help="groups resident per layer: a count, or a fraction of the groups below 1 (default: %(default)s)")
