@@ -24,8 +24,9 @@ LAYERS = {
     "policies": "costs balancer backoff neuron_cache thresholds plan budget migrate",
     # the binding: kairox.Llama, the native TAM replay, measurement helpers
     "runtime": "llama tam bench",
-    # what turns a model into a pack: profiling, fitting, grouping, preparing, converting, synthesizing
-    "offline": "predictor fit grouping profile quality threshold_search prepare convert synth tiny",
+    # what turns a model into a pack: profiling, fitting, grouping, preparing, converting, synthesizing;
+    # the workloads that profile it
+    "offline": "predictor fit grouping profile quality threshold_search prepare convert synth tiny workload",
     "tools": "hw server tools report trace",
     # the command line: kairox.cli, one module per subcommand group; `python -m kairox`
     "cli": "cli cli.__main__ cli.run cli.convert cli.synth cli.pack cli.prepare cli.stats cli.plan cli.hw "
