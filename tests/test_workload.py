@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from kairox.prepare import default_corpus, split_document
-from kairox.workload import HELDOUT, TEXT_DOMAINS, domain_text, text_requests
+from kairox.prepare import PrepareConfig, default_corpus, split_document
+from kairox.workload import TEXT_DOMAINS, domain_text, text_requests
 
 
 def test_prose_domains_are_the_held_out_tails_code_is_kairoxs_sources() -> None:
-    heads = [split_document(d.text, HELDOUT)[0] for d in default_corpus()]
+    heads = [split_document(d.text, PrepareConfig.heldout)[0] for d in default_corpus()]
     for d in TEXT_DOMAINS:
         text = domain_text(d)
         assert len(text) > 5000, d

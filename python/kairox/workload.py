@@ -17,12 +17,11 @@ from importlib import resources
 
 TEXT_DOMAINS = ("code", "novel", "detective", "economics")
 _CALIB_FILE = {"novel": "01-", "detective": "02-", "economics": "03-"}
-HELDOUT = 0.15  # kairox prepare's default --heldout: the tail no default pack was fitted on
 
 
 def domain_text(domain: str) -> str:
     """The text of one of TEXT_DOMAINS."""
-    from .prepare import default_corpus, split_document
+    from .prepare import PrepareConfig, default_corpus, split_document
 
     if domain == "code":
         root = resources.files("kairox")
@@ -31,7 +30,7 @@ def domain_text(domain: str) -> str:
     if domain not in _CALIB_FILE:
         raise ValueError(f"unknown text domain {domain!r}: one of {', '.join(TEXT_DOMAINS)}")
     doc = next(d for d in default_corpus() if d.name.startswith(_CALIB_FILE[domain]))
-    return split_document(doc.text, HELDOUT)[1]
+    return split_document(doc.text, PrepareConfig.heldout)[1]  # the tail `kairox prepare` holds out
 
 
 def text_requests(tokenize: Callable[[str], Sequence[int]], domains: Sequence[str], per: int,
@@ -59,4 +58,4 @@ def text_requests(tokenize: Callable[[str], Sequence[int]], domains: Sequence[st
     return out
 
 
-__all__ = ["HELDOUT", "TEXT_DOMAINS", "domain_text", "text_requests"]
+__all__ = ["TEXT_DOMAINS", "domain_text", "text_requests"]
