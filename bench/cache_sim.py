@@ -3,10 +3,14 @@
 decodes (TAM, what `--balancer` runs), TAM one layer ahead (`--pipeline`) and DynamicInfer's
 two-level cache (kairox.neuron_cache: pinned frequent groups + predicted groups loaded one
 layer ahead), on a synthetic model's drifting session (requests changing domain) and a
-stationary one. CPU only: a dense pass records which neurons fire; the predictor is the
-oracle or one of a given recall and precision.
+stationary one, or with --text on a real model's sessions of real text (kairox.workload).
+CPU only: a dense pass records which neurons fire (above the pack's thresholds); the predictor
+is the oracle or one of a given recall and precision. Beside the policies: what the workload
+is (density, working-set distances within and across domains) and the static split's hit
+rate as the back-off's drift gate reads it.
 
   python3 bench/cache_sim.py --out bench/results/KB-350M-cpu/cache-sim
+  python3 bench/cache_sim.py --text --model gemma.gguf --predictors '1,1;0.99,0.53' --out DIR
 
 Every dynamic policy loads at most `window` neurons per layer step: what the PCIe link moves
 while a layer computes (--pcie-gbs over --step-us, in neurons of --neuron-bytes, scaled to
