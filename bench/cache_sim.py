@@ -77,12 +77,10 @@ def losing_probes(hits: np.ndarray, per: int, drift: float, tokens: int = 8192, 
     over `tokens` tokens of the session's requests in a seeded random order: the recorded
     session repeats with a period (a domain cycle of 4 x 64 tokens is the longest hold), which
     would put every check of a hold at the same point of it."""
-    import dataclasses
-
     from kairox.backoff import Backoff, BackoffConfig
     reqs = hits[:len(hits) // per * per].reshape(-1, per)
     order = np.random.default_rng(seed).integers(0, len(reqs), -(-tokens // per))
-    b = Backoff(dataclasses.replace(BackoffConfig(), drift=drift))
+    b = Backoff(BackoffConfig(drift=drift))
     ran = 0
     for h in reqs[order].reshape(-1)[:tokens]:
         ran += b.on
@@ -96,9 +94,9 @@ def main() -> int:
     from kairox.cli import main as kx
     from kairox.neuron_cache import CacheConfig, predicted_lists, replay_listed, static_hits
     from kairox.pack import pack_path_for, read_pack
-    from kairox.profile import Profiler, record_trace
+    from kairox.profile import record_trace
     from kairox.synth import topic_prompts
-    from kairox.workload import text_requests
+    from kairox.workload import model_requests
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="KB-350M")
@@ -148,12 +146,12 @@ def main() -> int:
                     ("two-level, macro 0.8 + micro", "two-level", CacheConfig(0.5, 0.8), window),
                     ("two-level, macro 0.5 + micro, no window", "two-level", CacheConfig(0.5, 0.5), None)]
         runs, workloads = [], {}
-        for wl, doms in sessions.items():
-            order = [doms[i % len(doms)] for i in range(args.requests)]
+        orders = {wl: [doms[i % len(doms)] for i in range(args.requests)] for wl, doms in sessions.items()}
+        if args.text:
+            text = dict(zip(orders, model_requests(model, list(orders.values()), args.request_tokens, args.threads)))
+        for wl, order in orders.items():
             if args.text:
-                with Profiler(model, n_ctx=16, threads=args.threads) as prof:
-                    prompts = text_requests(lambda text: prof.tokenize(text).tolist(), order,
-                                            args.request_tokens, prof.bos())
+                prompts = text[wl]
             else:  # one document: the synthetic sessions as measured before
                 prompts = [[t for req in topic_prompts(model, args.requests, args.request_tokens, seed=2,
                                                        domains=order) for t in req]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from importlib import resources
+from pathlib import Path
 
 TEXT_DOMAINS = ("code", "novel", "detective", "economics")
 _CALIB_FILE = {"novel": "01-", "detective": "02-", "economics": "03-"}
@@ -58,4 +59,14 @@ def text_requests(tokenize: Callable[[str], Sequence[int]], domains: Sequence[st
     return out
 
 
-__all__ = ["TEXT_DOMAINS", "domain_text", "text_requests"]
+def model_requests(model_path: str | Path, sessions: Sequence[Sequence[str]], per: int,
+                   threads: int | None = None) -> list[list[list[int]]]:
+    """text_requests for each session (a list of domains), with the model's own tokenizer and
+    BOS; the model is loaded once for all of them."""
+    from .profile import Profiler
+
+    with Profiler(model_path, n_ctx=16, threads=threads) as prof:
+        return [text_requests(lambda t: prof.tokenize(t).tolist(), doms, per, prof.bos()) for doms in sessions]
+
+
+__all__ = ["TEXT_DOMAINS", "domain_text", "model_requests", "text_requests"]

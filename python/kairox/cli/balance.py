@@ -12,9 +12,9 @@ from ..balancer import (BalancerConfig, SimCosts, read_activation_trace, simulat
                        write_activation_trace)
 from ..pack import pack_path_for, read_pack
 from ..plan import HwProfile, slot_costs
-from ..profile import Profiler, record_trace
+from ..profile import record_trace
 from ..synth import has_topics, topic_prompts
-from ..workload import TEXT_DOMAINS, text_requests
+from ..workload import TEXT_DOMAINS, model_requests
 
 # what `kairox balance --help` says
 HELP = """Simulate the online neuron balancer on a model's recorded activations: a dense pass on the
@@ -42,9 +42,8 @@ def cmd_balance(args) -> int:
                 prompts = topic_prompts(model, args.prompts, args.tokens, seed=args.seed,
                                         switch_every=args.switch_every or None)
             else:  # a real model: requests of real text changing domain (kairox.workload)
-                with Profiler(model, n_ctx=16, threads=args.threads) as prof:
-                    doms = [TEXT_DOMAINS[i % len(TEXT_DOMAINS)] for i in range(args.prompts)]
-                    prompts = text_requests(lambda t: prof.tokenize(t).tolist(), doms, args.tokens, prof.bos())
+                doms = [TEXT_DOMAINS[i % len(TEXT_DOMAINS)] for i in range(args.prompts)]
+                prompts = model_requests(model, [doms], args.tokens, args.threads)[0]
             trace, _, _ = record_trace(model, pack, prompts, threads=args.threads, group_size=args.group_size)
             if args.record:
                 write_activation_trace(args.record, trace)
