@@ -32,10 +32,12 @@ from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 # pipe*: one layer ahead within each token; pipe-thread: its prefetch made by the balancer's
 # own thread beside the CPU part (give it a core: a row thread count below the cores);
 # mapped:F: the static split with the GPU computing share F of the host side over PCIe
-# (kairox.Llama mapped_share; F in the λ position). Older results also hold static-split and
+# (kairox.Llama mapped_share; F in the λ position); plain: the static split with no balancer
+# at all, as users run it by default (the static row's balancer observes: it counts the GPU
+# share at the boundary, which costs time per layer). Older results also hold static-split and
 # static-sync rows, whose switches are retired (docs/benchmarking.md, "Switches retired").
-ROWS = ("static", "mapped", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
-POLICY = {"mapped": "static", "pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive"}
+ROWS = ("static", "plain", "mapped", "fixed", "adaptive", "pipe-fixed", "pipe", "pipe-thread")
+POLICY = {"plain": "none", "mapped": "static", "pipe": "adaptive", "pipe-fixed": "fixed", "pipe-thread": "adaptive"}
 PIPELINED = ("pipe", "pipe-fixed", "pipe-thread")
 
 
@@ -163,7 +165,7 @@ def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
     if kind == "mapped":
         label = f"mapped {lam:g}"
-    elif POLICY.get(kind, kind) == "static":
+    elif POLICY.get(kind, kind) in ("static", "none"):
         label = kind
     else:
         label = f"{kind} λ{'0' if kind in ('adaptive', 'pipe', 'pipe-thread') else ''}={lam:g}" + (

@@ -53,8 +53,10 @@ def main() -> int:
                     help="auto: the implementation's default (kairox hybrid: on; stock: off)")
     ap.add_argument("--mapped-share", type=float, default=0.0,
                     help="kairox hybrid: the GPU's share of the host-side neurons, read over PCIe")
-    ap.add_argument("--balancer", choices=["static", "fixed", "adaptive"], default="static",
-                    help="kairox hybrid: the live balancer with a fixed or an adaptive λ (static: none)")
+    ap.add_argument("--balancer", choices=["none", "static", "fixed", "adaptive"], default="static",
+                    help="kairox hybrid: the live balancer with a fixed or an adaptive λ; static: the split as "
+                         "loaded, a balancer only recording which listed neurons ran from slots (the GPU share); "
+                         "none: no balancer at all, as `kairox run` and the tools run without --balancer")
     ap.add_argument("--lam", type=float, default=0.5, help="balancer: λ (at start, when adaptive)")
     ap.add_argument("--max-admit", type=int, help="balancer: neurons loaded per step and layer")
     ap.add_argument("--eps", type=float, default=0.01,
@@ -110,7 +112,7 @@ def main() -> int:
             extra["decode_priority"] = True
         if args.sched_trace:
             extra["sched_trace"], extra["sched_trace_max"] = args.sched_trace, args.sched_trace_max
-        if args.balancer != "static":
+        if args.balancer not in ("static", "none"):
             extra["reload_method"] = args.reload_method
     else:
         import llama_cpp
@@ -129,7 +131,7 @@ def main() -> int:
               n_threads=args.threads, n_threads_batch=args.threads, verbose=False, **extra)
     counters = None
     hybrid = args.impl == "kairox" and (args.gpu_slots is not None or args.vram_budget is not None)
-    if hybrid:  # static: the balancer only records what ran (GPU hits), moving nothing
+    if hybrid and args.balancer != "none":  # static: the balancer only records what ran (GPU hits), moving nothing
         from kairox.backoff import BackoffConfig
         from kairox.balancer import BalancerConfig
         llm.start_balancer(BalancerConfig(lam=args.lam, eps=args.eps, adaptive=args.balancer == "adaptive",

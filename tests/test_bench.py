@@ -145,6 +145,11 @@ def test_balance_live_rows_and_their_bound() -> None:
     assert bl.parse_row("static", 0.5, None, 16) == ("static", 0.5, None, 16)
     assert bl.parse_row("pipe-thread:0.9:32:15", 0.5, None, 16) == ("pipe-thread", 0.9, 32, 15)
     assert bl.parse_row("pipe::8", 0.5, None, 16) == ("pipe", 0.5, 8, 16)
+    # plain: the static split without a balancer (tpot.py --balancer none), labelled as its kind
+    assert bl.parse_row("plain", 0.5, None, 16) == ("plain", 0.5, None, 16)
+    assert bl.POLICY["plain"] == "none" and "plain" not in bl.PIPELINED
+    assert bl.row_of("plain", 0.5, None, 16, {"tok_s": 1.0, "tpot_p50_ms": 1.0, "tpot_p99_ms": 1.0,
+                                               "command": "c"}, None)["row"] == "plain"
     assert bl.split_env("static@GGML_CUDA_DISABLE_GRAPHS=1@A=b") == ("static", {"GGML_CUDA_DISABLE_GRAPHS": "1",
                                                                                  "A": "b"})
     assert bl.split_env("pipe:0.9") == ("pipe:0.9", {})
