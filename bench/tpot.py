@@ -89,6 +89,7 @@ def main() -> int:
                          "output error to the static threshold's (0: none; default: off)")
     ap.add_argument("--logits-out", help="save each decoded position's logits (float16 .npy, after timing)")
     args = ap.parse_args()
+    moves = args.balancer in ("fixed", "adaptive")  # a balancer that reloads slots (static observes, none is absent)
 
     # The library is loaded before numpy (on the GPU machine, numpy first makes the CUDA
     # build's first model load crash; see bench/device/sparse_smoke.sh).
@@ -112,7 +113,7 @@ def main() -> int:
             extra["decode_priority"] = True
         if args.sched_trace:
             extra["sched_trace"], extra["sched_trace_max"] = args.sched_trace, args.sched_trace_max
-        if args.balancer not in ("static", "none"):
+        if moves:
             extra["reload_method"] = args.reload_method
     else:
         import llama_cpp
@@ -137,10 +138,10 @@ def main() -> int:
         llm.start_balancer(BalancerConfig(lam=args.lam, eps=args.eps, adaptive=args.balancer == "adaptive",
                                           max_admit=args.max_admit), max_blocks=args.max_blocks,
                            observe=args.balancer == "static", decide=args.decide,
-                           pipeline=args.pipeline and args.balancer != "static",
+                           pipeline=args.pipeline and moves,
                            backoff=BackoffConfig(window=args.backoff, **{k: v for k, v in (
                                ("max_doubling", args.backoff_doubling), ("drift", args.backoff_drift)) if v is not None})
-                           if args.backoff and args.balancer != "static" else None)
+                           if args.backoff and moves else None)
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
         from kairox._native import balance_counters, pipe_counters, sched_counters, sparse_counters, warm_counters
