@@ -137,25 +137,31 @@ def host_op_us(res: dict) -> dict | None:
 
 def medians(results: list[dict]) -> list[str]:
     """The rows of one label over the call's rounds, in first-seen order: runs, median tok/s
-    with the range, against the median of the static rows (- without one), held boundaries
-    and returns to the static split with the neurons they loaded and the held boundaries that
-    ran before those had landed (the back-off). Markdown table lines."""
+    with the range, against the median of the static rows (- without one), against the plain
+    row of the same round (the users' static split; the n-th row of a label is in round n):
+    the median of those ratios with their range, so a machine whose speed drifts over the call
+    moves both sides of each ratio (- without plain rows), held boundaries and returns to the
+    static split with the neurons they loaded and the held boundaries that ran before those
+    had landed (the back-off). Markdown table lines."""
     groups: dict[str, list[dict]] = {}
     for r in results:
         groups.setdefault(r["row"], []).append(r)
     base = statistics.median(r["tok_s"] for r in groups["static"]) if "static" in groups else None
-    lines = ["| row | runs | tok/s median (min-max) | vs static median | held boundaries "
-             "| returns (neurons, boundaries in flight) |",
-             "|---|---:|---|---:|---|---|"]
+    plain = [r["tok_s"] for r in groups.get("plain", [])]
+    lines = ["| row | runs | tok/s median (min-max) | vs static median | vs plain, by round (min-max) "
+             "| held boundaries | returns (neurons, boundaries in flight) |",
+             "|---|---:|---|---:|---|---|---|"]
     for label, rs in groups.items():
         t = [r["tok_s"] for r in rs]
         med = statistics.median(t)
+        paired = [a / b for a, b in zip(t, plain)]
         bd = [((r.get("counters") or {}).get("boundary") or {}) for r in rs]
         held = [b.get("held") for b in bd]
         homes = [f"{b['homes']} ({b.get('home_loads', 0)}, {b.get('home_late', 0)})" for b in bd if b.get("homes")]
         lines.append(f"| {label} | {len(rs)} | {med:.2f} ({min(t):.2f}-{max(t):.2f}) | "
                      + (f"{med / base:.2f}x" if base else "-") + " | "
-                     + (", ".join(str(h) for h in held) if any(held) else "-") + " | "
+                     + (f"{statistics.median(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})" if paired else "-")
+                     + " | " + (", ".join(str(h) for h in held) if any(held) else "-") + " | "
                      + (", ".join(homes) or "-") + " |")
     return lines
 

@@ -31,8 +31,8 @@ BEGIN = "<!-- results table: written by bench/summarize.py -->"
 END = "<!-- end of the results table -->"
 HEADLINE_ROWS = 4
 ARCHIVE = "archive"
-# a configuration folder's name ends in its machine: KB-7B-f16-h200, KB-350M-cpu
-MACHINES = ("h200", "cpu")
+# a configuration folder's name ends in its machine: KB-7B-f16-h200, KB-7B-f16-h100, KB-350M-cpu
+MACHINES = ("h200", "h100", "cpu")
 
 
 @dataclass(frozen=True)

@@ -164,9 +164,15 @@ def test_balance_live_rows_and_their_bound() -> None:
                                                  "counters": {"boundary": {"held": 9}}},
             {"row": "static", "tok_s": 110.0}]
     t = bl.medians(runs)
-    assert t[2] == "| static | 3 | 110.00 (100.00-130.00) | 1.00x | - | - |"
-    assert t[3] == "| pipe | 2 | 105.00 (90.00-120.00) | 0.95x | 7, 9 | 2 (300, 3) |"
-    assert bl.medians(runs[1:2])[2] == "| pipe | 1 | 90.00 (90.00-90.00) | - | 7 | 2 (300, 3) |"
+    assert t[2] == "| static | 3 | 110.00 (100.00-130.00) | 1.00x | - | - | - |"
+    assert t[3] == "| pipe | 2 | 105.00 (90.00-120.00) | 0.95x | - | 7, 9 | 2 (300, 3) |"
+    assert bl.medians(runs[1:2])[2] == "| pipe | 1 | 90.00 (90.00-90.00) | - | - | 7 | 2 (300, 3) |"
+    # against the plain row of the same round: (90/80, 120/150) and (100/80, 130/150, 110/100)
+    runs += [{"row": "plain", "tok_s": 80.0}, {"row": "plain", "tok_s": 150.0}, {"row": "plain", "tok_s": 100.0}]
+    t = bl.medians(runs)
+    assert t[3] == "| pipe | 2 | 105.00 (90.00-120.00) | 0.95x | 0.96x (0.80-1.12) | 7, 9 | 2 (300, 3) |"
+    assert t[2] == "| static | 3 | 110.00 (100.00-130.00) | 1.00x | 1.10x (0.87-1.25) | - | - |"
+    assert t[4] == "| plain | 3 | 100.00 (80.00-150.00) | 0.91x | 1.00x (1.00-1.00) | - | - |"
     # static-split and static-sync: rows of older results, their switches retired
     for bad in ("pipes", "pipe:0.9:32:15:1", "static-split", "static-sync"):
         with pytest.raises(ValueError):
