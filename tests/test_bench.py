@@ -402,3 +402,37 @@ def test_boundary_probes_build_and_run(tmp_path: Path, probe: str) -> None:
     assert all(0 < v["min_us"] <= v["median_us"] for v in timed.values())
     if probe == "snap_probe":
         assert res["hits_per_token"] > 0
+
+
+def test_device_out_fits_the_returned_files(tmp_path):
+    """bench/device/out_fit.sh: more than 8 files in $OUT go into results.tar (tables and
+    device.log beside it while they fit), nothing lost; 8 or fewer stay as they are."""
+    import subprocess
+    import tarfile
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "device" / "out_fit.sh"
+
+    def fit(names: list[str]) -> Path:
+        out = tmp_path / f"out{len(names)}-{sum(n.endswith('.md') for n in names)}"
+        out.mkdir()
+        for n in names:
+            (out / n).write_text(n)
+        subprocess.run(["bash", "-c", f'. "{script}"; kx_out_fit'], env={"OUT": str(out), "PATH": "/usr/bin:/bin"},
+                       check=True, capture_output=True)
+        return out
+
+    few = [f"r{i}.json" for i in range(7)] + ["device.log"]
+    assert sorted(p.name for p in fit(few).iterdir()) == sorted(few)
+    many = [f"r{i}.json" for i in range(6)] + [f"r{i}.md" for i in range(3)] + ["r.png", "device.log"]
+    out = fit(many)
+    kept = sorted(p.name for p in out.iterdir())
+    assert kept == sorted(["device.log", "r0.md", "r1.md", "r2.md", "results.tar"])
+    with tarfile.open(out / "results.tar") as t:
+        assert sorted(t.getnames()) == sorted(n for n in many if n not in kept)
+        assert t.extractfile("r3.json").read() == b"r3.json"
+    # too many tables to keep beside the archive: they go in too
+    tables = [f"t{i}.md" for i in range(9)] + ["device.log"]
+    out = fit(tables)
+    assert sorted(p.name for p in out.iterdir()) == ["device.log", "results.tar"]
+    with tarfile.open(out / "results.tar") as t:
+        assert len(t.getnames()) == 9

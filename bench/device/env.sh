@@ -5,6 +5,9 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" "$W"
 exec > >(tee -a "$OUT/device.log") 2>&1
 t0=$(date +%s)
+. bench/device/out_fit.sh  # kx_out_fit: what comes back from $OUT fits the tool's file count
+trap kx_out_fit EXIT
+trap 'exit 143' TERM
 # by name from the carried folder: pip picks each package's wheel for this Python (xxhash
 # carries one per CPython version)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
