@@ -5,7 +5,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" "$W"
 exec > >(tee -a "$OUT/device.log") 2>&1
 t0=$(date +%s)
-. bench/device/out_fit.sh  # kx_out_fit: what comes back from $OUT fits the tool's file count
+. bench/device/out_fit.sh  # kx_out_fit: past 8 files, $OUT's results leave as one archive
 trap kx_out_fit EXIT
 trap 'exit 143' TERM
 # by name from the carried folder: pip picks each package's wheel for this Python (xxhash
