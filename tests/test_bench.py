@@ -380,11 +380,12 @@ def test_kernel_profile_groups_kernels_per_layer_step(tmp_path):
     assert "| kx_select_write_kernel | 1.00 | 4.0 | 4.0 |" in text
 
 
-@pytest.mark.parametrize("probe", ["snap_probe", "apply_probe"])
+@pytest.mark.parametrize("probe", ["snap_probe", "apply_probe", "select_probe"])
 def test_boundary_probes_build_and_run(tmp_path: Path, probe: str) -> None:
-    """bench/snap_probe.cpp and bench/apply_probe.cpp (the balancer's boundary phases alone)
-    compile and print their JSON; the snapshot probe exits non-zero when its bit map counts other
-    hits than the neuron -> slot map."""
+    """bench/snap_probe.cpp, bench/apply_probe.cpp (the balancer's boundary phases alone) and
+    bench/select_probe.cpp (the pipeline's end phase, its selection) compile and print their
+    JSON; the snapshot probe exits non-zero when its bit map counts other hits than the neuron
+    -> slot map, the selection probe when its two variants select other loads."""
     import json
     import shutil
     import subprocess
@@ -402,6 +403,8 @@ def test_boundary_probes_build_and_run(tmp_path: Path, probe: str) -> None:
     assert all(0 < v["min_us"] <= v["median_us"] for v in timed.values())
     if probe == "snap_probe":
         assert res["hits_per_token"] > 0
+    if probe == "select_probe":  # 700 candidates against 2300 victims at half their range
+        assert 0 < res["pairs_last"] <= res["candidates"] == 700
 
 
 def test_device_out_fits_the_returned_files(tmp_path):
