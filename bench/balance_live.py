@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from offload import CONFIGS, PROMPT, log, run, tpot_run  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "python"))
+from kairox.balancer import PIPE_MAX_ADMIT  # noqa: E402
 from kairox.bench import git_commit, machine_facts, write_results  # noqa: E402
 
 # pipe*: one layer ahead within each token; pipe-thread: its prefetch made by the balancer's
@@ -167,6 +168,8 @@ def medians(results: list[dict]) -> list[str]:
 
 
 def row_of(kind: str, lam: float, max_admit: int | None, threads: int, res: dict, bd: dict | None) -> dict:
+    if max_admit is None and kind in PIPELINED:
+        max_admit = PIPE_MAX_ADMIT  # the runtime's cap for the pipeline
     c = res.get("counters") or {}
     b = res.get("balance") or {}  # kairox.report.summary of the row's records
     if kind == "mapped":

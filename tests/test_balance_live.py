@@ -324,27 +324,3 @@ def test_the_records_kept_in_memory_are_bounded(synth_model: Path) -> None:
         assert steps == sorted(steps) and steps[-1] == 699 and steps[0] == 700 - -(-len(trace) // len(SLOTS))
     finally:
         llm.close()
-
-
-@pytest.mark.parametrize("high", [True, False])
-def test_decode_priority_ranks_the_decode_streams(synth_model: Path, high: bool) -> None:  # noqa: F811
-    """decode_priority=True: the context's GPU compute stream (the decode's kernels and
-    hand-offs) at the device's greatest priority, above the reload stream's least; False (run
-    second, so it also shows the process-wide choice is set back): CUDA's default, 0. Without
-    a GPU backend there is no stream to rank."""
-    import kairox
-    from kairox._native import has_gpu
-    where = {"n_gpu_layers": -1} if has_gpu() else {"slots_device": "CPU"}
-    llm = kairox.Llama(str(synth_model), n_ctx=64, n_batch=1, n_ubatch=1, sparse="predicted", gpu_slots=SLOTS,
-                       balancer=fast_config(), balancer_backoff=None, decode_priority=high, verbose=False, **where)
-    try:
-        llm.eval(PROMPT)
-        got = llm.stream_priority()
-        if not has_gpu():
-            assert got is None
-            return
-        prio, least, greatest = got
-        assert greatest < least  # CUDA: a smaller number ranks higher; a GPU without priorities has none
-        assert prio == (greatest if high else 0)
-    finally:
-        llm.close()

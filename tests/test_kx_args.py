@@ -147,9 +147,7 @@ def test_the_scheduler_trace_from_a_tool(native: Path, synth_model: Path, tmp_pa
 
 def test_a_balanced_tool_traces_its_reloads(native: Path, synth_model: Path, tmp_path: Path) -> None:  # noqa: F811
     """The balancer in a tool, under --kx-sched-trace: its reload batches are records beside the
-    splits, of the bytes its steps loaded (--kx-trace). --kx-decode-priority (CUDA: the decode's
-    streams above the reloads) is accepted, also as LLAMA_ARG_KX_DECODE_PRIORITY, and changes
-    no output."""
+    splits, of the bytes its steps loaded (--kx-trace)."""
     from kairox import trace as kt
     base = ("--gpu-slots", "60", *CPU_SLOTS, "--balancer", "fixed", "--balancer-lambda", "0.2",
             "--balancer-backoff", "0")
@@ -160,17 +158,12 @@ def test_a_balanced_tool_traces_its_reloads(native: Path, synth_model: Path, tmp
     rel = [x for x in recs if x.part == "r"]
     moved = sum(json.loads(ln)["reload_bytes"] for ln in steps.read_text().splitlines())
     assert rel and moved > 0 and sum(x.bytes for x in rel) == moved
-    plain = complete(native, synth_model, *base)
-    for more, env in (("--kx-decode-priority",), None), ((), {"LLAMA_ARG_KX_DECODE_PRIORITY": "1"}):
-        r = complete(native, synth_model, *base, *more, env=env)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert same_text(r.stdout, plain.stdout)
 
 
 def test_help_lists_the_options(native: Path) -> None:
     r = tool(native, "llama-completion", "--help")
     for flag in ("--vram-budget", "--gpu-slots", "--kx-plan", "--mapped-share", "--balancer ", "--balancer-lambda",
-                 "--balancer-pipeline", "--balancer-backoff", "--kx-error-budget", "--kx-trace", "--kx-sched-trace", "--sparse-pack", "--kx-decode-priority",
+                 "--balancer-pipeline", "--balancer-backoff", "--kx-error-budget", "--kx-trace", "--kx-sched-trace", "--sparse-pack",
                  "LLAMA_ARG_VRAM_BUDGET"):
         assert flag in r.stdout, flag
 
@@ -208,8 +201,7 @@ def test_llama_bench_lists_and_columns(native: Path, synth_model: Path) -> None:
         [(-1, "auto", "-", "off"), (16, "auto", "-", "off")]
     assert all(x["avg_ts"] > 0 for x in rows)
     md = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", "-r", "1", "-t", "2",
-              "--gpu-slots", "8", "--sparse", "exact", "--balancer", "off,fixed", "--kx-slots-device", "CPU",
-              "--kx-decode-priority")
+              "--gpu-slots", "8", "--sparse", "exact", "--balancer", "off,fixed", "--kx-slots-device", "CPU")
     assert md.returncode == 0, md.stderr[-2000:]
     header = next(ln for ln in md.stdout.splitlines() if ln.startswith("| model"))
     for col in ("gpu_slots", "sparse", "balancer"):

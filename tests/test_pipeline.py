@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kairox.balancer import BalancerConfig, PrefetchLayer, tam_key
+from kairox.balancer import PIPE_MAX_ADMIT, BalancerConfig, PrefetchLayer, tam_key
 
 PROMPT = list(range(1, 9))
 N_GEN = 40
@@ -157,7 +157,7 @@ def test_pipeline_decisions_equal_the_reference(model4: Path, late: int, gpu: bo
     """Each decided record's loads, evictions and λ equal PrefetchLayer's fed the recorded
     predicted list, stall and landing bits; after a drain the slots hold its residents.
     ε = −1 is the micro level (every listed neuron a candidate, kairox.neuron_cache); cap:
-    max_admit (None: no cap, every candidate and victim kept by the scan)."""
+    max_admit (None: the pipeline's own cap, PIPE_MAX_ADMIT, which binds on some steps here)."""
     _gpu_or_skip(gpu)
     cfg = dataclasses.replace(fast(), eps=eps, max_admit=cap)
     _, _, llm, initial = gen(model4, "predicted", gpu=gpu, slots=SLOTS, tokens=drifting(N_GEN), config=cfg,
@@ -179,6 +179,7 @@ def test_pipeline_decisions_equal_the_reference(model4: Path, late: int, gpu: bo
             ref.drain()
             assert sorted(llm.slot_residents(il)) == ref.residents(), il
         assert moved > N_GEN
+        assert max(r["n_load"] for r in trace) == (PIPE_MAX_ADMIT if cap is None else cap)
     finally:
         llm.close()
 

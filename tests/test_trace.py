@@ -217,7 +217,7 @@ def test_a_balanced_run_traces_its_reloads(tmp_path: Path, synth_model: Path, na
     if gpu and not has_gpu():
         pytest.skip("needs a GPU")
     out, steps = tmp_path / "run.jsonl", tmp_path / "steps.json"
-    where = "n_gpu_layers=-1, decode_priority=True" if gpu else "slots_device='CPU'"
+    where = "n_gpu_layers=-1" if gpu else "slots_device='CPU'"
     code = (
         "import json, kairox\n"
         "from kairox.balancer import BalancerConfig\n"

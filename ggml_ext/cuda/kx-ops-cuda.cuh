@@ -36,13 +36,6 @@ const kx_pin_iface *    ggml_cuda_kx_pin_iface(void);
 struct kx_timer_iface;
 const kx_timer_iface *  ggml_cuda_kx_timer_iface(void);
 
-// the decode's streams above the slot reloads' (kx-stream-priority.cu; common.cuh creates
-// the backend's streams at ggml_cuda_kx_stream_priority())
-void ggml_cuda_kx_set_decode_priority(bool high);
-// the current device's greatest (or least) stream priority; 0 (CUDA's default) where it has none
-int  ggml_cuda_kx_priority(bool greatest);
-int32_t ggml_cuda_kx_backend_stream_priority(ggml_backend_t backend, int32_t * prio, int32_t * least,
-                                             int32_t * greatest);
 // every hybrid layer's TAM step in one launch (kx-tam.cu), driven by the reload engine
 struct kx_tam_config;
 void *  ggml_cuda_kx_tam_batch_new(const kx_tam_config * cfg, int32_t n_layers, const int32_t * n,

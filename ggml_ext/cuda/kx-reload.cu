@@ -225,10 +225,8 @@ static void * kx_reload_create(int32_t device, int32_t method, int32_t max_block
     r->device = device;
     r->method = method;
     r->max_blocks = max_blocks;
-    // at the device's least priority: reloads and the balancer's kernels yield SMs to the
-    // decode's kernels when those rank higher (kx-stream-priority.cu)
     if (cudaSetDevice(device) != cudaSuccess ||
-        cudaStreamCreateWithPriority(&r->stream, cudaStreamNonBlocking, ggml_cuda_kx_priority(false)) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&r->stream, cudaStreamNonBlocking) != cudaSuccess ||
         cudaEventCreateWithFlags(&r->done, cudaEventDisableTiming) != cudaSuccess) {
         fprintf(stderr, "kx reload: cannot create a stream on device %d\n", (int) device);
         kx_reload_destroy(r);
@@ -434,7 +432,7 @@ static int32_t kx_reload_queue_write(void * p, ggml_backend * reader, const kx_i
     KX_RELOAD_CHECK(cudaSetDevice(r->device), 2);
     if (!reader) {
         if (!r->side) {
-            KX_RELOAD_CHECK(cudaStreamCreateWithPriority(&r->side, cudaStreamNonBlocking, ggml_cuda_kx_priority(false)), 3);
+            KX_RELOAD_CHECK(cudaStreamCreateWithFlags(&r->side, cudaStreamNonBlocking), 3);
         }
         return kx_reload_store(r->side, r->sstage, r->sstage_cap, w, n);
     }

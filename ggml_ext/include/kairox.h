@@ -114,7 +114,8 @@ struct kx_balance_params {
     int32_t observe;     // 1: only record what ran (hits), decide and move nothing (the static split's figures)
     int32_t pipeline;    // 1: one layer ahead within each decode (below) instead of between decodes;
                          //    decide then picks who makes each prefetch: auto / inline the compute
-                         //    threads (graph nodes), worker the balancer's own thread
+                         //    threads (graph nodes), worker the balancer's own thread; a step loads
+                         //    at most tam.max_admit, KX_PIPE_MAX_ADMIT where that is < 0
     int32_t late_every;  // tests: every n-th reload batch of a layer counts as landed two checks late (0: never)
     int32_t wait_limit_ms; // how long a boundary waits for the last reloads before the balancer stops
                            // (the split stays as it is, outputs unchanged); <= 0: 10000
@@ -123,6 +124,11 @@ struct kx_balance_params {
     int32_t trace_keep;  // records kept in memory (kx_model_balance_trace), the newest; <= 0: 262144, else >= 1024
     struct kx_backoff_config backoff; // window 0: the balancer never backs off
 };
+// The pipeline's loads per layer step unless tam.max_admit says otherwise: its step merges and
+// sorts every candidate and victim on the critical path, so an uncapped step costs more than
+// the loads it adds (docs/ARCHITECTURE.md, "The pipeline's load cap").
+#define KX_PIPE_MAX_ADMIT 32
+
 // The one-layer-ahead pipeline (pipeline = 1, the predicted mode's predictor): while hybrid
 // layer i computes, layer i+1's active set is predicted from layer i's FFN input, and its
 // best missing neurons (TAM candidates) are copied into the slots of its worst residents not
@@ -295,17 +301,7 @@ struct kx_params {
                                        // layer's sparse FFN against the dense one on this CPU before the model
                                        // loads, and run sparse only where it is 5% faster (kx_sparse_cost; default
                                        // true). false: sparse wherever the lists hold under 60% of the neurons
-    bool            decode_priority;   // CUDA: the decode's streams (its kernels, its CPU<->GPU hand-offs) at the
-                                       // device's greatest priority, above the slot reloads and the balancer's
-                                       // kernels (cuda/kx-stream-priority.cu). Process-wide, for contexts created
-                                       // after the load that sets it (default false)
 };
-
-// tests: the priority of ctx's first GPU backend's compute stream (after a decode created it) and
-// its device's least and greatest (CUDA: least is the larger number; kx_params.decode_priority).
-// 0, or 1 when ctx has no GPU backend that reports one
-LLAMA_API int32_t kx_context_stream_priority(struct llama_context * ctx, int32_t * prio, int32_t * least,
-                                             int32_t * greatest);
 
 // what a budgeted context measured on its device (bytes)
 struct kx_vram_report {

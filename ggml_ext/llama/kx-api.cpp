@@ -301,21 +301,6 @@ int64_t kx_model_backoff_trace(llama_model * model, double * seconds, double * h
     return n;
 }
 
-int32_t kx_context_stream_priority(llama_context * ctx, int32_t * prio, int32_t * least, int32_t * greatest) {
-    ggml_backend_sched_t sched = ctx ? ctx->get_sched() : nullptr;
-    for (int i = 0; sched && i < ggml_backend_sched_get_n_backends(sched); ++i) {
-        ggml_backend_t be = ggml_backend_sched_get_backend(sched, i);
-        ggml_backend_dev_t dev = ggml_backend_get_device(be);
-        if (!dev || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) {
-            continue;
-        }
-        using get_t = int32_t (*)(ggml_backend_t, int32_t *, int32_t *, int32_t *);
-        auto get = (get_t) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev), "kx_backend_stream_priority");
-        return get ? get(be, prio, least, greatest) : 1;
-    }
-    return 1;
-}
-
 int64_t kx_model_balance_activity(llama_model * model, int64_t step, int32_t il, int32_t * dst, int64_t capacity) {
     kx_balancer * b = kx_model_balancer(model);
     if (!b || step < 0 || !b->params.record) {

@@ -226,6 +226,9 @@ std::unique_ptr<kx_balancer> kx_balancer_new(kx_slots & slots, const llama_model
     }
     auto b = std::make_unique<kx_balancer>();
     b->params = params;
+    if (params.pipeline && params.tam.max_admit < 0) {
+        b->params.tam.max_admit = KX_PIPE_MAX_ADMIT;
+    }
     b->backoff.cfg = params.backoff;
     // record mode indexes its active lists by record: it keeps every record
     // (at least 1024: a step's records, which the decision and the writer still fill, stay)

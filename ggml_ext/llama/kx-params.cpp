@@ -388,25 +388,12 @@ static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, con
     kx_override(mp, kx_cpu_patterns(plain, false), kx_host_buffer_type(true, kp->faults));
 }
 
-// the GPU backends' stream priority for contexts created from now on (kx_params.decode_priority):
-// a process-wide choice of the backend, made before the model's contexts exist
-static void kx_decode_priority(bool high) {
-    for (size_t i = 0; i < ggml_backend_reg_count(); ++i) {
-        ggml_backend_reg_t reg = ggml_backend_reg_get(i);
-        auto set = (void (*)(bool)) ggml_backend_reg_get_proc_address(reg, "kx_set_decode_priority");
-        if (set) {
-            set(high);
-        }
-    }
-}
-
 int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const llama_context_params * cp,
                                   const char * model_path, char * err, size_t err_size) {
     if (!kp || !mp) {
         return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_model_params_apply: kp and mp are required");
     }
     kp->vram_free_at_load = -1;
-    kx_decode_priority(kp->decode_priority);
     if (kp->sched_trace && *kp->sched_trace && kx_trace_start(kp->sched_trace, kp->sched_trace_max) != 0) {
         return kx_fail(err, err_size, KX_ERR_PARAMS, kx_fmt("cannot record the scheduler trace to %s (one file per "
                                                             "process, and its records must fit in memory)", kp->sched_trace));

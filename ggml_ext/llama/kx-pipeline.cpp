@@ -145,14 +145,12 @@ static void kx_pipe_begin(kx_balancer & b, kx_balance_layer & L, const int32_t *
 }
 
 // keeps in `keep` the m keys that come first by `before` among those offered (a heap whose
-// front is the one to drop next); m < 0: every key
+// front is the one to drop next)
 template <typename Before>
 static inline void kx_keep_best(std::vector<uint64_t> & keep, uint64_t key, int32_t m, Before before) {
-    if (m < 0 || (int32_t) keep.size() < m) {
+    if ((int32_t) keep.size() < m) {
         keep.push_back(key);
-        if (m >= 0) {
-            std::push_heap(keep.begin(), keep.end(), before);
-        }
+        std::push_heap(keep.begin(), keep.end(), before);
     } else if (m > 0 && before(key, keep.front())) {
         std::pop_heap(keep.begin(), keep.end(), before);
         keep.back() = key;
@@ -235,7 +233,7 @@ static void kx_pipe_end(kx_balancer & b, kx_balance_layer & L) {
     for (int t = 0; t < L.tmp.n_scan; ++t) {
         cand.insert(cand.end(), L.tmp.tcand[t].begin(), L.tmp.tcand[t].end());
     }
-    if (c.max_admit >= 0 && cand.size() > (size_t) c.max_admit) {
+    if (cand.size() > (size_t) c.max_admit) {
         // the best max_admit (keys are unique), then in order
         std::nth_element(cand.begin(), cand.begin() + c.max_admit, cand.end(), std::greater<uint64_t>());
         cand.resize(c.max_admit);

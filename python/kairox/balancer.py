@@ -165,6 +165,11 @@ def tam_key(score: float, resident: bool, gid: int) -> int:
     return (bits << 32) | (int(bool(resident)) << 31) | (0x7FFFFFFF - int(gid))
 
 
+# The pipeline's loads per layer step where BalancerConfig.max_admit is None (include/kairox.h:
+# KX_PIPE_MAX_ADMIT): an uncapped step sorts every candidate and victim on the critical path.
+PIPE_MAX_ADMIT = 32
+
+
 @dataclass
 class PrefetchLayer:
     """One hybrid layer of the one-layer-ahead pipeline (the runtime's pipeline mode): each
@@ -174,7 +179,7 @@ class PrefetchLayer:
     A step: loads still in flight from an earlier step either landed (they become resident)
     or the step is skipped (their slots are taken; an I/O stall). Otherwise λ adapts, the TAM
     scores move with the predicted set, and the candidates (predicted, not resident, score
-    > τ; best first, at most max_admit) take free slots (lowest first), then the slots of the
+    > τ; best first, at most max_admit, PIPE_MAX_ADMIT where that is None) take free slots (lowest first), then the slots of the
     worst residents that are not predicted, each only while the candidate scores higher than
     the resident (a tie keeps the resident). The evicted leave at once; the loaded become
     resident when their rows have landed. `late` says what the runtime saw: bit 1, loads still
@@ -230,8 +235,7 @@ class PrefetchLayer:
         tau = self.tau
         cand = sorted((g for g in np.unique(pred).tolist() if self.slot_of[g] < 0 and self.score[g] > tau),
                       key=lambda g: -tam_key(self.score[g], False, g))
-        if self.config.max_admit is not None:
-            cand = cand[:self.config.max_admit]
+        cand = cand[:PIPE_MAX_ADMIT if self.config.max_admit is None else self.config.max_admit]
         is_pred = act > 0
         victims = sorted((int(g) for g in self.slot_group if g >= 0 and not is_pred[g]),
                          key=lambda g: tam_key(self.score[g], True, g))

@@ -84,8 +84,7 @@ class Params(ctypes.Structure):  # struct kx_params
                 ("balancer", ctypes.c_int32), ("balance", BalanceParams), ("trace", ctypes.c_char_p),
                 ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),
                 ("error_budget", ctypes.c_float), ("fallback_dense", ctypes.c_bool), ("faults", ctypes.c_int32),
-                ("vram_free_at_load", ctypes.c_int64), ("measure_gain", ctypes.c_bool),
-                ("decode_priority", ctypes.c_bool)]
+                ("vram_free_at_load", ctypes.c_int64), ("measure_gain", ctypes.c_bool)]
 
 
 class ThrInfo(ctypes.Structure):  # struct kx_thr_info
@@ -163,7 +162,6 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_model_balance_trace": ([vp, P(BalanceRecord), i64], i64),
         "kx_model_balance_activity": ([vp, i64, i32, P(i32), i64], i64),
         "kx_model_backoff_trace": ([vp, P(ctypes.c_double), P(ctypes.c_double), P(ctypes.c_uint8), i64], i64),
-        "kx_context_stream_priority": ([vp, P(i32), P(i32), P(i32)], i32),
         "kx_model_tensor_buffer_type": ([vp, cp], cp),
         "kx_context_stream_stats": ([vp, P(i64)], i32),
         "kx_context_set_error_budget": ([vp, ctypes.c_float, cp, sz], i32),

@@ -104,10 +104,6 @@ class KairoxOptions:
     # before the model loads and run sparse only where it is faster (False: wherever the pack's
     # lists hold under 60% of a layer's neurons)
     measure_gain: bool = True
-    # CUDA: the decode's streams (its kernels and CPU<->GPU hand-offs) at the device's greatest
-    # priority, above the slot reloads and the balancer's kernels; process-wide, for contexts
-    # created from this load on (off by default until it measures faster, docs/ARCHITECTURE.md)
-    decode_priority: bool = False
     # the balancer's records, appended as JSON lines while running (`kairox report FILE`)
     trace: str | None = None
     # the scheduler's split trace for the whole process, written at exit (`kairox trace FILE`),
@@ -182,7 +178,7 @@ class KairoxOptions:
                              "vram_budget or a plan")
         if self.error_budget is not None and self.sparse in ("exact", "threshold"):
             raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode")
-        for name in ("pinned", "warm", "stream", "migrate", "measure_gain", "decode_priority"):
+        for name in ("pinned", "warm", "stream", "migrate", "measure_gain"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.trace is not None and not self.balancer:
@@ -245,7 +241,7 @@ class KairoxOptions:
         kp.plan = text(self.plan)
         kp.slots_device = text(self.slots_device)
         kp.pinned, kp.warm, kp.stream, kp.migrate = self.pinned, self.warm, self.stream, self.migrate
-        kp.measure_gain, kp.decode_priority = self.measure_gain, self.decode_priority
+        kp.measure_gain = self.measure_gain
         kp.mapped_share = float(self.mapped_share)
         if self.balancer:
             kp.balancer = capi.BALANCER_MODES.index("adaptive" if self.balancer.adaptive else "fixed")
@@ -685,15 +681,6 @@ class Llama(llama_cpp.Llama):
         arr = (ctypes.c_int32 * max(n, 1))()
         _lib.kx_model_balance_activity(self._model.model, step, il, arr, n)
         return list(arr[:n])
-
-    def stream_priority(self) -> tuple[int, int, int] | None:
-        """The priority of the context's GPU compute stream and its device's least and greatest
-        (CUDA numbers: greatest < least), after a decode; None without a GPU backend
-        (decode_priority= chooses it)."""
-        v = [ctypes.c_int32() for _ in range(3)]
-        if _lib.kx_context_stream_priority(self._ctx.ctx, *(ctypes.byref(x) for x in v)):
-            return None
-        return v[0].value, v[1].value, v[2].value
 
     @property
     def pack_has_predictor(self) -> bool:

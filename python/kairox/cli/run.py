@@ -89,8 +89,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                 hybrid["stream"] = False
             if args.migrate:
                 hybrid["migrate"] = True
-            if args.decode_priority:
-                hybrid["decode_priority"] = True
             if args.sched_trace:
                 hybrid["sched_trace"] = args.sched_trace
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
@@ -262,9 +260,6 @@ def register(sub) -> None:
     p.add_argument("--kx-migrate", dest="migrate", action="store_true",
                    help="streamed tensors: follow the CPU, GPU and PCIe rates measured while decoding instead of "
                    "keeping the load's choice (runtime migration; off by default)")
-    p.add_argument("--kx-decode-priority", dest="decode_priority", action="store_true",
-                   help="CUDA: run the decode's kernels and CPU-GPU hand-offs on streams of the device's highest "
-                   "priority, above the balancer's slot reloads (off by default)")
     p.add_argument("--mapped-share", type=float, default=0.0, metavar="F",
                    help="hybrid: the GPU also computes this share (0-1, by activation frequency) of the "
                    "host-side neurons, reading their rows from the page-locked host weights over PCIe "
