@@ -52,10 +52,23 @@ def test_handoffs_can_keep_a_small_tensor_on_the_cpu() -> None:
     assert on == [True, True, True]
 
 
+def runtime_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int) -> tuple[list[bool], float]:
+    """kx_plan_dense, the load path's knapsack (C++), on the items solve_dense takes (a pinned
+    point cannot run on the CPU: an infinite time there, as the load path gives it)."""
+    import ctypes
+    from kairox.llama import _lib
+    n = len(items)
+    nb = (ctypes.c_int64 * n)(*[it.nbytes for it in items])
+    cpu = (ctypes.c_double * n)(*[math.inf if it.pinned else it.seconds(hw.cpu_rate) for it in items])
+    gpu = (ctypes.c_double * n)(*[it.seconds(hw.gpu_rate) for it in items])
+    on = (ctypes.c_bool * n)()
+    t = _lib.kx_plan_dense(nb, cpu, gpu, n, budget, unit, hw.handoff_us * 1e-6 / 2, on)
+    return list(on), t
+
+
 def test_the_runtime_knapsack_is_the_reference(native: Path) -> None:
     """kx_plan_dense, the load path's knapsack (C++), against solve_dense on random tensors of
     mixed types and measured rates, budgets from nothing to more than all."""
-    import ctypes
     from kairox.llama import _lib
     rng = np.random.default_rng(11)
     hw = HwProfile(cpu_gbs=60.0, gpu_gbs=2000.0, handoff_us=23.5, cpu_type_gbs={"q4_0": 25.0})
@@ -67,17 +80,53 @@ def test_the_runtime_knapsack_is_the_reference(native: Path) -> None:
         budget = int(rng.integers(0, int(sum(it.nbytes for it in items) * 1.2)))
         unit = int(rng.choice([MiB, 16 * MiB]))
         want, t = solve_dense(items, budget, hw, unit=unit)
-        nb = (ctypes.c_int64 * n)(*[it.nbytes for it in items])
-        cpu = (ctypes.c_double * n)(*[it.nbytes / hw.cpu_rate(it.type) for it in items])
-        gpu = (ctypes.c_double * n)(*[it.nbytes / hw.gpu_rate(it.type) for it in items])
-        on = (ctypes.c_bool * n)()
-        got = _lib.kx_plan_dense(nb, cpu, gpu, n, budget, unit, hw.handoff_us * 1e-6 / 2, on)
-        assert got == pytest.approx(t, rel=1e-12) and list(on) == want
+        on, got = runtime_dense(items, budget, hw, unit)
+        assert got == pytest.approx(t, rel=1e-12) and on == want
         moved += want.count(False)
         kept += want.count(True)
     assert moved and kept  # both sides were chosen
     assert _lib.kx_plan_dense(None, None, None, 0, 1 << 30, MiB, 0.0, None) == 0.0  # nothing to place
     assert _lib.kx_plan_dense(None, None, None, 3, 1 << 30, MiB, 0.0, None) < 0  # bad arguments
+
+
+def kb7b_tensors(types: dict[str, str]) -> list[DenseItem]:
+    """KB-7B's dense tensors (32 layers, 4096 wide, 11008 FFN rows, 32000 tokens), each of the
+    ggml type its kind is given in `types` (bytes per block as ggml's)."""
+    block = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q6_k": (256, 210)}
+    size = lambda kind, n: n // block[types[kind]][0] * block[types[kind]][1]  # noqa: E731
+    items = []
+    for il in range(32):
+        for kind in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            items.append(DenseItem(f"blk.{il}.{kind}.weight", size(kind, 4096 * 4096), types[kind]))
+        for kind in ("ffn_gate", "ffn_up", "ffn_down"):
+            items.append(DenseItem(f"blk.{il}.{kind}.weight", size(kind, 4096 * 11008), types[kind]))
+    items.append(DenseItem("output.weight", size("output", 4096 * 32000), types["output"]))
+    return items
+
+
+@pytest.mark.parametrize("quant", ["f16", "q4_k_m"])
+def test_the_runtime_knapsack_on_a_recorded_profile(native: Path, quant: str) -> None:
+    """The budget sweep's placements at the planner: kx_plan_dense with the rates `kairox
+    profile-hw` recorded on the H200 machine (bench/results/hw/profile-hw-h200.json), on KB-7B's
+    dense tensors (F16, and Q4_K_M's types), at every budget from 0 to 14 GiB: solve_dense's
+    placement and time, never more bytes than the budget, and no slower for a larger budget."""
+    hw = HwProfile.from_json(json.loads((Path(__file__).parent.parent / "bench/results/hw/profile-hw-h200.json")
+                                        .read_text()))
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
+    types = dict.fromkeys(kinds, "f16") if quant == "f16" else \
+        {**dict.fromkeys(kinds, "q4_k"), "attn_v": "q6_k", "ffn_down": "q6_k", "output": "q6_k"}
+    items = dense_groups(kb7b_tensors(types))
+    last = math.inf
+    for gib in range(15):
+        budget = gib << 30
+        want, t = solve_dense(items, budget, hw, unit=MiB)
+        on, got = runtime_dense(items, budget, hw, MiB)
+        assert got == pytest.approx(t, rel=1e-12) and on == want, gib
+        assert sum(it.nbytes for it, g in zip(items, on) if g) <= budget
+        assert t <= last
+        last = t
+    # 14 GiB holds every tensor; at 0 only the pinned points (no bytes) run on the GPU
+    assert all(on) and [it.pinned for it in items] == runtime_dense(items, 0, hw, MiB)[0]
 
 
 def test_the_runtime_orders_and_groups_tensors_as_the_reference(native: Path) -> None:
