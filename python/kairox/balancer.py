@@ -47,7 +47,8 @@ class BalancerConfig:
     alpha_min: float = 0.005
     lam_min: float = 0.05
     lam_max: float = 0.95
-    max_admit: int | None = None  # groups loaded per step and layer (None: as many as qualify)
+    # groups loaded per step and layer (None: as many as qualify; the pipeline: PIPE_MAX_ADMIT)
+    max_admit: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.lam_min <= self.lam <= self.lam_max < 1:
@@ -179,9 +180,9 @@ class PrefetchLayer:
     A step: loads still in flight from an earlier step either landed (they become resident)
     or the step is skipped (their slots are taken; an I/O stall). Otherwise λ adapts, the TAM
     scores move with the predicted set, and the candidates (predicted, not resident, score
-    > τ; best first, at most max_admit, PIPE_MAX_ADMIT where that is None) take free slots (lowest first), then the slots of the
-    worst residents that are not predicted, each only while the candidate scores higher than
-    the resident (a tie keeps the resident). The evicted leave at once; the loaded become
+    > τ; best first, at most max_admit, PIPE_MAX_ADMIT where that is None) take free slots
+    (lowest first), then the slots of the worst residents that are not predicted, each only
+    while the candidate scores higher than the resident (a tie keeps the resident). The evicted leave at once; the loaded become
     resident when their rows have landed. `late` says what the runtime saw: bit 1, loads still
     in flight at the step's start; bit 2, this step's loads not landed at its end."""
     n_groups: int
