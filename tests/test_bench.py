@@ -407,6 +407,32 @@ def test_boundary_probes_build_and_run(tmp_path: Path, probe: str) -> None:
         assert 0 < res["pairs_last"] <= res["candidates"] == 700
 
 
+@pytest.mark.parametrize("types", ["q4", "q4k", "f16"])
+def test_host_op_probe_builds_and_splits_the_op(tmp_path: Path, native: Path, types: str) -> None:
+    """bench/host_op.c (the host FFN op alone on one model's layer shapes) builds against the
+    native ggml, about half of its listed neurons fire with every weight type (its random rows
+    and zero-sum x), and the op's own counters split its span: span >= slowest thread's loop
+    >= the mean thread's > 0."""
+    import json
+    import shutil
+    import subprocess
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "host_op"
+    subprocess.run([cc, "-O2", str(ROOT / "bench" / "host_op.c"), "-I", str(ROOT / "vendor/llama.cpp/ggml/include"),
+                    "-I", str(ROOT / "ggml_ext/include"), "-L", str(native), "-lggml-base", "-lggml-cpu",
+                    f"-Wl,-rpath,{native}", "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe), "4k", "2", "2", "200", "2", "1024", "512", types], check=True,
+                         capture_output=True, text=True).stdout
+    res = json.loads(out)
+    assert res["types"] == types and res["listed"] == 200
+    assert 60 <= res["fired"] <= 140
+    assert res["op_us"] >= res["loop_max_us"] >= res["loop_mean_us"] > 0
+    bad = subprocess.run([str(exe), "4k", "1", "1", "10", "1", "256", "256", "q5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "TYPES" in bad.stderr
+
+
 def test_device_out_fits_the_returned_files(tmp_path):
     """bench/device/out_fit.sh: more than 8 files in $OUT go into results.tar (tables and
     device.log beside it while they fit), nothing lost; 8 or fewer stay as they are."""

@@ -4,6 +4,8 @@
 # same rows (bench/host_pages.c). A CPU-only ggml build (about a minute on 16 cores). To $OUT.
 #
 #   bash bench/device/host_op.sh          # repo root; carry vendor/llama.cpp
+#   KX_HOST_OP_ARGS="8 800 20 11008 4096 q4k" ...  # KB-7B Q4_K_M's host part instead (host_op.c's
+#                                         # arguments after the threads; its JSON splits the op's span)
 set -uo pipefail
 . bench/device/env.sh
 cmake -S . -B "$W/build-cpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=OFF > "$W/cpu-configure.log" || exit 1
