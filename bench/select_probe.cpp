@@ -1,7 +1,8 @@
 // The pipeline's end phase, its selection alone: the ~50 µs per layer step it spends before its
 // first load on KB-7B (bench/results/KB-7B-f16-h100/plain/: end 74-94 µs, 76 + 0.15 per load).
 //
-// As in kx_pipe_end with no load cap: the scan threads' candidates (listed, not resident; TAM
+// As kx_pipe_end ran before its load cap (KX_PIPE_MAX_ADMIT; this probe is why the cap came,
+// bench/results/KB-7B-f16-h100/pipe-cap/): the scan threads' candidates (listed, not resident; TAM
 // keys, higher is better) and victims (resident, not listed; lower is worse) are merged; the
 // candidates sorted best first, the worst victims selected and sorted; loads are the pairs in
 // that order while a candidate's key beats its victim's. Variants, interleaved on the same keys:

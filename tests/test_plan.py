@@ -90,17 +90,23 @@ def test_the_runtime_knapsack_is_the_reference(native: Path) -> None:
 
 
 def kb7b_tensors(types: dict[str, str]) -> list[DenseItem]:
-    """KB-7B's dense tensors (32 layers, 4096 wide, 11008 FFN rows, 32000 tokens), each of the
-    ggml type its kind is given in `types` (bytes per block as ggml's)."""
-    block = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q6_k": (256, 210)}
-    size = lambda kind, n: n // block[types[kind]][0] * block[types[kind]][1]  # noqa: E731
+    """KB-7B's dense tensors (the synth preset's shape; the llama SPM vocabulary's 32000 rows of
+    output), each of the ggml type its kind is given in `types`, sized by gguf's block table."""
+    import gguf
+    from kairox.synth import PRESETS
+    sh = PRESETS["KB-7B"]
+
+    def item(name: str, kind: str, n: int) -> DenseItem:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[types[kind].upper()]]
+        return DenseItem(name, n // block * type_size, types[kind])
+
     items = []
-    for il in range(32):
+    for il in range(sh.n_layer):
         for kind in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            items.append(DenseItem(f"blk.{il}.{kind}.weight", size(kind, 4096 * 4096), types[kind]))
+            items.append(item(f"blk.{il}.{kind}.weight", kind, sh.n_embd * sh.n_embd))
         for kind in ("ffn_gate", "ffn_up", "ffn_down"):
-            items.append(DenseItem(f"blk.{il}.{kind}.weight", size(kind, 4096 * 11008), types[kind]))
-    items.append(DenseItem("output.weight", size("output", 4096 * 32000), types["output"]))
+            items.append(item(f"blk.{il}.{kind}.weight", kind, sh.n_embd * sh.n_ff))
+    items.append(item("output.weight", "output", sh.n_embd * 32000))
     return items
 
 

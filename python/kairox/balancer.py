@@ -182,9 +182,10 @@ class PrefetchLayer:
     scores move with the predicted set, and the candidates (predicted, not resident, score
     > τ; best first, at most max_admit, PIPE_MAX_ADMIT where that is None) take free slots
     (lowest first), then the slots of the worst residents that are not predicted, each only
-    while the candidate scores higher than the resident (a tie keeps the resident). The evicted leave at once; the loaded become
-    resident when their rows have landed. `late` says what the runtime saw: bit 1, loads still
-    in flight at the step's start; bit 2, this step's loads not landed at its end."""
+    while the candidate scores higher than the resident (a tie keeps the resident). The
+    evicted leave at once; the loaded become resident when their rows have landed. `late`
+    says what the runtime saw: bit 1, loads still in flight at the step's start; bit 2, this
+    step's loads not landed at its end."""
     n_groups: int
     slots: Sequence[int]           # the group in each slot at start, -1 for an empty slot
     config: BalancerConfig = field(default_factory=BalancerConfig)
