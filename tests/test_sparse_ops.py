@@ -505,12 +505,12 @@ def rows4_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8
     """The fused op (act: ReLU's two passes, or SiLU/GELU's one) on wtype gate/up and dtype
     down rows over lists of 1-90 neurons (every remainder of groups of four), stacked: [list,
     token, m]. Every token is the same x (tokens > 1: the op goes row by row). F16 rows are 296
-    wide (past ggml's 64-wide steps: its double-precision tail) and F16 down rows 101 (past the
-    16-wide vectors)."""
+    wide (past ggml's 64-wide steps: its double-precision tail), F16 down rows 101 (past the
+    16-wide vectors), K-quant down rows two super-blocks."""
     rng = np.random.default_rng(29)
     n = 90
     k = {"q4_0": 256, "q4_k": 512, "q6_k": 512}.get(wtype, 296)
-    m = 96 if dtype == "q8_0" else 101
+    m = rows4_width(dtype)
     gate, up = (rng.standard_normal((2, n, k)) / math.sqrt(k)).astype(np.float32)
     down = rng.standard_normal((n, m)).astype(np.float32)
     x = np.repeat(rng.standard_normal((1, k)).astype(np.float32), tokens, axis=0)
@@ -523,15 +523,20 @@ def rows4_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8
     return np.stack(outs)
 
 
+def rows4_width(dtype: str) -> int:
+    return {"q8_0": 96, "q4_k": 512, "q6_k": 512}.get(dtype, 101)
+
+
 @pytest.mark.parametrize("act", ["relu", "silu", "gelu"])
-@pytest.mark.parametrize("wtype,dtype", [("q4_0", "q8_0"), ("f16", "f16"), ("q4_k", "q8_0"), ("q6_k", "f16")])
+@pytest.mark.parametrize("wtype,dtype", [("q4_0", "q8_0"), ("f16", "f16"), ("q4_k", "q8_0"), ("q6_k", "f16"),
+                                         ("q4_k", "q4_k"), ("q4_k", "q6_k")])
 def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(g: GGML, wtype: str, dtype: str, act: str):
     """Gate and up rows four at a time (kx-dot.h: Q4_0, Q4_K, Q6_K, F16; ReLU in pass a and at pass b's
     flush, SiLU/GELU both at the block's flush) and down rows four at a time (kx_axpy_rows:
-    Q8_0, F16), which one token takes, give the very bits of ggml's vec_dot and the row-by-row
-    axpy, which several tokens take: one token against the same token twice, at every group
-    remainder and thread count."""
-    m = 96 if dtype == "q8_0" else 101
+    Q8_0, F16, Q4_K, Q6_K: a Q4_K_M model's pack), which one token takes, give the very bits of
+    ggml's vec_dot and the row-by-row axpy, which several tokens take: one token against the
+    same token twice, at every group remainder and thread count."""
+    m = rows4_width(dtype)
     for t in (1, 3, 8):
         one = rows4_outputs(g, t, wtype, dtype, act)
         two = rows4_outputs(g, t, wtype, dtype, act, tokens=2)

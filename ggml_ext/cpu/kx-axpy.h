@@ -245,6 +245,44 @@ static inline bool kx_axpy_f16_rows(int64_t m, int nr, float * GGML_RESTRICT y, 
 #endif
 }
 
+// nr (<= 4) whole Q4_K or Q6_K rows of nb super-blocks at once: per super-block each row's
+// 256 weights dequantized (kx_dequant_*, the same bits), then y += v[r] * w_r in row order per
+// element (the same FMAs as nr calls of kx_axpy_k, bit for bit), y loaded and stored once per
+// 16 columns instead of once per row. Why: row by row, a down row cost about twice a gate
+// row's dot (perf on bench/host_op.c TYPES q4k), much of it y's loads and stores. False
+// without AVX-512 (the caller goes row by row).
+static inline bool kx_axpy_k_rows(enum ggml_type type, int64_t nb, int nr, float * GGML_RESTRICT y,
+                                  const void * const * rows, const float * v) {
+#if defined(__AVX512F__)
+    float  w[4][QK_K];
+    __m512 vv[4];
+    for (int r = 0; r < nr; ++r) {
+        vv[r] = _mm512_set1_ps(v[r]);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int r = 0; r < nr; ++r) {
+            if (type == GGML_TYPE_Q4_K) {
+                kx_dequant_q4_K((const block_q4_K *) rows[r] + b, w[r]);
+            } else {
+                kx_dequant_q6_K((const block_q6_K *) rows[r] + b, w[r]);
+            }
+        }
+        float * yb = y + b*QK_K;
+        for (int j = 0; j < QK_K; j += 16) {
+            __m512 acc = _mm512_loadu_ps(yb + j);
+            for (int r = 0; r < nr; ++r) {
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(w[r] + j), vv[r], acc);
+            }
+            _mm512_storeu_ps(yb + j, acc);
+        }
+    }
+    return true;
+#else
+    (void) type; (void) nb; (void) nr; (void) y; (void) rows; (void) v;
+    return false;
+#endif
+}
+
 // y += v[r] * row r for nr (<= 4) whole rows of m columns of a type with a rows-at-once
 // path above; false where there is none (the caller goes row by row)
 static inline bool kx_axpy_rows(enum ggml_type type, int64_t m, int nr, float * GGML_RESTRICT y,
@@ -252,6 +290,8 @@ static inline bool kx_axpy_rows(enum ggml_type type, int64_t m, int nr, float * 
     switch (type) {
         case GGML_TYPE_Q8_0: return kx_axpy_q8_0_rows(m/QK8_0, nr, y, rows, v);
         case GGML_TYPE_F16:  return kx_axpy_f16_rows(m, nr, y, rows, v);
+        case GGML_TYPE_Q4_K:
+        case GGML_TYPE_Q6_K: return kx_axpy_k_rows(type, m/QK_K, nr, y, rows, v);
         default:             return false;
     }
 }

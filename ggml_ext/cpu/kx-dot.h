@@ -1,6 +1,6 @@
 // Dots of up to four rows with one vector, the rows read interleaved (Q4_0 rows with a Q8_0
-// vector, Q4_K and Q6_K rows with a Q8_K vector, F16 rows with an F16 vector): the inner loop of GGML_OP_KX_FFN_ROWS's gate and up
-// rows for one token.
+// vector, Q4_K and Q6_K rows with a Q8_K vector, F16 rows with an F16 vector): the inner loop
+// of GGML_OP_KX_FFN_ROWS's gate and up rows for one token.
 //
 // Why several rows at once: the host op reads rows scattered over a layer's matrices, one
 // 4.5 KiB Q4_0 row per neuron, and a thread walking one row at a time keeps few reads in
@@ -83,11 +83,39 @@ static inline __attribute__((always_inline)) void kx_dot_q4_0_n(int64_t k, const
 #if defined(KX_DOT_Q4_0_ROWS)
 #define KX_DOT_K_ROWS 1
 
+#if defined(__AVX512BW__)
+#define KX_DOT_Q4_K_512 1
+// a shuffle control picking 16-bit word a/2 in the low 256 bits and b/2 in the high ones
+// (bytes a, a + 1 and b, b + 1 of each 128-bit lane)
+static inline __m512i kx_dot_q4_K_pick(int a, int b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short) ((a + 1) << 8 | a))),
+                              _mm256_set1_epi16((short) ((b + 1) << 8 | b)), 1);
+}
+
+// 32 bytes at lo, then 32 at hi
+static inline __m512i kx_dot_join(const int8_t * lo, const int8_t * hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) lo)),
+                              _mm256_loadu_si256((const __m256i *) hi), 1);
+}
+
+// acc + the int16 pairs of a times b summed into int32 lanes (exact: no saturation)
+static inline __m512i kx_dot_s16_acc(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+#endif
+
 // ggml_vec_dot_q4_K_q8_K's AVX2 branch for nr rows at once: per super-block the same 8 int32
 // lanes (scales applied by madd, integer sums exact), the same d and dmin products, the same
 // FMAs into acc (8 lanes) and acc_m (4 lanes) and the same final sums. The row's 12 bytes of
 // 6-bit scales and mins unpack as ggml's kmask steps do; a scale pair shuffle (bytes 2i, 2i+1
-// repeated) is built from i instead of ggml's table.
+// repeated) is built from i instead of ggml's table. With AVX-512BW the integer lanes are
+// summed two of ggml's steps at a time (the same integers, so the same bits), the vector's
+// bytes arranged once per super-block for all rows: the dot is the host op's largest
+// compute (perf, bench/host_op.c TYPES q4k: the gate rows alone over a third of its time).
 static inline __attribute__((always_inline)) void kx_dot_q4_K_n(int64_t k, const int nr, const void * const * rows,
                                                                const void * vy, float * out) {
     const block_q4_K * w[4];
@@ -96,13 +124,27 @@ static inline __attribute__((always_inline)) void kx_dot_q4_K_n(int64_t k, const
     }
     const block_q8_K * y = (const block_q8_K *) vy;
     const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-    const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc[4]   = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
     __m128 acc_m[4] = { _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps() };
     const int64_t nb = k / QK_K;
+#if defined(KX_DOT_Q4_K_512)
+    const __m512i m4_512 = _mm512_set1_epi8(0xF);
+#else
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+#endif
     for (int64_t i = 0; i < nb; ++i) {
         const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
         const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+#if defined(KX_DOT_Q4_K_512)
+        // the vector's halves for step jj, once for all rows: q8[64j, 64j + 32) with the low
+        // nibbles and q8[64j + 32, 64j + 64) with the high ones, j = 2jj and 2jj + 1
+        __m512i q8l[QK_K/128], q8h[QK_K/128];
+        for (int jj = 0; jj < QK_K/128; ++jj) {
+            const int8_t * q8 = y[i].qs + 128*jj;
+            q8l[jj] = kx_dot_join(q8, q8 + 64);
+            q8h[jj] = kx_dot_join(q8 + 32, q8 + 96);
+        }
+#endif
         for (int r = 0; r < nr; ++r) {
             const block_q4_K * x = w[r] + i;
             const float d    = y[i].d * GGML_CPU_FP16_TO_FP32(x->d);
@@ -118,6 +160,22 @@ static inline __attribute__((always_inline)) void kx_dot_q4_K_n(int64_t k, const
             const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s);
             acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
             const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+#if defined(KX_DOT_Q4_K_512)
+            // two of ggml's steps j per 512-bit step: j = 2jj in the low half, 2jj + 1 in the
+            // high one, each half the same 8 lanes; the halves added at the end (exact)
+            const __m512i sc512 = _mm512_broadcast_i32x4(sc128);
+            __m512i s512 = _mm512_setzero_si512();
+            for (int jj = 0; jj < QK_K/128; ++jj) {
+                const __m512i scale_l = _mm512_shuffle_epi8(sc512, kx_dot_q4_K_pick(8*jj, 8*jj + 4));
+                const __m512i scale_h = _mm512_shuffle_epi8(sc512, kx_dot_q4_K_pick(8*jj + 2, 8*jj + 6));
+                const __m512i q4bits = _mm512_loadu_si512((const void *) (x->qs + 64*jj));
+                const __m512i q4l = _mm512_and_si512(q4bits, m4_512);
+                const __m512i q4h = _mm512_and_si512(_mm512_srli_epi16(q4bits, 4), m4_512);
+                s512 = kx_dot_s16_acc(s512, scale_l, _mm512_maddubs_epi16(q4l, q8l[jj]));
+                s512 = kx_dot_s16_acc(s512, scale_h, _mm512_maddubs_epi16(q4h, q8h[jj]));
+            }
+            const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s512), _mm512_extracti64x4_epi64(s512, 1));
+#else
             const __m256i scales = _mm256_set_m128i(sc128, sc128);
             const uint8_t * q4 = x->qs;
             const int8_t  * q8 = y[i].qs;
@@ -134,6 +192,7 @@ static inline __attribute__((always_inline)) void kx_dot_q4_K_n(int64_t k, const
                 const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, q8h));
                 sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
             }
+#endif
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
         }
     }

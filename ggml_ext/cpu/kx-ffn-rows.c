@@ -52,8 +52,8 @@
 // chunk writes its gates by rank, a pass-b chunk into its own accumulator, whichever thread
 // takes it.
 //
-// One token (decode) with Q4_0 or F16 gate/up and Q8_0 or F16 down rows: four rows at a
-// time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result; in one pass (SiLU,
+// One token (decode) with Q4_0, Q4_K, Q6_K or F16 gate/up and Q8_0, F16, Q4_K or Q6_K down
+// rows: four rows at a time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result; in one pass (SiLU,
 // GELU) the block's gate and up rows go four at a time at its flush. Why: the op alone on KB-70B's
 // shapes scaled linearly with threads on the H200 host, 3.2 GB/s each, against 68-80 GB/s
 // for the same scattered reads without the arithmetic (bench/results/host-pages/): a
@@ -414,14 +414,11 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     const int64_t   count = list[0];
     const int32_t * ids   = list + 1;
 
-    // phase 1: convert x (tokens split across threads); count the neurons present in this
-    // weight in a static slice of the list; zero the private accumulator (one pass) or the
-    // chunk counters (two)
+    // phase 1: convert x (each row's blocks split across threads); count the neurons present
+    // in this weight in a static slice of the list; zero the private accumulator (one pass) or
+    // the chunk counters (two)
     if (conv && !ref) {
-        ggml_from_float_t from_float = ggml_get_type_traits_cpu(vdt)->from_float;
-        for (int64_t t = ith; t < nt; t += nth) {
-            from_float((const float *) ((const char *) x->data + t*x->nb[1]), (char *) w.xq + t*xrow, k);
-        }
+        kx_x_convert(vdt, (const char *) x->data, x->nb[1], k, nt, w.xq, xrow, ith, nth);
     }
     {
         const int64_t j0 = count*ith/nth;

@@ -38,6 +38,22 @@ size_t kx_mul_mat_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
     return size;
 }
 
+void kx_x_convert(enum ggml_type vdt, const char * x, size_t x_nb1, int64_t k, int64_t nt, char * xq, size_t xq_row,
+                  int ith, int nth) {
+    const ggml_from_float_t from_float = ggml_get_type_traits_cpu(vdt)->from_float;
+    const int64_t bs = ggml_blck_size(vdt);
+    GGML_ASSERT(k % bs == 0);
+    const int64_t nb = k/bs;
+    const int64_t b0 = nb*ith/nth;
+    const int64_t b1 = nb*(ith + 1)/nth;
+    if (b0 == b1) {
+        return;
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+        from_float((const float *) (x + t*x_nb1) + b0*bs, xq + t*xq_row + ggml_row_size(vdt, b0*bs), (b1 - b0)*bs);
+    }
+}
+
 float kx_row_dot_ref(const struct ggml_tensor * w, const char * row, const float * x, float * scratch) {
     const int64_t k = w->ne[0];
     const float * wf = (const float *) row;
@@ -89,12 +105,9 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
     float * scratch = (float *) (wdata + (conv ? kx_align_up(xrow * (size_t) nt) : 0)
                                        + (size_t) ith * kx_align_up(sizeof(float) * (size_t) k));
 
-    // phase 1: convert x (token rows split across threads), zero this thread's rows of dst
+    // phase 1: convert x (each row's blocks split across threads), zero this thread's rows of dst
     if (conv && !params->use_ref) {
-        ggml_from_float_t from_float = ggml_get_type_traits_cpu(vdt)->from_float;
-        for (int64_t t = ith; t < nt; t += nth) {
-            from_float((const float *) ((const char *) x->data + t*x->nb[1]), xq + t*xrow, k);
-        }
+        kx_x_convert(vdt, (const char *) x->data, x->nb[1], k, nt, xq, xrow, ith, nth);
     }
     {
         const int64_t r0 = n*ith/nth;

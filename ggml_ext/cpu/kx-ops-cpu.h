@@ -18,6 +18,15 @@ size_t kx_mul_mat_rows_work_size(const struct ggml_tensor * node, int n_tasks);
 // the same for ggml_compute_forward_kx_ffn_rows
 size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks);
 
+// x (F32, nt rows of k, row stride x_nb1) in the weight's vec_dot_type, row t at xq + t*xq_row:
+// this thread's share of every row's blocks. Why split within a row: one token is one row,
+// and converting it on one thread held the others at the next barrier (Q8_K, a Q4_K model's
+// vector type, is ggml's scalar reference on x86: five times Q8_0's time). A block's bytes
+// depend on its own values only, so the result is that of one call per row, as in ggml's
+// mul_mat, which splits the same way.
+void   kx_x_convert(enum ggml_type vdt, const char * x, size_t x_nb1, int64_t k, int64_t nt, char * xq, size_t xq_row,
+                    int ith, int nth);
+
 // the reference path's dot of one weight row (dequantized into scratch, k floats) with x, in double
 float  kx_row_dot_ref(const struct ggml_tensor * w, const char * row, const float * x, float * scratch);
 
