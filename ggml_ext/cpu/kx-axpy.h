@@ -84,6 +84,20 @@ static inline void kx_axpy_q8_0(int64_t nb, float * GGML_RESTRICT y, const block
     }
 }
 
+// ggml's get_scale_min_k4 for the two 32-value sub-blocks of 64-value group g, scaled: the
+// weights of sub-block 2g + h are dl[h] * q - ml[h]
+static inline void kx_q4_K_group_scales(const block_q4_K * GGML_RESTRICT b, int g, float d, float min, float * dl,
+                                        float * ml) {
+    const uint8_t * sc = b->scales;
+    for (int h = 0; h < 2; ++h) {
+        const int k = 2*g + h;
+        const uint8_t s6 = k < 4 ? (sc[k] & 63) : ((sc[k + 4] & 0xF) | ((sc[k - 4] >> 6) << 4));
+        const uint8_t m6 = k < 4 ? (sc[k + 4] & 63) : ((sc[k + 4] >> 4) | ((sc[k] >> 6) << 4));
+        dl[h] = d*s6;
+        ml[h] = min*m6;
+    }
+}
+
 // One K-quant super-block's 256 weights as floats, each computed as ggml's dequantize_row_*
 // computes it (the same products in the same order, so the same bits): y += v * w then runs
 // through kx_axpy_f32. Why dequantize first: a row of the pack's down weights is read once
@@ -93,16 +107,9 @@ static inline void kx_dequant_q4_K(const block_q4_K * GGML_RESTRICT b, float * G
     const float d   = GGML_CPU_FP16_TO_FP32(b->d);
     const float min = GGML_CPU_FP16_TO_FP32(b->dmin);
     const uint8_t * q = b->qs;
-    for (int j = 0, is = 0; j < QK_K; j += 64, is += 2, q += 32) {
+    for (int j = 0; j < QK_K; j += 64, q += 32) {
         float dl[2], ml[2];
-        for (int h = 0; h < 2; ++h) { // ggml's get_scale_min_k4: 6-bit scale and min of sub-block is + h
-            const int k = is + h;
-            const uint8_t * sc = b->scales;
-            const uint8_t s6 = k < 4 ? (sc[k] & 63) : ((sc[k + 4] & 0xF) | ((sc[k - 4] >> 6) << 4));
-            const uint8_t m6 = k < 4 ? (sc[k + 4] & 63) : ((sc[k + 4] >> 4) | ((sc[k] >> 6) << 4));
-            dl[h] = d*s6;
-            ml[h] = min*m6;
-        }
+        kx_q4_K_group_scales(b, j/64, d, min, dl, ml);
 #if defined(__AVX2__)
         // 8 lanes at a time: dl*q is exact in float (11 + 6 + 4 bits), so the one rounding
         // of the subtraction gives the scalar loop's bits, fused or not
@@ -245,15 +252,70 @@ static inline bool kx_axpy_f16_rows(int64_t m, int nr, float * GGML_RESTRICT y, 
 #endif
 }
 
-// nr (<= 4) whole Q4_K or Q6_K rows of nb super-blocks at once: per super-block each row's
-// 256 weights dequantized (kx_dequant_*, the same bits), then y += v[r] * w_r in row order per
-// element (the same FMAs as nr calls of kx_axpy_k, bit for bit), y loaded and stored once per
-// 16 columns instead of once per row. Why: row by row, a down row cost about twice a gate
-// row's dot (perf on bench/host_op.c TYPES q4k), much of it y's loads and stores. False
-// without AVX-512 (the caller goes row by row).
+#if defined(__AVX512F__)
+// nr (<= 4, a constant at each call) whole Q4_K rows of nb super-blocks: per 16 columns each
+// row's weights unpacked in registers as kx_dequant_q4_K computes them (dl*q - ml, the same
+// bits), then y += v[r] * w_r in row order (the same FMAs as row by row)
+static inline __attribute__((always_inline)) void kx_axpy_q4_K_n(int64_t nb, const int nr, float * GGML_RESTRICT y,
+                                                                const void * const * rows, const float * v) {
+    __m512 vv[4];
+    for (int r = 0; r < nr; ++r) {
+        vv[r] = _mm512_set1_ps(v[r]);
+    }
+    const __m512i m4 = _mm512_set1_epi32(0xF);
+    for (int64_t b = 0; b < nb; ++b) {
+        const block_q4_K * x[4];
+        float d[4], mn[4];
+        for (int r = 0; r < nr; ++r) {
+            x[r]  = (const block_q4_K *) rows[r] + b;
+            d[r]  = GGML_CPU_FP16_TO_FP32(x[r]->d);
+            mn[r] = GGML_CPU_FP16_TO_FP32(x[r]->dmin);
+        }
+        for (int g = 0; g < QK_K/64; ++g) {
+            __m512 dl[4][2], ml[4][2];
+            for (int r = 0; r < nr; ++r) {
+                float a[2], c[2];
+                kx_q4_K_group_scales(x[r], g, d[r], mn[r], a, c);
+                for (int h = 0; h < 2; ++h) {
+                    dl[r][h] = _mm512_set1_ps(a[h]);
+                    ml[r][h] = _mm512_set1_ps(c[h]);
+                }
+            }
+            float * yg = y + b*QK_K + 64*g;
+            for (int c = 0; c < 64; c += 16) {
+                const int h = c >= 32; // the high nibbles of the same 32 bytes
+                __m512 acc = _mm512_loadu_ps(yg + c);
+                for (int r = 0; r < nr; ++r) {
+                    const __m512i qi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (x[r]->qs + 32*g + (c & 31))));
+                    const __m512i n  = h ? _mm512_srli_epi32(qi, 4) : _mm512_and_si512(qi, m4);
+                    const __m512  w  = _mm512_sub_ps(_mm512_mul_ps(dl[r][h], _mm512_cvtepi32_ps(n)), ml[r][h]);
+                    acc = _mm512_fmadd_ps(w, vv[r], acc);
+                }
+                _mm512_storeu_ps(yg + c, acc);
+            }
+        }
+    }
+}
+#endif
+
+// nr (<= 4) whole Q4_K or Q6_K rows of nb super-blocks at once, y += v[r] * row r in row
+// order per element (the same FMAs as nr calls of kx_axpy_k, bit for bit), y loaded and
+// stored once per 16 columns instead of once per row: Q4_K unpacked in registers
+// (kx_axpy_q4_K_n), Q6_K per super-block into a buffer (kx_dequant_q6_K). Why: row by row, a
+// down row cost about twice a gate row's dot (perf on bench/host_op.c TYPES q4k), much of it
+// y's and the buffer's loads and stores. False without AVX-512 (the caller goes row by row).
 static inline bool kx_axpy_k_rows(enum ggml_type type, int64_t nb, int nr, float * GGML_RESTRICT y,
                                   const void * const * rows, const float * v) {
 #if defined(__AVX512F__)
+    if (type == GGML_TYPE_Q4_K) {
+        switch (nr) {
+            case 4:  kx_axpy_q4_K_n(nb, 4, y, rows, v); break;
+            case 3:  kx_axpy_q4_K_n(nb, 3, y, rows, v); break;
+            case 2:  kx_axpy_q4_K_n(nb, 2, y, rows, v); break;
+            default: kx_axpy_q4_K_n(nb, 1, y, rows, v); break;
+        }
+        return true;
+    }
     float  w[4][QK_K];
     __m512 vv[4];
     for (int r = 0; r < nr; ++r) {
@@ -261,11 +323,7 @@ static inline bool kx_axpy_k_rows(enum ggml_type type, int64_t nb, int nr, float
     }
     for (int64_t b = 0; b < nb; ++b) {
         for (int r = 0; r < nr; ++r) {
-            if (type == GGML_TYPE_Q4_K) {
-                kx_dequant_q4_K((const block_q4_K *) rows[r] + b, w[r]);
-            } else {
-                kx_dequant_q6_K((const block_q6_K *) rows[r] + b, w[r]);
-            }
+            kx_dequant_q6_K((const block_q6_K *) rows[r] + b, w[r]);
         }
         float * yb = y + b*QK_K;
         for (int j = 0; j < QK_K; j += 16) {
