@@ -3,6 +3,8 @@
 (llama-bench) decode rows on one model, interleaved rounds, medians with their spread.
 
 Each --row is LABEL=FLAGS (llama-bench flags added to `-m MODEL -p 0 -n GEN -r 1 -t THREADS`).
+--bin NAME=DIR, given more than once, runs every row on each build ("LABEL (NAME)"), so an
+earlier build's kernels interleave with this one's.
 The usual set: dense as llama.cpp loads it (repacked CPU weights), dense without repacking
 (the layout the sparse kernels read), predicted with a `kairox prepare` pack (which measures
 whether a layer gains and steps aside where it does not), predicted with a `kairox pack`
@@ -32,7 +34,8 @@ from tools_bench import bench_row  # noqa: E402  (bench/ is the script's own fol
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--bin", required=True, help="folder with kairox's llama-bench")
+    ap.add_argument("--bin", required=True, action="append",
+                    help="folder with kairox's llama-bench, or NAME=DIR (repeatable: rows run on each)")
     ap.add_argument("--row", action="append", required=True, metavar="LABEL=FLAGS")
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -40,15 +43,17 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--name", default=None, help="results file stem (default: gain-cpu-MODEL)")
     args = ap.parse_args()
-    exe = Path(args.bin) / "llama-bench"
+    bins = [b.partition("=")[::2] if "=" in b else ("", b) for b in args.bin]
     rows = {}
     for spec in args.row:
         label, _, flags = spec.partition("=")
-        rows[label] = {"extra": shlex.split(flags), "tok_s": [], "cmd": None}
+        for name, folder in bins:
+            rows[f"{label} ({name})" if len(bins) > 1 else label] = {
+                "extra": shlex.split(flags), "exe": Path(folder) / "llama-bench", "tok_s": [], "cmd": None}
     t0 = time.time()
     for k in range(args.rounds):
         for label, r in rows.items():
-            r["cmd"], ts = bench_row(exe, args.model, args.gen, args.threads, r["extra"])
+            r["cmd"], ts = bench_row(r["exe"], args.model, args.gen, args.threads, r["extra"])
             r["tok_s"].append(ts)
             print(f"round {k + 1}: {label}: {ts:.2f} tok/s ({time.time() - t0:.0f} s)", flush=True)
     out = Path(args.out)
