@@ -1,6 +1,7 @@
 """The sparse pack sidecar: fingerprint, identity-pack writing, reading and validation."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from collections.abc import Callable
@@ -390,6 +391,44 @@ def test_round_trip_predictor(tmp_path: Path, small_relu: Path, dtype: str) -> N
         np.testing.assert_array_equal(layer_.perm, np.arange(256))  # the rest is unchanged
 
 
+def test_round_trip_q8_0_predictor_pads_its_rank(tmp_path: Path, small_relu: Path) -> None:
+    """A q8_0 predictor of rank 5 is stored at rank 32 (one block per row of B): the extra
+    rows of A and columns of B read back as exact zeros, each stored value is its own Q8_0
+    rounding (gguf's quantizer), so the scores are those of the rounded factors, and the
+    method records the rank stored."""
+    Q8 = gguf.GGMLQuantizationType.Q8_0
+    pred = PackPredictor(5, lambda il: toy_factors(il, 5), "q8_0", {"kind": "toy"})
+    path = write_pack(small_relu, tmp_path / "p.kxpack.gguf", predictor=pred, quiet=True)
+    pack = read_pack(path, small_relu)
+    assert pack.method["predictor"] == {"kind": "toy", "rank": 32, "type": "q8_0"}
+    x = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)
+    for il, layer_ in enumerate(pack.layers):
+        a, b, c = toy_factors(il, 5)
+        assert layer_.pred_a.shape == (32, 64) and layer_.pred_b.shape == (256, 32)
+        assert not layer_.pred_a[5:].any() and not layer_.pred_b[:, 5:].any()
+        ra = gguf.quants.dequantize(gguf.quants.quantize(a, Q8), Q8)
+        rb = gguf.quants.dequantize(gguf.quants.quantize(np.pad(b, ((0, 0), (0, 27))), Q8), Q8)[:, :5]
+        np.testing.assert_array_equal(layer_.pred_a[:5], ra)
+        np.testing.assert_array_equal(layer_.pred_b[:, :5], rb)
+        np.testing.assert_allclose(layer_.pred_a[:5], a, atol=np.abs(a).max() / 127)
+        np.testing.assert_allclose(layer_.predictor_scores(x), (x @ ra.T) @ rb.T + c, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(layer_.predictor_scores(x), (x @ a.T) @ b.T + c, rtol=0.05, atol=0.5)
+
+
+def test_default_predictor_type_follows_the_gate(tmp_path: Path, small_relu: Path) -> None:
+    """f32 for an F32 gate, f16 for F16, q8_0 for a quantized one (kairox.pack.default_pred_type)."""
+    from kairox.gguf_header import scan_header
+    from kairox.pack import default_pred_type
+    hdr = scan_header(small_relu)
+    gate = next(t for t in hdr.tensors if t.name == "blk.0.ffn_gate.weight")
+    want = {0: "f32", 1: "f16", 30: "f16"}.get(gate.type_id, "q8_0")
+    assert default_pred_type(hdr) == want
+    for type_id, name in ((0, "f32"), (1, "f16"), (30, "f16"), (8, "q8_0"), (12, "q8_0"), (2, "q8_0")):
+        t2 = dataclasses.replace(gate, type_id=type_id)
+        h2 = dataclasses.replace(hdr, tensors=[t2 if t is gate else t for t in hdr.tensors])
+        assert default_pred_type(h2) == name, type_id
+
+
 def test_method_given_by_the_caller_is_kept(tmp_path: Path, small_relu: Path) -> None:
     pred = PackPredictor(2, lambda il: toy_factors(il, 2), info={"kind": "toy"})
     method = {"kind": "identity", "predictor": {"kind": "mine"}}
@@ -408,7 +447,7 @@ def test_method_given_by_the_caller_is_kept(tmp_path: Path, small_relu: Path) ->
     (PackPredictor(2, lambda il: (np.full((2, 64), 1e6), *toy_factors(il, 2)[1:]), "f16"), "float16's range"),
     (PackPredictor(65, lambda il: toy_factors(il, 65)), r"exceeds min\(n_ff, n_embd\) = 64"),
     (PackPredictor(0, lambda il: toy_factors(il, 0)), "positive integer"),
-    (PackPredictor(2, lambda il: toy_factors(il, 2), "q8_0"), "unsupported predictor type"),
+    (PackPredictor(2, lambda il: toy_factors(il, 2), "q4_0"), "unsupported predictor type"),
 ])
 def test_write_refuses_bad_predictor(tmp_path: Path, small_relu: Path, pred: PackPredictor,
                                      message: str) -> None:

@@ -81,7 +81,7 @@ def test_no_predictor(capsys: pytest.CaptureFixture, model: Path) -> None:
     assert not any(layer.has_predictor for layer in pack.layers)
 
 
-@pytest.mark.parametrize("outtype,down,pred", [("f16", "f16", "f16"), ("q8_0", "q8_0", "f16")])
+@pytest.mark.parametrize("outtype,down,pred", [("f16", "f16", "f16"), ("q8_0", "q8_0", "q8_0")])
 def test_defaults_follow_the_model_types(capsys: pytest.CaptureFixture, tmp_path: Path,
                                          tiny_gguf: Callable[..., Path], outtype: str, down: str,
                                          pred: str) -> None:

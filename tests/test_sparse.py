@@ -385,11 +385,19 @@ def synth_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model
 
 
-def test_predicted_mode_same_tokens_with_recall(synth_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pred_type", ["f16", "q8_0"])
+def test_predicted_mode_same_tokens_with_recall(synth_model: Path, tmp_path: Path, pred_type: str) -> None:
+    """Predicted mode against exact and dense, with the sketch stored as F16 (the default for
+    this F16 model) and as Q8_0 (the default for quantized models; its rank padded to 32)."""
     from kairox._native import sparse_counters
+    from kairox.predictor import sketch_for_model
+    pack = None
+    if pred_type != "f16":
+        pack = str(write_pack(synth_model, tmp_path / "q.kxpack.gguf", quiet=True,
+                              predictor=sketch_for_model(synth_model, dtype=pred_type)))
     runs = {}
     for mode in ("dense", "exact", "predicted"):
-        llm = make_llm(synth_model, sparse=mode)
+        llm = make_llm(synth_model, sparse=mode, **({"sparse_pack": pack} if pack and mode == "predicted" else {}))
         try:
             assert llm.sparse == mode, llm.sparse_error
             sparse_counters(reset=True)

@@ -394,8 +394,9 @@ std::shared_ptr<kx_pack> kx_pack_load(const llama_model & model, const std::stri
             if (rank < 1) {
                 throw kx_pack_error(kx_fmt("pack %s: %s must be 2-D [rank, n_embd]", path.c_str(), a->name));
             }
-            check_tensor(a, path, { GGML_TYPE_F32, GGML_TYPE_F16 }, n_embd, rank);
-            check_tensor(b, path, { GGML_TYPE_F32, GGML_TYPE_F16 }, rank, n_ff);
+            // Q8_0: the writer pads the rank to whole blocks (zero rows of A, columns of B)
+            check_tensor(a, path, { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0 }, n_embd, rank);
+            check_tensor(b, path, { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0 }, rank, n_ff);
             check_tensor(c, path, { GGML_TYPE_F32 }, n_ff, 1);
             return { a, b, c };
         };

@@ -44,7 +44,9 @@ BASE_ARCHS = ("llama", "qwen2", "gemma3")
 DEFAULT_ACTIVATION = {"llama": "silu", "qwen2": "silu", "gemma3": "gelu"}
 ACTIVATIONS = ("relu", "silu", "gelu")
 DOWN_TYPES = ("f32", "f16", "q8_0", "q4_k", "q6_k")
-PRED_TYPES = ("f32", "f16")  # storage of kx_pred_a and kx_pred_b; kx_pred_c is always F32
+# storage of kx_pred_a and kx_pred_b; kx_pred_c is always F32. q8_0 stores the rank padded to a
+# whole block (pred_rank_stored): zero rows of A and columns of B leave every score as it was.
+PRED_TYPES = ("f32", "f16", "q8_0")
 # llama-quantize and llama.cpp's --fit select tensors by these substrings; a pack tensor
 # carrying one would be quantized or placed as if it were a model weight.
 FORBIDDEN_SUBSTRINGS = ("ffn_up", "ffn_gate", "ffn_down")
@@ -362,6 +364,24 @@ class PackPredictor:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def pred_rank_stored(rank: int, dtype: str) -> int:
+    """The rank a predictor's tensors hold: a q8_0 B's rows are whole 32-value blocks."""
+    if dtype != "q8_0":
+        return rank
+    import gguf
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
+    return -(-rank // block) * block
+
+
+def _pad_rank(a: np.ndarray, b: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """A [r, n_embd] and B [n_ff, r] with zero rows / columns up to `rank`: the scores B (A x)
+    are unchanged (each extra term is an exact 0)."""
+    extra = rank - a.shape[0]
+    if extra == 0:
+        return a, b
+    return np.pad(a, ((0, extra), (0, 0))), np.pad(b, ((0, 0), (0, extra)))
+
+
 def _check_factors(il: int, f: Any, rank: int, n_embd: int, n_ff: int) -> PredictorFactors:
     """The predictor of layer il as float32 arrays, or PackError naming what is wrong."""
     if not (isinstance(f, (tuple, list)) and len(f) == 3):
@@ -411,6 +431,17 @@ def _check_thr_table(tab: np.ndarray, n_ff: int, what: str) -> np.ndarray:
     if tab.shape != (n_ff, THR_K) or not np.all(np.isfinite(tab)) or np.any(tab < 0):
         raise PackError(f"the threshold table of {what} must be [{n_ff}, {THR_K}] finite values >= 0")
     return tab
+
+
+def default_pred_type(hdr: GGUFHeader) -> str:
+    """The predictor's storage for a model: f32 for a model whose ffn_gate is F32, f16 for
+    F16/BF16, q8_0 for a quantized one. Why q8_0 there: on a 4-bit model an f16 predictor
+    reads more bytes than the sparse FFN it steers (KB-350M Q4_K_M: 0.92 MB against ~0.55 MB
+    a layer), and its 8-bit rounding is far under the predictor's own error."""
+    import gguf
+    Q = gguf.GGMLQuantizationType
+    q = Q(next(t for t in hdr.tensors if t.name == "blk.0.ffn_gate.weight").type_id)
+    return "f32" if q == Q.F32 else "f16" if q in (Q.F16, Q.BF16) else "q8_0"
 
 
 def default_down_type(hdr: GGUFHeader) -> str:
@@ -481,7 +512,7 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
             raise PackError(f"predictor rank must be a positive integer, not {pr.rank!r}")
         what = "predictor" if keys is PRED_KEYS else "ahead"
         if what not in method:  # a caller's own description wins
-            method = {**method, what: {**pr.info, "rank": pr.rank, "type": pr.dtype}}
+            method = {**method, what: {**pr.info, "rank": pred_rank_stored(pr.rank, pr.dtype), "type": pr.dtype}}
     if stats is not None and not isinstance(stats, str):
         raise PackError("stats must be a JSON string")
     if thresholds is not None and predictor is None:
@@ -548,11 +579,12 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
         w.add_tensor_info(n["freq"], (base.n_ff,), np.dtype(np.float32), vec)
         for keys, pr in trios:
             pq = Q[pr.dtype.upper()]
-            psize = gguf.GGML_QUANT_SIZES[pq][1]
-            w.add_tensor_info(n[keys[0]], (pr.rank, base.n_embd), np.dtype(np.float32),
-                              pr.rank * base.n_embd * psize, raw_dtype=pq)
-            w.add_tensor_info(n[keys[1]], (base.n_ff, pr.rank), np.dtype(np.float32),
-                              base.n_ff * pr.rank * psize, raw_dtype=pq)
+            pblock, psize = gguf.GGML_QUANT_SIZES[pq]
+            rank = pred_rank_stored(pr.rank, pr.dtype)
+            w.add_tensor_info(n[keys[0]], (rank, base.n_embd), np.dtype(np.float32),
+                              rank * base.n_embd // pblock * psize, raw_dtype=pq)
+            w.add_tensor_info(n[keys[1]], (base.n_ff, rank), np.dtype(np.float32),
+                              base.n_ff * rank // pblock * psize, raw_dtype=pq)
             w.add_tensor_info(n[keys[2]], (base.n_ff,), np.dtype(np.float32), vec)
         if thresholds is not None:
             for k in THR_KEYS:
@@ -586,12 +618,13 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
         n = _tensor_names(il)
         for keys, pr in trios:
             a, b, c = _check_factors(il, pr.layer(il), pr.rank, base.n_embd, base.n_ff)
+            a, b = _pad_rank(a, b, pred_rank_stored(pr.rank, pr.dtype))
             for name, f in ((keys[0], a), (keys[1], b)):
                 try:
                     arrs.append(encode_tensor(f, Q[pr.dtype.upper()], n[name]))
                 except ValueError:
-                    raise PackError(f"{n[name]} has values beyond float16's range (65504); "
-                                    f"store the predictor as f32") from None
+                    raise PackError(f"{n[name]} has values beyond float16's range (65504, also the "
+                                    f"limit of a q8_0 block's scale); store the predictor as f32") from None
             arrs.append(c)
         if thresholds is not None:
             for k, tab in zip(THR_KEYS, thresholds.layer(il)):
@@ -699,6 +732,7 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     path = Path(pack_path)
     if not path.is_file():
         raise PackError(f"no pack at {path}")
+    from gguf.quants import dequantize
     r = _open_gguf(path)
     arch = _kv(r, "general.architecture")
     if arch != PACK_ARCH:
@@ -797,15 +831,17 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
             rank = int(t[ka].shape[1]) if len(t[ka].shape) == 2 else 0
             if rank < 1:
                 raise PackError(f"pack {path}: {names[ka]} must be 2-D [rank, n_embd]")
-            _check_tensor(t[ka], path, ("F32", "F16"), (n_embd, rank))
-            _check_tensor(t[kb], path, ("F32", "F16"), (rank, n_ff))
+            _check_tensor(t[ka], path, ("F32", "F16", "Q8_0"), (n_embd, rank))
+            _check_tensor(t[kb], path, ("F32", "F16", "Q8_0"), (rank, n_ff))
             _check_tensor(t[kc], path, ("F32",), (n_ff,))
-            factors[ka], factors[kb] = t[ka].data, t[kb].data
             factors[kc] = np.asarray(t[kc].data)
             for k, n_cols in ((ka, n_embd), (kb, rank), (kc, n_ff)):
                 row = first_nonfinite_row(t[k].data, t[k].tensor_type.name.lower(), n_cols)
                 if row >= 0:
                     raise PackError(f"pack {path}: {names[k]} has non-finite values (row {row})")
+            for k in (ka, kb):  # a q8_0 predictor as float32 (the others stay mapped)
+                q = t[k].tensor_type
+                factors[k] = (np.asarray(dequantize(t[k].data, q), np.float32) if q.name == "Q8_0" else t[k].data)
         if THR_GRID_NAME in tensors:
             for k in THR_KEYS:
                 if names[k] not in tensors:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .pack import PRED_TYPES, PackError, PackPredictor, inspect_model, read_model_tensor
+from .pack import PRED_TYPES, PackError, PackPredictor, default_pred_type, inspect_model, read_model_tensor
 
 DEFAULT_MARGIN = 3.0
 # Below this |ffn_norm weight| a channel is treated as dead (1/w -> 0), see above.
@@ -173,16 +173,13 @@ def sketch_for_model(model_path: str | Path, rank: int | None = None,
 
     Each layer's factors are computed from blk.{l}.ffn_gate.weight and
     blk.{l}.ffn_norm.weight (any type gguf can dequantize) only when write_pack asks for
-    that layer. rank defaults to `default_rank`; dtype (storage of A and B) to f32 when
-    the model's gates are F32, else f16: a predictor finer than the weights it imitates
-    buys nothing, and F16 halves the bytes read per token. Problems with the model or the
-    arguments raise PackError before anything is written.
+    that layer. rank defaults to `default_rank`; dtype (storage of A and B) to
+    `pack.default_pred_type`: a predictor finer than the weights it imitates buys nothing,
+    and each halving of its bytes is read once less per token. Problems with the model or
+    the arguments raise PackError before anything is written.
     """
-    import gguf
-
     hdr, base = inspect_model(model_path)
     tensors = {t.name: t for t in hdr.tensors}
-    gate_types = set()
     for il in range(base.n_layer):
         gate, norm = f"blk.{il}.ffn_gate.weight", f"blk.{il}.ffn_norm.weight"
         if tensors.get(gate) is None or tensors[gate].ne != (base.n_embd, base.n_ff):
@@ -190,7 +187,6 @@ def sketch_for_model(model_path: str | Path, rank: int | None = None,
                             f"(no {gate} of shape {base.n_ff}x{base.n_embd}); the sketch needs one")
         if tensors.get(norm) is None or tensors[norm].ne != (base.n_embd,):
             raise PackError(f"{hdr.path} has no {norm} of {base.n_embd} values; the sketch needs it")
-        gate_types.add(gguf.GGMLQuantizationType(tensors[gate].type_id).name)
     limit = min(base.n_ff, base.n_embd)
     rank = default_rank(base.n_embd, base.n_ff) if rank is None else rank
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= limit:
@@ -198,7 +194,7 @@ def sketch_for_model(model_path: str | Path, rank: int | None = None,
                         f"n_embd {base.n_embd}), got {rank!r}")
     if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 0):
         raise PackError(f"predictor margin must be a finite number >= 0, got {margin!r}")
-    dtype = dtype or ("f32" if gate_types == {"F32"} else "f16")
+    dtype = dtype or default_pred_type(hdr)
     if dtype not in PRED_TYPES:
         raise PackError(f"unsupported predictor type {dtype!r} (supported: {', '.join(PRED_TYPES)})")
 

@@ -52,8 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from .pack import (BaseModel, PackError, PackLayout, PackPredictor, default_down_type, fingerprint, inspect_model,
-                   pack_path_for)
+from .pack import (BaseModel, PackError, PackLayout, PackPredictor, default_down_type, default_pred_type, fingerprint,
+                   inspect_model, pack_path_for)
 from .threshold_search import DEFAULT_BUDGET
 
 PROFILE_FORMAT = 1  # bump when the cache layout changes: old work folders are then ignored
@@ -81,7 +81,8 @@ class PrepareConfig:
     target_recall: float = 0.99
     threads: int | None = None
     seed: int = 0
-    down_type: str | None = None     # None: f32 for F32 models, else f16
+    down_type: str | None = None     # None: pack.default_down_type
+    pred_type: str | None = None     # None: pack.default_pred_type
     ppl_targets: tuple[float, ...] = ()
     ppl_chunks: int = 8
     work_dir: Path | None = None     # None: $KAIROX_CACHE/prepare/<model>-<fingerprint>
@@ -616,12 +617,6 @@ def _group_stage(folder: Path, data: _ProfileData, cfg: PrepareConfig) -> list[d
     return out
 
 
-def _pred_dtype(hdr: Any) -> str:
-    import gguf
-    t = next(t for t in hdr.tensors if t.name == "blk.0.ffn_gate.weight")
-    return "f32" if gguf.GGMLQuantizationType(t.type_id) == gguf.GGMLQuantizationType.F32 else "f16"
-
-
 def _threshold_tables(model: Path, data: _ProfileData, fits: list[dict], cfg: PrepareConfig) -> Any:
     """The load-aware thresholds' calibration of the fitted predictors (kairox.thresholds), on
     held-out tokens the fit never saw."""
@@ -693,7 +688,7 @@ def _write(model: Path, hdr: Any, cfg: PrepareConfig, thr: np.ndarray, freq: np.
 
     out = cfg.out or pack_path_for(model)
     layout = PackLayout(lambda il: (groups[il]["perm"], groups[il]["group"], np.clip(freq[il], 0, 1)), thr)
-    dtype = _pred_dtype(hdr)
+    dtype = cfg.pred_type or default_pred_type(hdr)
 
     def trio(kind: str) -> PackPredictor:
         return PackPredictor(rank, lambda il: tuple(fits[il]["arrays"][f"{kind}_{k}"] for k in "abc"),

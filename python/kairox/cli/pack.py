@@ -108,8 +108,8 @@ def register(sub) -> None:
                    help="sketch bias in standard deviations of its error; higher misses fewer "
                         f"active neurons and predicts more inactive ones (default: {DEFAULT_MARGIN:g})")
     p.add_argument("--pred-type", choices=PRED_TYPES,
-                   help="storage of the sketch factors (default: f32 if the model's ffn_gate is "
-                        "F32, else f16)")
+                   help="storage of the sketch factors (default: f32 for an F32 model, f16 for "
+                        "F16/BF16, q8_0 for a quantized one)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=cmd_pack)

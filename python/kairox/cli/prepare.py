@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..argtypes import number_in, positive_int
-from ..pack import DOWN_TYPES, PackError, fingerprint
+from ..pack import DOWN_TYPES, PRED_TYPES, PackError, fingerprint
 from ..prepare import DEFAULT_BUDGET, PrepareConfig, PrepareError, default_work_dir, prepare
 from ..stats import format_table
 
@@ -32,6 +32,7 @@ def cmd_prepare(args: Any) -> int:
         group_size=args.group_size, rank=args.rank, max_tokens=args.tokens,
         max_fit_tokens=args.fit_tokens, heldout=args.heldout, n_ctx=args.ctx,
         target_recall=args.recall, threads=args.threads, seed=args.seed, down_type=args.down_type,
+        pred_type=args.pred_type,
         ppl_targets=args.ppl_curve or (), ppl_chunks=args.ppl_chunks,
         work_dir=Path(args.work_dir) if args.work_dir else None,
         out=Path(args.outfile) if args.outfile else None, quiet=args.quiet)
@@ -106,6 +107,9 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of sampling, training, grouping (default: 0)")
     p.add_argument("--down-type", choices=DOWN_TYPES,
                    help="storage of the down rows, as `kairox pack --down-type` (and the same default)")
+    p.add_argument("--pred-type", choices=PRED_TYPES,
+                   help="storage of the predictors (default: f32 for an F32 model, f16 for F16/BF16, "
+                        "q8_0 for a quantized one)")
     p.add_argument("--ppl-curve", type=_fractions, metavar="S1,S2,...",
                    help="also measure held-out perplexity (llama-perplexity): dense, predicted, "
                         "and threshold mode at these target sparsities, e.g. 0.3,0.4,0.5,0.6 (slow)")
