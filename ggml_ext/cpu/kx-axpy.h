@@ -187,30 +187,61 @@ static inline void kx_axpy_k(enum ggml_type type, int64_t nb, float * GGML_RESTR
     }
 }
 
+// The rows-at-once kernels below on one float vector of KX_V lanes: 16 with AVX-512, 8 with
+// AVX2, FMA and F16C (the row-by-row paths above use the same FMAs at each width, so the
+// results are theirs bit for bit on either). Without them the callers go row by row.
+#if defined(__AVX512F__)
+#define KX_V 16
+typedef __m512 kx_vf;
+#define kx_vload(p)      _mm512_loadu_ps(p)
+#define kx_vstore(p, a)  _mm512_storeu_ps(p, a)
+#define kx_vset1(x)      _mm512_set1_ps(x)
+#define kx_vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+// KX_V int8 values at p, as floats
+#define kx_vi8(p)        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (p))))
+// KX_V bytes at p, their low (h 0) or high (h 1) nibbles, as int32 lanes
+#define kx_vu8(p)        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (p)))
+#define kx_vnib(q, h)    _mm512_cvtepi32_ps((h) ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(0xF)))
+#define kx_vmsub(a, b, c) _mm512_sub_ps(_mm512_mul_ps(a, b), c)
+// KX_V F16 values at p, as floats
+#define kx_vf16(p)       _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (p)))
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KX_V 8
+typedef __m256 kx_vf;
+#define kx_vload(p)      _mm256_loadu_ps(p)
+#define kx_vstore(p, a)  _mm256_storeu_ps(p, a)
+#define kx_vset1(x)      _mm256_set1_ps(x)
+#define kx_vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define kx_vi8(p)        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (p))))
+#define kx_vu8(p)        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (p)))
+#define kx_vnib(q, h)    _mm256_cvtepi32_ps((h) ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(0xF)))
+#define kx_vmsub(a, b, c) _mm256_sub_ps(_mm256_mul_ps(a, b), c)
+#define kx_vf16(p)       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p)))
+#endif
+
 // nr (<= 4) whole Q8_0 rows at once, y += v[r] * row r in row order per element (the same
-// FMAs as nr calls of kx_axpy_q8_0, bit for bit), y loaded and stored once per 16 columns
+// FMAs as nr calls of kx_axpy_q8_0, bit for bit), y loaded and stored once per KX_V columns
 // instead of once per row, and the rows read as nr interleaved streams (the gate and up
-// rows' reason, kx-dot.h). False without AVX-512 (the caller goes row by row).
+// rows' reason, kx-dot.h). False without KX_V (the caller goes row by row).
 static inline bool kx_axpy_q8_0_rows(int64_t nb, int nr, float * GGML_RESTRICT y, const void * const * rows,
                                      const float * v) {
-#if defined(__AVX512F__)
+#if defined(KX_V)
     const block_q8_0 * x[4];
     for (int r = 0; r < nr; ++r) {
         x[r] = (const block_q8_0 *) rows[r];
     }
     for (int64_t b = 0; b < nb; ++b) {
-        __m512 s[4];
+        kx_vf s[4];
         for (int r = 0; r < nr; ++r) {
-            s[r] = _mm512_set1_ps(v[r]*GGML_CPU_FP16_TO_FP32(x[r][b].d));
+            s[r] = kx_vset1(v[r]*GGML_CPU_FP16_TO_FP32(x[r][b].d));
         }
         float * yb = y + b*QK8_0;
-        for (int j = 0; j < QK8_0; j += 16) {
-            __m512 acc = _mm512_loadu_ps(yb + j);
+        for (int j = 0; j < QK8_0; j += KX_V) {
+            kx_vf acc = kx_vload(yb + j);
             for (int r = 0; r < nr; ++r) {
-                const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (x[r][b].qs + j))));
-                acc = _mm512_fmadd_ps(qf, s[r], acc);
+                acc = kx_vfma(kx_vi8(x[r][b].qs + j), s[r], acc);
             }
-            _mm512_storeu_ps(yb + j, acc);
+            kx_vstore(yb + j, acc);
         }
     }
     return true;
@@ -221,24 +252,23 @@ static inline bool kx_axpy_q8_0_rows(int64_t nb, int nr, float * GGML_RESTRICT y
 }
 
 // nr (<= 4) F16 rows of m columns at once, y += v[r] * row r in row order per element (the
-// same FMAs as nr calls of kx_axpy_f16, bit for bit), as kx_axpy_q8_0_rows. False without
-// AVX-512.
+// same FMAs as nr calls of kx_axpy_f16, bit for bit), as kx_axpy_q8_0_rows
 static inline bool kx_axpy_f16_rows(int64_t m, int nr, float * GGML_RESTRICT y, const void * const * rows,
                                     const float * v) {
-#if defined(__AVX512F__)
+#if defined(KX_V)
     const ggml_fp16_t * x[4];
-    __m512 vv[4];
+    kx_vf vv[4];
     for (int r = 0; r < nr; ++r) {
         x[r] = (const ggml_fp16_t *) rows[r];
-        vv[r] = _mm512_set1_ps(v[r]);
+        vv[r] = kx_vset1(v[r]);
     }
     int64_t i = 0;
-    for (; i + 16 <= m; i += 16) {
-        __m512 acc = _mm512_loadu_ps(y + i);
+    for (; i + KX_V <= m; i += KX_V) {
+        kx_vf acc = kx_vload(y + i);
         for (int r = 0; r < nr; ++r) {
-            acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (x[r] + i))), vv[r], acc);
+            acc = kx_vfma(kx_vf16(x[r] + i), vv[r], acc);
         }
-        _mm512_storeu_ps(y + i, acc);
+        kx_vstore(y + i, acc);
     }
     for (; i < m; ++i) {
         for (int r = 0; r < nr; ++r) {
@@ -252,17 +282,16 @@ static inline bool kx_axpy_f16_rows(int64_t m, int nr, float * GGML_RESTRICT y, 
 #endif
 }
 
-#if defined(__AVX512F__)
-// nr (<= 4, a constant at each call) whole Q4_K rows of nb super-blocks: per 16 columns each
-// row's weights unpacked in registers as kx_dequant_q4_K computes them (dl*q - ml, the same
-// bits), then y += v[r] * w_r in row order (the same FMAs as row by row)
+#if defined(KX_V)
+// nr (<= 4, a constant at each call) whole Q4_K rows of nb super-blocks: per KX_V columns
+// each row's weights unpacked in registers as kx_dequant_q4_K computes them (dl*q - ml, the
+// same bits), then y += v[r] * w_r in row order (the same FMAs as row by row)
 static inline __attribute__((always_inline)) void kx_axpy_q4_K_n(int64_t nb, const int nr, float * GGML_RESTRICT y,
                                                                 const void * const * rows, const float * v) {
-    __m512 vv[4];
+    kx_vf vv[4];
     for (int r = 0; r < nr; ++r) {
-        vv[r] = _mm512_set1_ps(v[r]);
+        vv[r] = kx_vset1(v[r]);
     }
-    const __m512i m4 = _mm512_set1_epi32(0xF);
     for (int64_t b = 0; b < nb; ++b) {
         const block_q4_K * x[4];
         float d[4], mn[4];
@@ -272,26 +301,24 @@ static inline __attribute__((always_inline)) void kx_axpy_q4_K_n(int64_t nb, con
             mn[r] = GGML_CPU_FP16_TO_FP32(x[r]->dmin);
         }
         for (int g = 0; g < QK_K/64; ++g) {
-            __m512 dl[4][2], ml[4][2];
+            kx_vf dl[4][2], ml[4][2];
             for (int r = 0; r < nr; ++r) {
                 float a[2], c[2];
                 kx_q4_K_group_scales(x[r], g, d[r], mn[r], a, c);
                 for (int h = 0; h < 2; ++h) {
-                    dl[r][h] = _mm512_set1_ps(a[h]);
-                    ml[r][h] = _mm512_set1_ps(c[h]);
+                    dl[r][h] = kx_vset1(a[h]);
+                    ml[r][h] = kx_vset1(c[h]);
                 }
             }
             float * yg = y + b*QK_K + 64*g;
-            for (int c = 0; c < 64; c += 16) {
+            for (int c = 0; c < 64; c += KX_V) {
                 const int h = c >= 32; // the high nibbles of the same 32 bytes
-                __m512 acc = _mm512_loadu_ps(yg + c);
+                kx_vf acc = kx_vload(yg + c);
                 for (int r = 0; r < nr; ++r) {
-                    const __m512i qi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (x[r]->qs + 32*g + (c & 31))));
-                    const __m512i n  = h ? _mm512_srli_epi32(qi, 4) : _mm512_and_si512(qi, m4);
-                    const __m512  w  = _mm512_sub_ps(_mm512_mul_ps(dl[r][h], _mm512_cvtepi32_ps(n)), ml[r][h]);
-                    acc = _mm512_fmadd_ps(w, vv[r], acc);
+                    const kx_vf w = kx_vmsub(dl[r][h], kx_vnib(kx_vu8(x[r]->qs + 32*g + (c & 31)), h), ml[r][h]);
+                    acc = kx_vfma(w, vv[r], acc);
                 }
-                _mm512_storeu_ps(yg + c, acc);
+                kx_vstore(yg + c, acc);
             }
         }
     }
@@ -300,13 +327,13 @@ static inline __attribute__((always_inline)) void kx_axpy_q4_K_n(int64_t nb, con
 
 // nr (<= 4) whole Q4_K or Q6_K rows of nb super-blocks at once, y += v[r] * row r in row
 // order per element (the same FMAs as nr calls of kx_axpy_k, bit for bit), y loaded and
-// stored once per 16 columns instead of once per row: Q4_K unpacked in registers
+// stored once per KX_V columns instead of once per row: Q4_K unpacked in registers
 // (kx_axpy_q4_K_n), Q6_K per super-block into a buffer (kx_dequant_q6_K). Why: row by row, a
 // down row cost about twice a gate row's dot (perf on bench/host_op.c TYPES q4k), much of it
-// y's and the buffer's loads and stores. False without AVX-512 (the caller goes row by row).
+// y's and the buffer's loads and stores. False without KX_V (the caller goes row by row).
 static inline bool kx_axpy_k_rows(enum ggml_type type, int64_t nb, int nr, float * GGML_RESTRICT y,
                                   const void * const * rows, const float * v) {
-#if defined(__AVX512F__)
+#if defined(KX_V)
     if (type == GGML_TYPE_Q4_K) {
         switch (nr) {
             case 4:  kx_axpy_q4_K_n(nb, 4, y, rows, v); break;
@@ -316,22 +343,22 @@ static inline bool kx_axpy_k_rows(enum ggml_type type, int64_t nb, int nr, float
         }
         return true;
     }
-    float  w[4][QK_K];
-    __m512 vv[4];
+    float w[4][QK_K];
+    kx_vf vv[4];
     for (int r = 0; r < nr; ++r) {
-        vv[r] = _mm512_set1_ps(v[r]);
+        vv[r] = kx_vset1(v[r]);
     }
     for (int64_t b = 0; b < nb; ++b) {
         for (int r = 0; r < nr; ++r) {
             kx_dequant_q6_K((const block_q6_K *) rows[r] + b, w[r]);
         }
         float * yb = y + b*QK_K;
-        for (int j = 0; j < QK_K; j += 16) {
-            __m512 acc = _mm512_loadu_ps(yb + j);
+        for (int j = 0; j < QK_K; j += KX_V) {
+            kx_vf acc = kx_vload(yb + j);
             for (int r = 0; r < nr; ++r) {
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(w[r] + j), vv[r], acc);
+                acc = kx_vfma(kx_vload(w[r] + j), vv[r], acc);
             }
-            _mm512_storeu_ps(yb + j, acc);
+            kx_vstore(yb + j, acc);
         }
     }
     return true;
