@@ -3,7 +3,8 @@
 //
 // LAYERS layers of random Q4_0 gate/up [N_FF rows of K] and Q8_0 transposed down [N_FF rows
 // of K] (KB-70B: 28672 x 8192), or all three F16 (TYPES f16; KB-7B: 11008 x 4096), or all three
-// Q4_K (TYPES q4k: a Q4_K_M model's gate/up with the pack's Q4_K down rows), in one buffer of
+// Q4_K (TYPES q4k: a Q4_K_M model's gate/up with the pack's Q4_K down rows), or Q5_K gate/up
+// with Q8_0 down rows (TYPES q5k: a Q5_K_M model's, with its pack's default), in one buffer of
 // 4 KiB or 2 MiB pages; every repetition lists
 // LISTED new random neurons per layer (about half fire: random weights) and computes the
 // layers' ops as one graph on a thread pool. Bytes read: the listed gate rows and, for the
@@ -13,7 +14,7 @@
 //
 //   cc -O2 -march=native bench/host_op.c -I vendor/llama.cpp/ggml/include -I ggml_ext/include
 //      -L LIB -lggml-base -lggml-cpu -Wl,-rpath,LIB -o host_op
-//   ./host_op PAGES(4k|2M) THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|q4k|f16) ACT(relu|silu)]    # one JSON line
+//   ./host_op PAGES(4k|2M) THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|q4k|q5k|f16) ACT(relu|silu)]  # a JSON line
 #define _GNU_SOURCE
 #include "ggml.h"
 #include "ggml-cpu.h"
@@ -70,7 +71,7 @@ static void fill_weight(struct ggml_tensor * t) {
         return;
     }
     const size_t bb = ggml_type_size(t->type);
-    fill_blocks(t->data, ggml_nbytes(t) / bb, bb, t->type == GGML_TYPE_Q4_K ? 2 : 1);
+    fill_blocks(t->data, ggml_nbytes(t) / bb, bb, t->type == GGML_TYPE_Q4_K || t->type == GGML_TYPE_Q5_K ? 2 : 1);
 }
 
 static int cmp_i32(const void * a, const void * b) {
@@ -79,7 +80,8 @@ static int cmp_i32(const void * a, const void * b) {
 
 int main(int argc, char ** argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s 4k|2M THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|q4k|f16) ACT(relu|silu)]\n", argv[0]);
+        fprintf(stderr, "usage: %s 4k|2M THREADS [LAYERS LISTED REPS N_FF K TYPES(q4|q4k|q5k|f16) ACT(relu|silu)]\n",
+                argv[0]);
         return 2;
     }
     const int     huge    = strcmp(argv[1], "2M") == 0;
@@ -96,8 +98,10 @@ int main(int argc, char ** argv) {
         tw = td = GGML_TYPE_F16;
     } else if (strcmp(types, "q4k") == 0) {
         tw = td = GGML_TYPE_Q4_K;
+    } else if (strcmp(types, "q5k") == 0) {
+        tw = GGML_TYPE_Q5_K;
     } else if (strcmp(types, "q4") != 0) {
-        fprintf(stderr, "TYPES: q4, q4k or f16, not %s\n", types);
+        fprintf(stderr, "TYPES: q4, q4k, q5k or f16, not %s\n", types);
         return 2;
     }
 

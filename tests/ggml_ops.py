@@ -11,7 +11,8 @@ import ctypes as C
 
 import numpy as np
 
-GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q6_k": 14, "i32": 26, "bf16": 30}
+GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14, "i32": 26,
+             "bf16": 30}
 KX_SELECT_ACT = {"score": 0, "relu": 1, "silu": 2, "gelu": 3}
 
 

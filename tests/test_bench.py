@@ -407,7 +407,7 @@ def test_boundary_probes_build_and_run(tmp_path: Path, probe: str) -> None:
         assert 0 < res["pairs_last"] <= res["candidates"] == 700
 
 
-@pytest.mark.parametrize("types", ["q4", "q4k", "f16"])
+@pytest.mark.parametrize("types", ["q4", "q4k", "q5k", "f16"])
 def test_host_op_probe_builds_and_splits_the_op(tmp_path: Path, native: Path, types: str) -> None:
     """bench/host_op.c (the host FFN op alone on one model's layer shapes) builds against the
     native ggml, about half of its listed neurons fire with every weight type (its random rows

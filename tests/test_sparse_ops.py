@@ -509,7 +509,7 @@ def rows4_outputs(g: GGML, n_threads: int, wtype: str = "q4_0", dtype: str = "q8
     16-wide vectors), K-quant down rows two super-blocks."""
     rng = np.random.default_rng(29)
     n = 90
-    k = {"q4_0": 256, "q4_k": 512, "q6_k": 512}.get(wtype, 296)
+    k = {"q4_0": 256, "q4_k": 512, "q5_k": 512, "q6_k": 512}.get(wtype, 296)
     m = rows4_width(dtype)
     gate, up = (rng.standard_normal((2, n, k)) / math.sqrt(k)).astype(np.float32)
     down = rng.standard_normal((n, m)).astype(np.float32)
@@ -529,9 +529,9 @@ def rows4_width(dtype: str) -> int:
 
 @pytest.mark.parametrize("act", ["relu", "silu", "gelu"])
 @pytest.mark.parametrize("wtype,dtype", [("q4_0", "q8_0"), ("f16", "f16"), ("q4_k", "q8_0"), ("q6_k", "f16"),
-                                         ("q4_k", "q4_k"), ("q4_k", "q6_k")])
+                                         ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q5_k", "q8_0")])
 def test_ffn_rows_four_rows_at_once_are_ggml_bit_for_bit(g: GGML, wtype: str, dtype: str, act: str):
-    """Gate and up rows four at a time (kx-dot.h: Q4_0, Q4_K, Q6_K, F16; ReLU in pass a and at pass b's
+    """Gate and up rows four at a time (kx-dot.h: Q4_0, Q4_K, Q5_K, Q6_K, F16; ReLU in pass a and at pass b's
     flush, SiLU/GELU both at the block's flush) and down rows four at a time (kx_axpy_rows:
     Q8_0, F16, Q4_K, Q6_K: a Q4_K_M model's pack), which one token takes, give the very bits of
     ggml's vec_dot and the row-by-row axpy, which several tokens take: one token against the

@@ -1,6 +1,6 @@
 // Dots of up to four rows with one vector, the rows read interleaved (Q4_0 rows with a Q8_0
-// vector, Q4_K and Q6_K rows with a Q8_K vector, F16 rows with an F16 vector): the inner loop
-// of GGML_OP_KX_FFN_ROWS's gate and up rows for one token.
+// vector, Q4_K, Q5_K and Q6_K rows with a Q8_K vector, F16 rows with an F16 vector): the
+// inner loop of GGML_OP_KX_FFN_ROWS's gate and up rows for one token.
 //
 // Why several rows at once: the host op reads rows scattered over a layer's matrices, one
 // 4.5 KiB Q4_0 row per neuron, and a thread walking one row at a time keeps few reads in
@@ -203,6 +203,69 @@ static inline __attribute__((always_inline)) void kx_dot_q4_K_n(int64_t k, const
     }
 }
 
+// ggml_vec_dot_q5_K_q8_K's AVX2 branch for nr rows at once: Q4_K's lanes with each weight's
+// fifth bit (qh: bit 2j of byte l for sub-block 2j, bit 2j + 1 for 2j + 1) added at 16, and
+// the mins summed as ggml does for this type: per super-block into one float per row
+// (dmin times the int32 sum), added to the lanes' sum at the end
+static inline __attribute__((always_inline)) void kx_dot_q5_K_n(int64_t k, const int nr, const void * const * rows,
+                                                               const void * vy, float * out) {
+    const block_q5_K * w[4];
+    for (int r = 0; r < nr; ++r) {
+        w[r] = (const block_q5_K *) rows[r];
+    }
+    const block_q8_K * y = (const block_q8_K *) vy;
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[4]  = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    float  summs[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+    const int64_t nb = k / QK_K;
+    for (int64_t i = 0; i < nb; ++i) {
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
+        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+        for (int r = 0; r < nr; ++r) {
+            const block_q5_K * x = w[r] + i;
+            const float d    = y[i].d * GGML_CPU_FP16_TO_FP32(x->d);
+            const float dmin = -y[i].d * GGML_CPU_FP16_TO_FP32(x->dmin);
+            uint32_t utmp[4];
+            memcpy(utmp, x->scales, 12);
+            utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+            const uint32_t uaux = utmp[1] & kmask1;
+            utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+            utmp[2] = uaux;
+            utmp[0] &= kmask1;
+            const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+            const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s);
+            const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, _mm_setzero_si128()), _mm_setzero_si128());
+            summs[r] += dmin * _mm_extract_epi32(hsum, 0);
+            const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+            const __m256i scales = _mm256_set_m128i(sc128, sc128);
+            const __m256i hbits = _mm256_loadu_si256((const __m256i *) x->qh);
+            const uint8_t * q5 = x->qs;
+            const int8_t  * q8 = y[i].qs;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < QK_K/64; ++j) {
+                const __m256i scale_0 = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short) ((4*j + 1) << 8 | 4*j)));
+                const __m256i scale_1 = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short) ((4*j + 3) << 8 | (4*j + 2))));
+                const __m256i q5bits = _mm256_loadu_si256((const __m256i *) q5); q5 += 32;
+                // the fifth bits of sub-blocks 2j and 2j + 1, moved to bit 4 of each byte
+                const __m256i h0 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, _mm256_set1_epi8((char) (1 << 2*j))), 2*j), 4);
+                const __m256i h1 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, _mm256_set1_epi8((char) (2 << 2*j))), 2*j + 1), 4);
+                const __m256i q5_0 = _mm256_add_epi8(_mm256_and_si256(q5bits, m4), h0);
+                const __m256i q5_1 = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4), h1);
+                const __m256i q8_0 = _mm256_loadu_si256((const __m256i *) q8); q8 += 32;
+                const __m256i q8_1 = _mm256_loadu_si256((const __m256i *) q8); q8 += 32;
+                const __m256i p16_0 = _mm256_madd_epi16(scale_0, _mm256_maddubs_epi16(q5_0, q8_0));
+                const __m256i p16_1 = _mm256_madd_epi16(scale_1, _mm256_maddubs_epi16(q5_1, q8_1));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; ++r) {
+        out[r] = kx_dot_hsum(acc[r]) + summs[r];
+    }
+}
+
 // ggml_vec_dot_q6_K_q8_K's AVX2 branch for nr rows at once (the same lanes, the same
 // subtraction of 32 · Σ scale·bsum, the same FMA and final sum); the 16-bit scale shuffle
 // for index i (bytes 2i eight times, then 2i + 1) is built from i
@@ -313,7 +376,7 @@ static inline bool kx_dot_rows_ok(enum ggml_type type) {
     }
 #endif
 #if defined(KX_DOT_K_ROWS)
-    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
+    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K) {
         return true;
     }
 #endif
@@ -336,8 +399,8 @@ static inline bool kx_dot_rows_ok(enum ggml_type type) {
     }
 
 // out[r] = row r · y over k elements, r < nr <= 4, y in the type's vec_dot type (Q4_0: k %
-// 32 == 0, y Q8_0; Q4_K, Q6_K: k % 256 == 0, y Q8_K; F16: y F16). False where kx_dot_rows_ok(type) is false (the caller uses
-// ggml's vec_dot per row).
+// 32 == 0, y Q8_0; Q4_K, Q5_K, Q6_K: k % 256 == 0, y Q8_K; F16: y F16). False where
+// kx_dot_rows_ok(type) is false (the caller uses ggml's vec_dot per row).
 static inline bool kx_dot_rows(enum ggml_type type, int64_t k, int nr, const void * const * rows, const void * vy,
                                float * out) {
 #if defined(KX_DOT_Q4_0_ROWS)
@@ -349,6 +412,10 @@ static inline bool kx_dot_rows(enum ggml_type type, int64_t k, int nr, const voi
 #if defined(KX_DOT_K_ROWS)
     if (type == GGML_TYPE_Q4_K) {
         KX_DOT_ROWS_NR(kx_dot_q4_K_n, k, nr, rows, vy, out)
+        return true;
+    }
+    if (type == GGML_TYPE_Q5_K) {
+        KX_DOT_ROWS_NR(kx_dot_q5_K_n, k, nr, rows, vy, out)
         return true;
     }
     if (type == GGML_TYPE_Q6_K) {
