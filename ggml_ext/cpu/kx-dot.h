@@ -108,6 +108,20 @@ static inline __m512i kx_dot_s16_acc(__m512i acc, __m512i a, __m512i b) {
 }
 #endif
 
+// a Q4_K or Q5_K super-block's 12 bytes of 6-bit scales and mins as 16 int16 lanes, the 8
+// scales then the 8 mins, unpacked as ggml's kmask steps do
+static inline __m256i kx_dot_k_scales(const uint8_t * scales) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    uint32_t utmp[4];
+    memcpy(utmp, scales, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+    return _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+}
+
 // ggml_vec_dot_q4_K_q8_K's AVX2 branch for nr rows at once: per super-block the same 8 int32
 // lanes (scales applied by madd, integer sums exact), the same d and dmin products, the same
 // FMAs into acc (8 lanes) and acc_m (4 lanes) and the same final sums. The row's 12 bytes of
@@ -123,7 +137,6 @@ static inline __attribute__((always_inline)) void kx_dot_q4_K_n(int64_t k, const
         w[r] = (const block_q4_K *) rows[r];
     }
     const block_q8_K * y = (const block_q8_K *) vy;
-    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
     __m256 acc[4]   = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
     __m128 acc_m[4] = { _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps() };
     const int64_t nb = k / QK_K;
@@ -149,14 +162,7 @@ static inline __attribute__((always_inline)) void kx_dot_q4_K_n(int64_t k, const
             const block_q4_K * x = w[r] + i;
             const float d    = y[i].d * GGML_CPU_FP16_TO_FP32(x->d);
             const float dmin = -y[i].d * GGML_CPU_FP16_TO_FP32(x->dmin);
-            uint32_t utmp[4];
-            memcpy(utmp, x->scales, 12);
-            utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-            const uint32_t uaux = utmp[1] & kmask1;
-            utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-            utmp[2] = uaux;
-            utmp[0] &= kmask1;
-            const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+            const __m256i mins_and_scales = kx_dot_k_scales(x->scales);
             const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s);
             acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
             const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
@@ -214,7 +220,6 @@ static inline __attribute__((always_inline)) void kx_dot_q5_K_n(int64_t k, const
         w[r] = (const block_q5_K *) rows[r];
     }
     const block_q8_K * y = (const block_q8_K *) vy;
-    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc[4]  = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
     float  summs[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
@@ -226,14 +231,7 @@ static inline __attribute__((always_inline)) void kx_dot_q5_K_n(int64_t k, const
             const block_q5_K * x = w[r] + i;
             const float d    = y[i].d * GGML_CPU_FP16_TO_FP32(x->d);
             const float dmin = -y[i].d * GGML_CPU_FP16_TO_FP32(x->dmin);
-            uint32_t utmp[4];
-            memcpy(utmp, x->scales, 12);
-            utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-            const uint32_t uaux = utmp[1] & kmask1;
-            utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-            utmp[2] = uaux;
-            utmp[0] &= kmask1;
-            const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+            const __m256i mins_and_scales = kx_dot_k_scales(x->scales);
             const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s);
             const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, _mm_setzero_si128()), _mm_setzero_si128());
             summs[r] += dmin * _mm_extract_epi32(hsum, 0);
