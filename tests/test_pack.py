@@ -395,12 +395,15 @@ def test_round_trip_q8_0_predictor_pads_its_rank(tmp_path: Path, small_relu: Pat
     """A q8_0 predictor of rank 5 is stored at rank 32 (one block per row of B): the extra
     rows of A and columns of B read back as exact zeros, each stored value is its own Q8_0
     rounding (gguf's quantizer), so the scores are those of the rounded factors, and the
-    method records the rank stored."""
+    method records the rank stored. The reader dequantizes a factor when it is first used."""
     Q8 = gguf.GGMLQuantizationType.Q8_0
     pred = PackPredictor(5, lambda il: toy_factors(il, 5), "q8_0", {"kind": "toy"})
     path = write_pack(small_relu, tmp_path / "p.kxpack.gguf", predictor=pred, quiet=True)
     pack = read_pack(path, small_relu)
     assert pack.method["predictor"] == {"kind": "toy", "rank": 32, "type": "q8_0"}
+    # read lazily: the blocks stay mapped until a factor is asked for, then are kept as float32
+    assert all(not layer_._dequantized for layer_ in pack.layers)
+    assert pack.layers[0].stored["pred_b"][1] == "q8_0" and pack.layers[0].pred_b is pack.layers[0].pred_b
     x = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)
     for il, layer_ in enumerate(pack.layers):
         a, b, c = toy_factors(il, 5)

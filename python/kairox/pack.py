@@ -254,16 +254,36 @@ class PackLayer:
     perm: np.ndarray                # int32 [n_ff], a permutation of 0..n_ff-1
     group: np.ndarray               # int32 [n_ff], group id of each pack position
     freq: np.ndarray                # float32 [n_ff], indexed by ORIGINAL neuron id, 0..1
-    pred_a: np.ndarray | None = None  # [rank, n_embd], float32 or float16
-    pred_b: np.ndarray | None = None  # [n_ff, rank], float32 or float16
     pred_c: np.ndarray | None = None  # float32 [n_ff], indexed by ORIGINAL neuron id
-    # version 2: the ahead predictor, same shapes, reading the previous layer's FFN input
-    ahead_a: np.ndarray | None = None
-    ahead_b: np.ndarray | None = None
+    # version 2: the ahead predictor's bias, reading the previous layer's FFN input
     ahead_c: np.ndarray | None = None
     # the load-aware thresholds' tables, float32 [n_ff, K] by neuron id (kairox.thresholds)
     thr_sel: np.ndarray | None = None
     thr_err: np.ndarray | None = None
+    # the predictors' A [rank, n_embd] and B [n_ff, rank] as stored, by key (pred_a, pred_b,
+    # ahead_a, ahead_b): (data, type name); read through `factor` or the properties below
+    stored: dict[str, tuple[Any, str]] = field(default_factory=dict, repr=False)
+    _dequantized: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+
+    def factor(self, key: str) -> np.ndarray | None:
+        """Predictor factor `key` (None where the layer has none): F32 or F16 as stored
+        (memory-mapped), Q8_0 dequantized to float32 once, when first asked for (read eagerly,
+        a 70B pack's Q8_0 predictors would take ~12 GB as float32)."""
+        if key not in self.stored:
+            return None
+        data, type_name = self.stored[key]
+        if type_name != "q8_0":
+            return data
+        if key not in self._dequantized:
+            import gguf
+            q = gguf.GGMLQuantizationType.Q8_0
+            self._dequantized[key] = np.asarray(gguf.quants.dequantize(data, q), np.float32)
+        return self._dequantized[key]
+
+    pred_a = property(lambda self: self.factor("pred_a"))
+    pred_b = property(lambda self: self.factor("pred_b"))
+    ahead_a = property(lambda self: self.factor("ahead_a"))
+    ahead_b = property(lambda self: self.factor("ahead_b"))
 
     @property
     def has_predictor(self) -> bool:
@@ -623,8 +643,8 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
                 try:
                     arrs.append(encode_tensor(f, Q[pr.dtype.upper()], n[name]))
                 except ValueError:
-                    raise PackError(f"{n[name]} has values beyond float16's range (65504, also the "
-                                    f"limit of a q8_0 block's scale); store the predictor as f32") from None
+                    raise PackError(f"{n[name]} has values too large for {pr.dtype} (float16's range is "
+                                    f"65504); store the predictor as f32") from None
             arrs.append(c)
         if thresholds is not None:
             for k, tab in zip(THR_KEYS, thresholds.layer(il)):
@@ -732,7 +752,6 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
     path = Path(pack_path)
     if not path.is_file():
         raise PackError(f"no pack at {path}")
-    from gguf.quants import dequantize
     r = _open_gguf(path)
     arch = _kv(r, "general.architecture")
     if arch != PACK_ARCH:
@@ -824,6 +843,7 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
         if not np.all((freq >= 0) & (freq <= 1)):  # also rejects NaN
             raise PackError(f"pack {path}: {names['freq']} has values outside [0, 1]")
         factors: dict[str, Any] = {}
+        stored: dict[str, tuple[Any, str]] = {}
         for keys in (PRED_KEYS, AHEAD_KEYS):
             if keys[0] not in has_pred:
                 continue
@@ -839,9 +859,8 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
                 row = first_nonfinite_row(t[k].data, t[k].tensor_type.name.lower(), n_cols)
                 if row >= 0:
                     raise PackError(f"pack {path}: {names[k]} has non-finite values (row {row})")
-            for k in (ka, kb):  # a q8_0 predictor as float32 (the others stay mapped)
-                q = t[k].tensor_type
-                factors[k] = (np.asarray(dequantize(t[k].data, q), np.float32) if q.name == "Q8_0" else t[k].data)
+            for k in (ka, kb):
+                stored[k] = (t[k].data, t[k].tensor_type.name.lower())
         if THR_GRID_NAME in tensors:
             for k in THR_KEYS:
                 if names[k] not in tensors:
@@ -852,7 +871,7 @@ def read_pack(pack_path: str | Path, model_path: str | Path | None = None) -> Pa
             if np.any(factors["thr_sel"] > 1):
                 raise PackError(f"pack {path}: {names['thr_sel']} has shares above 1")
         layers.append(PackLayer(t["down_t"].data, t["down_t"].tensor_type.name.lower(),
-                                perm, group, freq, **factors))
+                                perm, group, freq, **factors, stored=stored))
 
     if THRESHOLD_NAME not in tensors:
         raise PackError(f"pack {path} lacks the tensor {THRESHOLD_NAME}")
