@@ -402,7 +402,7 @@ def test_round_trip_q8_0_predictor_pads_its_rank(tmp_path: Path, small_relu: Pat
     pack = read_pack(path, small_relu)
     assert pack.method["predictor"] == {"kind": "toy", "rank": 32, "type": "q8_0"}
     # read lazily: the blocks stay mapped until a factor is asked for, then are kept as float32
-    assert all(not layer_._dequantized for layer_ in pack.layers)
+    assert all(layer_.has_predictor and not layer_._dequantized for layer_ in pack.layers)
     assert pack.layers[0].stored["pred_b"][1] == "q8_0" and pack.layers[0].pred_b is pack.layers[0].pred_b
     x = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)
     for il, layer_ in enumerate(pack.layers):

@@ -52,11 +52,12 @@
 // chunk writes its gates by rank, a pass-b chunk into its own accumulator, whichever thread
 // takes it.
 //
-// One token (decode) with Q4_0, Q4_K, Q5_K, Q6_K or F16 gate/up and Q8_0, F16, Q4_K or Q6_K down
-// rows: four rows at a time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result; in one pass (SiLU,
-// GELU) the block's gate and up rows go four at a time at its flush. Why: the op alone on KB-70B's
-// shapes scaled linearly with threads on the H200 host, 3.2 GB/s each, against 68-80 GB/s
-// for the same scattered reads without the arithmetic (bench/results/host-pages/): a
+// One token (decode) with Q4_0, Q4_K, Q5_K, Q6_K or F16 gate/up and Q8_0, F16, Q4_K or Q6_K
+// down rows: four rows at a time (kx-dot.h, kx_axpy_rows), bit for bit the row-by-row result;
+// in one pass (SiLU, GELU) the block's gate and up rows go four at a time at its flush. Why:
+// the op alone on KB-70B's shapes scaled linearly with threads on the H200 host, 3.2 GB/s
+// each, against 68-80 GB/s for the same scattered reads without the arithmetic
+// (bench/results/host-pages/): a
 // thread walking one row at a time keeps too few reads in flight. Four rows walked
 // together are four prefetch streams and four independent chains (development VM, 2
 // threads: 8.6-9.7 -> 11.8 GB/s; H200, KB-70B: the decode 1.18-1.27x,

@@ -49,8 +49,9 @@ void kx_x_convert(enum ggml_type vdt, const char * x, size_t x_nb1, int64_t k, i
     if (b0 == b1) {
         return;
     }
+    const size_t at = ggml_row_size(vdt, b0*bs); // bytes of the blocks before this thread's
     for (int64_t t = 0; t < nt; ++t) {
-        from_float((const float *) (x + t*x_nb1) + b0*bs, xq + t*xq_row + ggml_row_size(vdt, b0*bs), (b1 - b0)*bs);
+        from_float((const float *) (x + t*x_nb1) + b0*bs, xq + t*xq_row + at, (b1 - b0)*bs);
     }
 }
 

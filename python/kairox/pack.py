@@ -287,7 +287,7 @@ class PackLayer:
 
     @property
     def has_predictor(self) -> bool:
-        return self.pred_a is not None
+        return "pred_a" in self.stored  # asked without dequantizing a Q8_0 factor
 
     def predictor_scores(self, x: np.ndarray) -> np.ndarray:
         """pred_b @ (pred_a @ x) + pred_c for FFN inputs x [.., n_embd]: one score per
