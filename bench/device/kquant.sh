@@ -19,6 +19,7 @@
 #   KX_KQ_DOWN="q4_k q6_k" ...          # also packs with these down-row types (the model
 #                                       # linked under another name, its pack written the same
 #                                       # way), each a kairox-completion row with --sparse-pack
+#   KX_KQ_PRED="f16" ...                # the same for packs with these predictor types
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -67,18 +68,21 @@ while pgrep -f "pack-only" > /dev/null; do
     sleep 2
 done
 echo "pack ($(( $(date +%s) - t0 )) s): $(tail -1 "$W/pack.log")"
-[ "${KX_KQ_STAGE:-}" = prepare ] && exit 0
 rows=()
-for dt in ${KX_KQ_DOWN:-}; do
-    Qd=${Q%.gguf}-d$dt.gguf
+# each extra pack: the model linked under another name, its pack written with one option changed
+for spec in $(for d in ${KX_KQ_DOWN:-}; do echo "down-type:$d"; done; for t in ${KX_KQ_PRED:-}; do echo "pred-type:$t"; done); do
+    opt=${spec%%:*} val=${spec#*:}
+    Qd=${Q%.gguf}-${opt%%-*}$val.gguf
     [ -e "$Qd" ] || ln "$Q" "$Qd"
     if [ ! -f "${Qd%.gguf}.kxpack.gguf" ]; then
-        python3 -m kairox synth --preset KB-7B -o "$Qd" --pack-only --down-type "$dt" -q > "$W/pack-$dt.log" 2>&1 \
-            || { tail -5 "$W/pack-$dt.log"; exit 1; }
-        echo "pack down $dt ($(( $(date +%s) - t0 )) s): $(tail -1 "$W/pack-$dt.log")"
+        rm -f /tmp/kxbench/.*.tmp
+        python3 -m kairox synth --preset KB-7B -o "$Qd" --pack-only --$opt "$val" -q > "$W/pack-$val.log" 2>&1 \
+            || { tail -5 "$W/pack-$val.log"; exit 1; }
+        echo "pack $opt $val ($(( $(date +%s) - t0 )) s): $(tail -1 "$W/pack-$val.log")"
     fi
-    rows+=(--completion-row "down $dt=--sparse-pack ${Qd%.gguf}.kxpack.gguf")
+    rows+=(--completion-row "${opt%%-*} $val=--sparse-pack ${Qd%.gguf}.kxpack.gguf")
 done
+[ "${KX_KQ_STAGE:-}" = prepare ] && exit 0
 IFS=';' read -ra extra <<< "${KX_KQ_ROWS:-}"
 for r in "${extra[@]}"; do rows+=(--completion-row "$r"); done
 python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$B" --out "$OUT" \

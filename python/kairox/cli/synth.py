@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..pack import DOWN_TYPES
+from ..pack import DOWN_TYPES, PRED_TYPES
 from ..argtypes import number_in
 from ..synth import (DEFAULT_DOMAIN_SHARE, DEFAULT_DOMAINS, DEFAULT_RATE_SPREAD, DEFAULT_SPARSITY, DEFAULT_TOPIC_SHARE,
                      DEFAULT_TOPICS, DOMAIN_NAMES, FTYPES, PRESETS, SparseFFN, SynthError, calibrated_thresholds,
@@ -66,7 +66,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         from ..predictor import sketch_for_model
         try:
             layout = tables = None
-            predictor = sketch_for_model(path)
+            predictor = sketch_for_model(path, dtype=args.pred_type)
             if args.profile and args.act == "relu":
                 from ..thresholds import CALIBRATION_TOKENS
                 layout, xs = measured_layout(path, args.profile, args.seed, quiet=args.quiet,
@@ -122,6 +122,8 @@ def register(sub) -> None:
                         "(model writing needs no GPU, the pack's --profile uses one: split on a GPU machine)")
     p.add_argument("--down-type", choices=DOWN_TYPES,
                    help="with --pack / --pack-only: the pack's down rows, as `kairox pack --down-type`")
+    p.add_argument("--pred-type", choices=PRED_TYPES,
+                   help="with --pack / --pack-only: the predictor's storage, as `kairox pack --pred-type`")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--vocab-gguf", type=Path, help="GGUF whose tokenizer to copy (default: LLaMA SPM)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
