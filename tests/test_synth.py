@@ -360,6 +360,12 @@ def test_cli_pack_only_packs_an_earlier_model(tmp_path: Path, capsys: pytest.Cap
     assert main(["synth", "--preset", "KB-tiny", "-o", str(two / "m.gguf"), "--pack-only", "--profile", "64", "-q"]) == 0
     assert (two / "m.gguf").read_bytes() == model_bytes == (one / "m.gguf").read_bytes()
     assert (two / "m.kxpack.gguf").read_bytes() == (one / "m.kxpack.gguf").read_bytes()
+    # another predictor storage for the same model (a second pack beside it, as the benchmarks do)
+    (two / "q.gguf").hardlink_to(two / "m.gguf")
+    assert main(["synth", "--preset", "KB-tiny", "-o", str(two / "q.gguf"), "--pack-only", "--profile", "64",
+                 "--pred-type", "q8_0", "-q"]) == 0
+    assert read_pack(two / "m.kxpack.gguf").layers[0].stored["pred_b"][1] != "q8_0"
+    assert read_pack(two / "q.kxpack.gguf").layers[0].stored["pred_b"][1] == "q8_0"
     capsys.readouterr()
     assert main(["synth", "--preset", "KB-tiny", "-o", str(tmp_path / "none.gguf"), "--pack-only", "-q"]) == 2
     assert "no model at" in capsys.readouterr().err
