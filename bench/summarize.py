@@ -54,8 +54,8 @@ CURRENT = (
             "kairox run --vram-budget 7GiB --sparse predicted"),
     Current("`kairox-server`, same flags, 4 concurrent streams (per stream)",
             "KB-7B-f16-h200/tools/server-streams-static.json", streams=True),
-    Current("Q4_K_M: llama.cpp, best fitting `-ngl 23 -fa 1`", "KB-7B-q4_k_m-h200/tools-bench-KB-7B-q4_k_m.json",
-            "llama.cpp dense -ngl 23 -fa 1 (kairox-bench)"),
+    Current("Q4_K_M: llama.cpp, best fitting `-ngl 22 -fa 1`", "KB-7B-q4_k_m-h200/tools-bench-KB-7B-q4_k_m.json",
+            "llama.cpp dense -ngl 22 -fa 1 (kairox-bench)"),
     Current("Q4_K_M: `kairox-bench --vram-budget 3GiB --sparse predicted`",
             "KB-7B-q4_k_m-h200/tools-bench-KB-7B-q4_k_m.json", "kairox-bench --vram-budget 3GiB --sparse predicted"),
 )

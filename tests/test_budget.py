@@ -230,6 +230,52 @@ def test_budget_counts_per_layer_on_the_gpu(wide_model: Path) -> None:
         llm.close()
 
 
+def test_a_budget_that_holds_the_whole_model_runs_it_dense(wide_model: Path) -> None:
+    """On a GPU, the automatic sparse mode: a budget that holds every tensor dense (FFN
+    included) beside the KV cache, compute buffers and margin runs the model on the GPU as
+    llama.cpp does, without the split (no pack loaded, no slots, the FFN weights in device
+    memory); the same budget with an explicit --sparse predicted splits as asked. A budget
+    that cannot hold the FFN too splits in the automatic mode as well."""
+    import kairox
+    from kairox.gguf_header import scan_header
+    mats = [t.name for t in scan_header(wide_model).tensors if "ffn_" in t.name and len(t.ne) >= 2]
+    toks = list(range(1, 40))
+
+    def load(budget: int, **kw: object):
+        llm = kairox.Llama(str(wide_model), vram_budget=budget, n_ctx=256, logits_all=True, verbose=False, **kw)
+        llm.eval(toks)
+        return llm
+    llm = load(4 << 30)
+    try:
+        assert llm.whole_fits and llm.sparse == "dense" and llm.slots_bytes == 0
+        assert {llm.tensor_buffer_type(t) for t in mats} == {"CUDA0"}
+        assert llm.vram is not None and llm.vram.slots == 0 and llm.vram_used() <= 4 << 30
+        want = np.array(llm.scores[:llm.n_tokens])
+        base = llm.vram.base
+    finally:
+        llm.close()
+    llm = load(4 << 30, sparse="dense")  # whole tensors by the budget: the same placement, the same bits
+    try:
+        assert np.array_equal(np.array(llm.scores[:llm.n_tokens]), want)
+    finally:
+        llm.close()
+    llm = load(4 << 30, sparse="predicted")
+    try:
+        assert not llm.whole_fits and llm.sparse == "predicted" and llm.slots_bytes > 0
+        assert "CUDA0" not in {llm.tensor_buffer_type(t) for t in mats}  # the split's FFN: host memory
+    finally:
+        llm.close()
+    # the dense tensors and half the FFN: the automatic mode splits
+    ffn = sum(t.nbytes for t in scan_header(wide_model).tensors if "ffn_" in t.name and len(t.ne) >= 2)
+    budget = base - ffn + margin_for(0) + ffn // 2
+    llm = load(budget)
+    try:
+        assert not llm.whole_fits and llm.sparse == "predicted" and llm.slots_bytes > 0
+        assert llm.vram_used() <= budget
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_a_budget_without_a_pack_places_whole_tensors(tmp_path: Path, moe: bool) -> None:
     """On a GPU: a model without a pack (never prepared, or MoE, or dense) runs under a budget

@@ -301,6 +301,11 @@ struct kx_params {
                                        // layer's sparse FFN against the dense one on this CPU before the model
                                        // loads, and run sparse only where it is 5% faster (kx_sparse_cost; default
                                        // true). false: sparse wherever the lists hold under 60% of the neurons
+    // filled by kx_model_params_apply: the budget holds the whole model dense (weights, KV cache,
+    // compute buffers and the margin), and with the automatic sparse mode it then runs dense on
+    // the GPU, as llama.cpp does with every layer offloaded (the split pays only where part of the
+    // model must stay on the CPU); an explicit sparse mode or slot count runs as asked
+    bool            whole_fits;
 };
 
 // what a budgeted context measured on its device (bytes)

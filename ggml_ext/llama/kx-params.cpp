@@ -47,6 +47,7 @@ struct kx_params kx_params_default(void) {
     kp.error_budget = -1.0f; // load-aware thresholds off
     kp.fallback_dense = false; // what was asked runs, or the client stops
     kp.measure_gain = true;
+    kp.whole_fits = false;
     return kp;
 }
 
@@ -151,12 +152,17 @@ static std::string kx_params_pack_path(const kx_params * kp, const char * model_
 // and no pack (a model never prepared, an MoE model, a dense one). The budget then places
 // whole tensors, the FFN's included (ATSInfer's tensor-level placement), and nothing else of
 // kairox runs; slot counts, a plan, the balancer, a mapped share and thresholds need a pack.
+// A budget alone: none of the options that only the hybrid's slots can serve
+static bool kx_params_budget_only(const kx_params * kp) {
+    return kp->vram_budget > 0 && kp->gpu_slots < 0 && kp->n_gpu_slots_layers <= 0 && !(kp->plan && *kp->plan) &&
+           kp->balancer == KX_BALANCER_OFF && kp->mapped_share <= 0.0f && kp->error_budget < 0.0f;
+}
+
 static bool kx_params_tensors_only(const kx_params * kp, const char * model_path) {
-    if (kp->vram_budget <= 0 || kp->gpu_slots >= 0 || kp->n_gpu_slots_layers > 0 || (kp->plan && *kp->plan) ||
-        kp->balancer != KX_BALANCER_OFF || kp->mapped_share > 0.0f || kp->error_budget >= 0.0f) {
+    if (!kx_params_budget_only(kp)) {
         return false;
     }
-    if (kp->sparse == KX_SPARSE_DENSE) {
+    if (kp->sparse == KX_SPARSE_DENSE || kp->whole_fits) {
         return true;
     }
     const std::string pack = kx_params_pack_path(kp, model_path);
@@ -394,6 +400,7 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
         return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_model_params_apply: kp and mp are required");
     }
     kp->vram_free_at_load = -1;
+    kp->whole_fits = false;
     if (kp->sched_trace && *kp->sched_trace && kx_trace_start(kp->sched_trace, kp->sched_trace_max) != 0) {
         return kx_fail(err, err_size, KX_ERR_PARAMS, kx_fmt("cannot record the scheduler trace to %s (one file per "
                                                             "process, and its records must fit in memory)", kp->sched_trace));
@@ -418,6 +425,28 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
             return kx_fail(err, err_size, KX_ERR_BUDGET, e.what());
         }
         return kx_fail(err, err_size, KX_OK, "");
+    }
+    if (kp->sparse == KX_SPARSE_AUTO && kx_params_budget_only(kp) && model_path) {
+        // the whole model dense under the budget: no split (kx_params::whole_fits)
+        ggml_backend_dev_t dev = kx_params_device(kp);
+        if (dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU) {
+            const int64_t free0 = kx_dev_free(dev);
+            try {
+                const kx_dry_sizes d = kx_budget_dry(*mp, cp, model_path, dev, false)({});
+                if (kx_place_fits(d, kp->vram_budget)) {
+                    kp->whole_fits = true;
+                    kp->vram_free_at_load = free0;
+                    LLAMA_LOG_INFO("kairox: the whole model fits the VRAM budget dense (%s of %s with the margin): it runs "
+                                   "on the GPU as llama.cpp does with every layer offloaded, not split (give --sparse "
+                                   "predicted to split it anyway)\n",
+                                   kx_mib(d.total() + kx_budget_margin(kp->vram_budget)).c_str(),
+                                   kx_mib(kp->vram_budget).c_str());
+                    return kx_fail(err, err_size, KX_OK, "");
+                }
+            } catch (const std::exception &) {
+                // the split's own placement below says what does not fit
+            }
+        }
     }
     try {
         kx_check_slot_types(kp, model_path);
@@ -671,7 +700,8 @@ static void kx_apply_tensors_only(llama_context * ctx, const kx_params * kp) {
     const std::string streamed = !st.stream ? "" : kx_fmt("%d streamed through a %s scratch%s; ", st.stream->n_on(),
         kx_mib(st.stream->slot_bytes * st.stream->n_slots).c_str(),
         st.stream->migrate ? kx_fmt(", %zu with migration", st.stream->items.size()).c_str() : "");
-    kx_vram_keep(ctx, dev, v, ("no sparse pack: the VRAM budget places whole tensors, the FFN's among them; " +
+    kx_vram_keep(ctx, dev, v, ((kp->whole_fits ? "the whole model fits the VRAM budget dense; "
+                                                : "no sparse pack: the VRAM budget places whole tensors, the FFN's among them; ") +
                                streamed).c_str());
 }
 

@@ -249,11 +249,15 @@ int32_t kx_place_order(const char * const * names, int32_t n, int32_t * group) {
     return k;
 }
 
+bool kx_place_fits(const kx_dry_sizes & d, int64_t budget) {
+    return d.total() + kx_budget_margin(budget) + kx_place_alloc_slack <= budget;
+}
+
 std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
                                         std::string * text) {
     const kx_dry_sizes d = dry({});
     const int64_t margin = kx_budget_margin(budget) + kx_place_alloc_slack;
-    if (d.total() + margin <= budget) {
+    if (kx_place_fits(d, budget)) {
         return {}; // everything dense fits: the slots take what is left
     }
     const int64_t fixed = d.kv + d.compute + (d.weights - d.movable);

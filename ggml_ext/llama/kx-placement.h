@@ -87,6 +87,9 @@ std::vector<kx_place_group> kx_place_groups(const std::vector<kx_place_item> & i
 // the caller's dry run with these dense tensors (by name) also kept on the CPU
 using kx_dry_run_fn = std::function<kx_dry_sizes(const std::vector<std::string> & cpu_names)>;
 
+// true when a dry run's sizes (weights, KV cache, compute buffers) and the margin fit under budget
+bool kx_place_fits(const kx_dry_sizes & d, int64_t budget);
+
 // The dense tensors (by name) to keep on the CPU so that everything fits under budget; empty
 // when all fit. Throws with the sizes when the KV cache and compute buffers alone do not fit.
 // Logs the placement, or with `text` writes the line there instead (a caller comparing placements).

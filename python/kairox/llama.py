@@ -523,6 +523,12 @@ class Llama(llama_cpp.Llama):
 
 
     @property
+    def whole_fits(self) -> bool:
+        """True when the VRAM budget held the whole model dense and the automatic sparse mode
+        therefore runs it on the GPU unsplit, as llama.cpp does with every layer offloaded."""
+        return bool(self._kx_params.whole_fits)
+
+    @property
     def slots_bytes(self) -> int:
         """Device memory held by the neuron slots (0 without slots)."""
         return int(_lib.kx_model_slots_bytes(self._model.model))

@@ -247,7 +247,8 @@ def register(sub) -> None:
                    "run on the CPU at the same time; dense tensors on the GPU unless -ngl says otherwise")
     p.add_argument("--vram-budget", type=parse_size, default=None,
                    help="hybrid FFN under a GPU memory budget (e.g. 7GiB): dense tensors on the GPU, "
-                   "slots fill the rest; measured on the device, a clear error when it cannot fit")
+                   "slots fill the rest; measured on the device, a clear error when it cannot fit. A budget "
+                   "that holds the whole model dense runs it on the GPU unsplit unless --sparse names a mode")
     p.add_argument("--plan", default=None, help="hybrid FFN placed by a `kairox plan` file")
     p.add_argument("--no-pinned", dest="pinned", action="store_false",
                    help="map the host-side weights from the file instead of page-locking them (less RAM "
