@@ -9,6 +9,8 @@ gaps between kernels and any overlap: they say what the device computes, not how
 host waits for it (bench/balance_live.py's scheduler counters say that).
 
   python3 bench/kernel_profile.py ncu-KB-7B.csv [-o kernel-profile.md]
+  python3 bench/kernel_profile.py ncu-dense.csv --step flash_attn_ext   # a model without the hybrid:
+                                                                        # a step starts at its attention
 """
 from __future__ import annotations
 
@@ -52,11 +54,12 @@ def read_kernels(path: Path) -> list[tuple[str, float]]:
     return out
 
 
-def summarize(kernels: list[tuple[str, float]]) -> list[str]:
+def summarize(kernels: list[tuple[str, float]], step: str = "kx_select") -> list[str]:
+    """Per layer step: a step begins at the first of consecutive kernels whose name starts with
+    `step` (CUDA runs the select as two: ballots, then the write)."""
     if not kernels:
         return ["no kernel timings in the file"]
-    # a step begins with its select's first kernel (CUDA runs it as two: ballots, then the write)
-    sel = [n.startswith("kx_select") for n, _ in kernels]
+    sel = [n.startswith(step) for n, _ in kernels]
     starts = [i for i, s in enumerate(sel) if s and not (i and sel[i - 1])]
     steps = [kernels[a:b] for a, b in zip(starts, starts[1:])]
     n_steps = max(1, len(steps))
@@ -65,7 +68,7 @@ def summarize(kernels: list[tuple[str, float]]) -> list[str]:
     by: dict[str, list[float]] = {}
     for n, t in body:
         by.setdefault(n, []).append(t)
-    lines = [f"{len(kernels)} kernels timed, {len(steps)} whole layer steps (kx_select to kx_select): "
+    lines = [f"{len(kernels)} kernels timed, {len(steps)} whole layer steps ({step} to {step}): "
              f"{total / n_steps:.1f} µs of kernel time per step", "",
              "| kernel | launches / step | µs / step | µs / launch (median) | share |", "|---|---:|---:|---:|---:|"]
     for n, ts in sorted(by.items(), key=lambda kv: -sum(kv[1])):
@@ -84,11 +87,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", type=Path, help="Nsight Compute CSV (or .csv.gz)")
     ap.add_argument("-o", "--out", type=Path, help="also write the table here (Markdown)")
+    ap.add_argument("--step", default="kx_select",
+                    help="the name prefix of the kernel that starts a layer step (default: %(default)s)")
     args = ap.parse_args()
     if not args.csv.exists():
         print(f"kernel_profile: {args.csv} not found", file=sys.stderr)
         return 2
-    lines = summarize(read_kernels(args.csv))
+    lines = summarize(read_kernels(args.csv), args.step)
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:

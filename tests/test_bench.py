@@ -378,6 +378,11 @@ def test_kernel_profile_groups_kernels_per_layer_step(tmp_path):
     text = "\n".join(summarize(two))
     assert "2 whole layer steps" in text and "17.0 µs of kernel time per step" in text
     assert "| kx_select_write_kernel | 1.00 | 4.0 | 4.0 |" in text
+    # without the hybrid: steps from another kernel (the attention's)
+    dense = [("flash_attn_ext_vec", 3.0), ("mmvq", 9.0), ("flash_attn_ext_vec", 3.0), ("mmvq", 7.0),
+             ("flash_attn_ext_vec", 3.0)]
+    text = "\n".join(summarize(dense, "flash_attn_ext"))
+    assert "2 whole layer steps (flash_attn_ext to flash_attn_ext)" in text and "11.0 µs of kernel time" in text
 
 
 @pytest.mark.parametrize("probe", ["snap_probe", "apply_probe", "select_probe"])

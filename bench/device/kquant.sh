@@ -13,6 +13,7 @@
 #   KX_KQ_BUDGET=3GiB KX_KQ_TYPE=Q4_K_M # the budget and the quantization (defaults shown)
 #   KX_KQ_STAGE=prepare ...             # build, checks, tests, model and pack only (a first call;
 #                                       # the next call on the still-warm machine finds them)
+#   KX_KQ_STAGE=ncu ...                 # none of the timed rows: only KX_KQ_NCU's profiles
 #   KX_ROUNDS=3 ...                     # interleaved rounds of the binaries' rows
 #   KX_KQ_ROWS="mapped 0.3=--mapped-share 0.3;no warm=--no-kx-warm"  # more kairox-completion rows
 #   KX_KQ_NAME=tools-bench-x ...        # the results' file stem
@@ -20,6 +21,8 @@
 #                                       # linked under another name, its pack written the same
 #                                       # way), each a kairox-completion row with --sparse-pack
 #   KX_KQ_PRED="f16" ...                # the same for packs with these predictor types
+#   KX_KQ_NCU="3 8" ...                 # Nsight Compute's kernel times of the hybrid at these budgets
+#                                       # (GiB) and of llama.cpp with every layer on the GPU
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -83,15 +86,36 @@ for spec in $(for d in ${KX_KQ_DOWN:-}; do echo "down-type:$d"; done; for t in $
     rows+=(--completion-row "${opt%%-*} $val=--sparse-pack ${Qd%.gguf}.kxpack.gguf")
 done
 [ "${KX_KQ_STAGE:-}" = prepare ] && exit 0
-IFS=';' read -ra extra <<< "${KX_KQ_ROWS:-}"
-for r in "${extra[@]}"; do rows+=(--completion-row "$r"); done
-python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$B" --out "$OUT" \
-    --rounds "${KX_ROUNDS:-3}" --gen 128 --threads "$(nproc)" "${rows[@]}" ${KX_KQ_NAME:+--name "$KX_KQ_NAME"} \
-    || echo "tools_bench FAILED"
-echo "tools_bench done ($(( $(date +%s) - t0 )) s)"
-if [ -n "${KX_KQ_TPOT:-}" ]; then
-    python3 bench/offload.py --config KB-7B --model "$Q" --budget "${BUDGET%GiB}" \
-        --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" --work /tmp/kxbench --out "$OUT" --reps 1 \
-        --modes hybrid --no-dense --keep --note "KB-7B $TYPE (llama-quantize of the F16 synth)" || echo "offload FAILED"
+if [ "${KX_KQ_STAGE:-}" != ncu ]; then
+    IFS=';' read -ra extra <<< "${KX_KQ_ROWS:-}"
+    for r in "${extra[@]}"; do rows+=(--completion-row "$r"); done
+    python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$B" --out "$OUT" \
+        --rounds "${KX_ROUNDS:-3}" --gen 128 --threads "$(nproc)" "${rows[@]}" ${KX_KQ_NAME:+--name "$KX_KQ_NAME"} \
+        || echo "tools_bench FAILED"
+    echo "tools_bench done ($(( $(date +%s) - t0 )) s)"
+    if [ -n "${KX_KQ_TPOT:-}" ]; then
+        python3 bench/offload.py --config KB-7B --model "$Q" --budget "${BUDGET%GiB}" \
+            --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" --work /tmp/kxbench --out "$OUT" --reps 1 \
+            --modes hybrid --no-dense --keep --note "KB-7B $TYPE (llama-quantize of the F16 synth)" || echo "offload FAILED"
+    fi
 fi
+# where a layer step's device time goes: each kernel of a few decoded tokens timed alone by Nsight
+# Compute (CUDA graphs off; clocks and caches left alone), the hybrid at each budget of KX_KQ_NCU
+# (GiB; the tokens file comes from KX_KQ_TPOT's run) and llama.cpp with every layer on the GPU
+ncu_run() { # NAME COMMAND...: the CSV, its per-step table, then the CSV compressed
+    local name=$1
+    shift
+    GGML_CUDA_DISABLE_GRAPHS=1 timeout "${KX_NCU_TIMEOUT:-150}" ncu --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum --launch-skip "${KX_NCU_SKIP:-6000}" --launch-count "${KX_NCU_COUNT:-2000}" \
+        --csv --log-file "$OUT/ncu-$name.csv" "$@" > "$OUT/ncu-$name.log" 2>&1
+    echo "ncu $name: rc=$? at $(( $(date +%s) - t0 )) s"
+    python3 bench/kernel_profile.py "$OUT/ncu-$name.csv" -o "$OUT/kernel-profile-$name.md" \
+        ${NCU_STEP:+--step "$NCU_STEP"} | tail -25
+    gzip -f "$OUT/ncu-$name.csv"
+}
+for b in ${KX_KQ_NCU:-}; do
+    ncu_run "hybrid-${b}GiB" python3 bench/tpot.py --impl kairox --mode predicted --model "$Q" \
+        --tokens "${Q%.gguf}.tokens.json" --prompt-len 64 --ngl 999 --threads 8 --vram-budget "${b}GiB"
+done
+[ -z "${KX_KQ_NCU:-}" ] || NCU_STEP=flash_attn_ext ncu_run dense-ngl99 "$B/llama-bench" -m "$Q" -p 0 -n 16 -r 1 -t 8 -ngl 99 -fa 1
 echo "all done ($(( $(date +%s) - t0 )) s)"
