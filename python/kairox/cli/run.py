@@ -104,7 +104,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     for w in caught:
         print(f"kairox run: warning: {w.message}", file=sys.stderr)
-    sparse_layers = f", {llm.sparse_layers} of {llm.n_layer} layers sparse" if llm.sparse != "dense" else ""
+    sparse_layers = (f", {llm.sparse_layers} of {llm.n_layer} layers sparse" if llm.sparse != "dense"
+                     else ", the whole model on the GPU: it fits the budget" if llm.whole_fits else "")
     print(f"kairox: {model.name} ({llm.n_ctx()} ctx, {llm.context_params.n_threads} threads, "
           f"FFN {llm.sparse}{sparse_layers})", file=sys.stderr)
     if llm.vram is not None:
