@@ -148,16 +148,17 @@ static std::string kx_params_pack_path(const kx_params * kp, const char * model_
     return kp->sparse_pack && *kp->sparse_pack ? kp->sparse_pack : model_path ? kx_pack_path_for(model_path) : "";
 }
 
-// A VRAM budget with nothing to put in neuron slots: `--sparse dense`, or the automatic mode
-// and no pack (a model never prepared, an MoE model, a dense one). The budget then places
-// whole tensors, the FFN's included (ATSInfer's tensor-level placement), and nothing else of
-// kairox runs; slot counts, a plan, the balancer, a mapped share and thresholds need a pack.
 // A budget alone: none of the options that only the hybrid's slots can serve
 static bool kx_params_budget_only(const kx_params * kp) {
     return kp->vram_budget > 0 && kp->gpu_slots < 0 && kp->n_gpu_slots_layers <= 0 && !(kp->plan && *kp->plan) &&
            kp->balancer == KX_BALANCER_OFF && kp->mapped_share <= 0.0f && kp->error_budget < 0.0f;
 }
 
+// A VRAM budget with nothing to put in neuron slots: `--sparse dense`, or the automatic mode
+// and no pack (a model never prepared, an MoE model, a dense one). The budget then places
+// whole tensors, the FFN's included (ATSInfer's tensor-level placement), and nothing else of
+// kairox runs; slot counts, a plan, the balancer, a mapped share and thresholds need a pack.
+// The same when the whole model fits the budget dense (kx_params::whole_fits).
 static bool kx_params_tensors_only(const kx_params * kp, const char * model_path) {
     if (!kx_params_budget_only(kp)) {
         return false;
