@@ -238,7 +238,8 @@ def test_a_budget_that_holds_the_whole_model_runs_it_dense(wide_model: Path) -> 
     that cannot hold the FFN too splits in the automatic mode as well."""
     import kairox
     from kairox.gguf_header import scan_header
-    mats = [t.name for t in scan_header(wide_model).tensors if "ffn_" in t.name and len(t.ne) >= 2]
+    ffn_mats = {t.name: t.nbytes for t in scan_header(wide_model).tensors if "ffn_" in t.name and len(t.ne) >= 2}
+    mats, ffn = list(ffn_mats), sum(ffn_mats.values())
     toks = list(range(1, 40))
 
     def load(budget: int, **kw: object):
@@ -266,7 +267,6 @@ def test_a_budget_that_holds_the_whole_model_runs_it_dense(wide_model: Path) -> 
     finally:
         llm.close()
     # the dense tensors and half the FFN: the automatic mode splits
-    ffn = sum(t.nbytes for t in scan_header(wide_model).tensors if "ffn_" in t.name and len(t.ne) >= 2)
     budget = base - ffn + margin_for(0) + ffn // 2
     llm = load(budget)
     try:
