@@ -4,9 +4,9 @@
 // One warp per listed neuron, grid-stride over the list: every warp streams one weight
 // row once and dots it with all tokens' x (≤ KX_CUDA_MAX_TOKENS in registers), so a batch
 // reads its union of rows once. Rows move in 16-byte loads (F32/F16 straight to registers,
-// Q8_0/Q4_0 staged through shared memory; a quantized row that is not 16-byte aligned
-// falls back to one block per lane read as 16-bit words; K-quants (Q4_K, Q5_K, Q6_K) go
-// the same way with a lane per eighth of a 256-weight super-block). x is read
+// Q8_0/Q4_0 staged through shared memory); K-quants (Q4_K, Q5_K, Q6_K) a super-block at a
+// time, the lanes splitting its quant bytes (kx_row_dot_k); a Q8_0/Q4_0 row that is not
+// 16-byte aligned falls back to one block per lane read as 16-bit words. x is read
 // as float, weights are dequantized on the fly: no x quantization pass (the CPU path
 // quantizes x to Q8 for quantized weights; the difference stays within test tolerance).
 // Gated (src[4], the up rows of a ReLU GLU): a neuron whose gate is <= 0 for every token
@@ -17,8 +17,9 @@
 // with one load per loop step a warp walked an 8 KiB row in 16 dependent round trips;
 // over PCIe (mapped host rows) that made the kernel latency-bound, ~31 µs per layer for a
 // row gather the gated form halved without getting faster (H200, KB-7B, Nsight Compute).
-// No list (sel NULL): every row in order, a plain matvec. Short contiguous F32/F16 rows (512
-// B to 2 KiB: the predictor's B) take kx_mul_mat_rows_short_kernel, several rows per warp.
+// No list (sel NULL): every row in order, a plain matvec. Short F32/F16 rows (512 B to 2 KiB:
+// the predictor's B) take kx_mul_mat_rows_short_kernel, short Q8_0 rows (8-32 blocks)
+// kx_mul_mat_rows_short_q8_0_kernel, several rows per warp.
 #include "kx-ops-cuda.cuh"
 #include "kx-ops.h"
 
@@ -70,16 +71,13 @@ static __device__ __forceinline__ float kx_unit_dot(const int4 & raw, const floa
 template <ggml_type type>
 static constexpr bool kx_is_k = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
 
-// bytes of one block of the type, and the 32-weight sub-blocks in it (a lane's unit of work)
+// bytes of one block of the type
 template <ggml_type type>
 static constexpr int kx_block_bytes = type == GGML_TYPE_Q8_0 ? (int) sizeof(block_q8_0)
                                     : type == GGML_TYPE_Q4_0 ? (int) sizeof(block_q4_0)
                                     : type == GGML_TYPE_Q4_K ? (int) sizeof(block_q4_K)
                                     : type == GGML_TYPE_Q5_K ? (int) sizeof(block_q5_K)
                                     : (int) sizeof(block_q6_K);
-template <ggml_type type>
-static constexpr int kx_block_subs = kx_is_k<type> ? QK_K/32 : 1;
-
 // scale and min of sub-block j of a Q4_K/Q5_K super-block: 6-bit values packed in 12 bytes
 // (the layout of ggml's get_scale_min_k4)
 static __device__ __forceinline__ void kx_scale_min_k4(int j, const uint8_t * q, float & sc, float & m) {
@@ -92,15 +90,11 @@ static __device__ __forceinline__ void kx_scale_min_k4(int j, const uint8_t * q,
     }
 }
 
-// sub-block j's 32 weights of one quantized block, dequantized as ggml's dequantize_row_*.
-// Bytes are read as 16-bit words: every block size is even, so this is aligned wherever the
-// row is (Q6_K's 210-byte blocks are 2-byte aligned only).
-// Q8_0 (34 bytes), Q4_0 (18): j = 0, the block's 32 weights. Q4_K (144): sub-block j's nibbles
-// are the low (j even) or high (j odd) halves of qs[32 (j/2) ..]; Q5_K (176) adds bit j of
-// qh[l] as 16; Q6_K (210): 128-weight halves h = j/4 of 64 ql and 32 qh bytes, quarter r = j%4
-// reads ql[32 (r%2) + l] (low nibble for r < 2), qh[l] bits 2r, scales 2r + l/16.
+// the 32 weights of one Q8_0 (34 bytes) or Q4_0 (18) block, dequantized as ggml's
+// dequantize_row_*. Bytes are read as 16-bit words: both block sizes are even, so this is
+// aligned wherever the row is.
 template <ggml_type type>
-static __device__ __forceinline__ void kx_sub_dequant(const char * blk, int j, float * wv) {
+static __device__ __forceinline__ void kx_sub_dequant(const char * blk, float * wv) {
     if constexpr (type == GGML_TYPE_Q8_0) {
         const block_q8_0 * b = (const block_q8_0 *) blk;
         const float d = __half2float(b->d);
@@ -111,7 +105,9 @@ static __device__ __forceinline__ void kx_sub_dequant(const char * blk, int j, f
             wv[2*i]     = d*(float) (int8_t) (u & 0xFF);
             wv[2*i + 1] = d*(float) (int8_t) (u >> 8);
         }
-    } else if constexpr (type == GGML_TYPE_Q4_0) { // element i = (qs[i] & 0xF) - 8, element i + 16 = (qs[i] >> 4) - 8
+    } else {
+        // element i = (qs[i] & 0xF) - 8, element i + 16 = (qs[i] >> 4) - 8
+        static_assert(type == GGML_TYPE_Q4_0, "Q8_0 or Q4_0 (K-quants: kx_row_dot_k)");
         const block_q4_0 * b = (const block_q4_0 *) blk;
         const float d = __half2float(b->d);
         const uint16_t * q16 = (const uint16_t *) b->qs;
@@ -122,45 +118,6 @@ static __device__ __forceinline__ void kx_sub_dequant(const char * blk, int j, f
             wv[2*i + 16] = d*(float) ((int) ((u >> 4) & 0xF) - 8);
             wv[2*i + 1]  = d*(float) ((int) ((u >> 8) & 0xF) - 8);
             wv[2*i + 17] = d*(float) ((int) (u >> 12) - 8);
-        }
-    } else if constexpr (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K) {
-        using block = std::conditional_t<type == GGML_TYPE_Q4_K, block_q4_K, block_q5_K>;
-        const block * b = (const block *) blk;
-        const float2 dm = __half22float2(b->dm);
-        float sc, m;
-        kx_scale_min_k4(j, b->scales, sc, m);
-        const float d1 = dm.x*sc, m1 = dm.y*m;
-        const uint16_t * q16 = (const uint16_t *) (b->qs + 32*(j/2));
-        const int sh = 4*(j%2);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const uint32_t u = (uint32_t) q16[i] >> sh;
-            int v0 = (int) (u & 0xF), v1 = (int) ((u >> 8) & 0xF);
-            if constexpr (type == GGML_TYPE_Q5_K) {
-                const uint32_t h = (uint32_t) ((const uint16_t *) b->qh)[i] >> j;
-                v0 += (int) (h & 1) << 4;
-                v1 += (int) ((h >> 8) & 1) << 4;
-            }
-            wv[2*i]     = d1*(float) v0 - m1;
-            wv[2*i + 1] = d1*(float) v1 - m1;
-        }
-    } else {
-        static_assert(type == GGML_TYPE_Q6_K, "a quantized type");
-        const block_q6_K * b = (const block_q6_K *) blk;
-        const float d = __half2float(b->d);
-        const int h = j/4, r = j%4;
-        const uint16_t * ql = (const uint16_t *) (b->ql + 64*h + 32*(r%2));
-        const uint16_t * qh = (const uint16_t *) (b->qh + 32*h);
-        const int shl = 4*(r/2), shh = 2*r;
-        const float s0 = d*(float) b->scales[8*h + 2*r], s1 = d*(float) b->scales[8*h + 2*r + 1];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const uint32_t lo = (uint32_t) ql[i] >> shl, hi = (uint32_t) qh[i] >> shh;
-            const int v0 = (int) ((lo & 0xF) | ((hi & 3) << 4)) - 32;
-            const int v1 = (int) (((lo >> 8) & 0xF) | (((hi >> 8) & 3) << 4)) - 32;
-            const float s = i < 8 ? s0 : s1; // weights 0-15 and 16-31 have their own scale
-            wv[2*i]     = s*(float) v0;
-            wv[2*i + 1] = s*(float) v1;
         }
     }
 }
@@ -184,7 +141,7 @@ static __device__ __forceinline__ void kx_sub_dot(const float * wv, const float 
 }
 
 // blocks per staged chunk: the most whose bytes fit the stage and end on a 16-byte unit, so
-// chunks start on units (Q4_0 256, Q8_0 128, Q4_K 32, Q5_K 26, Q6_K 16)
+// chunks start on units (Q4_0 256, Q8_0 128)
 template <ggml_type type>
 static constexpr __host__ __device__ int kx_stage_blocks() {
     int c = KX_MMR_QLOADS*WARP_SIZE*16/kx_block_bytes<type>;
@@ -194,14 +151,140 @@ static constexpr __host__ __device__ int kx_stage_blocks() {
     return c;
 }
 
+// A K-quant row (Q4_K, Q5_K, Q6_K) · x. A warp takes one super-block at a time and the
+// lanes split its quant bytes evenly, so the 32 lanes' x loads
+// fall on whole 128-byte lines: Q4_K/Q5_K lane L reads qs[32c + 4l .. +4) (c = L/8, l = L%8),
+// the weights 64c + 4l + [0, 4) (low nibbles, sub-block 2c) and 64c + 32 + 4l + [0, 4) (high
+// nibbles, sub-block 2c + 1); Q6_K lane L reads ql and qh bytes 2l, 2l + 1 of half n = L/16
+// (l = L%16), the weights 128n + 2l + [0, 2) + {0, 32, 64, 96}. Why: a lane per 32-weight
+// sub-block read x in 128-byte strides, every load a different line, and
+// ran KB-7B Q4_K_M's slot rows at ~0.2 TB/s (H100: gate 17.5 µs, up 13.6 µs per layer for
+// ~3.7 MB each, Nsight Compute). KX_MMR_KBLOCKS super-blocks' loads are in flight at once.
+#define KX_MMR_KBLOCKS 4
+
+// the Q4_K/Q5_K scale and min of sub-block j, read from the block (the 8 lanes of a chunk ask
+// for the same bytes: one transaction)
+static __device__ __forceinline__ float2 kx_scale_min_k4_f(const uint8_t * q, int j, float2 dm) {
+    float sc, m;
+    kx_scale_min_k4(j, q, sc, m);
+    return make_float2(dm.x*sc, dm.y*m);
+}
+
+// four quant values · four x values
+static __device__ __forceinline__ float kx_dot4(const float4 a, int v0, int v1, int v2, int v3) {
+    return a.x*(float) v0 + a.y*(float) v1 + a.z*(float) v2 + a.w*(float) v3;
+}
+
+template <ggml_type type>
+static __device__ __forceinline__ void kx_row_dot_k(const char * __restrict__ row, const float * __restrict__ x,
+                                                    int64_t sx, int nt, int64_t k, int lane, float * acc) {
+    constexpr int bs = kx_block_bytes<type>;
+    const int64_t nb = k/QK_K;
+    for (int64_t b0 = 0; b0 < nb; b0 += KX_MMR_KBLOCKS) {
+        if constexpr (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K) {
+            using block = std::conditional_t<type == GGML_TYPE_Q4_K, block_q4_K, block_q5_K>;
+            const int c = lane/8, l = lane%8;
+            uint32_t q[KX_MMR_KBLOCKS], qh[KX_MMR_KBLOCKS];
+            float2 lo[KX_MMR_KBLOCKS], hi[KX_MMR_KBLOCKS]; // (d·scale, dmin·min) of sub-blocks 2c, 2c + 1
+#pragma unroll
+            for (int u = 0; u < KX_MMR_KBLOCKS; ++u) {
+                if (b0 + u < nb) {
+                    const block * b = (const block *) (row + (b0 + u)*bs);
+                    q[u] = ((const uint32_t *) (b->qs + 32*c))[l];
+                    if constexpr (type == GGML_TYPE_Q5_K) {
+                        qh[u] = ((const uint32_t *) b->qh)[l];
+                    }
+                    const float2 dm = __half22float2(b->dm);
+                    lo[u] = kx_scale_min_k4_f(b->scales, 2*c, dm);
+                    hi[u] = kx_scale_min_k4_f(b->scales, 2*c + 1, dm);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < KX_MMR_KBLOCKS; ++u) {
+                if (b0 + u >= nb) {
+                    break;
+                }
+                int v[8]; // low nibbles: weights 4l + [0, 4) of sub-block 2c; high: of 2c + 1
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    v[i]     = (int) ((q[u] >> (8*i)) & 0xF);
+                    v[i + 4] = (int) ((q[u] >> (8*i + 4)) & 0xF);
+                    if constexpr (type == GGML_TYPE_Q5_K) {
+                        v[i]     += (int) ((qh[u] >> (8*i + 2*c)) & 1) << 4;
+                        v[i + 4] += (int) ((qh[u] >> (8*i + 2*c + 1)) & 1) << 4;
+                    }
+                }
+                const int64_t col = (b0 + u)*QK_K + 64*c + 4*l;
+#pragma unroll
+                for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+                    if (t < nt) {
+                        const float4 a = *(const float4 *) (x + t*sx + col);
+                        const float4 e = *(const float4 *) (x + t*sx + col + 32);
+                        // d·sc·Σ v·x − dmin·m·Σ x, per sub-block
+                        acc[t] += lo[u].x*kx_dot4(a, v[0], v[1], v[2], v[3]) - lo[u].y*(a.x + a.y + a.z + a.w)
+                                + hi[u].x*kx_dot4(e, v[4], v[5], v[6], v[7]) - hi[u].y*(e.x + e.y + e.z + e.w);
+                    }
+                }
+            }
+        } else {
+            static_assert(type == GGML_TYPE_Q6_K, "a K-quant");
+            const int n = lane/16, l = 2*(lane%16);
+            uint32_t qa[KX_MMR_KBLOCKS], qb[KX_MMR_KBLOCKS], qh[KX_MMR_KBLOCKS]; // 16-bit words
+            float s[KX_MMR_KBLOCKS][4]; // d·scale of the four quarters at l
+#pragma unroll
+            for (int u = 0; u < KX_MMR_KBLOCKS; ++u) {
+                if (b0 + u < nb) {
+                    const block_q6_K * b = (const block_q6_K *) (row + (b0 + u)*bs);
+                    qa[u] = ((const uint16_t *) (b->ql + 64*n))[l/2];
+                    qb[u] = ((const uint16_t *) (b->ql + 64*n + 32))[l/2];
+                    qh[u] = ((const uint16_t *) (b->qh + 32*n))[l/2];
+                    const float d = __half2float(b->d);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        s[u][r] = d*(float) b->scales[8*n + l/16 + 2*r];
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < KX_MMR_KBLOCKS; ++u) {
+                if (b0 + u >= nb) {
+                    break;
+                }
+                int v[4][2]; // quarter r, weight l + i
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const uint32_t a = qa[u] >> (8*i), b = qb[u] >> (8*i), h = qh[u] >> (8*i);
+                    v[0][i] = (int) ((a & 0xF)        | ((h & 3) << 4))        - 32;
+                    v[1][i] = (int) ((b & 0xF)        | (((h >> 2) & 3) << 4)) - 32;
+                    v[2][i] = (int) (((a >> 4) & 0xF) | (((h >> 4) & 3) << 4)) - 32;
+                    v[3][i] = (int) (((b >> 4) & 0xF) | (((h >> 6) & 3) << 4)) - 32;
+                }
+                const int64_t col = (b0 + u)*QK_K + 128*n + l;
+#pragma unroll
+                for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+                    if (t < nt) {
+                        float sum = 0.0f;
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            const float2 a = *(const float2 *) (x + t*sx + col + 32*r);
+                            sum += s[u][r]*(a.x*(float) v[r][0] + a.y*(float) v[r][1]);
+                        }
+                        acc[t] += sum;
+                    }
+                }
+            }
+        }
+    }
+}
+
 // x: token t at x + t*sx (floats); adds w[c .. c+len) · x[c .. c+len) into acc.
-// Quantized rows: a lane takes one 32-weight sub-block at a time (a whole Q8_0/Q4_0 block, an
-// eighth of a K-quant super-block). staged (rows whose start and length are multiples of 16
-// bytes): the warp reads a chunk of whole blocks in 16-byte units, KX_MMR_QLOADS per lane in
-// flight, into shared memory, then each lane dequantizes from there. Why: a lane reading its
-// own 18- or 34-byte block in 2-byte words had one block in flight, the same latency bound
-// the F16 path had before its loads were batched.
-template <ggml_type type, bool staged>
+// K-quants go through kx_row_dot_k. fast (Q8_0/Q4_0 rows aligned for it, kx_mmr_fast): the
+// warp reads a chunk of whole blocks in 16-byte units, KX_MMR_QLOADS per lane in flight, into
+// shared memory, then each lane dequantizes one block from there. Why: a lane reading its own
+// 18- or 34-byte block in 2-byte words had one block in flight, the same latency bound the F16
+// path had before its loads were batched. Otherwise a lane takes one block at a time straight
+// from the row.
+template <ggml_type type, bool fast>
 static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row, const float * __restrict__ x,
                                                   int64_t sx, int nt, int64_t k, int lane, float * acc) {
     if constexpr (type == GGML_TYPE_F16 || type == GGML_TYPE_F32) {
@@ -214,16 +297,16 @@ static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row,
                 }
             }
         });
+    } else if constexpr (kx_is_k<type>) {
+        kx_row_dot_k<type>(row, x, sx, nt, k, lane, acc);
     } else {
-        constexpr int bs  = kx_block_bytes<type>;
-        constexpr int sub = kx_block_subs<type>;
-        const int64_t nsub = k/32; // sub-blocks in the row
-        if constexpr (staged) {
+        constexpr int bs = kx_block_bytes<type>;
+        const int64_t nb = k/32; // blocks in the row
+        if constexpr (fast) {
             constexpr int cb = kx_stage_blocks<type>();
             __shared__ int4 stage[KX_MMR_WARPS][KX_MMR_QLOADS*WARP_SIZE];
             int4 * st = stage[threadIdx.x/WARP_SIZE];
             const int4 * r = (const int4 *) row;
-            const int64_t nb = nsub/sub;
             const int64_t nl = nb*bs/16;
             for (int64_t b0 = 0; b0 < nb; b0 += cb) {
                 const int64_t l0 = b0*bs/16; // chunks hold whole units: cb*bs is a multiple of 16
@@ -239,25 +322,25 @@ static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row,
                     st[lane + u*WARP_SIZE] = raw[u];
                 }
                 __syncwarp();
-                const int64_t ns = min((int64_t) cb, nb - b0)*sub;
+                const int64_t ns = min((int64_t) cb, nb - b0);
                 for (int64_t s = lane; s < ns; s += WARP_SIZE) {
                     float wv[32];
-                    kx_sub_dequant<type>((const char *) st + (s/sub)*bs, (int) (s%sub), wv);
-                    kx_sub_dot(wv, x, sx, nt, (b0*sub + s)*32, acc);
+                    kx_sub_dequant<type>((const char *) st + s*bs, wv);
+                    kx_sub_dot(wv, x, sx, nt, (b0 + s)*32, acc);
                 }
                 __syncwarp(); // the next chunk overwrites the stage
             }
         } else {
-            for (int64_t s = lane; s < nsub; s += WARP_SIZE) {
+            for (int64_t s = lane; s < nb; s += WARP_SIZE) {
                 float wv[32];
-                kx_sub_dequant<type>(row + (s/sub)*bs, (int) (s%sub), wv);
+                kx_sub_dequant<type>(row + s*bs, wv);
                 kx_sub_dot(wv, x, sx, nt, s*32, acc);
             }
         }
     }
 }
 
-template <ggml_type type, bool staged>
+template <ggml_type type, bool fast>
 static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64_t w_nb1,
                                               const float * __restrict__ x, int64_t sx,
                                               const int32_t * __restrict__ sel, const int32_t * __restrict__ rowmap,
@@ -283,7 +366,7 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
             }
         }
         float acc[KX_CUDA_MAX_TOKENS] = {0.0f};
-        kx_row_dot<type, staged>(w + r*w_nb1, x, sx, nt, k, lane, acc);
+        kx_row_dot<type, fast>(w + r*w_nb1, x, sx, nt, k, lane, acc);
 #pragma unroll
         for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
             if (t < nt) {
@@ -346,9 +429,61 @@ static __global__ void kx_mul_mat_rows_short_kernel(const int4 * __restrict__ w,
     }
 }
 
+// The same for short Q8_0 rows (the predictor's B at rank 256-1024: 8-32 blocks): a lane per
+// block, a warp holding 32/LPR whole rows, so every lane has one block's 17 loads in flight.
+// Why: through kx_mul_mat_rows_kernel a warp took one 272-byte row and left 24 of its lanes
+// idle; KB-7B Q4_K_M's Q8_0 B then cost 12.1 µs per layer on the critical path, where the F16
+// B's short kernel took 4.3 (H100, Nsight Compute).
+template <int LPR>
+static __global__ void kx_mul_mat_rows_short_q8_0_kernel(const char * __restrict__ w, int64_t w_nb1,
+                                                         const float * __restrict__ x, int64_t sx,
+                                                         float * __restrict__ dst, int64_t n, int nt) {
+    constexpr int R = WARP_SIZE/LPR; // rows per warp
+    const int     lane   = threadIdx.x % WARP_SIZE;
+    const int64_t warp   = (int64_t) blockIdx.x*KX_MMR_WARPS + threadIdx.x/WARP_SIZE;
+    const int64_t nwarps = (int64_t) gridDim.x*KX_MMR_WARPS;
+    const int     rl = lane/LPR, bl = lane%LPR; // the lane's row in the warp's rows, its block
+    for (int64_t ch = warp; ch*R < n; ch += nwarps) {
+        const int64_t i = ch*R + rl;
+        float acc[KX_CUDA_MAX_TOKENS] = {0.0f};
+        if (i < n) {
+            float wv[32];
+            kx_sub_dequant<GGML_TYPE_Q8_0>(w + i*w_nb1 + bl*(int64_t) sizeof(block_q8_0), wv);
+            kx_sub_dot(wv, x, sx, nt, 32*bl, acc);
+        }
+#pragma unroll
+        for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+            if (t < nt) {
+                float v = acc[t];
+#pragma unroll
+                for (int o = LPR/2; o > 0; o >>= 1) {
+                    v += __shfl_xor_sync(0xffffffff, v, o, WARP_SIZE);
+                }
+                if (bl == 0 && i < n) {
+                    dst[i + t*n] = v;
+                }
+            }
+        }
+    }
+}
+
 // kx_mul_mat_rows_short_kernel for w when it applies (see there), else false
 static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_t sx, float * dst,
                                   int64_t n, int nt, int nsm, cudaStream_t stream) {
+    const dim3 block(KX_MMR_WARPS*WARP_SIZE);
+    if (w->type == GGML_TYPE_Q8_0) {
+        const int64_t lpr = w->ne[0]/QK8_0; // lanes (blocks) per row
+        if (w->ne[1] != n || (lpr != 8 && lpr != 16 && lpr != 32) || w->nb[1] % 2 != 0 || (uintptr_t) w->data % 2 != 0) {
+            return false;
+        }
+        const int64_t warps = (n*lpr + WARP_SIZE - 1)/WARP_SIZE;
+        const dim3 grid((unsigned) std::min<int64_t>((warps + KX_MMR_WARPS - 1)/KX_MMR_WARPS, (int64_t) nsm*16));
+        const char * wd = (const char *) w->data;
+#define KX_MMR_SHORT_Q8(L) kx_mul_mat_rows_short_q8_0_kernel<L><<<grid, block, 0, stream>>>(wd, w->nb[1], x, sx, dst, n, nt)
+        if (lpr == 8) { KX_MMR_SHORT_Q8(8); } else if (lpr == 16) { KX_MMR_SHORT_Q8(16); } else { KX_MMR_SHORT_Q8(32); }
+#undef KX_MMR_SHORT_Q8
+        return true;
+    }
     if ((w->type != GGML_TYPE_F32 && w->type != GGML_TYPE_F16) || !ggml_is_contiguous(w) ||
         (uintptr_t) w->data % 16 != 0 || w->ne[1] != n) {
         return false;
@@ -360,7 +495,6 @@ static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_
     }
     const int64_t warps = (n + r - 1)/r;
     const dim3 grid((unsigned) std::min<int64_t>((warps + KX_MMR_WARPS - 1)/KX_MMR_WARPS, (int64_t) nsm*16));
-    const dim3 block(KX_MMR_WARPS*WARP_SIZE);
     const int4 * wd = (const int4 *) w->data;
 #define KX_MMR_SHORT(T, R) (nt == 1 ? kx_mul_mat_rows_short_kernel<T, R, 1><<<grid, block, 0, stream>>>(wd, x, sx, dst, n, nt) \
                                     : kx_mul_mat_rows_short_kernel<T, R, KX_CUDA_MAX_TOKENS><<<grid, block, 0, stream>>>(wd, x, sx, dst, n, nt))
@@ -371,6 +505,12 @@ static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_
     }
 #undef KX_MMR_SHORT
     return true;
+}
+
+// whether Q8_0/Q4_0 rows take the staged loads of kx_row_dot: 16-byte aligned rows (k % 256
+// == 0, and a 16-byte aligned base: ggml buffers, mapped GGUF data)
+static bool kx_mmr_fast(const ggml_tensor * w) {
+    return (uintptr_t) w->data % 16 == 0 && w->nb[1] % 16 == 0;
 }
 
 void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -405,26 +545,25 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const int32_t * list = sel ? (const int32_t *) sel->data : nullptr;
     const int32_t * map = rowmap ? (const int32_t *) rowmap->data : nullptr;
     const float * gate = dst->src[4] ? (const float *) dst->src[4]->data : nullptr; // [n, nt], contiguous
-    // quantized rows staged in 16-byte units need 16-byte aligned rows (k % 256 == 0 for
-    // Q4_0 and Q8_0, any k for Q4_K and Q5_K, k % 2048 == 0 for Q6_K; and a 16-byte aligned
-    // base: ggml buffers, mapped GGUF data)
-    const bool staged = (uintptr_t) w->data % 16 == 0 && w->nb[1] % 16 == 0;
+    const bool fast = kx_mmr_fast(w);
 #define KX_MMR_LAUNCH(T, S) kx_mul_mat_rows_kernel<T, S><<<grid, block, 0, stream>>>( \
         (const char *) w->data, w->nb[1], (const float *) x->data, sx, list, map, gate, \
         (float *) dst->data, n, k, nt)
     switch (w->type) {
         case GGML_TYPE_F32:  KX_MMR_LAUNCH(GGML_TYPE_F32, false); break;
         case GGML_TYPE_F16:  KX_MMR_LAUNCH(GGML_TYPE_F16, false); break;
-// quantized rows: staged through shared memory where the rows allow it (see above)
+// Q8_0/Q4_0: staged where the rows allow it (kx_mmr_fast)
 #define KX_MMR_QUANT(T) case T: \
-            if (staged) { KX_MMR_LAUNCH(T, true); } else { KX_MMR_LAUNCH(T, false); } \
+            if (fast) { KX_MMR_LAUNCH(T, true); } else { KX_MMR_LAUNCH(T, false); } \
             break
         KX_MMR_QUANT(GGML_TYPE_Q8_0);
         KX_MMR_QUANT(GGML_TYPE_Q4_0);
-        KX_MMR_QUANT(GGML_TYPE_Q4_K);
-        KX_MMR_QUANT(GGML_TYPE_Q5_K);
-        KX_MMR_QUANT(GGML_TYPE_Q6_K);
 #undef KX_MMR_QUANT
+        // K-quant blocks hold 16-bit (Q6_K) or 32-bit (dm) fields, so their rows are always
+        // aligned for kx_row_dot_k's words
+        case GGML_TYPE_Q4_K: KX_MMR_LAUNCH(GGML_TYPE_Q4_K, true); break;
+        case GGML_TYPE_Q5_K: KX_MMR_LAUNCH(GGML_TYPE_Q5_K, true); break;
+        case GGML_TYPE_Q6_K: KX_MMR_LAUNCH(GGML_TYPE_Q6_K, true); break;
         default: GGML_ABORT("kx_mul_mat_rows: unsupported type %s", ggml_type_name(w->type));
     }
 #undef KX_MMR_LAUNCH

@@ -72,6 +72,13 @@ static ggml_backend_dev_t kx_params_device(const kx_params * kp) {
     return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
 }
 
+// the GPU a VRAM budget is for; nullptr without one (this build or machine has none, or the
+// slots were asked for on the CPU)
+static ggml_backend_dev_t kx_budget_gpu(const kx_params * kp) {
+    ggml_backend_dev_t dev = kx_slots_on_host(kp) ? nullptr : kx_params_device(kp);
+    return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU ? dev : nullptr;
+}
+
 static int64_t kx_dev_free(ggml_backend_dev_t dev) {
     size_t free = 0, total = 0;
     ggml_backend_dev_memory(dev, &free, &total);
@@ -415,8 +422,8 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
     if (kx_params_tensors_only(kp, model_path)) {
         // whole tensors under the budget, the FFN's among them: what does not fit loads on the
         // CPU side (llama.cpp repacks it there as it would for -ot ...=CPU)
-        ggml_backend_dev_t dev = kx_params_device(kp);
-        if (!dev || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) {
+        ggml_backend_dev_t dev = kx_budget_gpu(kp);
+        if (!dev) {
             return kx_fail(err, err_size, KX_ERR_PARAMS, "a VRAM budget needs a GPU, and this build or machine has none");
         }
         kp->vram_free_at_load = kx_dev_free(dev);
@@ -429,8 +436,7 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
     }
     if (kp->sparse == KX_SPARSE_AUTO && kx_params_budget_only(kp) && model_path) {
         // the whole model dense under the budget: no split (kx_params::whole_fits)
-        ggml_backend_dev_t dev = kx_params_device(kp);
-        if (dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU) {
+        if (ggml_backend_dev_t dev = kx_budget_gpu(kp)) {
             const int64_t free0 = kx_dev_free(dev);
             try {
                 const kx_dry_sizes d = kx_budget_dry(*mp, cp, model_path, dev, false)({});
@@ -464,8 +470,8 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
     }
     const bool pinned = kp->pinned && !kx_slots_on_host(kp);
     if (kp->vram_budget > 0) {
-        ggml_backend_dev_t dev = kx_slots_on_host(kp) ? nullptr : kx_params_device(kp);
-        if (!dev || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) {
+        ggml_backend_dev_t dev = kx_budget_gpu(kp);
+        if (!dev) {
             return kx_fail(err, err_size, KX_ERR_PARAMS,
                            "a VRAM budget needs a GPU, and this build or machine has none; give a slot count "
                            "(--gpu-slots) with the slots on the CPU to run the split without one");

@@ -249,9 +249,9 @@ static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cas
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 128, 1001, 3, 1001, 1.0, false, false));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 1024, 999, 8, 999, 1.0, false, false));
     }
-    // K-quant rows (super-blocks of 256): LLaMA-7B and -13B widths, staged chunks with a tail
-    // (8448 = 33 super-blocks; Q6_K rows of 8448 and 5120 are not whole 16-byte units:
-    // unstaged), gated, and the plain matvec
+    // K-quant rows (super-blocks of 256): LLaMA-7B and -13B widths, a row whose super-blocks
+    // end inside a batch of loads (8448 = 33), Q6_K rows that are not whole 16-byte units
+    // (8448, 5120), gated, and the plain matvec
     for (ggml_type type : {GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K}) {
         for (int64_t nt : {1, 4, 8}) {
             test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 1000, nt, 300, 0.5));
@@ -275,6 +275,10 @@ static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cas
         }
         test_cases.emplace_back(new test_kx_axpy_rows(type, 256, 1000, 1, 1000, 0.0));
         test_cases.emplace_back(new test_kx_axpy_rows(type, 256, 1000, 2, 1000, 1.0));
+        if (type != GGML_TYPE_Q8_0) { // widths not a multiple of 4: a column per thread
+            test_cases.emplace_back(new test_kx_axpy_rows(type, 322, 1000, 1, 300, 0.5));
+            test_cases.emplace_back(new test_kx_axpy_rows(type, 322, 1000, 3, 1000, 0.11));
+        }
     }
     // K-quant down rows (a pack's --down-type q4_k / q6_k): whole super-blocks, LLaMA-7B and
     // -13B widths, a tile (256 columns) per super-block
