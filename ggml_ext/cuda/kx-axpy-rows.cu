@@ -207,6 +207,29 @@ static int kx_axpy_cpt(const ggml_tensor * wt) {
     return wt->ne[0] % 4 == 0 && (uintptr_t) wt->data % a == 0 && (uintptr_t) wt->nb[1] % a == 0 ? 4 : 1;
 }
 
+struct kx_axpy_args {
+    const char * wt; int64_t wt_nb1;
+    const float * h; int64_t sh;
+    const int32_t * sel; const int32_t * rowmap;
+    float * y; int64_t sy;
+    int64_t m; int nt;
+    int64_t n; // neurons (h's rows): the most list entries there can be
+    int device; cudaStream_t stream;
+};
+
+// Grid: column tiles × row groups, as many groups as one wave of blocks holds (at most one
+// per neuron), so the densest list keeps every SM busy while a short one still spreads over
+// them; fixed from shapes and the device (graph capture)
+template <ggml_type type, int CPT, int NT>
+static void kx_axpy_launch(const kx_axpy_args & a) {
+    const void * kernel = (const void *) kx_axpy_rows_kernel<type, CPT, NT>;
+    const int64_t tiles  = (a.m + KX_AXPY_THREADS*CPT - 1)/(KX_AXPY_THREADS*CPT);
+    const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(a.n, kx_resident_blocks(kernel, KX_AXPY_THREADS, a.device)/tiles));
+    const dim3 grid((unsigned) tiles, (unsigned) std::min<int64_t>(groups, 65535));
+    kx_axpy_rows_kernel<type, CPT, NT><<<grid, KX_AXPY_THREADS, 0, a.stream>>>(
+        a.wt, a.wt_nb1, a.h, a.sh, a.sel, a.rowmap, a.y, a.sy, a.m, a.nt);
+}
+
 void ggml_cuda_kx_axpy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * wt     = dst->src[0];
     const ggml_tensor * h      = dst->src[1];
@@ -220,21 +243,12 @@ void ggml_cuda_kx_axpy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
 
     CUDA_CHECK(cudaMemsetAsync(dst->data, 0, ggml_nbytes(dst), stream));
 
-    // row groups: ~8 blocks per SM in all, so the densest list keeps HBM busy while a
-    // short list still spreads over the SMs; fixed from shapes (graph capture)
-    const int nsm = ggml_cuda_info().devices[ctx.device].nsm;
-    const int cpt = kx_axpy_cpt(wt);
-    const int64_t tile   = (int64_t) KX_AXPY_THREADS*cpt; // columns per block
-    const int64_t tiles  = (m + tile - 1)/tile;
-    const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(h->ne[0], (int64_t) nsm*8/tiles));
-    const dim3 grid((unsigned) tiles, (unsigned) std::min<int64_t>(groups, 65535));
     const int32_t * map = rowmap ? (const int32_t *) rowmap->data : nullptr;
-    const int64_t sh = h->nb[1]/sizeof(float);
-    const int64_t sy = dst->nb[1]/sizeof(float);
-#define KX_AXPY_LAUNCH3(T, C, N) kx_axpy_rows_kernel<T, C, N><<<grid, KX_AXPY_THREADS, 0, stream>>>( \
-        (const char *) wt->data, wt->nb[1], (const float *) h->data, sh, (const int32_t *) sel->data, map, \
-        (float *) dst->data, sy, m, nt)
-#define KX_AXPY_LAUNCH2(T, C) if (nt == 1) { KX_AXPY_LAUNCH3(T, C, 1); } else { KX_AXPY_LAUNCH3(T, C, KX_CUDA_MAX_TOKENS); }
+    const kx_axpy_args a = { (const char *) wt->data, (int64_t) wt->nb[1], (const float *) h->data, (int64_t) (h->nb[1]/sizeof(float)),
+                             (const int32_t *) sel->data, map, (float *) dst->data, (int64_t) (dst->nb[1]/sizeof(float)),
+                             m, nt, h->ne[0], ctx.device, stream };
+    const int cpt = kx_axpy_cpt(wt);
+#define KX_AXPY_LAUNCH2(T, C) if (nt == 1) { kx_axpy_launch<T, C, 1>(a); } else { kx_axpy_launch<T, C, KX_CUDA_MAX_TOKENS>(a); }
 #define KX_AXPY_LAUNCH(T) if (cpt == 4) { KX_AXPY_LAUNCH2(T, 4); } else { KX_AXPY_LAUNCH2(T, 1); }
     switch (wt->type) {
         case GGML_TYPE_F32:  KX_AXPY_LAUNCH(GGML_TYPE_F32);  break;
@@ -244,7 +258,6 @@ void ggml_cuda_kx_axpy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
         case GGML_TYPE_Q6_K: KX_AXPY_LAUNCH(GGML_TYPE_Q6_K); break;
         default: GGML_ABORT("kx_axpy_rows: unsupported type %s", ggml_type_name(wt->type));
     }
-#undef KX_AXPY_LAUNCH3
 #undef KX_AXPY_LAUNCH2
 #undef KX_AXPY_LAUNCH
 }

@@ -430,15 +430,21 @@ static __global__ void kx_mul_mat_rows_short_kernel(const int4 * __restrict__ w,
 }
 
 // The same for short Q8_0 rows (the predictor's B at rank 256-1024: 8-32 blocks): a lane per
-// block, a warp holding 32/LPR whole rows, so every lane has one block's 17 loads in flight.
-// Why: through kx_mul_mat_rows_kernel a warp took one 272-byte row and left 24 of its lanes
-// idle; KB-7B Q4_K_M's Q8_0 B then cost 12.1 µs per layer on the critical path, where the F16
-// B's short kernel took 4.3 (H100, Nsight Compute).
+// block, a warp holding 32/LPR whole rows. Why: through kx_mul_mat_rows_kernel a warp took one
+// 272-byte row and left 24 of its lanes idle; KB-7B Q4_K_M's Q8_0 B then cost 12.1 µs per
+// layer on the critical path, where the F16 B's short kernel took 4.3 (H100, Nsight Compute).
+// A warp's 32 blocks are 1088 contiguous bytes (a contiguous B, 16-byte aligned: its rows are
+// 272-1088 bytes, whole 16-byte units), read in 16-byte units into shared memory before each
+// lane dequantizes its block there. Why: the lanes' own 34-byte blocks read as 16-bit words
+// were 17 scattered loads a lane, and that kernel took 8.3 µs a layer for 3 MB (H100).
 template <int LPR>
 static __global__ void kx_mul_mat_rows_short_q8_0_kernel(const char * __restrict__ w, int64_t w_nb1,
                                                          const float * __restrict__ x, int64_t sx,
                                                          float * __restrict__ dst, int64_t n, int nt) {
-    constexpr int R = WARP_SIZE/LPR; // rows per warp
+    constexpr int R  = WARP_SIZE/LPR;                          // rows per warp
+    constexpr int NU = WARP_SIZE*(int) sizeof(block_q8_0)/16;  // 16-byte units of a warp's blocks
+    constexpr int NL = (NU + WARP_SIZE - 1)/WARP_SIZE;         // ... a lane loads
+    __shared__ int4 stage[KX_MMR_WARPS][NU];
     const int     lane   = threadIdx.x % WARP_SIZE;
     const int64_t warp   = (int64_t) blockIdx.x*KX_MMR_WARPS + threadIdx.x/WARP_SIZE;
     const int64_t nwarps = (int64_t) gridDim.x*KX_MMR_WARPS;
@@ -446,11 +452,29 @@ static __global__ void kx_mul_mat_rows_short_q8_0_kernel(const char * __restrict
     for (int64_t ch = warp; ch*R < n; ch += nwarps) {
         const int64_t i = ch*R + rl;
         float acc[KX_CUDA_MAX_TOKENS] = {0.0f};
+        int4 * st = stage[threadIdx.x/WARP_SIZE];
+        const int4 * src = (const int4 *) (w + ch*R*w_nb1);
+        const int64_t nu = min((int64_t) NU, (n - ch*R)*w_nb1/16); // the last warp's rows end early
+        int4 raw[NL];
+#pragma unroll
+        for (int u = 0; u < NL; ++u) {
+            const int c = lane + u*WARP_SIZE;
+            raw[u] = c < nu ? src[c] : int4{};
+        }
+#pragma unroll
+        for (int u = 0; u < NL; ++u) {
+            const int c = lane + u*WARP_SIZE;
+            if (c < NU) {
+                st[c] = raw[u];
+            }
+        }
+        __syncwarp();
         if (i < n) {
             float wv[32];
-            kx_sub_dequant<GGML_TYPE_Q8_0>(w + i*w_nb1 + bl*(int64_t) sizeof(block_q8_0), wv);
+            kx_sub_dequant<GGML_TYPE_Q8_0>((const char *) st + lane*(int) sizeof(block_q8_0), wv);
             kx_sub_dot(wv, x, sx, nt, 32*bl, acc);
         }
+        __syncwarp(); // the next rows overwrite the stage
 #pragma unroll
         for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
             if (t < nt) {
@@ -467,19 +491,25 @@ static __global__ void kx_mul_mat_rows_short_q8_0_kernel(const char * __restrict
     }
 }
 
+// `need` blocks of KX_MMR_WARPS warps, at most one wave of `kernel` (kx_resident_blocks)
+static dim3 kx_mmr_grid(const void * kernel, int64_t need, int device) {
+    const int64_t wave = kx_resident_blocks(kernel, KX_MMR_WARPS*WARP_SIZE, device);
+    return dim3((unsigned) std::max<int64_t>(1, std::min(need, wave)));
+}
+
 // kx_mul_mat_rows_short_kernel for w when it applies (see there), else false
 static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_t sx, float * dst,
-                                  int64_t n, int nt, int nsm, cudaStream_t stream) {
+                                  int64_t n, int nt, int device, cudaStream_t stream) {
     const dim3 block(KX_MMR_WARPS*WARP_SIZE);
     if (w->type == GGML_TYPE_Q8_0) {
         const int64_t lpr = w->ne[0]/QK8_0; // lanes (blocks) per row
-        if (w->ne[1] != n || (lpr != 8 && lpr != 16 && lpr != 32) || w->nb[1] % 2 != 0 || (uintptr_t) w->data % 2 != 0) {
+        if (w->ne[1] != n || (lpr != 8 && lpr != 16 && lpr != 32) || !ggml_is_contiguous(w) || (uintptr_t) w->data % 16 != 0) {
             return false;
         }
-        const int64_t warps = (n*lpr + WARP_SIZE - 1)/WARP_SIZE;
-        const dim3 grid((unsigned) std::min<int64_t>((warps + KX_MMR_WARPS - 1)/KX_MMR_WARPS, (int64_t) nsm*16));
+        const int64_t need = ((n*lpr + WARP_SIZE - 1)/WARP_SIZE + KX_MMR_WARPS - 1)/KX_MMR_WARPS;
         const char * wd = (const char *) w->data;
-#define KX_MMR_SHORT_Q8(L) kx_mul_mat_rows_short_q8_0_kernel<L><<<grid, block, 0, stream>>>(wd, w->nb[1], x, sx, dst, n, nt)
+#define KX_MMR_SHORT_Q8(L) kx_mul_mat_rows_short_q8_0_kernel<L><<<kx_mmr_grid((const void *) kx_mul_mat_rows_short_q8_0_kernel<L>, \
+        need, device), block, 0, stream>>>(wd, w->nb[1], x, sx, dst, n, nt)
         if (lpr == 8) { KX_MMR_SHORT_Q8(8); } else if (lpr == 16) { KX_MMR_SHORT_Q8(16); } else { KX_MMR_SHORT_Q8(32); }
 #undef KX_MMR_SHORT_Q8
         return true;
@@ -493,17 +523,18 @@ static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_
     if (w->nb[1] % 16 != 0 || r == 0) {
         return false;
     }
-    const int64_t warps = (n + r - 1)/r;
-    const dim3 grid((unsigned) std::min<int64_t>((warps + KX_MMR_WARPS - 1)/KX_MMR_WARPS, (int64_t) nsm*16));
+    const int64_t need = ((n + r - 1)/r + KX_MMR_WARPS - 1)/KX_MMR_WARPS;
     const int4 * wd = (const int4 *) w->data;
-#define KX_MMR_SHORT(T, R) (nt == 1 ? kx_mul_mat_rows_short_kernel<T, R, 1><<<grid, block, 0, stream>>>(wd, x, sx, dst, n, nt) \
-                                    : kx_mul_mat_rows_short_kernel<T, R, KX_CUDA_MAX_TOKENS><<<grid, block, 0, stream>>>(wd, x, sx, dst, n, nt))
+#define KX_MMR_SHORT_NT(T, R, NT) kx_mul_mat_rows_short_kernel<T, R, NT><<<kx_mmr_grid( \
+        (const void *) kx_mul_mat_rows_short_kernel<T, R, NT>, need, device), block, 0, stream>>>(wd, x, sx, dst, n, nt)
+#define KX_MMR_SHORT(T, R) if (nt == 1) { KX_MMR_SHORT_NT(T, R, 1); } else { KX_MMR_SHORT_NT(T, R, KX_CUDA_MAX_TOKENS); }
     if (w->type == GGML_TYPE_F16) {
         if (r == 8) { KX_MMR_SHORT(GGML_TYPE_F16, 8); } else if (r == 4) { KX_MMR_SHORT(GGML_TYPE_F16, 4); } else { KX_MMR_SHORT(GGML_TYPE_F16, 2); }
     } else {
         if (r == 8) { KX_MMR_SHORT(GGML_TYPE_F32, 8); } else if (r == 4) { KX_MMR_SHORT(GGML_TYPE_F32, 4); } else { KX_MMR_SHORT(GGML_TYPE_F32, 2); }
     }
 #undef KX_MMR_SHORT
+#undef KX_MMR_SHORT_NT
     return true;
 }
 
@@ -532,22 +563,20 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
         CUDA_CHECK(cudaMemsetAsync(dst->data, 0, ggml_nbytes(dst), stream));
     }
 
-    const int nsm = ggml_cuda_info().devices[ctx.device].nsm;
     const int64_t sx = x->nb[1]/sizeof(float);
     if (!sel && !rowmap && !dst->src[4] &&
-        kx_mul_mat_rows_short(w, (const float *) x->data, sx, (float *) dst->data, n, nt, nsm, stream)) {
+        kx_mul_mat_rows_short(w, (const float *) x->data, sx, (float *) dst->data, n, nt, ctx.device, stream)) {
         return;
     }
-    // enough warps to keep every SM's memory pipeline full at the densest list, no more
-    const int64_t blocks = std::min<int64_t>((n + KX_MMR_WARPS - 1)/KX_MMR_WARPS, (int64_t) nsm*16);
-    const dim3 grid((unsigned) std::max<int64_t>(1, blocks));
+    // a warp for every neuron the list can hold, up to one wave of blocks (kx_resident_blocks)
+    const int64_t need = (n + KX_MMR_WARPS - 1)/KX_MMR_WARPS;
     const dim3 block(KX_MMR_WARPS*WARP_SIZE);
     const int32_t * list = sel ? (const int32_t *) sel->data : nullptr;
     const int32_t * map = rowmap ? (const int32_t *) rowmap->data : nullptr;
     const float * gate = dst->src[4] ? (const float *) dst->src[4]->data : nullptr; // [n, nt], contiguous
     const bool fast = kx_mmr_fast(w);
-#define KX_MMR_LAUNCH(T, S) kx_mul_mat_rows_kernel<T, S><<<grid, block, 0, stream>>>( \
-        (const char *) w->data, w->nb[1], (const float *) x->data, sx, list, map, gate, \
+#define KX_MMR_LAUNCH(T, S) kx_mul_mat_rows_kernel<T, S><<<kx_mmr_grid((const void *) kx_mul_mat_rows_kernel<T, S>, need, \
+        ctx.device), block, 0, stream>>>((const char *) w->data, w->nb[1], (const float *) x->data, sx, list, map, gate, \
         (float *) dst->data, n, k, nt)
     switch (w->type) {
         case GGML_TYPE_F32:  KX_MMR_LAUNCH(GGML_TYPE_F32, false); break;

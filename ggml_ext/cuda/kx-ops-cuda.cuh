@@ -12,6 +12,27 @@
 // larger batches take llama.cpp's dense path (kx-ffn.cpp: kx_sparse_max_tokens)
 #define KX_CUDA_MAX_TOKENS 8
 
+// Blocks of `kernel` (`threads` a block) that device `device` runs at once, so that a grid of
+// at most that many is one wave. Why: a gather's grid sized from the shapes alone ran in
+// waves (KB-7B Q4_K_M's slot rows: 2112 blocks of a 110-register kernel that fits 4 blocks an
+// SM, 4 waves whose later blocks found no list entries left; the down rows 1.33 waves), and
+// every wave costs the gather's whole chain of dependent loads again (H100, Nsight Compute).
+// Cached per kernel and device: the launch path runs for every graph that is not replayed.
+static int kx_resident_blocks(const void * kernel, int threads, int device) {
+    static std::mutex mu;
+    static std::unordered_map<const void *, int> cache[GGML_CUDA_MAX_DEVICES];
+    std::lock_guard<std::mutex> lk(mu);
+    auto it = cache[device].find(kernel);
+    if (it != cache[device].end()) {
+        return it->second;
+    }
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+    const int n = std::max(1, per_sm)*ggml_cuda_info().devices[device].nsm;
+    cache[device].emplace(kernel, n);
+    return n;
+}
+
 void ggml_cuda_kx_select      (ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 void ggml_cuda_kx_axpy_rows   (ggml_backend_cuda_context & ctx, ggml_tensor * dst);

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# On the GPU machine: the device kernels of a hybrid layer step, timed by Nsight Compute on a
+# few layers of a preset's shape (the same kernels and list sizes as the whole model: the
+# per-layer figures compare with a whole model's kernel profile, at a fraction of the time to
+# write, quantize and profile it). Builds kairox with CUDA, checks the row ops on CUDA
+# (test-backend-ops), writes the preset with KX_RL_LAYERS layers (F16, then KX_RL_TYPE with
+# this build's llama-quantize) and its pack, then profiles bench/tpot.py's decode at
+# KX_RL_SLOTS neuron slots per layer. Results to $OUT.
+#
+#   bash bench/device/rows_layers.sh                  # repo root; carry vendor/llama.cpp and .whl
+#   KX_RL_PRESET=KB-7B KX_RL_LAYERS=4 KX_RL_TYPE=Q4_K_M KX_RL_SLOTS=4166   # the defaults
+set -uo pipefail
+. bench/device/env.sh
+PRESET=${KX_RL_PRESET:-KB-7B}
+LAYERS=${KX_RL_LAYERS:-4}
+TYPE=${KX_RL_TYPE:-Q4_K_M}
+SLOTS=${KX_RL_SLOTS:-4166}
+D=/tmp/kxbench/layers
+mkdir -p "$D"
+F=$D/$PRESET-l$LAYERS-f16.gguf
+Q=$D/$PRESET-l$LAYERS-$(echo "$TYPE" | tr 'A-Z' 'a-z').gguf
+# the preset's shape with fewer layers, written while the build runs
+synth() {
+    python3 - "$PRESET" "$LAYERS" "$@" <<'PY'
+import dataclasses, sys
+import kairox.synth as s
+from kairox.cli import main
+preset, layers = sys.argv[1], int(sys.argv[2])
+s.PRESETS[preset] = dataclasses.replace(s.PRESETS[preset], n_layer=layers)
+sys.exit(main(["synth", "--preset", preset, *sys.argv[3:]]))
+PY
+}
+[ -f "$Q" ] || (synth -o "$F" -q > "$OUT/synth.log" 2>&1 &)
+KX_CMAKE_ARGS="-DKAIROX_BUILD_TESTS=ON ${KX_CMAKE_ARGS:-}" kx_build llama llama-bench llama-quantize test-backend-ops || exit 1
+export KAIROX_BIN_DIR=$B
+for op in KX_MUL_MAT_ROWS KX_AXPY_ROWS KX_SELECT; do
+    "$B/test-backend-ops" -b CUDA0 -o "$op" > "$OUT/test-backend-ops-$op.log" 2>&1
+    echo "test-backend-ops $op: rc=$? $(grep -cE '^\s+.*OK' "$OUT/test-backend-ops-$op.log") OK, $(grep -c FAIL "$OUT/test-backend-ops-$op.log") FAIL"
+done
+grep -h FAIL "$OUT"/test-backend-ops-*.log | head -5
+if [ ! -f "$Q" ]; then
+    kx_wait_model "synth --preset $PRESET" "$F" || exit 1
+    "$B/llama-quantize" "$F" "$Q" "$TYPE" "$(nproc)" > "$OUT/quantize.log" 2>&1 || { tail -20 "$OUT/quantize.log"; exit 1; }
+    rm -f "$F"
+fi
+[ -f "${Q%.gguf}.kxpack.gguf" ] || synth -o "$Q" --pack-only -q > "$OUT/pack.log" 2>&1 || { tail -5 "$OUT/pack.log"; exit 1; }
+echo "model and pack ($(( $(date +%s) - t0 )) s)"
+python3 -c "import json, sys; json.dump(list(range(1000, 1256)), open(sys.argv[1], 'w'))" "$D/tokens.json"
+GGML_CUDA_DISABLE_GRAPHS=1 timeout 150 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+    --launch-skip "${KX_NCU_SKIP:-2000}" --launch-count "${KX_NCU_COUNT:-1500}" --csv --log-file "$OUT/ncu-layers.csv" \
+    python3 bench/tpot.py --impl kairox --mode predicted --model "$Q" --tokens "$D/tokens.json" --prompt-len 64 \
+    --ngl 999 --threads 8 --gpu-slots "$SLOTS" > "$OUT/ncu-layers.log" 2>&1
+echo "ncu: rc=$? ($(( $(date +%s) - t0 )) s)"
+python3 bench/kernel_profile.py "$OUT/ncu-layers.csv" -o "$OUT/kernel-profile-layers.md" | tail -32
+gzip -f "$OUT/ncu-layers.csv"
