@@ -99,6 +99,17 @@ struct ggml_tensor * ggml_kx_mul_mat_rows(
     return result;
 }
 
+struct ggml_tensor * ggml_kx_mul_mat_rows_bias(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * b) {
+    struct ggml_tensor * result = ggml_kx_mul_mat_rows(ctx, w, x, NULL, NULL);
+    GGML_ASSERT(b->type == GGML_TYPE_F32 && ggml_is_contiguous(b) && ggml_nelements(b) == w->ne[1]);
+    result->src[5] = b;
+    return result;
+}
+
 struct ggml_tensor * ggml_kx_mul_mat_rows_gated(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,

@@ -52,6 +52,7 @@ class GGML:
         b.ggml_kx_select_to_host.restype = P
         b.ggml_kx_mul_mat_rows.argtypes, b.ggml_kx_mul_mat_rows.restype = [P, P, P, P, P], P
         b.ggml_kx_mul_mat_rows_gated.argtypes, b.ggml_kx_mul_mat_rows_gated.restype = [P, P, P, P, P, P], P
+        b.ggml_kx_mul_mat_rows_bias.argtypes, b.ggml_kx_mul_mat_rows_bias.restype = [P, P, P, P], P
         b.ggml_kx_axpy_rows.argtypes, b.ggml_kx_axpy_rows.restype = [P, P, P, P, P], P
         b.ggml_kx_ffn_rows.argtypes, b.ggml_kx_ffn_rows.restype = [P, P, P, P, P, P, P, P, P, C.c_int], P
         b.ggml_kx_ffn_rows_own_shares.argtypes = [P]
@@ -146,18 +147,20 @@ class GGML:
 
     def mul_mat_rows(self, w_bytes: bytes, w_type: str, n: int, k: int, x: np.ndarray, sel: np.ndarray | None,
                      rowmap: np.ndarray | None = None, n_threads: int = 1, use_ref: bool = False,
-                     gate: np.ndarray | None = None) -> np.ndarray:
+                     gate: np.ndarray | None = None, bias: np.ndarray | None = None) -> np.ndarray:
         """w [n_rows, k] (as ggml bytes, n_rows = n without a row map), x [T, k] -> [T, n];
         sel None: no list (every neuron); gate [T, n]: the gated op (rows whose gate is <= 0
-        for every token are skipped)."""
+        for every token are skipped); bias [n] (no list, no map): w·x + bias."""
         T = x.shape[0]
-        ctx = self._ctx(len(w_bytes) + x.nbytes + 4 * n * (1 + T))
+        ctx = self._ctx(len(w_bytes) + x.nbytes + 4 * n * (2 + T))
         try:
             wt = self._tensor(ctx, w_type, (k, len(w_bytes) // self.base.ggml_row_size(GGML_TYPE[w_type], k)), w_bytes)
             xt = self._tensor(ctx, "f32", (k, T), x.astype(np.float32))
             rm = None if rowmap is None else self._tensor(ctx, "i32", (n,), rowmap.astype(np.int32))
             st = None if sel is None else self._sel(ctx, sel, n)
-            if gate is None:
+            if bias is not None:
+                out = self.base.ggml_kx_mul_mat_rows_bias(ctx, wt, xt, self._tensor(ctx, "f32", (n,), bias.astype(np.float32)))
+            elif gate is None:
                 out = self.base.ggml_kx_mul_mat_rows(ctx, wt, xt, st, rm)
             else:
                 gt = self._tensor(ctx, "f32", (n, T), gate.astype(np.float32))

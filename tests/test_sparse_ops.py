@@ -205,6 +205,23 @@ def test_mul_mat_rows_without_a_list_is_the_matvec(g: GGML, T: int):
             assert np.all(got[:, ~fires] == 0)
 
 
+@pytest.mark.parametrize("wtype,k", [("f32", 256), ("f16", 256), ("q8_0", 256)], ids=["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_mul_mat_rows_with_a_bias_is_the_matvec_plus_the_bias(g: GGML, wtype: str, k: int, T: int):
+    """ggml_kx_mul_mat_rows_bias (the predictor's B·t + c in one op): every row's w·x with
+    b[i] added for each token, the same bits as the matvec followed by the add."""
+    rng = np.random.default_rng(5)
+    n = 301
+    w_raw = g.quantize(rng.standard_normal((n, k)).astype(np.float32), wtype)
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    for nt in THREADS:
+        for use_ref in (False, True):
+            plain = g.mul_mat_rows(w_raw, wtype, n, k, x, None, n_threads=nt, use_ref=use_ref)
+            got = g.mul_mat_rows(w_raw, wtype, n, k, x, None, n_threads=nt, use_ref=use_ref, bias=b)
+            np.testing.assert_array_equal(got, plain + b[None, :])
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_mul_mat_rows_gated_skips_rows_whose_gate_never_fires(g: GGML, T: int):
     """The gated op (ReLU up rows): a listed neuron whose gate is <= 0 for every token reads

@@ -88,6 +88,7 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
     const struct ggml_tensor * sel = dst->src[2];
     const int32_t * map = dst->src[3] ? (const int32_t *) dst->src[3]->data : NULL;
     const struct ggml_tensor * gate = dst->src[4]; // gated (ReLU up rows): skip rows whose gate is <= 0
+    const float * bias = dst->src[5] ? (const float *) dst->src[5]->data : NULL; // + b[i] (no list, no map)
 
     const int ith = params->ith;
     const int nth = params->nth;
@@ -136,7 +137,8 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
             const char * row = (const char *) w->data + r*w->nb[1];
             for (int64_t t = 0; t < nt; ++t) {
                 const float * xt = (const float *) ((const char *) x->data + t*x->nb[1]);
-                *(float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]) = kx_row_dot_ref(w, row, xt, scratch);
+                *(float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]) = kx_row_dot_ref(w, row, xt, scratch) +
+                                                                                (bias ? bias[i] : 0.0f);
             }
         }
         return;
@@ -163,6 +165,9 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
         for (int64_t t = 0; t < nt; ++t) {
             float * d = (float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]);
             vec_dot((int) k, d, 0, row, 0, xq + t*xrow, 0, 1);
+            if (bias) {
+                *d += bias[i];
+            }
         }
     }
 }

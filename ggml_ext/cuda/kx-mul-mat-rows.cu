@@ -344,7 +344,7 @@ template <ggml_type type, bool fast>
 static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64_t w_nb1,
                                               const float * __restrict__ x, int64_t sx,
                                               const int32_t * __restrict__ sel, const int32_t * __restrict__ rowmap,
-                                              const float * __restrict__ gate,
+                                              const float * __restrict__ gate, const float * __restrict__ bias,
                                               float * __restrict__ dst, int64_t n, int64_t k, int nt) {
     const int     lane   = threadIdx.x % WARP_SIZE;
     const int64_t warp   = (int64_t) blockIdx.x*KX_MMR_WARPS + threadIdx.x/WARP_SIZE;
@@ -372,7 +372,7 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
             if (t < nt) {
                 const float s = warp_reduce_sum(acc[t]);
                 if (lane == 0) {
-                    dst[i + t*n] = s;
+                    dst[i + t*n] = bias ? s + bias[i] : s;
                 }
             }
         }
@@ -387,7 +387,8 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
 // A lane's unit u belongs to row u/(KX_MMR_LOADS/R).
 template <ggml_type type, int R, int NT>
 static __global__ void kx_mul_mat_rows_short_kernel(const int4 * __restrict__ w, const float * __restrict__ x,
-                                                    int64_t sx, float * __restrict__ dst, int64_t n, int nt) {
+                                                    int64_t sx, const float * __restrict__ bias,
+                                                    float * __restrict__ dst, int64_t n, int nt) {
     constexpr int UPR = KX_MMR_LOADS/R;       // a lane's units per row
     constexpr int NL  = UPR*WARP_SIZE;        // units per row
     constexpr int EPU = type == GGML_TYPE_F16 ? 8 : 4; // weights per unit
@@ -421,7 +422,7 @@ static __global__ void kx_mul_mat_rows_short_kernel(const int4 * __restrict__ w,
                 if (t < nt) {
                     const float v = warp_reduce_sum(acc[r][t]);
                     if (lane == 0 && ch*R + r < n) {
-                        dst[ch*R + r + t*n] = v;
+                        dst[ch*R + r + t*n] = bias ? v + bias[ch*R + r] : v;
                     }
                 }
             }
@@ -440,6 +441,7 @@ static __global__ void kx_mul_mat_rows_short_kernel(const int4 * __restrict__ w,
 template <int LPR>
 static __global__ void kx_mul_mat_rows_short_q8_0_kernel(const char * __restrict__ w, int64_t w_nb1,
                                                          const float * __restrict__ x, int64_t sx,
+                                                         const float * __restrict__ bias,
                                                          float * __restrict__ dst, int64_t n, int nt) {
     constexpr int R  = WARP_SIZE/LPR;                          // rows per warp
     constexpr int NU = WARP_SIZE*(int) sizeof(block_q8_0)/16;  // 16-byte units of a warp's blocks
@@ -484,7 +486,7 @@ static __global__ void kx_mul_mat_rows_short_q8_0_kernel(const char * __restrict
                     v += __shfl_xor_sync(0xffffffff, v, o, WARP_SIZE);
                 }
                 if (bl == 0 && i < n) {
-                    dst[i + t*n] = v;
+                    dst[i + t*n] = bias ? v + bias[i] : v;
                 }
             }
         }
@@ -498,7 +500,7 @@ static dim3 kx_mmr_grid(const void * kernel, int64_t need, int device) {
 }
 
 // kx_mul_mat_rows_short_kernel for w when it applies (see there), else false
-static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_t sx, float * dst,
+static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_t sx, const float * bias, float * dst,
                                   int64_t n, int nt, int device, cudaStream_t stream) {
     const dim3 block(KX_MMR_WARPS*WARP_SIZE);
     if (w->type == GGML_TYPE_Q8_0) {
@@ -509,7 +511,7 @@ static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_
         const int64_t need = ((n*lpr + WARP_SIZE - 1)/WARP_SIZE + KX_MMR_WARPS - 1)/KX_MMR_WARPS;
         const char * wd = (const char *) w->data;
 #define KX_MMR_SHORT_Q8(L) kx_mul_mat_rows_short_q8_0_kernel<L><<<kx_mmr_grid((const void *) kx_mul_mat_rows_short_q8_0_kernel<L>, \
-        need, device), block, 0, stream>>>(wd, w->nb[1], x, sx, dst, n, nt)
+        need, device), block, 0, stream>>>(wd, w->nb[1], x, sx, bias, dst, n, nt)
         if (lpr == 8) { KX_MMR_SHORT_Q8(8); } else if (lpr == 16) { KX_MMR_SHORT_Q8(16); } else { KX_MMR_SHORT_Q8(32); }
 #undef KX_MMR_SHORT_Q8
         return true;
@@ -526,7 +528,7 @@ static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_
     const int64_t need = ((n + r - 1)/r + KX_MMR_WARPS - 1)/KX_MMR_WARPS;
     const int4 * wd = (const int4 *) w->data;
 #define KX_MMR_SHORT_NT(T, R, NT) kx_mul_mat_rows_short_kernel<T, R, NT><<<kx_mmr_grid( \
-        (const void *) kx_mul_mat_rows_short_kernel<T, R, NT>, need, device), block, 0, stream>>>(wd, x, sx, dst, n, nt)
+        (const void *) kx_mul_mat_rows_short_kernel<T, R, NT>, need, device), block, 0, stream>>>(wd, x, sx, bias, dst, n, nt)
 #define KX_MMR_SHORT(T, R) if (nt == 1) { KX_MMR_SHORT_NT(T, R, 1); } else { KX_MMR_SHORT_NT(T, R, KX_CUDA_MAX_TOKENS); }
     if (w->type == GGML_TYPE_F16) {
         if (r == 8) { KX_MMR_SHORT(GGML_TYPE_F16, 8); } else if (r == 4) { KX_MMR_SHORT(GGML_TYPE_F16, 4); } else { KX_MMR_SHORT(GGML_TYPE_F16, 2); }
@@ -564,8 +566,9 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     }
 
     const int64_t sx = x->nb[1]/sizeof(float);
+    const float * bias = dst->src[5] ? (const float *) dst->src[5]->data : nullptr; // no list, no map (kx-ops.h)
     if (!sel && !rowmap && !dst->src[4] &&
-        kx_mul_mat_rows_short(w, (const float *) x->data, sx, (float *) dst->data, n, nt, ctx.device, stream)) {
+        kx_mul_mat_rows_short(w, (const float *) x->data, sx, bias, (float *) dst->data, n, nt, ctx.device, stream)) {
         return;
     }
     // a warp for every neuron the list can hold, up to one wave of blocks (kx_resident_blocks)
@@ -577,7 +580,7 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const bool fast = kx_mmr_fast(w);
 #define KX_MMR_LAUNCH(T, S) kx_mul_mat_rows_kernel<T, S><<<kx_mmr_grid((const void *) kx_mul_mat_rows_kernel<T, S>, need, \
         ctx.device), block, 0, stream>>>((const char *) w->data, w->nb[1], (const float *) x->data, sx, list, map, gate, \
-        (float *) dst->data, n, k, nt)
+        bias, (float *) dst->data, n, k, nt)
     switch (w->type) {
         case GGML_TYPE_F32:  KX_MMR_LAUNCH(GGML_TYPE_F32, false); break;
         case GGML_TYPE_F16:  KX_MMR_LAUNCH(GGML_TYPE_F16, false); break;

@@ -122,6 +122,15 @@ GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows(
         struct ggml_tensor  * sel,
         struct ggml_tensor  * rowmap);
 
+// The plain matvec plus a bias: w·x + b for every row (no list, no map); b: F32 [n_rows],
+// added to every token's column. The predictor's B·(A·x) + c in one op: its add was a kernel
+// of its own on the decode's critical path.
+GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows_bias(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * b);
+
 // The same, for the up projection of a ReLU GLU: gate F32 [n, n_tokens] holds the gate
 // values of the same neurons (0 where unlisted), and a listed row whose gate is <= 0 for
 // every token is not read (its result is 0): relu(g) * u is 0 there whatever u is, so the

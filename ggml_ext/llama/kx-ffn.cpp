@@ -133,18 +133,21 @@ static ggml_backend_t kx_sched_backend_of(const llm_graph_context & g, const std
 }
 
 // s = B·(A·x) + c with the predictor copy on the slots' device where there is one.
-// There B runs as a row op without a list (several short rows a warp): ggml's matvec
-// gives each row a block, 15.9 µs per layer for KB-7B's [256, 11008] F32 B on the
-// decode's critical path (H200, Nsight Compute). Rows in 16-byte loads need rank % 8 == 0;
-// another rank stays on ggml's matvec rather than copying B to the CPU each token.
+// There B runs as a row op without a list (several short rows a warp), c added in its
+// epilogue: ggml's matvec gives each row a block, 15.9 µs per layer for KB-7B's [256, 11008]
+// F32 B on the decode's critical path (H200, Nsight Compute), and the add was a 3.4 µs kernel
+// of its own (H100). Rows in 16-byte loads need rank % 8 == 0; another rank stays on ggml's
+// matvec rather than copying B to the CPU each token.
 static ggml_tensor * kx_predict(ggml_context * ctx0, ggml_tensor * cur, const kx_lowrank & host,
                                 const kx_lowrank * dev) {
     // the slots copy each of a layer's predictors whole or not at all (kx-slots.cpp)
     const bool on_dev = dev && *dev;
     const kx_lowrank & p = on_dev ? *dev : host;
     ggml_tensor * s = ggml_mul_mat(ctx0, p.a, cur);
-    s = on_dev && p.b->ne[0] % 8 == 0 ? ggml_kx_mul_mat_rows(ctx0, p.b, s, nullptr, nullptr) : ggml_mul_mat(ctx0, p.b, s);
-    return ggml_add(ctx0, s, p.c);
+    if (on_dev && p.b->ne[0] % 8 == 0) {
+        return ggml_kx_mul_mat_rows_bias(ctx0, p.b, s, p.c);
+    }
+    return ggml_add(ctx0, ggml_mul_mat(ctx0, p.b, s), p.c);
 }
 
 static ggml_tensor * kx_build_ffn_hybrid(

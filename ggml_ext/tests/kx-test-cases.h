@@ -146,22 +146,26 @@ struct test_kx_rows : public test_case {
 };
 
 // GGML_OP_KX_MUL_MAT_ROWS over a whole weight (rows = n) or a slot buffer (rows < n, map);
-// unlisted: no list at all (every row, the predictor's plain matvec).
+// unlisted: no list at all (every row, the predictor's plain matvec); bias: that matvec plus
+// a bias (ggml_kx_mul_mat_rows_bias, the predictor's B·t + c).
 struct test_kx_mul_mat_rows : public test_kx_rows {
-    bool gated, listed;
+    bool gated, listed, bias;
     test_kx_mul_mat_rows(ggml_type type, int64_t k, int64_t n, int64_t nt, int64_t n_rows, double density,
-                         bool gated = false, bool listed = true)
-        : test_kx_rows(type, k, n, nt, n_rows, density, 1234), gated(gated), listed(listed) {}
+                         bool gated = false, bool listed = true, bool bias = false)
+        : test_kx_rows(type, k, n, nt, n_rows, density, 1234), gated(gated), listed(listed), bias(bias) {}
 
     std::string vars() override {
-        return test_kx_rows::vars() + ",gated=" + (gated ? "1" : "0") + ",listed=" + (listed ? "1" : "0");
+        return test_kx_rows::vars() + ",gated=" + (gated ? "1" : "0") + ",listed=" + (listed ? "1" : "0") +
+               ",bias=" + (bias ? "1" : "0");
     }
 
     ggml_tensor * build_graph(ggml_context * ctx) override {
         ggml_tensor * w = new_inputs(ctx);
         ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, width, nt);
         ggml_tensor * out;
-        if (gated) {
+        if (bias) {
+            out = ggml_kx_mul_mat_rows_bias(ctx, w, x, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_rows));
+        } else if (gated) {
             // gate values of either sign: the gated rows must read 0 on both backends
             ggml_tensor * g = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, nt);
             out = ggml_kx_mul_mat_rows_gated(ctx, w, x, listed ? sel : nullptr, map, g);
@@ -248,6 +252,11 @@ static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cas
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 512, 28673, 1, 28673, 1.0, false, false));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 128, 1001, 3, 1001, 1.0, false, false));
         test_cases.emplace_back(new test_kx_mul_mat_rows(type, 1024, 999, 8, 999, 1.0, false, false));
+        // the plain matvec plus a bias: short rows (the predictor's B), and rows the general
+        // kernel takes
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 256, 11008, 1, 11008, 1.0, false, false, true));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 512, 1001, 3, 1001, 1.0, false, false, true));
+        test_cases.emplace_back(new test_kx_mul_mat_rows(type, 4096, 1000, 1, 1000, 1.0, false, false, true));
     }
     // K-quant rows (super-blocks of 256): LLaMA-7B and -13B widths, a row whose super-blocks
     // end inside a batch of loads (8448 = 33), Q6_K rows that are not whole 16-byte units
