@@ -8,7 +8,7 @@
 # (bench/offload.py: TPOT p50/p99). Results to $OUT.
 #
 #   bash bench/device/kquant.sh          # repo root; carry vendor/llama.cpp and .whl
-#   KX_TESTS="tests/..." ...            # these tests on the GPU after the kernel checks
+#   KX_TESTS="tests/..." ...            # these tests on the GPU once the pack is written
 #   KX_TEST_TIMEOUT=200 ...             # stop pytest after that many seconds
 #   KX_KQ_BUDGET=3GiB KX_KQ_TYPE=Q4_K_M # the budget and the quantization (defaults shown)
 #   KX_KQ_STAGE=prepare ...             # build, checks, tests, model and pack only (a first call;
