@@ -49,6 +49,27 @@ static __device__ __forceinline__ void kx_row_stream(const U * __restrict__ r, i
     }
 }
 
+// Units [0, nu) of src into the warp's shared stage st[0, cap) (zeros past nu): a lane's N
+// loads all in flight before its stores, then the warp meets.
+template <int N>
+static __device__ __forceinline__ void kx_stage_units(const int4 * __restrict__ src, int64_t nu, int4 * st, int cap,
+                                                      int lane) {
+    int4 raw[N];
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+        const int c = lane + u*WARP_SIZE;
+        raw[u] = c < nu ? src[c] : int4{};
+    }
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+        const int c = lane + u*WARP_SIZE;
+        if (c < cap) {
+            st[c] = raw[u];
+        }
+    }
+    __syncwarp();
+}
+
 // one 16-byte unit of an F16 (8 weights) or F32 (4 weights) row · x at the unit's first
 // weight (xt, 16-byte aligned): the one place both row kernels write this dot
 template <ggml_type type>
@@ -310,18 +331,7 @@ static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row,
             const int64_t nl = nb*bs/16;
             for (int64_t b0 = 0; b0 < nb; b0 += cb) {
                 const int64_t l0 = b0*bs/16; // chunks hold whole units: cb*bs is a multiple of 16
-                const int64_t ln = min((int64_t) cb*bs/16, nl - l0);
-                int4 raw[KX_MMR_QLOADS];
-#pragma unroll
-                for (int u = 0; u < KX_MMR_QLOADS; ++u) {
-                    const int64_t c = lane + u*WARP_SIZE;
-                    raw[u] = c < ln ? r[l0 + c] : int4{};
-                }
-#pragma unroll
-                for (int u = 0; u < KX_MMR_QLOADS; ++u) {
-                    st[lane + u*WARP_SIZE] = raw[u];
-                }
-                __syncwarp();
+                kx_stage_units<KX_MMR_QLOADS>(r + l0, min((int64_t) cb*bs/16, nl - l0), st, KX_MMR_QLOADS*WARP_SIZE, lane);
                 const int64_t ns = min((int64_t) cb, nb - b0);
                 for (int64_t s = lane; s < ns; s += WARP_SIZE) {
                     float wv[32];
@@ -455,22 +465,8 @@ static __global__ void kx_mul_mat_rows_short_q8_0_kernel(const char * __restrict
         const int64_t i = ch*R + rl;
         float acc[KX_CUDA_MAX_TOKENS] = {0.0f};
         int4 * st = stage[threadIdx.x/WARP_SIZE];
-        const int4 * src = (const int4 *) (w + ch*R*w_nb1);
-        const int64_t nu = min((int64_t) NU, (n - ch*R)*w_nb1/16); // the last warp's rows end early
-        int4 raw[NL];
-#pragma unroll
-        for (int u = 0; u < NL; ++u) {
-            const int c = lane + u*WARP_SIZE;
-            raw[u] = c < nu ? src[c] : int4{};
-        }
-#pragma unroll
-        for (int u = 0; u < NL; ++u) {
-            const int c = lane + u*WARP_SIZE;
-            if (c < NU) {
-                st[c] = raw[u];
-            }
-        }
-        __syncwarp();
+        // the last warp's rows end early
+        kx_stage_units<NL>((const int4 *) (w + ch*R*w_nb1), min((int64_t) NU, (n - ch*R)*w_nb1/16), st, NU, lane);
         if (i < n) {
             float wv[32];
             kx_sub_dequant<GGML_TYPE_Q8_0>((const char *) st + lane*(int) sizeof(block_q8_0), wv);
