@@ -9,6 +9,10 @@
 // 16-byte aligned falls back to one block per lane read as 16-bit words. x is read
 // as float, weights are dequantized on the fly: no x quantization pass (the CPU path
 // quantizes x to Q8 for quantized weights; the difference stays within test tolerance).
+// Every kernel is compiled for one token (NT = 1, the decode) and for up to
+// KX_CUDA_MAX_TOKENS. Why: with the count known only at run time each lane kept 8
+// accumulators live, and the Q4_K row kernel took 110 registers a thread (4 blocks an SM on the
+// H100); for one token it takes 56.
 // Gated (src[4], the up rows of a ReLU GLU): a neuron whose gate is <= 0 for every token
 // is skipped before its row is read; about half of a predicted list does not fire, and a
 // mapped row costs PCIe bandwidth.
@@ -143,11 +147,13 @@ static __device__ __forceinline__ void kx_sub_dequant(const char * blk, float * 
     }
 }
 
-// acc[t] += 32 dequantized weights · x[t][col .. col + 32)
+// acc[t] += 32 dequantized weights · x[t][col .. col + 32). NT: the tokens a kernel is
+// compiled for (1, the decode; or KX_CUDA_MAX_TOKENS with nt <= NT): acc has NT entries.
+template <int NT>
 static __device__ __forceinline__ void kx_sub_dot(const float * wv, const float * __restrict__ x, int64_t sx,
                                                   int nt, int64_t col, float * acc) {
 #pragma unroll
-    for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+    for (int t = 0; t < NT; ++t) {
         if (t < nt) {
             const float4 * xt = (const float4 *) (x + t*sx + col);
             float s = 0.0f;
@@ -196,7 +202,7 @@ static __device__ __forceinline__ float kx_dot4(const float4 a, int v0, int v1, 
     return a.x*(float) v0 + a.y*(float) v1 + a.z*(float) v2 + a.w*(float) v3;
 }
 
-template <ggml_type type>
+template <ggml_type type, int NT>
 static __device__ __forceinline__ void kx_row_dot_k(const char * __restrict__ row, const float * __restrict__ x,
                                                     int64_t sx, int nt, int64_t k, int lane, float * acc) {
     constexpr int bs = kx_block_bytes<type>;
@@ -237,7 +243,7 @@ static __device__ __forceinline__ void kx_row_dot_k(const char * __restrict__ ro
                 }
                 const int64_t col = (b0 + u)*QK_K + 64*c + 4*l;
 #pragma unroll
-                for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+                for (int t = 0; t < NT; ++t) {
                     if (t < nt) {
                         const float4 a = *(const float4 *) (x + t*sx + col);
                         const float4 e = *(const float4 *) (x + t*sx + col + 32);
@@ -282,7 +288,7 @@ static __device__ __forceinline__ void kx_row_dot_k(const char * __restrict__ ro
                 }
                 const int64_t col = (b0 + u)*QK_K + 128*n + l;
 #pragma unroll
-                for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+                for (int t = 0; t < NT; ++t) {
                     if (t < nt) {
                         float sum = 0.0f;
 #pragma unroll
@@ -305,21 +311,21 @@ static __device__ __forceinline__ void kx_row_dot_k(const char * __restrict__ ro
 // 18- or 34-byte block in 2-byte words had one block in flight, the same latency bound the F16
 // path had before its loads were batched. Otherwise a lane takes one block at a time straight
 // from the row.
-template <ggml_type type, bool fast>
+template <ggml_type type, bool fast, int NT>
 static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row, const float * __restrict__ x,
                                                   int64_t sx, int nt, int64_t k, int lane, float * acc) {
     if constexpr (type == GGML_TYPE_F16 || type == GGML_TYPE_F32) {
         constexpr int epu = type == GGML_TYPE_F16 ? 8 : 4; // weights per 16-byte unit
         kx_row_stream((const int4 *) row, k/epu, lane, [&](const int4 & raw, int64_t c) {
 #pragma unroll
-            for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+            for (int t = 0; t < NT; ++t) {
                 if (t < nt) {
                     acc[t] += kx_unit_dot<type>(raw, x + t*sx + c*epu);
                 }
             }
         });
     } else if constexpr (kx_is_k<type>) {
-        kx_row_dot_k<type>(row, x, sx, nt, k, lane, acc);
+        kx_row_dot_k<type, NT>(row, x, sx, nt, k, lane, acc);
     } else {
         constexpr int bs = kx_block_bytes<type>;
         const int64_t nb = k/32; // blocks in the row
@@ -336,7 +342,7 @@ static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row,
                 for (int64_t s = lane; s < ns; s += WARP_SIZE) {
                     float wv[32];
                     kx_sub_dequant<type>((const char *) st + s*bs, wv);
-                    kx_sub_dot(wv, x, sx, nt, (b0 + s)*32, acc);
+                    kx_sub_dot<NT>(wv, x, sx, nt, (b0 + s)*32, acc);
                 }
                 __syncwarp(); // the next chunk overwrites the stage
             }
@@ -344,13 +350,13 @@ static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row,
             for (int64_t s = lane; s < nb; s += WARP_SIZE) {
                 float wv[32];
                 kx_sub_dequant<type>(row + s*bs, wv);
-                kx_sub_dot(wv, x, sx, nt, s*32, acc);
+                kx_sub_dot<NT>(wv, x, sx, nt, s*32, acc);
             }
         }
     }
 }
 
-template <ggml_type type, bool fast>
+template <ggml_type type, bool fast, int NT>
 static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64_t w_nb1,
                                               const float * __restrict__ x, int64_t sx,
                                               const int32_t * __restrict__ sel, const int32_t * __restrict__ rowmap,
@@ -375,10 +381,10 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
                 continue;
             }
         }
-        float acc[KX_CUDA_MAX_TOKENS] = {0.0f};
-        kx_row_dot<type, fast>(w + r*w_nb1, x, sx, nt, k, lane, acc);
+        float acc[NT] = {0.0f};
+        kx_row_dot<type, fast, NT>(w + r*w_nb1, x, sx, nt, k, lane, acc);
 #pragma unroll
-        for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+        for (int t = 0; t < NT; ++t) {
             if (t < nt) {
                 const float s = warp_reduce_sum(acc[t]);
                 if (lane == 0) {
@@ -448,7 +454,7 @@ static __global__ void kx_mul_mat_rows_short_kernel(const int4 * __restrict__ w,
 // 272-1088 bytes, whole 16-byte units), read in 16-byte units into shared memory before each
 // lane dequantizes its block there. Why: the lanes' own 34-byte blocks read as 16-bit words
 // were 17 scattered loads a lane, and that kernel took 8.3 µs a layer for 3 MB (H100).
-template <int LPR>
+template <int LPR, int NT>
 static __global__ void kx_mul_mat_rows_short_q8_0_kernel(const char * __restrict__ w, int64_t w_nb1,
                                                          const float * __restrict__ x, int64_t sx,
                                                          const float * __restrict__ bias,
@@ -463,18 +469,18 @@ static __global__ void kx_mul_mat_rows_short_q8_0_kernel(const char * __restrict
     const int     rl = lane/LPR, bl = lane%LPR; // the lane's row in the warp's rows, its block
     for (int64_t ch = warp; ch*R < n; ch += nwarps) {
         const int64_t i = ch*R + rl;
-        float acc[KX_CUDA_MAX_TOKENS] = {0.0f};
+        float acc[NT] = {0.0f};
         int4 * st = stage[threadIdx.x/WARP_SIZE];
         // the last warp's rows end early
         kx_stage_units<NL>((const int4 *) (w + ch*R*w_nb1), min((int64_t) NU, (n - ch*R)*w_nb1/16), st, NU, lane);
         if (i < n) {
             float wv[32];
             kx_sub_dequant<GGML_TYPE_Q8_0>((const char *) st + lane*(int) sizeof(block_q8_0), wv);
-            kx_sub_dot(wv, x, sx, nt, 32*bl, acc);
+            kx_sub_dot<NT>(wv, x, sx, nt, 32*bl, acc);
         }
         __syncwarp(); // the next rows overwrite the stage
 #pragma unroll
-        for (int t = 0; t < KX_CUDA_MAX_TOKENS; ++t) {
+        for (int t = 0; t < NT; ++t) {
             if (t < nt) {
                 float v = acc[t];
 #pragma unroll
@@ -506,10 +512,12 @@ static bool kx_mul_mat_rows_short(const ggml_tensor * w, const float * x, int64_
         }
         const int64_t need = ((n*lpr + WARP_SIZE - 1)/WARP_SIZE + KX_MMR_WARPS - 1)/KX_MMR_WARPS;
         const char * wd = (const char *) w->data;
-#define KX_MMR_SHORT_Q8(L) kx_mul_mat_rows_short_q8_0_kernel<L><<<kx_mmr_grid((const void *) kx_mul_mat_rows_short_q8_0_kernel<L>, \
-        need, device), block, 0, stream>>>(wd, w->nb[1], x, sx, bias, dst, n, nt)
+#define KX_MMR_SHORT_Q8_NT(L, NT) kx_mul_mat_rows_short_q8_0_kernel<L, NT><<<kx_mmr_grid( \
+        (const void *) kx_mul_mat_rows_short_q8_0_kernel<L, NT>, need, device), block, 0, stream>>>(wd, w->nb[1], x, sx, bias, dst, n, nt)
+#define KX_MMR_SHORT_Q8(L) if (nt == 1) { KX_MMR_SHORT_Q8_NT(L, 1); } else { KX_MMR_SHORT_Q8_NT(L, KX_CUDA_MAX_TOKENS); }
         if (lpr == 8) { KX_MMR_SHORT_Q8(8); } else if (lpr == 16) { KX_MMR_SHORT_Q8(16); } else { KX_MMR_SHORT_Q8(32); }
 #undef KX_MMR_SHORT_Q8
+#undef KX_MMR_SHORT_Q8_NT
         return true;
     }
     if ((w->type != GGML_TYPE_F32 && w->type != GGML_TYPE_F16) || !ggml_is_contiguous(w) ||
@@ -574,9 +582,10 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const int32_t * map = rowmap ? (const int32_t *) rowmap->data : nullptr;
     const float * gate = dst->src[4] ? (const float *) dst->src[4]->data : nullptr; // [n, nt], contiguous
     const bool fast = kx_mmr_fast(w);
-#define KX_MMR_LAUNCH(T, S) kx_mul_mat_rows_kernel<T, S><<<kx_mmr_grid((const void *) kx_mul_mat_rows_kernel<T, S>, need, \
-        ctx.device), block, 0, stream>>>((const char *) w->data, w->nb[1], (const float *) x->data, sx, list, map, gate, \
+#define KX_MMR_LAUNCH_NT(T, S, NT) kx_mul_mat_rows_kernel<T, S, NT><<<kx_mmr_grid((const void *) kx_mul_mat_rows_kernel<T, S, NT>, \
+        need, ctx.device), block, 0, stream>>>((const char *) w->data, w->nb[1], (const float *) x->data, sx, list, map, gate, \
         bias, (float *) dst->data, n, k, nt)
+#define KX_MMR_LAUNCH(T, S) if (nt == 1) { KX_MMR_LAUNCH_NT(T, S, 1); } else { KX_MMR_LAUNCH_NT(T, S, KX_CUDA_MAX_TOKENS); }
     switch (w->type) {
         case GGML_TYPE_F32:  KX_MMR_LAUNCH(GGML_TYPE_F32, false); break;
         case GGML_TYPE_F16:  KX_MMR_LAUNCH(GGML_TYPE_F16, false); break;
@@ -595,4 +604,5 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
         default: GGML_ABORT("kx_mul_mat_rows: unsupported type %s", ggml_type_name(w->type));
     }
 #undef KX_MMR_LAUNCH
+#undef KX_MMR_LAUNCH_NT
 }
