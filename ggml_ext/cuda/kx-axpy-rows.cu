@@ -13,22 +13,14 @@
 // the staged form issues the lookups of a stage at once and keeps four independent row loads
 // in flight per thread. Why four columns a thread (CPT = 4 where the rows allow it): a
 // quantized column costs its block's scale decode and several loads, which four neighbouring
-// columns share; with one column a thread KB-7B Q4_K_M's Q4_K slot rows took 20.5 µs per layer
-// for ~3.7 MB (H100, Nsight Compute). Atomic order (and the order of a stage) makes the last
+// columns share. Measured alone it moved KB-7B Q4_K_M's Q4_K slot rows from 20.5 to 19.3 µs per
+// layer for ~3.7 MB (H100, Nsight Compute): the grid's 1.33 waves bound the kernel
+// (kx_resident_blocks). Atomic order (and the order of a stage) makes the last
 // bits of y vary from run to run; the test tolerance covers it.
 #include "kx-ops-cuda.cuh"
 #include "kx-ops.h"
 
 #define KX_AXPY_THREADS 256 // threads per block, and list entries per stage
-
-// the Q4_K sub-block k's (d·scale, dmin·min) (ggml's get_scale_min_k4)
-static __device__ __forceinline__ float2 kx_q4_k_dm(const block_q4_K * b, int k) {
-    const uint8_t * sc = b->scales;
-    const int s6 = k < 4 ? (sc[k] & 63) : ((sc[k + 4] & 0xF) | ((sc[k - 4] >> 6) << 4));
-    const int m6 = k < 4 ? (sc[k + 4] & 63) : ((sc[k + 4] >> 4) | ((sc[k] >> 6) << 4));
-    const float2 dm = __half22float2(b->dm);
-    return make_float2(dm.x*(float) s6, dm.y*(float) m6);
-}
 
 // columns c .. c + CPT of one row into w (CPT = 4: c % 4 == 0, and the row aligned as
 // kx_axpy_cpt asks). Four columns of a quantized row share their block, sub-block and scale,
@@ -68,7 +60,7 @@ static __device__ __forceinline__ void kx_load_cols(const char * __restrict__ ro
         const block_q4_K * b = (const block_q4_K *) row + c/QK_K;
         const int j  = c % QK_K;
         const int hi = (j >> 5) & 1;
-        const float2 dm = kx_q4_k_dm(b, 2*(j >> 6) + hi);
+        const float2 dm = kx_k4_scale_min(b->scales, 2*(j >> 6) + hi, __half22float2(b->dm));
         const uint8_t * q = b->qs + 32*(j >> 6) + (j & 31);
         if constexpr (CPT == 4) { // 4-byte aligned: 144-byte blocks on a 4-byte aligned row
             const uint32_t v = *(const uint32_t *) q >> (4*hi);

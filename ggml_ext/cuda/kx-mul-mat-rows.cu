@@ -103,17 +103,6 @@ static constexpr int kx_block_bytes = type == GGML_TYPE_Q8_0 ? (int) sizeof(bloc
                                     : type == GGML_TYPE_Q4_K ? (int) sizeof(block_q4_K)
                                     : type == GGML_TYPE_Q5_K ? (int) sizeof(block_q5_K)
                                     : (int) sizeof(block_q6_K);
-// scale and min of sub-block j of a Q4_K/Q5_K super-block: 6-bit values packed in 12 bytes
-// (the layout of ggml's get_scale_min_k4)
-static __device__ __forceinline__ void kx_scale_min_k4(int j, const uint8_t * q, float & sc, float & m) {
-    if (j < 4) {
-        sc = (float) (q[j] & 63);
-        m  = (float) (q[j + 4] & 63);
-    } else {
-        sc = (float) ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-        m  = (float) ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-    }
-}
 
 // the 32 weights of one Q8_0 (34 bytes) or Q4_0 (18) block, dequantized as ggml's
 // dequantize_row_*. Bytes are read as 16-bit words: both block sizes are even, so this is
@@ -178,24 +167,17 @@ static constexpr __host__ __device__ int kx_stage_blocks() {
     return c;
 }
 
-// A K-quant row (Q4_K, Q5_K, Q6_K) · x. A warp takes one super-block at a time and the
-// lanes split its quant bytes evenly, so the 32 lanes' x loads
-// fall on whole 128-byte lines: Q4_K/Q5_K lane L reads qs[32c + 4l .. +4) (c = L/8, l = L%8),
-// the weights 64c + 4l + [0, 4) (low nibbles, sub-block 2c) and 64c + 32 + 4l + [0, 4) (high
-// nibbles, sub-block 2c + 1); Q6_K lane L reads ql and qh bytes 2l, 2l + 1 of half n = L/16
-// (l = L%16), the weights 128n + 2l + [0, 2) + {0, 32, 64, 96}. Why: a lane per 32-weight
-// sub-block read x in 128-byte strides, every load a different line, and
-// ran KB-7B Q4_K_M's slot rows at ~0.2 TB/s (H100: gate 17.5 µs, up 13.6 µs per layer for
-// ~3.7 MB each, Nsight Compute). KX_MMR_KBLOCKS super-blocks' loads are in flight at once.
+// A K-quant row (Q4_K, Q5_K, Q6_K) · x. A warp takes one super-block at a time and the lanes
+// split its quant bytes evenly, so the 32 lanes' x loads fall on whole 128-byte lines:
+// Q4_K/Q5_K lane L reads qs[32c + 4l .. +4) (c = L/8, l = L%8), the weights 64c + 4l + [0, 4)
+// (low nibbles, sub-block 2c) and 64c + 32 + 4l + [0, 4) (high nibbles, sub-block 2c + 1); Q6_K
+// lane L reads ql and qh bytes 2l, 2l + 1 of half n = L/16 (l = L%16), the weights
+// 128n + 2l + [0, 2) + {0, 32, 64, 96}. It replaced a lane per 32-weight sub-block, whose x
+// loads were 128 bytes apart, every load a different line. Measured alone this changed
+// nothing (H100, KB-7B Q4_K_M slot rows: 15.1 / 13.9 µs against 15.8-17.5 / 11.6-13.6 per layer,
+// Nsight Compute): the grid's waves bound the kernel (kx_resident_blocks). KX_MMR_KBLOCKS
+// super-blocks' loads are in flight at once.
 #define KX_MMR_KBLOCKS 4
-
-// the Q4_K/Q5_K scale and min of sub-block j, read from the block (the 8 lanes of a chunk ask
-// for the same bytes: one transaction)
-static __device__ __forceinline__ float2 kx_scale_min_k4_f(const uint8_t * q, int j, float2 dm) {
-    float sc, m;
-    kx_scale_min_k4(j, q, sc, m);
-    return make_float2(dm.x*sc, dm.y*m);
-}
 
 // four quant values · four x values
 static __device__ __forceinline__ float kx_dot4(const float4 a, int v0, int v1, int v2, int v3) {
@@ -222,8 +204,9 @@ static __device__ __forceinline__ void kx_row_dot_k(const char * __restrict__ ro
                         qh[u] = ((const uint32_t *) b->qh)[l];
                     }
                     const float2 dm = __half22float2(b->dm);
-                    lo[u] = kx_scale_min_k4_f(b->scales, 2*c, dm);
-                    hi[u] = kx_scale_min_k4_f(b->scales, 2*c + 1, dm);
+                    // the 8 lanes of a chunk read the same scale bytes: one transaction
+                    lo[u] = kx_k4_scale_min(b->scales, 2*c, dm);
+                    hi[u] = kx_k4_scale_min(b->scales, 2*c + 1, dm);
                 }
             }
 #pragma unroll

@@ -12,6 +12,14 @@
 // larger batches take llama.cpp's dense path (kx-ffn.cpp: kx_sparse_max_tokens)
 #define KX_CUDA_MAX_TOKENS 8
 
+// (d·scale, dmin·min) of sub-block j of a Q4_K/Q5_K super-block, whose 6-bit scales and mins
+// are packed in 12 bytes (the layout of ggml's get_scale_min_k4); dm: the block's (d, dmin)
+static __device__ __forceinline__ float2 kx_k4_scale_min(const uint8_t * q, int j, float2 dm) {
+    const int sc = j < 4 ? (q[j] & 63)     : ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    const int m  = j < 4 ? (q[j + 4] & 63) : ((q[j + 4] >> 4)  | ((q[j] >> 6) << 4));
+    return make_float2(dm.x*(float) sc, dm.y*(float) m);
+}
+
 // Blocks of `kernel` (`threads` a block) that device `device` runs at once, so that a grid of
 // at most that many is one wave. Why: a gather's grid sized from the shapes alone ran in
 // waves (KB-7B Q4_K_M's slot rows: 2112 blocks of a 110-register kernel that fits 4 blocks an
