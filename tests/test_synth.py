@@ -175,6 +175,7 @@ def test_refusals(tmp_path: Path, small_vocab: Path, sparse: SparseFFN, message:
     (["--topic-share", "1"], r"topic share must be in \[0, 1\)"),
     (["--rate-spread", "-2"], r"rate spread must be in 0\.\.4"),
     (["--act", "silu", "--topics", "3"], "apply only to --act relu"),
+    (["--layers", "0"], "argument --layers"),
 ])
 def test_cli_errors(capsys: pytest.CaptureFixture, tmp_path: Path, args: list[str], message: str) -> None:
     argv = ["synth", "--preset", "KB-tiny", "-o", str(tmp_path / "x.gguf"), "-q", *args]
@@ -452,3 +453,15 @@ def test_moe_refusals(tmp_path: Path, capsys: pytest.CaptureFixture, small_vocab
         synth(tmp_path / "y.gguf", dataclasses.replace(PRESETS["KB-MoE-tiny"], n_expert_used=9), act="silu",
               vocab_gguf=small_vocab)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_layers_shortens_the_preset(tmp_path: Path) -> None:
+    """--layers N: the preset's shape with N layers, nothing else changed."""
+    from kairox.gguf_header import scan_header
+    out = tmp_path / "l1.gguf"
+    assert main(["synth", "--preset", "KB-tiny", "--layers", "1", "-o", str(out), "-q"]) == 0
+    names = [t.name for t in scan_header(out).tensors]
+    assert any(n.startswith("blk.0.") for n in names) and not any(n.startswith("blk.1.") for n in names)
+    tiny = PRESETS["KB-tiny"]
+    gate = next(t for t in scan_header(out).tensors if t.name == "blk.0.ffn_gate.weight")
+    assert list(gate.ne[:2]) == [tiny.n_embd, tiny.n_ff]

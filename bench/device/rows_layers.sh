@@ -20,16 +20,7 @@ mkdir -p "$D"
 F=$D/$PRESET-l$LAYERS-f16.gguf
 Q=$D/$PRESET-l$LAYERS-$(echo "$TYPE" | tr 'A-Z' 'a-z').gguf
 # the preset's shape with fewer layers, written while the build runs
-synth() {
-    python3 - "$PRESET" "$LAYERS" "$@" <<'PY'
-import dataclasses, sys
-import kairox.synth as s
-from kairox.cli import main
-preset, layers = sys.argv[1], int(sys.argv[2])
-s.PRESETS[preset] = dataclasses.replace(s.PRESETS[preset], n_layer=layers)
-sys.exit(main(["synth", "--preset", preset, *sys.argv[3:]]))
-PY
-}
+synth() { python3 -m kairox synth --preset "$PRESET" --layers "$LAYERS" "$@"; }
 [ -f "$Q" ] || (synth -o "$F" -q > "$OUT/synth.log" 2>&1 &)
 KX_CMAKE_ARGS="-DKAIROX_BUILD_TESTS=ON ${KX_CMAKE_ARGS:-}" kx_build llama llama-bench llama-quantize test-backend-ops || exit 1
 export KAIROX_BIN_DIR=$B

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..pack import DOWN_TYPES, PRED_TYPES
-from ..argtypes import number_in
+from ..argtypes import number_in, positive_int
 from ..synth import (DEFAULT_DOMAIN_SHARE, DEFAULT_DOMAINS, DEFAULT_RATE_SPREAD, DEFAULT_SPARSITY, DEFAULT_TOPIC_SHARE,
                      DEFAULT_TOPICS, DOMAIN_NAMES, FTYPES, PRESETS, SparseFFN, SynthError, calibrated_thresholds,
                      measured_layout, synth)
@@ -37,6 +37,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
                     "it has no sparse pack (a VRAM budget places its tensors whole, experts by the share a token reads)")
     if args.type:
         shape = dataclasses.replace(shape, ftype=args.type)
+    if args.layers:
+        shape = dataclasses.replace(shape, n_layer=args.layers)
     sparse = None
     given = {k: v for k in ("sparsity", "gate_rank", "rate_spread", "topics", "topic_share", "domains",
                             "domain_share")
@@ -89,6 +91,9 @@ def register(sub) -> None:
     p.add_argument("-o", "--outfile", help="output GGUF (default: PRESET-TYPE.gguf)")
     p.add_argument("--force", action="store_true", help="replace an existing output model")
     p.add_argument("--type", choices=FTYPES, help="weight type (default: the preset's)")
+    p.add_argument("--layers", type=positive_int, metavar="N",
+                   help="the preset's shape with N layers (default: the preset's): a layer's kernels and "
+                        "timings at a fraction of the model's size")
     p.add_argument("--act", choices=["relu", "silu"],
                    help="FFN activation; silu writes a dense all-random model (default: relu; silu for "
                         "the mixture-of-experts presets KB-MoE*, Qwen3-MoE's layout)")
