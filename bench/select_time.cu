@@ -58,7 +58,7 @@ int main(int argc, char ** argv) {
             }
             cudaEventRecord(a);
 #ifdef KX_SELECT_BALLOT_WARPS // the grid-wide version: ballots, then the one-block write
-            kx_select_launch(s, out, masks, n, 1, n*sizeof(float), 0.0f, 0.6f, KX_SELECT_SCORE, nullptr, nullptr, 0);
+            kx_select_launch(s, out, nullptr, masks, n, 1, n*sizeof(float), 0.0f, 0.6f, KX_SELECT_SCORE, nullptr, nullptr, 0);
 #else                         // the one-block version (the earlier kernel)
             kx_select_kernel<<<1, KX_SELECT_THREADS>>>(s, out, n, 1, n*sizeof(float), 0.0f, 0.6f, KX_SELECT_SCORE);
 #endif

@@ -1,7 +1,7 @@
 // GGML_OP_KX_SELECT on CUDA: scores -> ascending list of active neuron ids, the CPU
 // kernel's output exactly (same rule, same order, same density fallback).
 //
-// Two launches. The ballot kernel spreads the scores over the whole GPU: each warp reads
+// Two launches (the second also writes the host copy of ggml_kx_select_to_host). The ballot kernel spreads the scores over the whole GPU: each warp reads
 // KX_SELECT_BATCH coalesced 32-neuron chunks (one 128-byte read each per token) and stores
 // one ballot word per chunk. The write kernel, one block, turns the ballots into the list:
 // each of its 32 warps counts a contiguous range of ballots, one scan over the 32 counts gives
@@ -66,7 +66,30 @@ static __global__ void kx_select_ballot_kernel(const float * s, uint32_t * masks
     }
 }
 
-static __global__ void kx_select_write_kernel(const uint32_t * masks, int32_t * out, int64_t n, float max_density) {
+// the list `out` (count, ids); with `host` (ggml_kx_select_to_host, mapped host memory) the same
+// words at host + 1 and then the flag host[0]: each thread fences its own stores to the system
+// before the block meets, so the flag's store, fenced again, is seen last. One launch: a
+// kernel of its own re-read the list and cost the decode's serial part a launch per layer.
+static __device__ __forceinline__ void kx_select_put(int32_t * out, int32_t * host, int64_t j, int32_t v) {
+    out[j] = v;
+    if (host) {
+        host[1 + j] = v;
+    }
+}
+
+static __device__ __forceinline__ void kx_select_flag(int32_t * host) {
+    if (host) {
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            *(volatile int32_t *) host = 1;
+        }
+    }
+}
+
+static __global__ void kx_select_write_kernel(const uint32_t * masks, int32_t * out, int32_t * host, int64_t n,
+                                              float max_density) {
     __shared__ int32_t warp_off[KX_SELECT_WARPS];
     __shared__ int32_t total;
 
@@ -108,15 +131,15 @@ static __global__ void kx_select_write_kernel(const uint32_t * masks, int32_t * 
     __syncthreads();
 
     const int32_t count = total;
-    int32_t * ids = out + 1;
     if ((double) count > (double) max_density * (double) n) {
         // too dense to gain from gathers: list every neuron (exact, costs what dense costs)
         for (int64_t i = threadIdx.x; i < n; i += KX_SELECT_THREADS) {
-            ids[i] = (int32_t) i;
+            kx_select_put(out, host, 1 + i, (int32_t) i);
         }
         if (threadIdx.x == 0) {
-            out[0] = (int32_t) n;
+            kx_select_put(out, host, 0, (int32_t) n);
         }
+        kx_select_flag(host);
         return;
     }
     const uint32_t below = (1u << lane) - 1; // lanes before this one
@@ -137,43 +160,28 @@ static __global__ void kx_select_write_kernel(const uint32_t * masks, int32_t * 
             const uint32_t mj = __shfl_sync(0xffffffff, m, (int) j);
             const int32_t  sj = __shfl_sync(0xffffffff, ki - k, (int) j);
             if (mj >> lane & 1u) {
-                ids[pos + sj + __popc(mj & below)] = (int32_t) ((g + j)*WARP_SIZE + lane);
+                kx_select_put(out, host, 1 + pos + sj + __popc(mj & below), (int32_t) ((g + j)*WARP_SIZE + lane));
             }
         }
         pos += __shfl_sync(0xffffffff, ki, WARP_SIZE - 1);
     }
     if (threadIdx.x == 0) {
-        out[0] = count;
+        kx_select_put(out, host, 0, count);
     }
+    kx_select_flag(host);
 }
 
-// the list (out: count, ids) into mapped host memory, then the flag (kx-ops.h:
-// ggml_kx_select_to_host): one block; each thread fences its own stores to the system before
-// the block meets, so the flag's store, fenced again, is seen last. A separate launch keeps the
-// write kernel as tested; it reads a list that is still in L2.
-static __global__ void kx_select_to_host_kernel(const int32_t * out, int32_t * host) {
-    const int32_t count = out[0];
-    for (int32_t j = threadIdx.x; j <= count; j += blockDim.x) {
-        host[1 + j] = out[j];
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        *(volatile int32_t *) host = 1;
-    }
-}
-
-// both launches on `stream`; masks: (n + 31)/32 words of scratch
-static void kx_select_launch(const float * s, int32_t * out, uint32_t * masks, int64_t n, int64_t nt, int64_t nb1,
-                             float thr, float max_density, int32_t act, const int32_t * rowmap, const float * off,
-                             cudaStream_t stream) {
+// both launches on `stream`; masks: (n + 31)/32 words of scratch; host: NULL or the list's
+// host copy (kx_select_host)
+static void kx_select_launch(const float * s, int32_t * out, int32_t * host, uint32_t * masks, int64_t n, int64_t nt,
+                             int64_t nb1, float thr, float max_density, int32_t act, const int32_t * rowmap,
+                             const float * off, cudaStream_t stream) {
     const int64_t nc     = (n + WARP_SIZE - 1) / WARP_SIZE;
     const int64_t warps  = (nc + KX_SELECT_BATCH - 1) / KX_SELECT_BATCH;
     const int64_t blocks = (warps + KX_SELECT_BALLOT_WARPS - 1) / KX_SELECT_BALLOT_WARPS;
     kx_select_ballot_kernel<<<(unsigned) blocks, KX_SELECT_BALLOT_WARPS*WARP_SIZE, 0, stream>>>(
         s, masks, n, nt, nb1, thr, act, rowmap, off);
-    kx_select_write_kernel<<<1, KX_SELECT_THREADS, 0, stream>>>(masks, out, n, max_density);
+    kx_select_write_kernel<<<1, KX_SELECT_THREADS, 0, stream>>>(masks, out, host, n, max_density);
 }
 
 void ggml_cuda_kx_select(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -184,11 +192,8 @@ void ggml_cuda_kx_select(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int32_t act         = ggml_get_op_params_i32(dst, 2);
     const int64_t n           = src->ne[0];
     ggml_cuda_pool_alloc<uint32_t> masks(ctx.pool(), (n + WARP_SIZE - 1) / WARP_SIZE);
-    kx_select_launch((const float *) src->data, (int32_t *) dst->data, masks.get(), n, src->ne[1], src->nb[1],
-                     thr, max_density, act,
+    kx_select_launch((const float *) src->data, (int32_t *) dst->data, kx_select_host(dst), masks.get(), n,
+                     src->ne[1], src->nb[1], thr, max_density, act,
                      dst->src[1] ? (const int32_t *) dst->src[1]->data : nullptr,
                      dst->src[2] ? (const float *) dst->src[2]->data : nullptr, ctx.stream());
-    if (int32_t * host = kx_select_host(dst)) {
-        kx_select_to_host_kernel<<<1, KX_SELECT_THREADS, 0, ctx.stream()>>>((const int32_t *) dst->data, host);
-    }
 }

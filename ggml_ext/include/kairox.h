@@ -274,6 +274,10 @@ struct kx_params {
     bool            pinned;            // under a budget: host weights page-locked, the model read, not mapped
                                        // (default true; false: mapped, and nothing streams)
     bool            warm;              // hybrid: warm the host caches with the next layer's rows (default true)
+    bool            list_ahead;        // hybrid, predicted: each layer after the first computes the list the layer
+                                       // before predicted for it (its ahead predictor on that layer's FFN input),
+                                       // so no predictor or select runs between attention and the FFN; the
+                                       // lists are a layer older (default false, docs/ARCHITECTURE.md)
     bool            stream;            // a budget of whole tensors: host tensors the placement picks are copied
                                        // into a GPU scratch ahead of their use and multiplied there (default
                                        // true; with pinned only: the model is then read, not mapped)

@@ -47,6 +47,8 @@ struct kx_hybrid {
     mutable std::vector<kx_warm_hook> warm;
     bool warm_on = true; // hybrid layers warm the host caches with the next layer's rows
                          // (kx_params::warm), read at each graph build
+    bool list_ahead = false; // predicted hybrid layers compute the lists the layer before selected
+                             // for them (kx_params::list_ahead), read at each graph build
     // changes whenever graphs built before would be wrong: slots replaced, the mapped share,
     // the pipeline's nodes, the select's form (graph reuse compares it, llama_cparams)
     uint32_t graph_gen = 0;

@@ -661,7 +661,9 @@ static void kx_place(llama_context * ctx, llama_model * model, const kx_params *
     char e[1024];
     kx_check(kx_model_set_slots_faults(model, counts.data(), (int32_t) counts.size(), kp->slots_device, kp->faults,
                                        e, sizeof(e)), refuse, "neuron slots: ", e);
-    kx_model_hybrid(model)->warm_on = kp->warm; // (set: the call above succeeded)
+    kx_hybrid * hy = kx_model_hybrid(model); // (set: the call above succeeded)
+    hy->warm_on    = kp->warm;
+    hy->list_ahead = kp->list_ahead;
     kx_check(kx_context_set_sparse(ctx, mode, e, sizeof(e)), refuse, "", e);
     if (kp->mapped_share > 0.0f) {
         kx_check(kx_context_set_mapped_share(ctx, kp->mapped_share, e, sizeof(e)), KX_ERR_PARAMS, "", e);
