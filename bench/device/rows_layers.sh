@@ -9,6 +9,11 @@
 #
 #   bash bench/device/rows_layers.sh                  # repo root; carry vendor/llama.cpp and .whl
 #   KX_RL_PRESET=KB-7B KX_RL_LAYERS=4 KX_RL_TYPE=Q4_K_M KX_RL_SLOTS=4166   # the defaults
+#   KX_RL_OPS="KX_SELECT"                  # the ops test-backend-ops checks (default: the three)
+#   KX_TESTS="tests/..."                   # these GPU tests right after the build
+#   KX_RL_AB="--kx-list-ahead" KX_RL_ROUNDS=3   # instead of the profile: kairox-bench decode rows
+#                                          # at KX_RL_SLOTS slots, without and with these flags,
+#                                          # interleaved ($OUT/ab-layers.json, medians printed)
 set -uo pipefail
 . bench/device/env.sh
 PRESET=${KX_RL_PRESET:-KB-7B}
@@ -24,11 +29,12 @@ synth() { python3 -m kairox synth --preset "$PRESET" --layers "$LAYERS" "$@"; }
 [ -f "$Q" ] || (synth -o "$F" -q > "$OUT/synth.log" 2>&1 &)
 KX_CMAKE_ARGS="-DKAIROX_BUILD_TESTS=ON ${KX_CMAKE_ARGS:-}" kx_build llama llama-bench llama-quantize test-backend-ops || exit 1
 export KAIROX_BIN_DIR=$B
-for op in KX_MUL_MAT_ROWS KX_AXPY_ROWS KX_SELECT; do
+for op in ${KX_RL_OPS:-KX_MUL_MAT_ROWS KX_AXPY_ROWS KX_SELECT}; do
     "$B/test-backend-ops" -b CUDA0 -o "$op" > "$OUT/test-backend-ops-$op.log" 2>&1
     echo "test-backend-ops $op: rc=$? $(grep -cE '^\s+.*OK' "$OUT/test-backend-ops-$op.log") OK, $(grep -c FAIL "$OUT/test-backend-ops-$op.log") FAIL"
 done
 grep -h FAIL "$OUT"/test-backend-ops-*.log | head -5
+kx_gpu_tests 120
 if [ ! -f "$Q" ]; then
     kx_wait_model "synth --preset $PRESET" "$F" || exit 1
     "$B/llama-quantize" "$F" "$Q" "$TYPE" "$(nproc)" > "$OUT/quantize.log" 2>&1 || { tail -20 "$OUT/quantize.log"; exit 1; }
@@ -36,6 +42,16 @@ if [ ! -f "$Q" ]; then
 fi
 [ -f "${Q%.gguf}.kxpack.gguf" ] || synth -o "$Q" --pack-only -q > "$OUT/pack.log" 2>&1 || { tail -5 "$OUT/pack.log"; exit 1; }
 echo "model and pack ($(( $(date +%s) - t0 )) s)"
+if [ -n "${KX_RL_AB:-}" ]; then
+    for r in $(seq "${KX_RL_ROUNDS:-3}"); do
+        for flags in "" "$KX_RL_AB"; do
+            "$B/llama-bench" -m "$Q" -p 0 -n 128 -r 1 -t "$(nproc)" -o json --sparse predicted --gpu-slots "$SLOTS" \
+                $flags > "$OUT/ab-$r-${#flags}.json" 2> "$OUT/ab-$r-${#flags}.log"
+            echo "round $r [${flags:-default}]: rc=$? $(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))[0]['avg_ts'], 2))" "$OUT/ab-$r-${#flags}.json" 2>&1 | tail -1) tok/s"
+        done
+    done
+    exit 0
+fi
 python3 -c "import json, sys; json.dump(list(range(1000, 1256)), open(sys.argv[1], 'w'))" "$D/tokens.json"
 GGML_CUDA_DISABLE_GRAPHS=1 timeout 150 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
     --launch-skip "${KX_NCU_SKIP:-2000}" --launch-count "${KX_NCU_COUNT:-1500}" --csv --log-file "$OUT/ncu-layers.csv" \
