@@ -294,9 +294,11 @@ def test_ahead_lists_come_from_the_layer_before(synth_model: Path, tmp_path: Pat
     scale = float(np.abs(want).max())
     assert toks == want_toks
     assert float(np.abs(got - want).max()) <= 1e-5 * scale
-    assert c.selected == cw.selected and c.nonzero == cw.nonzero  # layer 0's lists only
-    # the layer's own predictor lists neurons, and they change the logits
-    assert cp.selected > cw.selected > 0
+    # layer 0's lists only (the counters count host-side work: on a GPU its selects are not counted)
+    assert c.selected == cw.selected and c.nonzero == cw.nonzero
+    # the layer's own predictor lists neurons (the host part meets more activations), and they
+    # change the logits
+    assert cp.nonzero > cw.nonzero > 0
     assert float(np.abs(plain - want).max()) > 1e-3 * scale
 
 
