@@ -13,7 +13,8 @@
 #   KX_TESTS="tests/..."                   # these GPU tests right after the build
 #   KX_RL_AB="--kx-list-ahead" KX_RL_ROUNDS=3   # instead of the profile: kairox-bench decode rows
 #                                          # at KX_RL_SLOTS slots, without and with these flags,
-#                                          # interleaved ($OUT/ab-layers.json, medians printed)
+#                                          # interleaved ($OUT/ab-layers.json, medians printed;
+#                                          # KX_COMMIT names this tree's commit there)
 set -uo pipefail
 . bench/device/env.sh
 PRESET=${KX_RL_PRESET:-KB-7B}
@@ -45,11 +46,28 @@ echo "model and pack ($(( $(date +%s) - t0 )) s)"
 if [ -n "${KX_RL_AB:-}" ]; then
     for r in $(seq "${KX_RL_ROUNDS:-3}"); do
         for flags in "" "$KX_RL_AB"; do
+            f=$OUT/ab-$r-${#flags}.json
             "$B/llama-bench" -m "$Q" -p 0 -n 128 -r 1 -t "$(nproc)" -o json --sparse predicted --gpu-slots "$SLOTS" \
-                $flags > "$OUT/ab-$r-${#flags}.json" 2> "$OUT/ab-$r-${#flags}.log"
-            echo "round $r [${flags:-default}]: rc=$? $(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))[0]['avg_ts'], 2))" "$OUT/ab-$r-${#flags}.json" 2>&1 | tail -1) tok/s"
+                $flags > "$f" 2> "${f%.json}.log"
+            echo "round $r [${flags:-default}]: rc=$?"
         done
     done
+    # one results file (KX_COMMIT: set it from the development machine, this copy has no history)
+    python3 - "$OUT" "$KX_RL_AB" "$Q" "${KX_COMMIT:-unknown}" <<'PY'
+import glob, json, os, statistics, sys
+out, ab, model, commit = sys.argv[1:]
+rows = []
+for f in sorted(glob.glob(f"{out}/ab-*-*.json")):
+    r, k = os.path.basename(f)[3:-5].split("-")
+    b = json.load(open(f))[0]
+    rows.append({"round": int(r), "flags": ab if k != "0" else "", "tok_s": round(b["avg_ts"], 2), "llama_bench": b})
+    os.remove(f)
+med = {name: statistics.median(r["tok_s"] for r in rows if bool(r["flags"]) == on) for name, on in (("default", False), (ab, True))}
+json.dump({"command": "KX_RL_AB=" + ab + " bash bench/device/rows_layers.sh", "commit": commit, "model": model,
+           "machine": {"gpu": rows[0]["llama_bench"]["gpu_info"], "cpu": rows[0]["llama_bench"]["cpu_info"]},
+           "rows": rows, "medians": med}, open(f"{out}/ab-layers.json", "w"), indent=1)
+print("medians tok/s:", med)
+PY
     exit 0
 fi
 python3 -c "import json, sys; json.dump(list(range(1000, 1256)), open(sys.argv[1], 'w'))" "$D/tokens.json"
