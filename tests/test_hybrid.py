@@ -288,9 +288,12 @@ def test_ahead_lists_come_from_the_layer_before(synth_model: Path, tmp_path: Pat
     ahead, own = silenced_packs(synth_model, tmp_path)
     where = {"n_gpu_layers": -1} if gpu else {"slots_device": "CPU"}
     want_toks, want, cw = run(synth_model, sparse="predicted", sparse_pack=str(own), gpu_slots=100, **where)
+    ahead_layers = []
     toks, got, c = run(synth_model, sparse="predicted", sparse_pack=str(ahead), gpu_slots=100, list_ahead=True,
-                       **where)
-    _, plain, cp = run(synth_model, sparse="predicted", sparse_pack=str(ahead), gpu_slots=100, **where)
+                       inspect=lambda llm: ahead_layers.append(llm.list_ahead_layers), **where)
+    _, plain, cp = run(synth_model, sparse="predicted", sparse_pack=str(ahead), gpu_slots=100,
+                       inspect=lambda llm: ahead_layers.append(llm.list_ahead_layers), **where)
+    assert ahead_layers == [N_LAYER - 1, 0]  # every layer after the first; none without the option
     scale = float(np.abs(want).max())
     assert toks == want_toks
     assert float(np.abs(got - want).max()) <= 1e-5 * scale

@@ -401,6 +401,10 @@ LLAMA_API double  kx_plan_slots(const double * freq, const int64_t * n_group, co
 // Layers whose FFN runs sparse in predicted mode (the rest dense: their lists are too dense
 // to gain), out of the model's; 0 without a pack.
 LLAMA_API int32_t kx_model_sparse_layers(const struct llama_model * model);
+// Layers that compute the list the layer before selected for them (kx_params::list_ahead, in
+// the context's sparse mode): 0 when the option is off or no layer qualifies (layer 0, a layer
+// after one without slots, the modes other than predicted).
+LLAMA_API int32_t kx_context_list_ahead_layers(const struct llama_context * ctx);
 // Per layer of the model at model_path with the pack at pack_path (NULL: next to the model), the
 // sparse FFN's time over the dense FFN's on this CPU with n_threads, at the share of neurons
 // the layer's predicted lists held on calibration tokens; < 0.95 where sparsity gains (what the load

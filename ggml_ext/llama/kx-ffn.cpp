@@ -92,17 +92,6 @@ static bool kx_pipe_layer(const kx_hybrid & hy, int il) {
     return hy.pipeline() && kx_slots_list_ahead(*hy.slots, il) && il < hy.pack->n_layer && hy.pack->layers[il].pred;
 }
 
-// Ahead lists (kx_params::list_ahead): layer il computes the list layer il-1 selected for it,
-// from il-1's FFN input, with il's ahead predictor where the pack has one, else its own (the
-// residual stream changes little between layers). The predictor, its select and their
-// launches leave the serial part of the decode, between attention and the FFN, where the host
-// part waits for them, and run beside layer il-1's host part instead. Layer 0 and a layer
-// after one that is not hybrid select their own.
-static bool kx_list_ahead_layer(const kx_hybrid & hy, int32_t mode, int il) {
-    return hy.list_ahead && mode == KX_SPARSE_PREDICTED && kx_slots_list_ahead(*hy.slots, il) &&
-           il < hy.pack->n_layer && hy.pack->layers[il].pred;
-}
-
 // the name of layer il's list when layer il-1 selected it
 static std::string kx_ahead_name(int il) {
     return "kx_sel_ahead-" + std::to_string(il);
@@ -186,7 +175,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         return hy.thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, S.slotmap, S.thr_off)
                       : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     };
-    ggml_tensor * sel   = kx_list_ahead_layer(hy, mode, il) ? ggml_graph_get_tensor(g.gf, kx_ahead_name(il).c_str()) : nullptr;
+    ggml_tensor * sel   = kx_hybrid_list_ahead(hy, mode, il) ? ggml_graph_get_tensor(g.gf, kx_ahead_name(il).c_str()) : nullptr;
     ggml_tensor * g_all = nullptr;
     if (sel) {
         // selected during layer il-1 (below): nothing between attention and this FFN
@@ -204,7 +193,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
     const bool warm       = kx_warm_layer(hy, mode, il);
     const bool warm_next  = kx_warm_layer(hy, mode, il + 1);
     const bool pipe_next  = kx_pipe_layer(hy, il + 1);
-    const bool ahead_next = kx_list_ahead_layer(hy, mode, il + 1);
+    const bool ahead_next = kx_hybrid_list_ahead(hy, mode, il + 1);
     if (warm) {
         // first on the CPU, before anything that reads the split's inputs (kx-warm.h)
         kx_warm_hook & wh = hy.warm[il];

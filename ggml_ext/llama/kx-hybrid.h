@@ -60,6 +60,17 @@ struct kx_hybrid {
     bool pipe_worker() const { return pipeline() && balancer->params.decide == KX_DECIDE_WORKER; }
 };
 
+// Ahead lists (kx_params::list_ahead): layer il computes the list layer il-1 selected for it,
+// from il-1's FFN input, with il's ahead predictor where the pack has one, else its own (the
+// residual stream changes little between layers). The predictor, its select and their
+// launches leave the serial part of the decode, between attention and the FFN, where the host
+// part waits for them, and run beside layer il-1's host part instead. Layer 0 and a layer
+// after one that is not hybrid select their own.
+inline bool kx_hybrid_list_ahead(const kx_hybrid & hy, int32_t mode, int64_t il) {
+    return hy.list_ahead && mode == KX_SPARSE_PREDICTED && hy.slots && kx_slots_list_ahead(*hy.slots, il) &&
+           il < hy.pack->n_layer && hy.pack->layers[il].pred;
+}
+
 // the model's hybrid, its pack and its slots; nullptr where there is none
 kx_hybrid * kx_model_hybrid(const llama_model * model);
 const kx_pack * kx_model_pack(const llama_model * model);

@@ -151,6 +151,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_model_pack_activation": ([vp], cp),
         "kx_context_set_sparse": ([vp, i32, cp, sz], i32),
         "kx_context_get_sparse": ([vp], i32),
+        "kx_context_list_ahead_layers": ([vp], i32),
         "kx_model_set_slots": ([vp, P(i64), i32, cp, cp, sz], i32),
         "kx_model_slots_bytes": ([vp], i64),
         "kx_model_slots_device": ([vp], cp),

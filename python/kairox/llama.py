@@ -729,6 +729,12 @@ class Llama(llama_cpp.Llama):
             return self.n_layer
         return 0
 
+    @property
+    def list_ahead_layers(self) -> int:
+        """Layers that compute the list the layer before selected for them (list_ahead=True in
+        the predicted hybrid: every layer with slots after one with slots); 0 otherwise."""
+        return int(_lib.kx_context_list_ahead_layers(self._ctx.ctx))
+
     def _warn_if_approximate(self, stacklevel: int) -> None:
         act = _lib.kx_model_pack_activation(self._model.model)
         if self.sparse == "threshold" and act is not None and act != b"relu":
