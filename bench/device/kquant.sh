@@ -24,6 +24,7 @@
 #   KX_KQ_PRED="f16" ...                # the same for packs with these predictor types
 #   KX_KQ_NCU="3 8" ...                 # Nsight Compute's kernel times of the hybrid at these budgets
 #                                       # (GiB) and of llama.cpp with every layer on the GPU
+#   KX_KQ_NCU_AHEAD=1 ...               # ... and of the hybrid with ahead lists (--list-ahead) beside each
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -119,6 +120,8 @@ ncu_run() { # NAME COMMAND...: the CSV, its per-step table, then the CSV compres
 for b in ${KX_KQ_NCU:-}; do
     ncu_run "hybrid-${b}GiB" python3 bench/tpot.py --impl kairox --mode predicted --model "$Q" \
         --tokens "${Q%.gguf}.tokens.json" --prompt-len 64 --ngl 999 --threads 8 --vram-budget "${b}GiB"
+    [ -z "${KX_KQ_NCU_AHEAD:-}" ] || ncu_run "hybrid-${b}GiB-ahead" python3 bench/tpot.py --impl kairox --mode predicted \
+        --model "$Q" --tokens "${Q%.gguf}.tokens.json" --prompt-len 64 --ngl 999 --threads 8 --vram-budget "${b}GiB" --list-ahead
 done
 [ -z "${KX_KQ_NCU:-}" ] || NCU_STEP=flash_attn_ext ncu_run dense-ngl99 "$B/llama-bench" -m "$Q" -p 0 -n 16 -r 1 -t 8 -ngl 99 -fa 1
 echo "all done ($(( $(date +%s) - t0 )) s)"
