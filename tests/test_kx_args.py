@@ -92,6 +92,23 @@ def test_ahead_lists_in_the_completion_tool(native: Path, synth_model: Path, tmp
     assert env.returncode == 0 and "ahead lists: 1 of 2 layers" in env.stderr, env.stderr[-2000:]
 
 
+def test_slots_hold_both_predictors_of_a_prepared_pack(native: Path, tmp_path: Path) -> None:
+    """A pack with own and ahead predictors in every layer (what `kairox prepare` writes) and
+    slots in every layer: the slots hold device copies of both (a load past four such layers
+    used to abort: the slots' tensor count left the ahead copies out)."""
+    import dataclasses
+
+    from kairox.pack import write_pack
+    from kairox.predictor import sketch_for_model
+    from kairox.synth import PRESETS, synth
+    model = synth(tmp_path / "kb-tiny6.gguf", dataclasses.replace(PRESETS["KB-tiny"], n_layer=6), seed=1, quiet=True)
+    sk = sketch_for_model(model)
+    write_pack(model, predictor=sk, ahead=sk, quiet=True)
+    r = complete(native, model, "--sparse", "predicted", "--gpu-slots", "64", *CPU_SLOTS, "--kx-list-ahead")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ahead lists: 5 of 6 layers" in r.stderr, r.stderr[-2000:]
+
+
 def test_environment_names(native: Path, synth_model: Path, dense_text: str, tmp_path: Path) -> None:  # noqa: F811
     trace = tmp_path / "env-trace.jsonl"
     env = {"LLAMA_ARG_SPARSE": "exact", "LLAMA_ARG_GPU_SLOTS": "16", "LLAMA_ARG_KX_SLOTS_DEVICE": "CPU",

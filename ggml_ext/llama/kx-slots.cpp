@@ -126,8 +126,11 @@ std::unique_ptr<kx_slots> kx_slots_build(const llama_model & model, const kx_pac
     slots->on_host = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     slots->layers.resize(n_layer);
 
-    // pass 1: checks and tensor shapes
-    ggml_init_params ip = { ggml_tensor_overhead()*(size_t) (12*n_layer + 1), nullptr, true };
+    // pass 1: checks and tensor shapes. Per layer the device context holds 7 slot tensors (gate,
+    // up, down, three maps, the threshold offsets) and two predictors of 3 (own and ahead); the
+    // host context 3 (coldmap, colddown, seen).
+    constexpr size_t kx_slot_tensors = 7 + 2*3;
+    ggml_init_params ip = { ggml_tensor_overhead()*(kx_slot_tensors*(size_t) n_layer + 1), nullptr, true };
     slots->ctx_dev  = ggml_init(ip);
     slots->ctx_host = ggml_init(ip);
     std::vector<int32_t> checked; // type combinations the device was asked about
