@@ -107,6 +107,12 @@ def test_slots_hold_both_predictors_of_a_prepared_pack(native: Path, tmp_path: P
     r = complete(native, model, "--sparse", "predicted", "--gpu-slots", "64", *CPU_SLOTS, "--kx-list-ahead")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ahead lists: 5 of 6 layers" in r.stderr, r.stderr[-2000:]
+    assert "no ahead predictor" not in r.stderr
+    # a pack without them (`kairox pack`'s sketch): the load says what the lists come from
+    write_pack(model, predictor=sk, quiet=True)
+    r = complete(native, model, "--sparse", "predicted", "--gpu-slots", "64", *CPU_SLOTS, "--kx-list-ahead")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "5 of 5 such layers have no ahead predictor" in r.stderr, r.stderr[-2000:]
 
 
 def test_environment_names(native: Path, synth_model: Path, dense_text: str, tmp_path: Path) -> None:  # noqa: F811
