@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,20 +43,18 @@ def without_ahead(model: Path, pack: Path, out: Path) -> Path:
                                         pk.threshold))
 
 
-def perplexity(model: Path, text: Path, args: argparse.Namespace, flags: list[str]) -> dict:
-    """llama-perplexity with `flags`: {ppl, err, seconds, command}."""
-    from kairox._native import find_bin_dir
-    from kairox.prepare import _PPL_RE
-    cmd = [str(find_bin_dir() / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(args.ctx),
-           "-b", str(args.ctx), "-ub", "1", "--chunks", str(args.chunks), "-t", str(args.threads), "--no-repack",
-           *flags]
+def perplexity(model: Path, text: Path, args: argparse.Namespace, pack: Path | None, flags: list[str]) -> dict:
+    """kairox.prepare.perplexity (llama-perplexity, one token per micro-batch) with `flags`:
+    {ppl, err, seconds}."""
+    from kairox.prepare import PrepareError
+    from kairox.prepare import perplexity as ppl_of
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    m = _PPL_RE.search(p.stdout + p.stderr)
-    if p.returncode != 0 or not m:
-        sys.exit(f"llama-perplexity failed (exit {p.returncode}): {(p.stdout + p.stderr)[-800:]}")
-    return {"ppl": float(m.group(1)), "err": float(m.group(2)), "seconds": round(time.perf_counter() - t0, 1),
-            "command": " ".join(cmd)}
+    try:
+        ppl, err = ppl_of(model, text, chunks=args.chunks, n_ctx=args.ctx, threads=args.threads,
+                          sparse="predicted" if pack else None, pack=pack, extra=flags)
+    except PrepareError as e:
+        sys.exit(str(e))
+    return {"ppl": ppl, "err": err, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def main() -> int:
@@ -79,17 +76,18 @@ def main() -> int:
     n_ff = inspect_model(model)[1].n_ff
     slots = args.slots or n_ff // 2
     bare = without_ahead(model, pack, out.parent / (out.name + "-no-ahead.kxpack.gguf"))
-    hybrid = ["--sparse", "predicted", "--gpu-slots", str(slots), "--kx-slots-device", "CPU"]
-    rows = [("dense", []),
-            ("predicted hybrid, own lists", [*hybrid, "--sparse-pack", str(pack)]),
-            ("predicted hybrid, ahead lists (ahead predictors)", [*hybrid, "--sparse-pack", str(pack), "--kx-list-ahead"]),
-            ("predicted hybrid, ahead lists (own predictor on the layer before's input)",
-             [*hybrid, "--sparse-pack", str(bare), "--kx-list-ahead"])]
+    hybrid = ["--gpu-slots", str(slots), "--kx-slots-device", "CPU"]
+    rows = [("dense", None, []),
+            ("predicted hybrid, own lists", pack, hybrid),
+            ("predicted hybrid, ahead lists (ahead predictors)", pack, [*hybrid, "--kx-list-ahead"]),
+            ("predicted hybrid, ahead lists (own predictor on the layer before's input)", bare,
+             [*hybrid, "--kx-list-ahead"])]
     res = []
-    for name, flags in rows:
-        r = perplexity(model, text, args, flags)
+    for name, pk, flags in rows:
+        r = perplexity(model, text, args, pk, flags)
         print(f"{name}: {r['ppl']:.4f} +/- {r['err']:.4f} ({r['seconds']} s)", flush=True)
-        res.append({"row": name, **r})
+        res.append({"row": name, "flags": (["--sparse", "predicted", "--sparse-pack", pk.name] if pk else []) + flags,
+                    **r})
     bare.unlink()
     dense = res[0]["ppl"]
     raw = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_facts(),

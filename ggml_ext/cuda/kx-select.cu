@@ -1,11 +1,12 @@
 // GGML_OP_KX_SELECT on CUDA: scores -> ascending list of active neuron ids, the CPU
 // kernel's output exactly (same rule, same order, same density fallback).
 //
-// Two launches (the second also writes the host copy of ggml_kx_select_to_host). The ballot kernel spreads the scores over the whole GPU: each warp reads
+// Two launches. The ballot kernel spreads the scores over the whole GPU: each warp reads
 // KX_SELECT_BATCH coalesced 32-neuron chunks (one 128-byte read each per token) and stores
 // one ballot word per chunk. The write kernel, one block, turns the ballots into the list:
 // each of its 32 warps counts a contiguous range of ballots, one scan over the 32 counts gives
-// each warp its output offset, and the warp writes its ids in order.
+// each warp its output offset, and the warp writes its ids in order (and, for
+// ggml_kx_select_to_host, the same words into mapped host memory).
 // Why two: a single block reading every score was bound by its one SM at ~12 GB/s (H200,
 // bench/select_time.cu, scores not in L2: 28672 neurons 14.6 µs, 131072 44.6 µs; 13.1 µs in
 // KB-70B's decode under Nsight Compute). The ballots are n/8 bytes, so the one-block part

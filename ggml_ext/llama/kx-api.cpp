@@ -475,14 +475,7 @@ int32_t llama_context::kx_get_sparse() const {
 
 int32_t kx_context_list_ahead_layers(const llama_context * ctx) {
     const kx_hybrid * hy = ctx ? kx_model_hybrid(&ctx->get_model()) : nullptr;
-    if (!hy) {
-        return 0;
-    }
-    int32_t n = 0;
-    for (int64_t il = 0; il < hy->pack->n_layer; ++il) {
-        n += kx_hybrid_list_ahead(*hy, ctx->kx_get_sparse(), il);
-    }
-    return n;
+    return hy ? kx_hybrid_list_ahead_layers(*hy, ctx->kx_get_sparse(), nullptr) : 0;
 }
 
 int32_t kx_model_sparse_layers(const llama_model * model) {

@@ -71,6 +71,22 @@ inline bool kx_hybrid_list_ahead(const kx_hybrid & hy, int32_t mode, int64_t il)
            il < hy.pack->n_layer && hy.pack->layers[il].pred;
 }
 
+// how many layers list ahead in `mode`; *bare (may be NULL): how many of them without an ahead
+// predictor in the pack (their own predictor reads the layer before's input)
+inline int32_t kx_hybrid_list_ahead_layers(const kx_hybrid & hy, int32_t mode, int32_t * bare) {
+    int32_t n = 0, nb = 0;
+    for (int64_t il = 0; il < hy.pack->n_layer; ++il) {
+        if (kx_hybrid_list_ahead(hy, mode, il)) {
+            ++n;
+            nb += !hy.pack->layers[il].pred_ahead;
+        }
+    }
+    if (bare) {
+        *bare = nb;
+    }
+    return n;
+}
+
 // the model's hybrid, its pack and its slots; nullptr where there is none
 kx_hybrid * kx_model_hybrid(const llama_model * model);
 const kx_pack * kx_model_pack(const llama_model * model);

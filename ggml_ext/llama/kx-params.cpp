@@ -660,13 +660,8 @@ static void kx_start_balancer(llama_model * model, const kx_params * kp) {
 // recall 0.66-0.77 on four layers, perplexity far above the ahead predictors',
 // docs/ARCHITECTURE.md): said once at load.
 static void kx_warn_ahead_without_predictor(const kx_hybrid & hy, int32_t mode) {
-    int32_t n = 0, bare = 0;
-    for (int64_t il = 0; il < hy.pack->n_layer; ++il) {
-        if (kx_hybrid_list_ahead(hy, mode, il)) {
-            ++n;
-            bare += !hy.pack->layers[il].pred_ahead;
-        }
-    }
+    int32_t bare = 0;
+    const int32_t n = kx_hybrid_list_ahead_layers(hy, mode, &bare);
     if (bare > 0) {
         LLAMA_LOG_WARN("kairox: ahead lists: %d of %d such layers have no ahead predictor in the pack: their own "
                        "predictor reads the layer before's input and can miss neurons (`kairox prepare` trains "
