@@ -256,67 +256,6 @@ def test_gpu_warm_up_keeps_the_output(synth_model: Path) -> None:
     assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
 
 
-def silenced_packs(model: Path, out: Path) -> tuple[Path, Path]:
-    """Two packs of `model` (identity layout, its sketch predictor): in the first every ahead
-    predictor lists no neuron (B = 0, c = -1); in the second the own predictor of every layer
-    after the first does. A layer that takes its list from the layer before through the first
-    pack computes what it computes with its own list through the second: nothing."""
-    from kairox.pack import PackPredictor
-    from kairox.predictor import sketch_for_model
-    sk = sketch_for_model(model)
-
-    def silent(il: int):
-        a, b, c = sk.layer(il)
-        return a, np.zeros_like(b), np.full_like(c, -1.0)
-    ahead = write_pack(model, out / "ahead-silent.kxpack.gguf", predictor=sk, quiet=True,
-                       ahead=PackPredictor(sk.rank, silent, sk.dtype, {"kind": "silent"}))
-    own = write_pack(model, out / "own-silent.kxpack.gguf", quiet=True,
-                     predictor=PackPredictor(sk.rank, lambda il: sk.layer(il) if il == 0 else silent(il),
-                                             sk.dtype, {"kind": "silent after layer 0"}))
-    return ahead, own
-
-
-@pytest.mark.parametrize("gpu", [False, True])
-def test_ahead_lists_come_from_the_layer_before(synth_model: Path, tmp_path: Path, gpu: bool) -> None:
-    """list_ahead: layer 1's list is the one layer 0 selected for it with layer 1's ahead
-    predictor (kx-ffn.cpp). Through a pack whose ahead predictors list nothing, the output is
-    that of the default path through a pack whose own predictor lists nothing after layer 0;
-    without list_ahead the first pack's own predictors run and the output differs."""
-    from kairox._native import has_gpu, sparse_counters
-    if gpu and not has_gpu():
-        pytest.skip("no GPU here (the GPU machine runs this: bench/device/kquant.sh KX_TESTS)")
-    ahead, own = silenced_packs(synth_model, tmp_path)
-    where = {"n_gpu_layers": -1} if gpu else {"slots_device": "CPU"}
-    want_toks, want, cw = run(synth_model, sparse="predicted", sparse_pack=str(own), gpu_slots=100, **where)
-    ahead_layers = []
-    toks, got, c = run(synth_model, sparse="predicted", sparse_pack=str(ahead), gpu_slots=100, list_ahead=True,
-                       inspect=lambda llm: ahead_layers.append(llm.list_ahead_layers), **where)
-    _, plain, cp = run(synth_model, sparse="predicted", sparse_pack=str(ahead), gpu_slots=100,
-                       inspect=lambda llm: ahead_layers.append(llm.list_ahead_layers), **where)
-    assert ahead_layers == [N_LAYER - 1, 0]  # every layer after the first; none without the option
-    scale = float(np.abs(want).max())
-    assert toks == want_toks
-    assert float(np.abs(got - want).max()) <= 1e-5 * scale
-    # layer 0's lists only (the counters count host-side work: on a GPU its selects are not counted)
-    assert c.selected == cw.selected and c.nonzero == cw.nonzero
-    # the layer's own predictor lists neurons (the host part meets more activations), and they
-    # change the logits
-    assert cp.nonzero > cw.nonzero > 0
-    assert float(np.abs(plain - want).max()) > 1e-3 * scale
-
-
-def test_ahead_lists_need_the_predicted_hybrid(synth_model: Path) -> None:
-    import kairox
-    with pytest.raises(ValueError, match="list_ahead"):
-        kairox.Llama(str(synth_model), sparse="predicted", list_ahead=True, verbose=False)
-    with pytest.raises(ValueError, match="predicted mode"):
-        kairox.Llama(str(synth_model), sparse="exact", gpu_slots=8, slots_device="CPU", list_ahead=True,
-                     verbose=False)
-    with pytest.raises(TypeError, match="list_ahead"):
-        kairox.Llama(str(synth_model), sparse="predicted", gpu_slots=8, slots_device="CPU", list_ahead=1,
-                     verbose=False)
-
-
 def retyped_ffn_bf16(src: Path, dst: Path) -> Path:
     """A copy of the model `src` whose ffn_gate and ffn_up are BF16 (every key and other
     tensor as they are), with a pack of its own."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_hybrid import silenced_packs, synth_model  # noqa: F401  (synth_model: KB-tiny with a pack, a fixture)
+from test_hybrid import synth_model  # noqa: F401  (KB-tiny with a pack: a pytest fixture)
 from test_sparse import same_text
 
 CPU_SLOTS = ("--kx-slots-device", "CPU")
@@ -71,27 +71,6 @@ def test_the_runtime_runs_the_balancer_for_a_plain_tool(native: Path, synth_mode
     assert recs[0]["lam"] != 0.5                  # --balancer-lambda reached it (adapted from 0.3)
 
 
-def test_ahead_lists_in_the_completion_tool(native: Path, synth_model: Path, tmp_path: Path) -> None:  # noqa: F811
-    """--kx-list-ahead reaches the runtime from a plain tool: the load names the layers that list
-    ahead, and through a pack whose ahead predictors list nothing the text is that of a pack
-    whose own predictors list nothing after layer 0 (tests/test_hybrid.py compares the logits,
-    which the synthetic model's greedy text is too coarse to tell apart without the flag)."""
-    ahead, own = silenced_packs(synth_model, tmp_path)
-    run = ("--sparse", "predicted", "--gpu-slots", "100", *CPU_SLOTS)
-    want = complete(native, synth_model, *run, "--sparse-pack", str(own))
-    got = complete(native, synth_model, *run, "--sparse-pack", str(ahead), "--kx-list-ahead")
-    plain = complete(native, synth_model, *run, "--sparse-pack", str(ahead))
-    for r in (want, got, plain):
-        assert r.returncode == 0, r.stderr[-2000:]
-    assert same_text(got.stdout, want.stdout), (got.stdout, want.stdout)
-    # the load says which layers list ahead (KB-tiny: layer 1 of 2); without the flag none
-    assert "ahead lists: 1 of 2 layers" in got.stderr, got.stderr[-2000:]
-    assert "ahead lists" not in plain.stderr
-    # the environment form too
-    env = complete(native, synth_model, *run, "--sparse-pack", str(ahead), env={"LLAMA_ARG_KX_LIST_AHEAD": "1"})
-    assert env.returncode == 0 and "ahead lists: 1 of 2 layers" in env.stderr, env.stderr[-2000:]
-
-
 def test_slots_hold_both_predictors_of_a_prepared_pack(native: Path, tmp_path: Path) -> None:
     """A pack with own and ahead predictors in every layer (what `kairox prepare` writes) and
     slots in every layer: the slots hold device copies of both (a load past four such layers
@@ -104,15 +83,9 @@ def test_slots_hold_both_predictors_of_a_prepared_pack(native: Path, tmp_path: P
     model = synth(tmp_path / "kb-tiny6.gguf", dataclasses.replace(PRESETS["KB-tiny"], n_layer=6), seed=1, quiet=True)
     sk = sketch_for_model(model)
     write_pack(model, predictor=sk, ahead=sk, quiet=True)
-    r = complete(native, model, "--sparse", "predicted", "--gpu-slots", "64", *CPU_SLOTS, "--kx-list-ahead")
+    r = complete(native, model, "--sparse", "predicted", "--gpu-slots", "64", *CPU_SLOTS)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "ahead lists: 5 of 6 layers" in r.stderr, r.stderr[-2000:]
-    assert "no ahead predictor" not in r.stderr
-    # a pack without them (`kairox pack`'s sketch): the load says what the lists come from
-    write_pack(model, predictor=sk, quiet=True)
-    r = complete(native, model, "--sparse", "predicted", "--gpu-slots", "64", *CPU_SLOTS, "--kx-list-ahead")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "5 of 5 such layers have no ahead predictor" in r.stderr, r.stderr[-2000:]
+    assert "hybrid FFN: 384 neurons in slots" in r.stderr, r.stderr[-2000:]  # 64 in each of 6 layers
 
 
 def test_environment_names(native: Path, synth_model: Path, dense_text: str, tmp_path: Path) -> None:  # noqa: F811
@@ -208,7 +181,6 @@ def test_help_lists_the_options(native: Path) -> None:
     r = tool(native, "llama-completion", "--help")
     for flag in ("--vram-budget", "--gpu-slots", "--kx-plan", "--mapped-share", "--balancer ", "--balancer-lambda",
                  "--balancer-pipeline", "--balancer-backoff", "--kx-error-budget", "--kx-trace", "--kx-sched-trace", "--sparse-pack",
-                 "--kx-list-ahead",
                  "LLAMA_ARG_VRAM_BUDGET"):
         assert flag in r.stdout, flag
 

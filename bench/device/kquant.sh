@@ -18,13 +18,13 @@
 #   KX_ROUNDS=3 ...                     # interleaved rounds of the binaries' rows
 #   KX_KQ_ROWS="mapped 0.3=--mapped-share 0.3;no warm=--no-kx-warm"  # more kairox-completion rows
 #   KX_KQ_NAME=tools-bench-x ...        # the results' file stem
+#   KX_KQ_THREADS="8,16" ...            # thread counts searched for llama.cpp's and kairox-bench's rows
 #   KX_KQ_DOWN="q4_k q6_k" ...          # also packs with these down-row types (the model
 #                                       # linked under another name, its pack written the same
 #                                       # way), each a kairox-completion row with --sparse-pack
 #   KX_KQ_PRED="f16" ...                # the same for packs with these predictor types
 #   KX_KQ_NCU="3 8" ...                 # Nsight Compute's kernel times of the hybrid at these budgets
 #                                       # (GiB) and of llama.cpp with every layer on the GPU
-#   KX_KQ_NCU_AHEAD=1 ...               # ... and of the hybrid with ahead lists (--list-ahead) beside each
 set -uo pipefail
 . bench/device/env.sh
 mkdir -p /tmp/kxbench
@@ -95,6 +95,7 @@ if [ "${KX_KQ_STAGE:-}" != ncu ]; then
     for r in "${extra[@]}"; do rows+=(--completion-row "$r"); done
     python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$B" --out "$OUT" \
         --rounds "${KX_ROUNDS:-3}" --gen 128 --threads "$(nproc)" "${rows[@]}" ${KX_KQ_NAME:+--name "$KX_KQ_NAME"} \
+        ${KX_KQ_THREADS:+--bench-threads "$KX_KQ_THREADS"} \
         || echo "tools_bench FAILED"
     echo "tools_bench done ($(( $(date +%s) - t0 )) s)"
     if [ -n "${KX_KQ_TPOT:-}" ]; then
@@ -120,8 +121,6 @@ ncu_run() { # NAME COMMAND...: the CSV, its per-step table, then the CSV compres
 for b in ${KX_KQ_NCU:-}; do
     ncu_run "hybrid-${b}GiB" python3 bench/tpot.py --impl kairox --mode predicted --model "$Q" \
         --tokens "${Q%.gguf}.tokens.json" --prompt-len 64 --ngl 999 --threads 8 --vram-budget "${b}GiB"
-    [ -z "${KX_KQ_NCU_AHEAD:-}" ] || ncu_run "hybrid-${b}GiB-ahead" python3 bench/tpot.py --impl kairox --mode predicted \
-        --model "$Q" --tokens "${Q%.gguf}.tokens.json" --prompt-len 64 --ngl 999 --threads 8 --vram-budget "${b}GiB" --list-ahead
 done
 [ -z "${KX_KQ_NCU:-}" ] || NCU_STEP=flash_attn_ext ncu_run dense-ngl99 "$B/llama-bench" -m "$Q" -p 0 -n 16 -r 1 -t 8 -ngl 99 -fa 1
 echo "all done ($(( $(date +%s) - t0 )) s)"

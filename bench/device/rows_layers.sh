@@ -11,7 +11,7 @@
 #   KX_RL_PRESET=KB-7B KX_RL_LAYERS=4 KX_RL_TYPE=Q4_K_M KX_RL_SLOTS=4166   # the defaults
 #   KX_RL_OPS="KX_SELECT"                  # the ops test-backend-ops checks (default: the three)
 #   KX_TESTS="tests/..."                   # these GPU tests right after the build
-#   KX_RL_AB="--kx-list-ahead" KX_RL_ROUNDS=3   # instead of the profile: kairox-bench decode rows
+#   KX_RL_AB="--no-kx-warm" KX_RL_ROUNDS=3      # instead of the profile: kairox-bench decode rows
 #                                          # at KX_RL_SLOTS slots, without and with these flags,
 #                                          # interleaved ($OUT/ab-layers.json, medians printed;
 #                                          # KX_COMMIT names this tree's commit there)

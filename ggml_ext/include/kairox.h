@@ -274,10 +274,6 @@ struct kx_params {
     bool            pinned;            // under a budget: host weights page-locked, the model read, not mapped
                                        // (default true; false: mapped, and nothing streams)
     bool            warm;              // hybrid: warm the host caches with the next layer's rows (default true)
-    bool            list_ahead;        // hybrid, predicted: each layer after the first computes the list the layer
-                                       // before predicted for it (its ahead predictor on that layer's FFN input),
-                                       // so no predictor or select runs between attention and the FFN; the
-                                       // lists are a layer older (default false, docs/ARCHITECTURE.md)
     bool            stream;            // a budget of whole tensors: host tensors the placement picks are copied
                                        // into a GPU scratch ahead of their use and multiplied there (default
                                        // true; with pinned only: the model is then read, not mapped)
@@ -401,10 +397,6 @@ LLAMA_API double  kx_plan_slots(const double * freq, const int64_t * n_group, co
 // Layers whose FFN runs sparse in predicted mode (the rest dense: their lists are too dense
 // to gain), out of the model's; 0 without a pack.
 LLAMA_API int32_t kx_model_sparse_layers(const struct llama_model * model);
-// Layers that compute the list the layer before selected for them (kx_params::list_ahead, in
-// the context's sparse mode): 0 when the option is off or no layer qualifies (layer 0, a layer
-// after one without slots, the modes other than predicted).
-LLAMA_API int32_t kx_context_list_ahead_layers(const struct llama_context * ctx);
 // Per layer of the model at model_path with the pack at pack_path (NULL: next to the model), the
 // sparse FFN's time over the dense FFN's on this CPU with n_threads, at the share of neurons
 // the layer's predicted lists held on calibration tokens; < 0.95 where sparsity gains (what the load

@@ -473,11 +473,6 @@ int32_t llama_context::kx_get_sparse() const {
     return cparams.kx_sparse_mode;
 }
 
-int32_t kx_context_list_ahead_layers(const llama_context * ctx) {
-    const kx_hybrid * hy = ctx ? kx_model_hybrid(&ctx->get_model()) : nullptr;
-    return hy ? kx_hybrid_list_ahead_layers(*hy, ctx->kx_get_sparse(), nullptr) : 0;
-}
-
 int32_t kx_model_sparse_layers(const llama_model * model) {
     const kx_pack * pack = model ? kx_model_pack(model) : nullptr;
     if (!pack) {

@@ -41,7 +41,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <string>
 
 // Prefill stays dense: above this many tokens per ubatch the union of active sets
 // approaches the whole layer and dense GEMM kernels beat row gathers.
@@ -90,11 +89,6 @@ static bool kx_warm_layer(const kx_hybrid & hy, int32_t mode, int il) {
 // reads (any mode: the pipeline's list comes from the predictor)
 static bool kx_pipe_layer(const kx_hybrid & hy, int il) {
     return hy.pipeline() && kx_slots_list_ahead(*hy.slots, il) && il < hy.pack->n_layer && hy.pack->layers[il].pred;
-}
-
-// the name of layer il's list when layer il-1 selected it
-static std::string kx_ahead_name(int il) {
-    return "kx_sel_ahead-" + std::to_string(il);
 }
 
 // the prefetch's three phases (kx-pipeline.cpp): begin and end on one thread, the scan on all.
@@ -170,16 +164,9 @@ static ggml_tensor * kx_build_ffn_hybrid(
         return t;
     };
 
-    // load-aware thresholds (kx-thresholds.h): one offset per side, read from the slots' device
-    auto select_list = [&](ggml_tensor * s, const kx_slot_layer & S) {
-        return hy.thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, S.slotmap, S.thr_off)
-                      : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
-    };
-    ggml_tensor * sel   = kx_hybrid_list_ahead(hy, mode, il) ? ggml_graph_get_tensor(g.gf, kx_ahead_name(il).c_str()) : nullptr;
+    ggml_tensor * sel;
     ggml_tensor * g_all = nullptr;
-    if (sel) {
-        // selected during layer il-1 (below): nothing between attention and this FFN
-    } else if (kx_mode_gates_all(mode)) {
+    if (kx_mode_gates_all(mode)) {
         // exact / threshold: the true gate of every neuron, from the host weights
         g_all = on_cpu(ggml_mul_mat(ctx0, gate, cur));
         g.cb(g_all, "ffn_gate", il);
@@ -187,13 +174,14 @@ static ggml_tensor * kx_build_ffn_hybrid(
     } else {
         ggml_tensor * s = kx_predict(ctx0, cur, L.pred, &H.pred);
         g.cb(s, "kx_pred", il);
-        sel = select_list(s, H);
+        // load-aware thresholds (kx-thresholds.h): one offset per side, read from the slots' device
+        sel = hy.thr ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, H.slotmap, H.thr_off)
+                              : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
     g.cb(sel, "kx_sel", il);
-    const bool warm       = kx_warm_layer(hy, mode, il);
-    const bool warm_next  = kx_warm_layer(hy, mode, il + 1);
-    const bool pipe_next  = kx_pipe_layer(hy, il + 1);
-    const bool ahead_next = kx_hybrid_list_ahead(hy, mode, il + 1);
+    const bool warm      = kx_warm_layer(hy, mode, il);
+    const bool warm_next = kx_warm_layer(hy, mode, il + 1);
+    const bool pipe_next = kx_pipe_layer(hy, il + 1);
     if (warm) {
         // first on the CPU, before anything that reads the split's inputs (kx-warm.h)
         kx_warm_hook & wh = hy.warm[il];
@@ -213,20 +201,14 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_tensor * s = P.pred_ahead ? kx_predict(ctx0, cur, P.pred_ahead, &N.pred_ahead)
                                        : kx_predict(ctx0, cur, P.pred, &N.pred);
         // with load-aware thresholds, the rows the host part will read (not those it skips);
-        // the pipeline needs the whole list (a listed resident is no victim) unless the list is
-        // layer il+1's own (then it lists exactly the neurons that layer computes)
-        ggml_tensor * sn = hy.thr && (ahead_next || !pipe_next) ? select_list(s, N)
-                                 : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
-        if (warm_next || pipe_next) {
-            sn = ggml_kx_select_set_host(sn, N.ahead);
-        }
+        // the pipeline needs the whole list (a listed resident is no victim)
+        ggml_tensor * sn = ggml_kx_select_set_host(
+            hy.thr && !pipe_next ? ggml_kx_select_split(ctx0, s, 0.0f, kx_max_density, N.slotmap, N.thr_off)
+                                 : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE), N.ahead);
         g.cb(sn, "kx_sel_next", il);
-        if (ahead_next) {
-            ggml_set_name(sn, kx_ahead_name(il + 1).c_str()); // found by layer il+1's build
-        }
         ggml_build_forward_expand(g.gf, sn);
     };
-    if ((pipe_next || ahead_next) && slots.on_host) {
+    if (pipe_next && slots.on_host) {
         list_next(); // one split: the list first, for the prefetch below
     }
     // the balancer's view of this decode: the list, copied on the CPU beside the host part
@@ -281,7 +263,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
         g.cb(yv, out_name, il);
         return yv;
     };
-    if ((warm_next || pipe_next || ahead_next) && !slots.on_host) { // (no warm-up with slots on the host)
+    if ((warm_next || pipe_next) && !(pipe_next && slots.on_host)) {
         list_next();
     }
     ggml_tensor * yg = device_part(H.gate, H.up, H.down, H.slotmap, H.slotmap, "ffn_up_gpu", "ffn_act_gpu", "ffn_out_gpu");

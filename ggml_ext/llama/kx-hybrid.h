@@ -47,8 +47,6 @@ struct kx_hybrid {
     mutable std::vector<kx_warm_hook> warm;
     bool warm_on = true; // hybrid layers warm the host caches with the next layer's rows
                          // (kx_params::warm), read at each graph build
-    bool list_ahead = false; // predicted hybrid layers compute the lists the layer before selected
-                             // for them (kx_params::list_ahead), read at each graph build
     // changes whenever graphs built before would be wrong: slots replaced, the mapped share,
     // the pipeline's nodes, the select's form (graph reuse compares it, llama_cparams)
     uint32_t graph_gen = 0;
@@ -59,33 +57,6 @@ struct kx_hybrid {
     bool pipeline() const { return balancer && balancer->params.pipeline && !balancer->held; }
     bool pipe_worker() const { return pipeline() && balancer->params.decide == KX_DECIDE_WORKER; }
 };
-
-// Ahead lists (kx_params::list_ahead): layer il computes the list layer il-1 selected for it,
-// from il-1's FFN input, with il's ahead predictor where the pack has one, else its own (the
-// residual stream changes little between layers). The predictor, its select and their
-// launches leave the serial part of the decode, between attention and the FFN, where the host
-// part waits for them, and run beside layer il-1's host part instead. Layer 0 and a layer
-// after one that is not hybrid select their own.
-inline bool kx_hybrid_list_ahead(const kx_hybrid & hy, int32_t mode, int64_t il) {
-    return hy.list_ahead && mode == KX_SPARSE_PREDICTED && hy.slots && kx_slots_list_ahead(*hy.slots, il) &&
-           il < hy.pack->n_layer && hy.pack->layers[il].pred;
-}
-
-// how many layers list ahead in `mode`; *bare (may be NULL): how many of them without an ahead
-// predictor in the pack (their own predictor reads the layer before's input)
-inline int32_t kx_hybrid_list_ahead_layers(const kx_hybrid & hy, int32_t mode, int32_t * bare) {
-    int32_t n = 0, nb = 0;
-    for (int64_t il = 0; il < hy.pack->n_layer; ++il) {
-        if (kx_hybrid_list_ahead(hy, mode, il)) {
-            ++n;
-            nb += !hy.pack->layers[il].pred_ahead;
-        }
-    }
-    if (bare) {
-        *bare = nb;
-    }
-    return n;
-}
 
 // the model's hybrid, its pack and its slots; nullptr where there is none
 kx_hybrid * kx_model_hybrid(const llama_model * model);

@@ -655,31 +655,14 @@ static void kx_start_balancer(llama_model * model, const kx_params * kp) {
     kx_check(kx_model_balancer_start(model, &bp, e, sizeof(e)), KX_ERR_PARAMS, "the balancer: ", e);
 }
 
-// Ahead lists on a layer whose pack has no ahead predictor come from its own predictor fed the
-// previous layer's input, which misses neurons where the residual stream turns (Gemma 3 270M:
-// recall 0.66-0.77 on four layers, perplexity far above the ahead predictors',
-// docs/ARCHITECTURE.md): said once at load.
-static void kx_warn_ahead_without_predictor(const kx_hybrid & hy, int32_t mode) {
-    int32_t bare = 0;
-    const int32_t n = kx_hybrid_list_ahead_layers(hy, mode, &bare);
-    if (bare > 0) {
-        LLAMA_LOG_WARN("kairox: ahead lists: %d of %d such layers have no ahead predictor in the pack: their own "
-                       "predictor reads the layer before's input and can miss neurons (`kairox prepare` trains "
-                       "ahead predictors)\n", bare, n);
-    }
-}
-
 // slots, mode, share, balancer: the hybrid on these counts
 static void kx_place(llama_context * ctx, llama_model * model, const kx_params * kp, const std::vector<int64_t> & counts,
                      int32_t mode, int32_t refuse) {
     char e[1024];
     kx_check(kx_model_set_slots_faults(model, counts.data(), (int32_t) counts.size(), kp->slots_device, kp->faults,
                                        e, sizeof(e)), refuse, "neuron slots: ", e);
-    kx_hybrid * hy = kx_model_hybrid(model); // (set: the call above succeeded)
-    hy->warm_on    = kp->warm;
-    hy->list_ahead = kp->list_ahead;
+    kx_model_hybrid(model)->warm_on = kp->warm; // (set: the call above succeeded)
     kx_check(kx_context_set_sparse(ctx, mode, e, sizeof(e)), refuse, "", e);
-    kx_warn_ahead_without_predictor(*hy, mode);
     if (kp->mapped_share > 0.0f) {
         kx_check(kx_context_set_mapped_share(ctx, kp->mapped_share, e, sizeof(e)), KX_ERR_PARAMS, "", e);
     }

@@ -93,10 +93,6 @@ class KairoxOptions:
     balancer_backoff: Any = dataclasses.field(default_factory=BackoffConfig)
     # hybrid: warm the host caches with the next layer's predicted rows while the GPU works
     warm: bool = True
-    # hybrid, predicted: each layer after the first computes the list the layer before predicted
-    # for it, so no predictor or select runs between attention and the FFN (the lists are a
-    # layer older; docs/ARCHITECTURE.md, "Ahead lists")
-    list_ahead: bool = False
     # a VRAM budget of whole tensors (no pack): host tensors the placement picks are copied into
     # a GPU scratch ahead of their use and multiplied there, beside the CPU's own work
     stream: bool = True
@@ -182,14 +178,9 @@ class KairoxOptions:
                              "vram_budget or a plan")
         if self.error_budget is not None and self.sparse in ("exact", "threshold"):
             raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode")
-        for name in ("pinned", "warm", "list_ahead", "stream", "migrate", "measure_gain"):
+        for name in ("pinned", "warm", "stream", "migrate", "measure_gain"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}")
-        if self.list_ahead and not self.wants_slots:
-            raise ValueError("list_ahead lists the hybrid FFN's layers a layer early: give gpu_slots, "
-                             "vram_budget or a plan")
-        if self.list_ahead and self.sparse in ("exact", "threshold", "dense"):
-            raise ValueError("list_ahead lists from the predictor: it needs the predicted mode")
         if self.trace is not None and not self.balancer:
             raise ValueError("trace records the live balancer's steps: give balancer= too")
         if self.plan is not None and not isinstance(self.plan, (str, os.PathLike)):
@@ -251,7 +242,6 @@ class KairoxOptions:
         kp.slots_device = text(self.slots_device)
         kp.pinned, kp.warm, kp.stream, kp.migrate = self.pinned, self.warm, self.stream, self.migrate
         kp.measure_gain = self.measure_gain
-        kp.list_ahead = self.list_ahead
         kp.mapped_share = float(self.mapped_share)
         if self.balancer:
             kp.balancer = capi.BALANCER_MODES.index("adaptive" if self.balancer.adaptive else "fixed")
@@ -728,12 +718,6 @@ class Llama(llama_cpp.Llama):
         if self.sparse == "exact" and _lib.kx_model_pack_activation(self._model.model) == b"relu":
             return self.n_layer
         return 0
-
-    @property
-    def list_ahead_layers(self) -> int:
-        """Layers that compute the list the layer before selected for them (list_ahead=True in
-        the predicted hybrid: every layer with slots after one with slots); 0 otherwise."""
-        return int(_lib.kx_context_list_ahead_layers(self._ctx.ctx))
 
     def _warn_if_approximate(self, stacklevel: int) -> None:
         act = _lib.kx_model_pack_activation(self._model.model)

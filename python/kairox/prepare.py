@@ -44,7 +44,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -743,9 +743,8 @@ _PPL_RE = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 
 
 def perplexity(model: Path, text: Path, *, chunks: int, n_ctx: int, threads: int | None,
-               sparse: str | None = None, pack: Path | None = None,
-               extra: Sequence[str] = ()) -> tuple[float, float]:
-    """(perplexity, its standard error) from llama-perplexity on `text` (`extra`: more of its flags).
+               sparse: str | None = None, pack: Path | None = None) -> tuple[float, float]:
+    """(perplexity, its standard error) from llama-perplexity on `text`.
 
     One token per micro-batch: a sparse FFN decides per token, and a union over a batch
     would compute neurons a token alone would skip (that would flatter the sparse modes)."""
@@ -755,7 +754,6 @@ def perplexity(model: Path, text: Path, *, chunks: int, n_ctx: int, threads: int
            "-t", str(threads or os.cpu_count() or 1), "--no-repack"]
     if sparse:
         cmd += ["--sparse", sparse, "--sparse-pack", str(pack)]
-    cmd += extra
     p = subprocess.run(cmd, capture_output=True, text=True)
     m = _PPL_RE.search(p.stdout + p.stderr)
     if p.returncode != 0 or not m:

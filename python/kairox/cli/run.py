@@ -85,8 +85,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                                  "add --balancer")
             if not args.warm:
                 hybrid["warm"] = False
-            if args.list_ahead:
-                hybrid["list_ahead"] = True
             if not args.stream:
                 hybrid["stream"] = False
             if args.migrate:
@@ -258,10 +256,6 @@ def register(sub) -> None:
                    "pinned; prompts offloaded to the GPU then copy them more slowly, and nothing is streamed)")
     p.add_argument("--no-kx-warm", dest="warm", action="store_false",
                    help="hybrid: do not warm the host caches with the next layer's predicted rows while the GPU works")
-    p.add_argument("--kx-list-ahead", dest="list_ahead", action="store_true",
-                   help="hybrid, predicted: compute each layer's list during the layer before (its ahead "
-                   "predictor on that layer's input), so no predictor runs between attention and the FFN; "
-                   "faster, the lists a layer older")
     p.add_argument("--no-kx-stream", dest="stream", action="store_false",
                    help="a budget of whole tensors (a model without a pack): do not stream host-resident "
                    "tensors to the GPU through a scratch buffer beside the CPU's work")
