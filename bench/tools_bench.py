@@ -113,7 +113,11 @@ def main() -> int:
     ap.add_argument("--completion-row", action="append", default=[], metavar="LABEL=FLAGS",
                     help="one more kairox-completion row: the hybrid's flags and these (any common "
                          "flag: --mapped-share, --no-kx-warm, -t; repeatable)")
+    ap.add_argument("--bench-threads", default=None, metavar="N,N",
+                    help="thread counts searched for the llama-bench rows (llama.cpp's and kairox-bench's; "
+                         "llama.cpp's best over them is the baseline); default: --threads")
     args = ap.parse_args()
+    bench_threads = [int(v) for v in args.bench_threads.split(",")] if args.bench_threads else [args.threads]
     exe = Path(args.bin) / "llama-bench"
     hybrid = ["--vram-budget", args.budget, "--sparse", args.sparse]
     search = None
@@ -122,11 +126,13 @@ def main() -> int:
         fas = ("0", "1")
     else:
         ngl, fas = int(args.ngl), ("1",)
+    tl = (lambda n: f" -t {n}") if len(bench_threads) > 1 else (lambda n: "")  # labels name searched counts
     rows: dict[str, dict] = {
-        **{f"llama.cpp dense -ngl {ngl} -fa {fa} (kairox-bench)": {"kind": "bench", "llama": True,
-                                                                  "extra": ["-ngl", str(ngl), "-fa", fa]}
-           for fa in fas},
-        f"kairox-bench {' '.join(hybrid)}": {"kind": "bench", "extra": hybrid},
+        **{f"llama.cpp dense -ngl {ngl} -fa {fa}{tl(n)} (kairox-bench)": {"kind": "bench", "llama": True, "threads": n,
+                                                                         "extra": ["-ngl", str(ngl), "-fa", fa]}
+           for n in bench_threads for fa in fas},
+        **{f"kairox-bench {' '.join(hybrid)}{tl(n)}": {"kind": "bench", "threads": n, "extra": hybrid}
+           for n in bench_threads},
         f"kairox-completion {' '.join(hybrid)}": {"kind": "completion", "extra": hybrid},
         f"kairox run {' '.join(hybrid)}": {"kind": "run", "extra": hybrid},
     }
@@ -142,7 +148,7 @@ def main() -> int:
     for k in range(args.rounds):
         for label, r in rows.items():
             if r["kind"] == "bench":
-                r["cmd"], ts = bench_row(exe, args.model, args.gen, args.threads, r["extra"], peak=r["peak_mib"])
+                r["cmd"], ts = bench_row(exe, args.model, args.gen, r["threads"], r["extra"], peak=r["peak_mib"])
             elif r["kind"] == "completion":
                 r["cmd"], ts = completion_row(exe.parent / "llama-completion", args.model, args.gen, args.threads,
                                               r["extra"])
@@ -154,7 +160,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"tools-bench-{Path(args.model).stem}"
     res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": Path(args.model).name,
-           "budget": args.budget, "gen": args.gen, "threads": args.threads, "ngl_search": search,
+           "budget": args.budget, "gen": args.gen, "threads": args.threads, "bench_threads": bench_threads,
+           "ngl_search": search,
            "ngl0_peak_mib": ctx,
            "rows": [{"row": label, "command": " ".join(r["cmd"]), "tok_s": r["tok_s"], "peak_mib": r["peak_mib"]}
                     for label, r in rows.items()]}
@@ -162,7 +169,8 @@ def main() -> int:
     base = max(statistics.median(r["tok_s"]) for r in rows.values() if r.get("llama"))  # llama.cpp's best
     run_med = statistics.median(rows[f"kairox run {' '.join(hybrid)}"]["tok_s"])
     lines = [f"# {Path(args.model).name} at a {args.budget} VRAM budget, through the binaries",
-             "", f"decode of {args.gen} tokens, {args.threads} threads, {args.rounds} interleaved rounds; "
+             "", f"decode of {args.gen} tokens, {args.threads} threads (llama-bench rows: {','.join(map(str, bench_threads))}), "
+             f"{args.rounds} interleaved rounds; "
              f"commit {res['commit']}", "",
              "| row | decode tok/s median | spread | vs llama.cpp | vs kairox run | device MiB |",
              "|---|---:|---:|---:|---:|---:|"]

@@ -81,8 +81,6 @@ def main() -> int:
     ap.add_argument("--sched-trace-max", type=int, default=0, help="kairox: records the trace keeps (0: 131072)")
     ap.add_argument("--warm", choices=["on", "off"], default="on",
                     help="kairox hybrid: the host-cache warm-up (kx_params.warm; rows: static@--warm=off)")
-    ap.add_argument("--list-ahead", action="store_true",
-                    help="kairox hybrid, predicted: each layer's list selected during the layer before (kx_params.list_ahead)")
     ap.add_argument("--error-budget", type=float,
                     help="kairox hybrid, predicted: load-aware thresholds adding at most this relative FFN "
                          "output error to the static threshold's (0: none; default: off)")
@@ -108,8 +106,6 @@ def main() -> int:
             extra["warm"] = False
         if args.error_budget is not None:
             extra["error_budget"] = args.error_budget
-        if args.list_ahead:
-            extra["list_ahead"] = True
         if args.sched_trace:
             extra["sched_trace"], extra["sched_trace_max"] = args.sched_trace, args.sched_trace_max
         if moves:

@@ -1,11 +1,12 @@
 // GGML_OP_KX_MUL_MAT_ROWS on CUDA: w·x for the neurons listed in sel, through an optional
 // row map (GPU neuron slots: rowmap[i] = slot of neuron i, or -1 when not resident).
 //
-// One warp per listed neuron, grid-stride over the list: every warp streams one weight
-// row once and dots it with all tokens' x (≤ KX_CUDA_MAX_TOKENS in registers), so a batch
-// reads its union of rows once. Rows move in 16-byte loads (F32/F16 straight to registers,
-// Q8_0/Q4_0 staged through shared memory); K-quants (Q4_K, Q5_K, Q6_K) a super-block at a
-// time, the lanes splitting its quant bytes (kx_row_dot_k); a Q8_0/Q4_0 row that is not
+// One warp per listed neuron (K-quants: a block, its warps splitting the row), grid-stride
+// over the list: every warp streams one weight row (or its part) once and dots it with all
+// tokens' x (≤ KX_CUDA_MAX_TOKENS in registers), so a batch reads its union of rows once. Rows
+// move in 16-byte loads (F32/F16 straight to registers, Q8_0/Q4_0 staged through shared
+// memory); K-quants (Q4_K, Q5_K, Q6_K) a super-block at a time, the lanes splitting its quant
+// bytes (kx_row_dot_k, kx_mul_mat_rows_k_kernel); a Q8_0/Q4_0 row that is not
 // 16-byte aligned falls back to one block per lane read as 16-bit words. x is read
 // as float, weights are dequantized on the fly: no x quantization pass (the CPU path
 // quantizes x to Q8 for quantized weights; the difference stays within test tolerance).
@@ -184,12 +185,15 @@ static __device__ __forceinline__ float kx_dot4(const float4 a, int v0, int v1, 
     return a.x*(float) v0 + a.y*(float) v1 + a.z*(float) v2 + a.w*(float) v3;
 }
 
+// part `part` of `parts`: super-blocks [part*KX_MMR_KBLOCKS, +KX_MMR_KBLOCKS) of every
+// parts*KX_MMR_KBLOCKS (kx_mul_mat_rows_k_kernel: a warp's part of a row)
 template <ggml_type type, int NT>
 static __device__ __forceinline__ void kx_row_dot_k(const char * __restrict__ row, const float * __restrict__ x,
-                                                    int64_t sx, int nt, int64_t k, int lane, float * acc) {
+                                                    int64_t sx, int nt, int64_t k, int lane, int part, int parts,
+                                                    float * acc) {
     constexpr int bs = kx_block_bytes<type>;
     const int64_t nb = k/QK_K;
-    for (int64_t b0 = 0; b0 < nb; b0 += KX_MMR_KBLOCKS) {
+    for (int64_t b0 = (int64_t) part*KX_MMR_KBLOCKS; b0 < nb; b0 += (int64_t) parts*KX_MMR_KBLOCKS) {
         if constexpr (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K) {
             using block = std::conditional_t<type == GGML_TYPE_Q4_K, block_q4_K, block_q5_K>;
             const int c = lane/8, l = lane%8;
@@ -287,8 +291,8 @@ static __device__ __forceinline__ void kx_row_dot_k(const char * __restrict__ ro
     }
 }
 
-// x: token t at x + t*sx (floats); adds w[c .. c+len) · x[c .. c+len) into acc.
-// K-quants go through kx_row_dot_k. fast (Q8_0/Q4_0 rows aligned for it, kx_mmr_fast): the
+// x: token t at x + t*sx (floats); adds w[c .. c+len) · x[c .. c+len) into acc
+// (K-quants: kx_mul_mat_rows_k_kernel). fast (Q8_0/Q4_0 rows aligned for it, kx_mmr_fast): the
 // warp reads a chunk of whole blocks in 16-byte units, KX_MMR_QLOADS per lane in flight, into
 // shared memory, then each lane dequantizes one block from there. Why: a lane reading its own
 // 18- or 34-byte block in 2-byte words had one block in flight, the same latency bound the F16
@@ -307,9 +311,8 @@ static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row,
                 }
             }
         });
-    } else if constexpr (kx_is_k<type>) {
-        kx_row_dot_k<type, NT>(row, x, sx, nt, k, lane, acc);
     } else {
+        static_assert(!kx_is_k<type>, "K-quant rows: kx_mul_mat_rows_k_kernel");
         constexpr int bs = kx_block_bytes<type>;
         const int64_t nb = k/32; // blocks in the row
         if constexpr (fast) {
@@ -375,6 +378,64 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
                 }
             }
         }
+    }
+}
+
+// K-quant rows (Q4_K, Q5_K, Q6_K), a block per listed neuron: warp w of the block takes
+// KX_MMR_KBLOCKS super-blocks of every KX_MMR_WARPS*KX_MMR_KBLOCKS (a 4096-wide row: 4 each,
+// one batch of loads), and the block adds the warps' sums in shared memory. Why: with a warp
+// per row the warp walked a 4096-wide Q4_K row in 4 dependent batches of ~50 instructions a
+// super-block at 13 cycles between issues (Nsight Compute: 0.38 eligible warps per scheduler,
+// stalls on L1TEX), 11.5 µs a layer for the slots' gate rows of KB-7B Q4_K_M (H100) while
+// llama.cpp's dense matvec, a block per row, read seven times the bytes in 16.7. Every thread
+// of a block reads the same list entry, so the skips are uniform and the barriers safe.
+template <ggml_type type, int NT>
+static __global__ void kx_mul_mat_rows_k_kernel(const char * __restrict__ w, int64_t w_nb1,
+                                                const float * __restrict__ x, int64_t sx,
+                                                const int32_t * __restrict__ sel, const int32_t * __restrict__ rowmap,
+                                                const float * __restrict__ gate, const float * __restrict__ bias,
+                                                float * __restrict__ dst, int64_t n, int64_t k, int nt) {
+    static_assert(kx_is_k<type>, "K-quant rows");
+    __shared__ float part[KX_MMR_WARPS][NT];
+    const int     lane  = threadIdx.x % WARP_SIZE;
+    const int     wi    = threadIdx.x / WARP_SIZE;
+    const int64_t count = sel ? sel[0] : n;
+    for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
+        const int32_t i = sel ? sel[1 + j] : (int32_t) j;
+        const int32_t r = rowmap ? rowmap[i] : i;
+        if (r < 0) {
+            continue; // listed but not in this weight: the other side computes it
+        }
+        if (gate) { // gated (ReLU up rows): a neuron whose gate is <= 0 for every token adds 0
+            bool on = false;
+            for (int t = 0; t < nt; ++t) {
+                on |= gate[i + t*n] > 0.0f;
+            }
+            if (!on) {
+                continue;
+            }
+        }
+        float acc[NT] = {0.0f};
+        kx_row_dot_k<type, NT>(w + r*w_nb1, x, sx, nt, k, lane, wi, KX_MMR_WARPS, acc);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < nt) {
+                const float s = warp_reduce_sum(acc[t]);
+                if (lane == 0) {
+                    part[wi][t] = s;
+                }
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < nt) {
+            float s = 0.0f;
+#pragma unroll
+            for (int u = 0; u < KX_MMR_WARPS; ++u) {
+                s += part[u][threadIdx.x];
+            }
+            dst[i + threadIdx.x*n] = bias ? s + bias[i] : s;
+        }
+        __syncthreads(); // the next row overwrites part
     }
 }
 
@@ -580,10 +641,16 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
         KX_MMR_QUANT(GGML_TYPE_Q4_0);
 #undef KX_MMR_QUANT
         // K-quant blocks hold 16-bit (Q6_K) or 32-bit (dm) fields, so their rows are always
-        // aligned for kx_row_dot_k's words
-        case GGML_TYPE_Q4_K: KX_MMR_LAUNCH(GGML_TYPE_Q4_K, true); break;
-        case GGML_TYPE_Q5_K: KX_MMR_LAUNCH(GGML_TYPE_Q5_K, true); break;
-        case GGML_TYPE_Q6_K: KX_MMR_LAUNCH(GGML_TYPE_Q6_K, true); break;
+        // aligned for kx_row_dot_k's words; a block per neuron the list can hold, up to one wave
+#define KX_MMR_K_NT(T, NT) kx_mul_mat_rows_k_kernel<T, NT><<<kx_mmr_grid((const void *) kx_mul_mat_rows_k_kernel<T, NT>, \
+        n, ctx.device), block, 0, stream>>>((const char *) w->data, w->nb[1], (const float *) x->data, sx, list, map, gate, \
+        bias, (float *) dst->data, n, k, nt)
+#define KX_MMR_K(T) case T: if (nt == 1) { KX_MMR_K_NT(T, 1); } else { KX_MMR_K_NT(T, KX_CUDA_MAX_TOKENS); } break
+        KX_MMR_K(GGML_TYPE_Q4_K);
+        KX_MMR_K(GGML_TYPE_Q5_K);
+        KX_MMR_K(GGML_TYPE_Q6_K);
+#undef KX_MMR_K
+#undef KX_MMR_K_NT
         default: GGML_ABORT("kx_mul_mat_rows: unsupported type %s", ggml_type_name(w->type));
     }
 #undef KX_MMR_LAUNCH
