@@ -174,3 +174,27 @@ def test_k_quant_rows_with_an_infinite_scale_are_refused(tiny_gguf: Callable[...
             assert (rc == 0) if want is None else re.search(want, err.value.decode()), err.value.decode()
     finally:
         llm.close()
+
+
+def test_header_scan_sizes_tensors_and_refuses_partial_blocks(tmp_path: Path) -> None:
+    """scan_header gives a quantized tensor's bytes from its type's blocks, and names the tensor
+    whose rows are not whole blocks (a header edited to ne[0] = 48 for Q8_0's 32-wide blocks)."""
+    from kairox.gguf_header import GGUFHeaderError, scan_header, tensor_nbytes
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path = tmp_path / "q8.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.t", gguf.quants.quantize(np.ones((3, 64), np.float32), q8), raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert scan_header(path).tensors[0].nbytes == 3 * 2 * 34 == tensor_nbytes((3, 64), q8)
+    raw = path.read_bytes()
+    name = b"blk.0.t"
+    at = raw.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    assert raw[at:at + 12] == (2).to_bytes(4, "little") + (64).to_bytes(8, "little")  # n_dims, ne[0]
+    path.write_bytes(raw[:at + 4] + (48).to_bytes(8, "little") + raw[at + 12:])
+    with pytest.raises(GGUFHeaderError, match=r"tensor blk\.0\.t: .*not a multiple of Q8_0 block size"):
+        scan_header(path)
+    with pytest.raises(ValueError):
+        tensor_nbytes((3, 48), q8)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointError, HFConfig
+from .gguf_header import tensor_nbytes
 from .gguffile import encode_tensor, finish_atomically, temp_path_for
 
 # `gguf` and `tqdm` are imported inside the functions that use them: `kairox --help` imports
@@ -124,13 +125,6 @@ def _qtype_for(outtype: str, shape: tuple[int, ...]) -> Any:
     block = gguf.GGML_QUANT_SIZES[Q.Q8_0][0]
     # Q8_0 packs whole rows into 32-value blocks; a row that does not split keeps F16.
     return Q.Q8_0 if shape[-1] % block == 0 else Q.F16
-
-
-def _nbytes(shape: tuple[int, ...], qtype: Any) -> int:
-    import gguf
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    n = int(np.prod(shape, dtype=np.int64))
-    return n // block * type_size
 
 
 # ------------------------------------------------------------------------------ vocab
@@ -368,7 +362,7 @@ def convert(hf_dir: str | Path, out_path: str | Path, outtype: str = "f16",
     # memory holds a single tensor rather than the whole model.
     qtypes = [_qtype_for(outtype, t.shape) for t in plan]
     for t, q in zip(plan, qtypes):
-        writer.add_tensor_info(t.gguf_name, t.shape, np.dtype(np.float32), _nbytes(t.shape, q),
+        writer.add_tensor_info(t.gguf_name, t.shape, np.dtype(np.float32), tensor_nbytes(t.shape, q),
                                raw_dtype=q)
 
     def encoded():

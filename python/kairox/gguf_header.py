@@ -43,18 +43,23 @@ class GGUFHeader:
     file_size: int
 
 
+def tensor_nbytes(shape: tuple[int, ...], qtype: Any) -> int:
+    """Bytes of a tensor of `shape` (numpy order: the row last) in ggml type `qtype`
+    (gguf.GGMLQuantizationType); ValueError where the row is not whole blocks."""
+    import gguf
+    n = 1
+    for d in gguf.quant_shape_to_byte_shape(shape, qtype):
+        n *= d
+    return n
+
+
 def _nbytes(type_id: int, ne: tuple[int, ...], name: str) -> int:
     import gguf
     try:
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
-    except (ValueError, KeyError):
-        raise GGUFHeaderError(f"tensor {name} has unknown ggml type {type_id}") from None
-    n = 1
-    for d in ne:
-        n *= d
-    if ne and ne[0] % block:
-        raise GGUFHeaderError(f"tensor {name}: ne[0] = {ne[0]} is not a multiple of its block size {block}")
-    return n // block * type_size
+        qtype = gguf.GGMLQuantizationType(type_id)
+        return tensor_nbytes(tuple(reversed(ne)) or (1,), qtype)
+    except (ValueError, KeyError) as e:
+        raise GGUFHeaderError(f"tensor {name}: {e}") from None
 
 
 def scan_header(path: str | Path) -> GGUFHeader:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ._version import __version__
-from .gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, scan_header
+from .gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, scan_header, tensor_nbytes
 from .gguffile import (CHECKSUM_NAME, declare_checksums, encode_tensor, finish_atomically, map_ahead,
                        temp_path_for, xxh3)
 
@@ -587,9 +587,8 @@ def write_pack(model_path: str | Path, out_path: str | Path | None = None, *, gr
 
     Q = gguf.GGMLQuantizationType
     dq = Q[down_type.upper()]
-    block, type_size = gguf.GGML_QUANT_SIZES[dq]
     down_shape = (base.n_ff, base.n_embd)
-    down_nbytes = base.n_ff * base.n_embd // block * type_size
+    down_nbytes = tensor_nbytes(down_shape, dq)
     vec = base.n_ff * 4  # I32 / F32 vectors of n_ff entries
     for il in range(base.n_layer):
         n = _tensor_names(il)
