@@ -342,6 +342,22 @@ static __device__ __forceinline__ void kx_row_dot(const char * __restrict__ row,
     }
 }
 
+// The weight row of list entry i, or -1 where nothing is to be read: i is listed but not in
+// this weight (rowmap -1: the other side computes it), or gated (ReLU up rows) and its gate is
+// <= 0 for every token (it adds 0).
+static __device__ __forceinline__ int32_t kx_row_to_read(const int32_t * __restrict__ rowmap,
+                                                         const float * __restrict__ gate, int32_t i, int64_t n, int nt) {
+    const int32_t r = rowmap ? rowmap[i] : i;
+    if (r < 0 || !gate) {
+        return r;
+    }
+    bool on = false;
+    for (int t = 0; t < nt; ++t) {
+        on |= gate[i + t*n] > 0.0f;
+    }
+    return on ? r : -1;
+}
+
 template <ggml_type type, bool fast, int NT>
 static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64_t w_nb1,
                                               const float * __restrict__ x, int64_t sx,
@@ -354,18 +370,9 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
     const int64_t count  = sel ? sel[0] : n;
     for (int64_t j = warp; j < count; j += nwarps) {
         const int32_t i = sel ? sel[1 + j] : (int32_t) j;
-        const int32_t r = rowmap ? rowmap[i] : i;
+        const int32_t r = kx_row_to_read(rowmap, gate, i, n, nt);
         if (r < 0) {
-            continue; // listed but not in this weight: the other side computes it
-        }
-        if (gate) { // gated (ReLU up rows): a neuron whose gate is <= 0 for every token adds 0
-            bool on = false;
-            for (int t = 0; t < nt; ++t) {
-                on |= gate[i + t*n] > 0.0f;
-            }
-            if (!on) {
-                continue;
-            }
+            continue;
         }
         float acc[NT] = {0.0f};
         kx_row_dot<type, fast, NT>(w + r*w_nb1, x, sx, nt, k, lane, acc);
@@ -403,18 +410,9 @@ static __global__ void kx_mul_mat_rows_k_kernel(const char * __restrict__ w, int
     const int64_t count = sel ? sel[0] : n;
     for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
         const int32_t i = sel ? sel[1 + j] : (int32_t) j;
-        const int32_t r = rowmap ? rowmap[i] : i;
+        const int32_t r = kx_row_to_read(rowmap, gate, i, n, nt);
         if (r < 0) {
-            continue; // listed but not in this weight: the other side computes it
-        }
-        if (gate) { // gated (ReLU up rows): a neuron whose gate is <= 0 for every token adds 0
-            bool on = false;
-            for (int t = 0; t < nt; ++t) {
-                on |= gate[i + t*n] > 0.0f;
-            }
-            if (!on) {
-                continue;
-            }
+            continue;
         }
         float acc[NT] = {0.0f};
         kx_row_dot_k<type, NT>(w + r*w_nb1, x, sx, nt, k, lane, wi, KX_MMR_WARPS, acc);
