@@ -185,10 +185,11 @@ static __global__ void kx_axpy_rows_kernel(const char * __restrict__ wt, int64_t
         for (int t = 0; t < NT; ++t) {
             if (t < nt) {
 #if __CUDA_ARCH__ >= 900
-                if (CPT == 4 && vec) { // one vector atomic for the thread's four columns
-                    atomicAdd((float4 *) (y + c + t*sy), make_float4(acc[0][t], acc[CPT > 1][t], acc[2*(CPT > 1)][t],
-                                                                     acc[3*(CPT > 1)][t]));
-                    continue;
+                if constexpr (CPT == 4) {
+                    if (vec) { // one vector atomic for the thread's four columns
+                        atomicAdd((float4 *) (y + c + t*sy), make_float4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+                        continue;
+                    }
                 }
 #endif
 #pragma unroll
