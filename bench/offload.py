@@ -325,6 +325,20 @@ def summarize_tpot(res: dict) -> dict:
             "prefill_s": res["prefill_s"], "counters": res.get("counters"), "mode_used": res.get("mode_used")}
 
 
+def write_tokens(model: Path, path: Path) -> str:
+    """The decode rows' PROMPT + GEN tokens of `model` into `path` (JSON): text on topics for a
+    synthetic model (kairox.synth.topic_prompts), else random ids; returns which."""
+    try:
+        from kairox.synth import topic_prompts
+        toks, kind = topic_prompts(model, 1, PROMPT + GEN, seed=1)[0], "topic"
+    except Exception:  # not a synthetic model
+        import random
+        rnd = random.Random(1)
+        toks, kind = [rnd.randrange(1000, 20000) for _ in range(PROMPT + GEN)], "random"
+    path.write_text(json.dumps(toks))
+    return kind
+
+
 def tpot_run(impl: str, mode: str, model: Path, tokens: Path, ngl: int, threads: int, env: dict,
              extra: list[str] = ()) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "tpot.py"), "--impl", impl, "--mode", mode, "--model",
@@ -368,16 +382,7 @@ def run_config(args: argparse.Namespace) -> int:
 
     # 2. tokens: text on topics for synthetic models (kairox.synth.topic_prompts), else random
     tokens_file = work / f"{model.stem}.tokens.json"
-    try:
-        from kairox.synth import topic_prompts
-        toks = topic_prompts(model, 1, PROMPT + GEN, seed=1)[0]
-        token_kind = "topic"
-    except Exception:  # not a synthetic model
-        import random
-        rnd = random.Random(1)
-        toks = [rnd.randrange(1000, 20000) for _ in range(PROMPT + GEN)]
-        token_kind = "random"
-    tokens_file.write_text(json.dumps(toks))
+    token_kind = write_tokens(model, tokens_file)
 
     # 3. bandwidths
     from kairox.hw import measure_bandwidths

@@ -106,7 +106,7 @@ if [ "${KX_KQ_STAGE:-}" != ncu ]; then
 fi
 # where a layer step's device time goes: each kernel of a few decoded tokens timed alone by Nsight
 # Compute (CUDA graphs off; clocks and caches left alone), the hybrid at each budget of KX_KQ_NCU
-# (GiB; the tokens file comes from KX_KQ_TPOT's run) and llama.cpp with every layer on the GPU
+# (GiB) and llama.cpp with every layer on the GPU
 ncu_run() { # NAME COMMAND...: the CSV, its per-step table, then the CSV compressed
     local name=$1
     shift
@@ -118,6 +118,9 @@ ncu_run() { # NAME COMMAND...: the CSV, its per-step table, then the CSV compres
         ${NCU_STEP:+--step "$NCU_STEP"} | tail -25
     gzip -f "$OUT/ncu-$name.csv"
 }
+# the decoded tokens of the hybrid's profile: KX_KQ_TPOT's run writes them, or here
+[ -z "${KX_KQ_NCU:-}" ] || [ -f "${Q%.gguf}.tokens.json" ] || python3 -c "import sys; sys.path.insert(0, 'bench')
+from pathlib import Path; from offload import write_tokens; write_tokens(Path('$Q'), Path('${Q%.gguf}.tokens.json'))"
 for b in ${KX_KQ_NCU:-}; do
     ncu_run "hybrid-${b}GiB" python3 bench/tpot.py --impl kairox --mode predicted --model "$Q" \
         --tokens "${Q%.gguf}.tokens.json" --prompt-len 64 --ngl 999 --threads 8 --vram-budget "${b}GiB"
