@@ -165,6 +165,31 @@ def test_prepare_resumes_after_interrupt(tmp_path: Path, kb_tiny: Path, prepared
     _same_pack(read_pack(res.pack), read_pack(prepared.pack))
 
 
+def test_prepare_stopped_right_after_a_checkpoint(tmp_path: Path, kb_tiny: Path, prepared, monkeypatch) -> None:
+    """A run that dies just after the profile's checkpoint reached the disk (the third
+    segment's) resumes at the fourth segment, not the third again: the checkpoint holds the
+    aggregates and their progress together, so the pack is the uninterrupted run's (with the
+    progress in a file of its own the third segment was counted twice)."""
+    import kairox.prepare as kp
+
+    write, n = kp._atomic_npz, []
+
+    def write_then_die(path: Path, **arrays) -> None:
+        write(path, **arrays)
+        n.append(path.name)
+        if path.name == "agg.npz" and n.count("agg.npz") == 3:
+            raise SystemExit("killed")
+    cfg = kp.PrepareConfig(work_dir=tmp_path / "w", out=tmp_path / "p.kxpack.gguf", **SMALL)
+    monkeypatch.setattr(kp, "_atomic_npz", write_then_die)
+    with pytest.raises(SystemExit):
+        kp.prepare(kb_tiny, cfg)
+    monkeypatch.setattr(kp, "_atomic_npz", write)
+    seen: list[int] = []
+    res = kp.prepare(kb_tiny, cfg, on_segment=seen.append)
+    assert seen[0] == 4
+    _same_pack(read_pack(res.pack), read_pack(prepared.pack))
+
+
 def test_prepare_killed_at_random_points(tmp_path: Path, kb_tiny: Path, prepared) -> None:
     """`kairox prepare` killed (SIGKILL: no clean-up runs) at random moments, then run again:
     the output is at every point absent or the complete pack, never one that loads but is
