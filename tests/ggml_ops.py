@@ -149,8 +149,8 @@ class GGML:
                      rowmap: np.ndarray | None = None, n_threads: int = 1, use_ref: bool = False,
                      gate: np.ndarray | None = None, bias: np.ndarray | None = None) -> np.ndarray:
         """w [n_rows, k] (as ggml bytes, n_rows = n without a row map), x [T, k] -> [T, n];
-        sel None: no list (every neuron); gate [T, n]: the gated op (rows whose gate is <= 0
-        for every token are skipped); bias [n] (no list, no map): w·x + bias."""
+        sel None: no list (every neuron); gate [T, n]: the gated op (relu(gate) * w·x; rows whose
+        gate is <= 0 for every token are skipped); bias [n] (no list, no map): w·x + bias."""
         T = x.shape[0]
         ctx = self._ctx(len(w_bytes) + x.nbytes + 4 * n * (2 + T))
         try:

@@ -228,6 +228,38 @@ def test_gpu_hybrid_matches_the_cpu(synth_model: Path, mode: str) -> None:
     assert abs(listed - c0.rows) <= 0.01 * c0.rows  # GPU vs CPU predictor rounding may flip a few
 
 
+def test_gpu_quantized_hybrid_matches_the_cpu(tmp_path: Path) -> None:
+    """On a GPU, a Q4_0 model's hybrid: attention's matvecs quantize x to q8_1 once for Q, K
+    and V (patch 0020: a copy of another x, the attention output's or another layer's, would
+    not give these logits), the slot rows write the zeros between their list's entries
+    themselves, and the gated up rows give the GLU's output. A teacher-forced decode gives the
+    all-CPU sparse run's logits within the two backends' quantization noise."""
+    import kairox
+    from kairox._native import has_gpu, sparse_counters
+    from kairox.synth import Shape
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    model = permuted_tiny(tmp_path / "kb-q4.gguf", Shape(2, 256, 1024, 4, 2, "q4_0"), seed=5)
+    seq = list(range(1, 41))
+
+    def decode(**kw) -> tuple[np.ndarray, object]:
+        llm = kairox.Llama(str(model), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, sparse="predicted",
+                           verbose=False, **kw)
+        try:
+            assert llm.sparse == "predicted", llm.sparse_error
+            sparse_counters(reset=True)
+            llm.eval(seq)
+            return np.array(llm.scores[:llm.n_tokens]), sparse_counters(reset=True)
+        finally:
+            llm.close()
+    want, _ = decode()
+    got, c = decode(gpu_slots=300, n_gpu_layers=-1)
+    assert c.rows > 0 and c.elsewhere > 0  # both sides computed part of every list
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= 2e-2 * scale
+    assert np.mean(np.argmax(got, axis=1) == np.argmax(want, axis=1)) >= 0.9
+
+
 def test_gpu_warm_up_keeps_the_output(synth_model: Path) -> None:
     """The warm-up on a GPU (the default; warm=False turns it off): layer 0 predicts layer 1's
     list beside its CPU part and the device writes it to the host; layer 1's CPU split starts

@@ -180,7 +180,8 @@ def test_mul_mat_rows(g: GGML, wtype: str, k: int, T: int):
 @pytest.mark.parametrize("T", [1, 3])
 def test_mul_mat_rows_without_a_list_is_the_matvec(g: GGML, T: int):
     """No list (the predictor's B on the device): every neuron, through the row map where
-    one is given (neurons it sends to -1 read 0), gated rows skipped as with a list."""
+    one is given (neurons it sends to -1 read 0), gated rows skipped as with a list (and the
+    others times relu(gate))."""
     rng = np.random.default_rng(11)
     n, k = 300, 256
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -201,7 +202,8 @@ def test_mul_mat_rows_without_a_list_is_the_matvec(g: GGML, T: int):
             assert np.all(got[:, rowmap < 0] == 0)
             got = g.mul_mat_rows(g.quantize(w, "f32"), "f32", n, k, x, None, gate=gate, n_threads=nt,
                                  use_ref=use_ref)
-            np.testing.assert_allclose(got[:, fires], dense[:, fires], rtol=1e-4, atol=1e-4)
+            glu = np.where(gate > 0, gate * dense, np.float32(0))  # the gated op gives relu(g) * u
+            np.testing.assert_allclose(got[:, fires], glu[:, fires], rtol=1e-4, atol=1e-4)
             assert np.all(got[:, ~fires] == 0)
 
 
@@ -224,8 +226,9 @@ def test_mul_mat_rows_with_a_bias_is_the_matvec_plus_the_bias(g: GGML, wtype: st
 
 @pytest.mark.parametrize("T", [1, 3])
 def test_mul_mat_rows_gated_skips_rows_whose_gate_never_fires(g: GGML, T: int):
-    """The gated op (ReLU up rows): a listed neuron whose gate is <= 0 for every token reads
-    0 (its row, NaN here, is never touched); the others read what the ungated op reads."""
+    """The gated op (ReLU up rows and their GLU): a listed neuron whose gate is <= 0 for every
+    token reads 0 (its row, NaN here, is never touched); the others read relu(g) times what the
+    ungated op reads, bit for bit what ggml's reglu gives after it."""
     rng = np.random.default_rng(7)
     n, k = 300, 256
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -241,7 +244,8 @@ def test_mul_mat_rows_gated_skips_rows_whose_gate_never_fires(g: GGML, T: int):
                                n_threads=nt)
         assert not np.isnan(got).any()
         assert np.all(got[:, off] == 0) and off[sel].any() and (~off[sel]).any()
-        np.testing.assert_array_equal(got, plain)
+        np.testing.assert_array_equal(got, np.where(gate > 0, gate * plain, np.float32(0)))
+        assert (got[:, sel] != plain[:, sel]).any()  # the product, not the up value
 
 
 # --------------------------------------------------------------------- kx_axpy_rows

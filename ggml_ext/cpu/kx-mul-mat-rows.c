@@ -82,6 +82,15 @@ static inline bool kx_gated_off(const struct ggml_tensor * gate, int64_t i, int6
     return true;
 }
 
+// gated op: the up value u of neuron i, token t becomes relu(g) * u, the GLU's output (as
+// ggml's reglu: g > 0 ? g*u : 0), so no GLU op follows it
+static inline void kx_gate_apply(const struct ggml_tensor * gate, int64_t i, int64_t t, float * d) {
+    if (gate) {
+        const float g = *(const float *) ((const char *) gate->data + i*sizeof(float) + t*gate->nb[1]);
+        *d = g > 0.0f ? g * *d : 0.0f;
+    }
+}
+
 void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * w   = dst->src[0];
     const struct ggml_tensor * x   = dst->src[1];
@@ -137,8 +146,9 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
             const char * row = (const char *) w->data + r*w->nb[1];
             for (int64_t t = 0; t < nt; ++t) {
                 const float * xt = (const float *) ((const char *) x->data + t*x->nb[1]);
-                *(float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]) = kx_row_dot_ref(w, row, xt, scratch) +
-                                                                                (bias ? bias[i] : 0.0f);
+                float * d = (float *) ((char *) dst->data + i*sizeof(float) + t*dst->nb[1]);
+                *d = kx_row_dot_ref(w, row, xt, scratch) + (bias ? bias[i] : 0.0f);
+                kx_gate_apply(gate, i, t, d);
             }
         }
         return;
@@ -168,6 +178,7 @@ void ggml_compute_forward_kx_mul_mat_rows(const struct ggml_compute_params * par
             if (bias) {
                 *d += bias[i];
             }
+            kx_gate_apply(gate, i, t, d);
         }
     }
 }

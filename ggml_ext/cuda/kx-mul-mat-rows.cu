@@ -16,7 +16,8 @@
 // H100); for one token it takes 56.
 // Gated (src[4], the up rows of a ReLU GLU): a neuron whose gate is <= 0 for every token
 // is skipped before its row is read; about half of a predicted list does not fire, and a
-// mapped row costs PCIe bandwidth.
+// mapped row costs PCIe bandwidth. The op stores relu(g) * u, the GLU's output, so no GLU
+// kernel follows it.
 //
 // A lane issues KX_MMR_LOADS of its row's 16-byte loads before it uses any of them. Why:
 // with one load per loop step a warp walked an 8 KiB row in 16 dependent round trips;
@@ -358,6 +359,33 @@ static __device__ __forceinline__ int32_t kx_row_to_read(const int32_t * __restr
     return on ? r : -1;
 }
 
+// What a row op stores for neuron i and token t from its dot s: s plus the bias, or for the
+// gated op (the up rows of a ReLU GLU) relu(g) * s, the GLU's output (ggml's reglu: g > 0 ? g*u : 0)
+static __device__ __forceinline__ float kx_row_out(float s, const float * __restrict__ gate,
+                                                   const float * __restrict__ bias, int32_t i, int t, int64_t n) {
+    if (gate) {
+        const float g = gate[i + t*n];
+        return g > 0.0f ? g*s : 0.0f;
+    }
+    return bias ? s + bias[i] : s;
+}
+
+// Every row of dst has one writer, so no memset (a graph node of its own, three a hybrid layer)
+// goes before the kernel: list entry j writes its own row (0 where it reads nothing) and the
+// unlisted ids between the previous entry and itself; entry `count` stands for the ids after
+// the last one (all of them with an empty list), written by the kernel's first thread group.
+// Lists are ascending (kx_select), so the gaps do not overlap.
+static __device__ __forceinline__ void kx_rows_zero_gap(const int32_t * __restrict__ sel, int64_t j, int64_t count,
+                                                        float * __restrict__ dst, int64_t n, int nt, int tid, int nthr) {
+    const int64_t lo = j > 0 ? (int64_t) sel[j] + 1 : 0;
+    const int64_t hi = j < count ? (int64_t) sel[1 + j] : n;
+    for (int t = 0; t < nt; ++t) {
+        for (int64_t r = lo + tid; r < hi; r += nthr) {
+            dst[r + t*n] = 0.0f;
+        }
+    }
+}
+
 template <ggml_type type, bool fast, int NT>
 static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64_t w_nb1,
                                               const float * __restrict__ x, int64_t sx,
@@ -368,10 +396,19 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
     const int64_t warp   = (int64_t) blockIdx.x*KX_MMR_WARPS + threadIdx.x/WARP_SIZE;
     const int64_t nwarps = (int64_t) gridDim.x*KX_MMR_WARPS;
     const int64_t count  = sel ? sel[0] : n;
+    if (sel && warp == 0) {
+        kx_rows_zero_gap(sel, count, count, dst, n, nt, lane, WARP_SIZE);
+    }
     for (int64_t j = warp; j < count; j += nwarps) {
         const int32_t i = sel ? sel[1 + j] : (int32_t) j;
+        if (sel) {
+            kx_rows_zero_gap(sel, j, count, dst, n, nt, lane, WARP_SIZE);
+        }
         const int32_t r = kx_row_to_read(rowmap, gate, i, n, nt);
         if (r < 0) {
+            if (lane < nt) {
+                dst[i + lane*n] = 0.0f;
+            }
             continue;
         }
         float acc[NT] = {0.0f};
@@ -381,7 +418,7 @@ static __global__ void kx_mul_mat_rows_kernel(const char * __restrict__ w, int64
             if (t < nt) {
                 const float s = warp_reduce_sum(acc[t]);
                 if (lane == 0) {
-                    dst[i + t*n] = bias ? s + bias[i] : s;
+                    dst[i + t*n] = kx_row_out(s, gate, bias, i, t, n);
                 }
             }
         }
@@ -408,10 +445,19 @@ static __global__ void kx_mul_mat_rows_k_kernel(const char * __restrict__ w, int
     const int     lane  = threadIdx.x % WARP_SIZE;
     const int     wi    = threadIdx.x / WARP_SIZE;
     const int64_t count = sel ? sel[0] : n;
+    if (sel && blockIdx.x == 0) {
+        kx_rows_zero_gap(sel, count, count, dst, n, nt, threadIdx.x, blockDim.x);
+    }
     for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
         const int32_t i = sel ? sel[1 + j] : (int32_t) j;
+        if (sel) {
+            kx_rows_zero_gap(sel, j, count, dst, n, nt, threadIdx.x, blockDim.x);
+        }
         const int32_t r = kx_row_to_read(rowmap, gate, i, n, nt);
         if (r < 0) {
+            if (threadIdx.x < nt) {
+                dst[i + threadIdx.x*n] = 0.0f;
+            }
             continue;
         }
         float acc[NT] = {0.0f};
@@ -432,7 +478,7 @@ static __global__ void kx_mul_mat_rows_k_kernel(const char * __restrict__ w, int
             for (int u = 0; u < KX_MMR_WARPS; ++u) {
                 s += part[u][threadIdx.x];
             }
-            dst[i + threadIdx.x*n] = bias ? s + bias[i] : s;
+            dst[i + threadIdx.x*n] = kx_row_out(s, gate, bias, i, threadIdx.x, n);
         }
         __syncthreads(); // the next row overwrites part
     }
@@ -605,12 +651,6 @@ void ggml_cuda_kx_mul_mat_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const int     nt = (int) x->ne[1];
     GGML_ASSERT(nt <= KX_CUDA_MAX_TOKENS);
     GGML_ASSERT(dst->nb[1] == n*(int64_t) sizeof(float));
-
-    // unlisted (and non-resident) neurons must read 0: the GLU after this op relies on it;
-    // a plain matvec (no list, no map, no gate) writes every row
-    if (sel || rowmap || dst->src[4]) {
-        CUDA_CHECK(cudaMemsetAsync(dst->data, 0, ggml_nbytes(dst), stream));
-    }
 
     const int64_t sx = x->nb[1]/sizeof(float);
     const float * bias = dst->src[5] ? (const float *) dst->src[5]->data : nullptr; // no list, no map (kx-ops.h)

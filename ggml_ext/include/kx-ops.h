@@ -131,10 +131,10 @@ GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows_bias(
         struct ggml_tensor  * x,
         struct ggml_tensor  * b);
 
-// The same, for the up projection of a ReLU GLU: gate F32 [n, n_tokens] holds the gate
-// values of the same neurons (0 where unlisted), and a listed row whose gate is <= 0 for
-// every token is not read (its result is 0): relu(g) * u is 0 there whatever u is, so the
-// GLU after it gives what the ungated op would.
+// The up projection of a ReLU GLU and the GLU itself: gate F32 [n, n_tokens] holds the gate
+// values of the same neurons (0 where unlisted); the result is relu(g) * u, what ggml_reglu
+// gives after the ungated op (g > 0 ? g*u : 0, so the same bits). A listed row whose gate is
+// <= 0 for every token is not read: relu(g) * u is 0 there whatever u is.
 GGML_API struct ggml_tensor * ggml_kx_mul_mat_rows_gated(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,

@@ -250,14 +250,18 @@ static ggml_tensor * kx_build_ffn_hybrid(
     // device parts: the resident neurons from the slots, and the mapped share of the host side
     // read from the host rows over PCIe (kx-slots.h), the same three steps through their own
     // weights and maps in the same split; for ReLU the up rows only of neurons whose gate fired
-    // (the host op skips them the same way, kx-ffn-rows.c)
+    // (the host op skips them the same way, kx-ffn-rows.c), and the GLU in the up rows' op
     auto device_part = [&](ggml_tensor * gate_w, ggml_tensor * up_w, ggml_tensor * down_w, ggml_tensor * map,
                            ggml_tensor * dmap, const char * up_name, const char * act_name, const char * out_name) {
         ggml_tensor * gv = ggml_kx_mul_mat_rows(ctx0, gate_w, cur, sel, map);
-        ggml_tensor * uv = type_op == LLM_FFN_RELU ? ggml_kx_mul_mat_rows_gated(ctx0, up_w, cur, sel, map, gv)
-                                                   : ggml_kx_mul_mat_rows(ctx0, up_w, cur, sel, map);
-        g.cb(uv, up_name, il);
-        ggml_tensor * hv = kx_glu(ctx0, gv, uv, type_op);
+        ggml_tensor * hv;
+        if (type_op == LLM_FFN_RELU) {
+            hv = ggml_kx_mul_mat_rows_gated(ctx0, up_w, cur, sel, map, gv); // relu(g) * u: the GLU too
+        } else {
+            ggml_tensor * uv = ggml_kx_mul_mat_rows(ctx0, up_w, cur, sel, map);
+            g.cb(uv, up_name, il);
+            hv = kx_glu(ctx0, gv, uv, type_op);
+        }
         g.cb(hv, act_name, il);
         ggml_tensor * yv = ggml_kx_axpy_rows(ctx0, down_w, hv, sel, dmap);
         g.cb(yv, out_name, il);

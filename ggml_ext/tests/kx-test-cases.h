@@ -212,7 +212,39 @@ struct test_kx_axpy_rows : public test_kx_rows {
     double max_nmse_err() override { return 1e-6; }
 };
 
+// Three matvecs that read one x (attention's Q, K and V), of mixed weight types, summed: on
+// CUDA the first quantizes x to q8_1 and the other two reuse that copy (patch 0020); the sum
+// must match the CPU's. Select with -o KX_Q8_1_REUSE.
+struct test_kx_q8_1_reuse : public test_case {
+    const ggml_type t0, t1, t2;
+    const int64_t k, n, nt;
+
+    test_kx_q8_1_reuse(ggml_type t0, ggml_type t1, ggml_type t2, int64_t k, int64_t n, int64_t nt)
+        : t0(t0), t1(t1), t2(t2), k(k), n(n), nt(nt) {}
+
+    std::string op_desc(ggml_tensor * t) override { (void) t; return "KX_Q8_1_REUSE"; }
+    std::string vars() override { return VARS_TO_STR6(t0, t1, t2, k, n, nt); }
+
+    ggml_tensor * build_graph(ggml_context * ctx) override {
+        ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, nt);
+        ggml_tensor * y = nullptr;
+        for (ggml_type t : {t0, t1, t2}) {
+            ggml_tensor * yi = ggml_mul_mat(ctx, ggml_new_tensor_2d(ctx, t, k, n), x);
+            y = y ? ggml_add(ctx, y, yi) : yi;
+        }
+        ggml_set_name(y, "out");
+        return y;
+    }
+
+    double max_nmse_err() override { return 5e-4; }
+};
+
 static void kx_add_test_cases(std::vector<std::unique_ptr<test_case>> & test_cases) {
+    // one q8_1 copy of x for three matvecs: the decode (1 token) and a small batch
+    for (int64_t nt : {1, 3}) {
+        test_cases.emplace_back(new test_kx_q8_1_reuse(GGML_TYPE_Q4_K, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, 4096, 1024, nt));
+        test_cases.emplace_back(new test_kx_q8_1_reuse(GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q5_K, 512, 300, nt));
+    }
     // select: every activation rule, batches, the density fallback (0.6 of n active or more)
     // CUDA: 33 is two ballots, 1000 has a partial last one, 140001 gives the write kernel's
     // warps several groups of 32 ballots each
