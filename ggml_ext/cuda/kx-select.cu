@@ -1,7 +1,8 @@
 // GGML_OP_KX_SELECT on CUDA: scores -> ascending list of active neuron ids, the CPU
 // kernel's output exactly (same rule, same order, same density fallback).
 //
-// Two launches. The ballot kernel spreads the scores over the whole GPU: each warp reads
+// Up to KX_SELECT_ONE_MAX neurons one block does both steps (kx_select_one_kernel); larger
+// layers take two launches. The ballot kernel spreads the scores over the whole GPU: each warp reads
 // KX_SELECT_BATCH coalesced 32-neuron chunks (one 128-byte read each per token) and stores
 // one ballot word per chunk. The write kernel, one block, turns the ballots into the list:
 // each of its 32 warps counts a contiguous range of ballots, one scan over the 32 counts gives
@@ -18,23 +19,19 @@
 #define KX_SELECT_BALLOT_WARPS  4    // warps per block of the ballot kernel (small blocks: many SMs)
 #define KX_SELECT_THREADS       1024 // the write kernel's one block
 #define KX_SELECT_WARPS         (KX_SELECT_THREADS/WARP_SIZE)
+#define KX_SELECT_ONE_MAX       32768 // neurons the one-block form takes (its ballots: 4 KiB of shared memory)
 
 static __device__ __forceinline__ bool kx_on(float v, float thr, int32_t act) {
     return act == KX_SELECT_SCORE ? v > thr : fabsf(kx_act_value(v, act)) > thr;
 }
 
 // masks[c] = ballot of chunk c (neurons 32c .. 32c+31): bit l is set when any token's score of
-// neuron 32c+l passes the rule
+// neuron 32c+l passes the rule; one warp, chunks c0 .. c0 + KX_SELECT_BATCH - 1
 // (split: rowmap non-NULL, the threshold of a neuron is thr + off[0] where rowmap >= 0, thr + off[1] elsewhere)
-static __global__ void kx_select_ballot_kernel(const float * s, uint32_t * masks, int64_t n, int64_t nt,
-                                               int64_t nb1, float thr, int32_t act, const int32_t * rowmap,
-                                               const float * off) {
-    const int     lane = threadIdx.x % WARP_SIZE;
-    const int64_t nc   = (n + WARP_SIZE - 1) / WARP_SIZE;
-    const int64_t c0   = ((int64_t) blockIdx.x*KX_SELECT_BALLOT_WARPS + threadIdx.x/WARP_SIZE)*KX_SELECT_BATCH;
-    if (c0 >= nc) {
-        return; // whole warp: the ballots below stay full-warp
-    }
+static __device__ __forceinline__ void kx_select_ballot(const float * s, uint32_t * masks, int64_t n, int64_t nt,
+                                                        int64_t nb1, float thr, int32_t act, const int32_t * rowmap,
+                                                        const float * off, int64_t c0, int lane) {
+    const int64_t nc = (n + WARP_SIZE - 1) / WARP_SIZE;
     bool on[KX_SELECT_BATCH] = {false};
     float th[KX_SELECT_BATCH];
 #pragma unroll
@@ -67,6 +64,16 @@ static __global__ void kx_select_ballot_kernel(const float * s, uint32_t * masks
     }
 }
 
+static __global__ void kx_select_ballot_kernel(const float * s, uint32_t * masks, int64_t n, int64_t nt,
+                                               int64_t nb1, float thr, int32_t act, const int32_t * rowmap,
+                                               const float * off) {
+    const int64_t nc = (n + WARP_SIZE - 1) / WARP_SIZE;
+    const int64_t c0 = ((int64_t) blockIdx.x*KX_SELECT_BALLOT_WARPS + threadIdx.x/WARP_SIZE)*KX_SELECT_BATCH;
+    if (c0 < nc) { // whole warp: the ballots stay full-warp
+        kx_select_ballot(s, masks, n, nt, nb1, thr, act, rowmap, off, c0, threadIdx.x % WARP_SIZE);
+    }
+}
+
 // the list `out` (count, ids); with `host` (ggml_kx_select_to_host, mapped host memory) the same
 // words at host + 1 and then the flag host[0]: each thread fences its own stores to the system
 // before the block meets, so the flag's store, fenced again, is seen last. One launch: a
@@ -89,8 +96,9 @@ static __device__ __forceinline__ void kx_select_flag(int32_t * host) {
     }
 }
 
-static __global__ void kx_select_write_kernel(const uint32_t * masks, int32_t * out, int32_t * host, int64_t n,
-                                              float max_density) {
+// the list from the ballots (global or shared memory), by one block of KX_SELECT_THREADS
+static __device__ __forceinline__ void kx_select_write(const uint32_t * masks, int32_t * out, int32_t * host, int64_t n,
+                                                       float max_density) {
     __shared__ int32_t warp_off[KX_SELECT_WARPS];
     __shared__ int32_t total;
 
@@ -172,11 +180,39 @@ static __global__ void kx_select_write_kernel(const uint32_t * masks, int32_t * 
     kx_select_flag(host);
 }
 
-// both launches on `stream`; masks: (n + 31)/32 words of scratch; host: NULL or the list's
-// host copy (kx_select_host)
+static __global__ void __launch_bounds__(KX_SELECT_THREADS)
+kx_select_write_kernel(const uint32_t * masks, int32_t * out, int32_t * host, int64_t n, float max_density) {
+    kx_select_write(masks, out, host, n, max_density);
+}
+
+// Both steps in one block, the ballots in shared memory, for layers of up to KX_SELECT_ONE_MAX
+// neurons: its 32 warps read the scores with KX_SELECT_BATCH chunks of loads in flight each
+// (KB-7B's 11008 scores: two rounds; the earlier one-block kernel had one load in flight per
+// thread). Why: the ballot kernel was a launch of its own on the decode's serial part, 2.5 µs a
+// layer before the write kernel's 6.8 (KB-7B Q4_K_M, H100, Nsight Compute).
+static __global__ void __launch_bounds__(KX_SELECT_THREADS)
+kx_select_one_kernel(const float * s, int32_t * out, int32_t * host, int64_t n, int64_t nt, int64_t nb1, float thr,
+                     float max_density, int32_t act, const int32_t * rowmap, const float * off) {
+    __shared__ uint32_t masks[KX_SELECT_ONE_MAX/WARP_SIZE];
+    const int64_t nc = (n + WARP_SIZE - 1) / WARP_SIZE;
+    for (int64_t c0 = (int64_t) (threadIdx.x/WARP_SIZE)*KX_SELECT_BATCH; c0 < nc; c0 += KX_SELECT_WARPS*KX_SELECT_BATCH) {
+        kx_select_ballot(s, masks, n, nt, nb1, thr, act, rowmap, off, c0, threadIdx.x % WARP_SIZE);
+    }
+    __syncthreads();
+    kx_select_write(masks, out, host, n, max_density);
+}
+
+// on `stream`: one launch up to KX_SELECT_ONE_MAX neurons, else the ballot and write kernels
+// (masks: (n + 31)/32 words of scratch, which the one-block form does not use); host: NULL or
+// the list's host copy (kx_select_host)
 static void kx_select_launch(const float * s, int32_t * out, int32_t * host, uint32_t * masks, int64_t n, int64_t nt,
                              int64_t nb1, float thr, float max_density, int32_t act, const int32_t * rowmap,
                              const float * off, cudaStream_t stream) {
+    if (n <= KX_SELECT_ONE_MAX) {
+        kx_select_one_kernel<<<1, KX_SELECT_THREADS, 0, stream>>>(s, out, host, n, nt, nb1, thr, max_density, act,
+                                                                 rowmap, off);
+        return;
+    }
     const int64_t nc     = (n + WARP_SIZE - 1) / WARP_SIZE;
     const int64_t warps  = (nc + KX_SELECT_BATCH - 1) / KX_SELECT_BATCH;
     const int64_t blocks = (warps + KX_SELECT_BALLOT_WARPS - 1) / KX_SELECT_BALLOT_WARPS;
@@ -192,7 +228,10 @@ void ggml_cuda_kx_select(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const float   max_density = ggml_get_op_params_f32(dst, 1);
     const int32_t act         = ggml_get_op_params_i32(dst, 2);
     const int64_t n           = src->ne[0];
-    ggml_cuda_pool_alloc<uint32_t> masks(ctx.pool(), (n + WARP_SIZE - 1) / WARP_SIZE);
+    ggml_cuda_pool_alloc<uint32_t> masks(ctx.pool());
+    if (n > KX_SELECT_ONE_MAX) {
+        masks.alloc((n + WARP_SIZE - 1) / WARP_SIZE);
+    }
     kx_select_launch((const float *) src->data, (int32_t *) dst->data, kx_select_host(dst), masks.get(), n,
                      src->ne[1], src->nb[1], thr, max_density, act,
                      dst->src[1] ? (const int32_t *) dst->src[1]->data : nullptr,
