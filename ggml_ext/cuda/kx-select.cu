@@ -19,7 +19,7 @@
 #define KX_SELECT_BALLOT_WARPS  4    // warps per block of the ballot kernel (small blocks: many SMs)
 #define KX_SELECT_THREADS       1024 // the write kernel's one block
 #define KX_SELECT_WARPS         (KX_SELECT_THREADS/WARP_SIZE)
-#define KX_SELECT_ONE_MAX       32768 // neurons the one-block form takes (its ballots: 4 KiB of shared memory)
+#define KX_SELECT_ONE_MAX       16384 // neurons the one-block form takes (its ballots: 2 KiB of shared memory)
 
 static __device__ __forceinline__ bool kx_on(float v, float thr, int32_t act) {
     return act == KX_SELECT_SCORE ? v > thr : fabsf(kx_act_value(v, act)) > thr;
@@ -188,8 +188,9 @@ kx_select_write_kernel(const uint32_t * masks, int32_t * out, int32_t * host, in
 // Both steps in one block, the ballots in shared memory, for layers of up to KX_SELECT_ONE_MAX
 // neurons: its 32 warps read the scores with KX_SELECT_BATCH chunks of loads in flight each
 // (KB-7B's 11008 scores: two rounds; the earlier one-block kernel had one load in flight per
-// thread). Why: the ballot kernel was a launch of its own on the decode's serial part, 2.5 µs a
-// layer before the write kernel's 6.8 (KB-7B Q4_K_M, H100, Nsight Compute).
+// thread). Why: the ballot kernel was a launch of its own on the decode's serial part. Alone
+// (bench/select_time.cu, H100, scores not in L2): 11008 neurons 9.1 -> 8.1 µs, but 28672 10.8 ->
+// 12.4, where the one SM's reads outweigh the launch (the two cross near 17k neurons).
 static __global__ void __launch_bounds__(KX_SELECT_THREADS)
 kx_select_one_kernel(const float * s, int32_t * out, int32_t * host, int64_t n, int64_t nt, int64_t nb1, float thr,
                      float max_density, int32_t act, const int32_t * rowmap, const float * off) {
