@@ -370,8 +370,8 @@ static __device__ __forceinline__ float kx_row_out(float s, const float * __rest
     return bias ? s + bias[i] : s;
 }
 
-// Every row of dst has one writer, so no memset (a graph node of its own, three a hybrid layer)
-// goes before the kernel: list entry j writes its own row (0 where it reads nothing) and the
+// Every row of dst has one writer, so no memset (a graph node of its own) is needed before
+// the kernel: list entry j writes its own row (0 where it reads nothing) and the
 // unlisted ids between the previous entry and itself; entry `count` stands for the ids after
 // the last one (all of them with an empty list), written by the kernel's first thread group.
 // Lists are ascending (kx_select), so the gaps do not overlap.
