@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """Where a decode's device time goes, kernel by kernel: reads an Nsight Compute CSV
 (`ncu --metrics gpu__time_duration.sum --csv`, one row per kernel launch; written by
-bench/device/hybrid.sh with KX_NCU) and prints, per layer step (one kx_select per hybrid layer), each
-kernel's count and µs, and the kernels of the median step in order.
+bench/device/hybrid.sh with KX_NCU) and prints, per layer step (from one layer's attention kernel to
+the next's), each kernel's count and µs, and the kernels of the median step in order. Why the
+attention: every layer runs it once, while a hybrid layer with the warm-up runs two selects (its
+own list and the next layer's), so steps cut at the select were half layers.
 
 Each kernel is timed alone (Nsight Compute serializes launches), so the sums leave out the
 gaps between kernels and any overlap: they say what the device computes, not how long the
 host waits for it (bench/balance_live.py's scheduler counters say that).
 
   python3 bench/kernel_profile.py ncu-KB-7B.csv [-o kernel-profile.md]
-  python3 bench/kernel_profile.py ncu-dense.csv --step flash_attn_ext   # a model without the hybrid:
-                                                                        # a step starts at its attention
+  python3 bench/kernel_profile.py ncu-KB-7B.csv --step kx_select   # steps cut at another kernel
 """
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def read_kernels(path: Path) -> list[tuple[str, float]]:
     return out
 
 
-def summarize(kernels: list[tuple[str, float]], step: str = "kx_select") -> list[str]:
+def summarize(kernels: list[tuple[str, float]], step: str = "flash_attn_ext") -> list[str]:
     """Per layer step: a step begins at the first of consecutive kernels whose name starts with
-    `step` (CUDA runs the select as two: ballots, then the write)."""
+    `step` (a run of them counts once: CUDA's select can be two, ballots then the write)."""
     if not kernels:
         return ["no kernel timings in the file"]
     sel = [n.startswith(step) for n, _ in kernels]
@@ -87,7 +88,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", type=Path, help="Nsight Compute CSV (or .csv.gz)")
     ap.add_argument("-o", "--out", type=Path, help="also write the table here (Markdown)")
-    ap.add_argument("--step", default="kx_select",
+    ap.add_argument("--step", default="flash_attn_ext",
                     help="the name prefix of the kernel that starts a layer step (default: %(default)s)")
     args = ap.parse_args()
     if not args.csv.exists():

@@ -368,21 +368,27 @@ def test_kernel_profile_groups_kernels_per_layer_step(tmp_path):
     k = read_kernels(f)
     assert k == [("kx_select_kernel", 6.0), ("mmv", 12.0), ("kx_select_kernel", 7.0), ("mmv", 10.0),
                  ("kx_select_kernel", 5.0)]
-    text = "\n".join(summarize(k))
+    text = "\n".join(summarize(k, "kx_select"))
     assert "2 whole layer steps" in text and "17.5 µs of kernel time per step" in text
     assert "| mmv | 1.00 | 11.0 | 11.0 |" in text
     # CUDA's select is two kernels (ballots, then the write): one step, starting at the first
     two = [("kx_select_ballot_kernel", 2.0), ("kx_select_write_kernel", 4.0), ("mmv", 12.0),
            ("kx_select_ballot_kernel", 2.0), ("kx_select_write_kernel", 4.0), ("mmv", 10.0),
            ("kx_select_ballot_kernel", 2.0)]
-    text = "\n".join(summarize(two))
+    text = "\n".join(summarize(two, "kx_select"))
     assert "2 whole layer steps" in text and "17.0 µs of kernel time per step" in text
     assert "| kx_select_write_kernel | 1.00 | 4.0 | 4.0 |" in text
-    # without the hybrid: steps from another kernel (the attention's)
+    # the default: a step from one layer's attention to the next, whatever runs between (a
+    # hybrid layer with the warm-up selects twice: its own list and the next layer's)
     dense = [("flash_attn_ext_vec", 3.0), ("mmvq", 9.0), ("flash_attn_ext_vec", 3.0), ("mmvq", 7.0),
              ("flash_attn_ext_vec", 3.0)]
-    text = "\n".join(summarize(dense, "flash_attn_ext"))
+    text = "\n".join(summarize(dense))
     assert "2 whole layer steps (flash_attn_ext to flash_attn_ext)" in text and "11.0 µs of kernel time" in text
+    layer = [("flash_attn_ext_vec", 3.0), ("kx_select_one_kernel", 2.0), ("mmvq", 4.0), ("kx_select_one_kernel", 2.0),
+             ("kx_mul_mat_rows_k_kernel", 5.0)]
+    text = "\n".join(summarize(layer * 3 + layer[:1]))
+    assert "3 whole layer steps" in text and "16.0 µs of kernel time per step" in text
+    assert "| kx_select_one_kernel | 2.00 | 4.0 | 2.0 |" in text
 
 
 @pytest.mark.parametrize("probe", ["snap_probe", "apply_probe", "select_probe"])

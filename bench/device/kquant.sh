@@ -114,8 +114,7 @@ ncu_run() { # NAME COMMAND...: the CSV, its per-step table, then the CSV compres
         --metrics gpu__time_duration.sum --launch-skip "${KX_NCU_SKIP:-6000}" --launch-count "${KX_NCU_COUNT:-2000}" \
         --csv --log-file "$OUT/ncu-$name.csv" "$@" > "$OUT/ncu-$name.log" 2>&1
     echo "ncu $name: rc=$? at $(( $(date +%s) - t0 )) s"
-    python3 bench/kernel_profile.py "$OUT/ncu-$name.csv" -o "$OUT/kernel-profile-$name.md" \
-        ${NCU_STEP:+--step "$NCU_STEP"} | tail -25
+    python3 bench/kernel_profile.py "$OUT/ncu-$name.csv" -o "$OUT/kernel-profile-$name.md" | tail -25
     gzip -f "$OUT/ncu-$name.csv"
 }
 # the decoded tokens of the hybrid's profile: KX_KQ_TPOT's run writes them, or here
@@ -125,5 +124,5 @@ for b in ${KX_KQ_NCU:-}; do
     ncu_run "hybrid-${b}GiB" python3 bench/tpot.py --impl kairox --mode predicted --model "$Q" \
         --tokens "${Q%.gguf}.tokens.json" --prompt-len 64 --ngl 999 --threads 8 --vram-budget "${b}GiB"
 done
-[ -z "${KX_KQ_NCU:-}" ] || NCU_STEP=flash_attn_ext ncu_run dense-ngl99 "$B/llama-bench" -m "$Q" -p 0 -n 16 -r 1 -t 8 -ngl 99 -fa 1
+[ -z "${KX_KQ_NCU:-}" ] || ncu_run dense-ngl99 "$B/llama-bench" -m "$Q" -p 0 -n 16 -r 1 -t 8 -ngl 99 -fa 1
 echo "all done ($(( $(date +%s) - t0 )) s)"
