@@ -10,7 +10,7 @@
 #   bash bench/device/kquant.sh          # repo root; carry vendor/llama.cpp and .whl
 #   KX_TESTS="tests/..." ...            # these tests on the GPU once the pack is written
 #   KX_TEST_TIMEOUT=200 ...             # stop pytest after that many seconds
-#   KX_OPS="KX_SELECT" ...              # the ops test-backend-ops checks (default: the kx ops and the q8_1 reuse)
+#   KX_OPS="KX_SELECT" ...              # the ops test-backend-ops checks (default: the kx ops and MUL_MAT_SHARED_X)
 #   KX_KQ_BUDGET=3GiB KX_KQ_TYPE=Q4_K_M # the budget and the quantization (defaults shown)
 #   KX_KQ_STAGE=prepare ...             # build, checks, tests, model and pack only (a first call;
 #                                       # the next call on the still-warm machine finds them)
@@ -42,7 +42,7 @@ echo "build done ($(( $(date +%s) - t0 )) s)"
 B=$W/build-kx/bin
 export KAIROX_LIB_DIR=$B KAIROX_BIN_DIR=$B
 if [ -z "${KX_SKIP_OPS:-}" ] && [ ! -f "$OUT/.ops-done" ]; then
-    for op in ${KX_OPS:-KX_MUL_MAT_ROWS KX_AXPY_ROWS KX_SELECT KX_Q8_1_REUSE}; do
+    for op in ${KX_OPS:-KX_MUL_MAT_ROWS KX_AXPY_ROWS KX_SELECT MUL_MAT_SHARED_X}; do
         "$B/test-backend-ops" -b CUDA0 -o "$op" > "$OUT/test-backend-ops-$op.log" 2>&1
         echo "test-backend-ops $op: rc=$? $(grep -cE '^\s+.*OK' "$OUT/test-backend-ops-$op.log") OK, $(grep -c FAIL "$OUT/test-backend-ops-$op.log") FAIL; $(tail -1 "$OUT/test-backend-ops-$op.log")"
     done

@@ -69,13 +69,18 @@ float kx_row_dot_ref(const struct ggml_tensor * w, const char * row, const float
     return (float) acc;
 }
 
+// the gated op's gate value of neuron i, token t
+static inline float kx_gate_at(const struct ggml_tensor * gate, int64_t i, int64_t t) {
+    return *(const float *) ((const char *) gate->data + i*sizeof(float) + t*gate->nb[1]);
+}
+
 // gated op: neuron i's gate is <= 0 for every token (relu gives 0: its row is not needed)
 static inline bool kx_gated_off(const struct ggml_tensor * gate, int64_t i, int64_t nt) {
     if (!gate) {
         return false;
     }
     for (int64_t t = 0; t < nt; ++t) {
-        if (*(const float *) ((const char *) gate->data + i*sizeof(float) + t*gate->nb[1]) > 0.0f) {
+        if (kx_gate_at(gate, i, t) > 0.0f) {
             return false;
         }
     }
@@ -86,7 +91,7 @@ static inline bool kx_gated_off(const struct ggml_tensor * gate, int64_t i, int6
 // ggml's reglu: g > 0 ? g*u : 0), so no GLU op follows it
 static inline void kx_gate_apply(const struct ggml_tensor * gate, int64_t i, int64_t t, float * d) {
     if (gate) {
-        const float g = *(const float *) ((const char *) gate->data + i*sizeof(float) + t*gate->nb[1]);
+        const float g = kx_gate_at(gate, i, t);
         *d = g > 0.0f ? g * *d : 0.0f;
     }
 }

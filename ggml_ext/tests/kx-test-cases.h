@@ -214,7 +214,7 @@ struct test_kx_axpy_rows : public test_kx_rows {
 
 // Three matvecs that read one x (attention's Q, K and V), of mixed weight types, summed: on
 // CUDA the first quantizes x to q8_1 and the other two reuse that copy (patch 0020); the sum
-// must match the CPU's. Select with -o KX_Q8_1_REUSE.
+// must match the CPU's. Select with -o MUL_MAT_SHARED_X (a case name, not an op: no such op exists).
 struct test_kx_q8_1_reuse : public test_case {
     const ggml_type t0, t1, t2;
     const int64_t k, n, nt;
@@ -222,7 +222,7 @@ struct test_kx_q8_1_reuse : public test_case {
     test_kx_q8_1_reuse(ggml_type t0, ggml_type t1, ggml_type t2, int64_t k, int64_t n, int64_t nt)
         : t0(t0), t1(t1), t2(t2), k(k), n(n), nt(nt) {}
 
-    std::string op_desc(ggml_tensor * t) override { (void) t; return "KX_Q8_1_REUSE"; }
+    std::string op_desc(ggml_tensor * t) override { (void) t; return "MUL_MAT_SHARED_X"; }
     std::string vars() override { return VARS_TO_STR6(t0, t1, t2, k, n, nt); }
 
     ggml_tensor * build_graph(ggml_context * ctx) override {
