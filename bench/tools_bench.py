@@ -113,6 +113,9 @@ def main() -> int:
     ap.add_argument("--completion-row", action="append", default=[], metavar="LABEL=FLAGS",
                     help="one more kairox-completion row: the hybrid's flags and these (any common "
                          "flag: --mapped-share, --no-kx-warm, -t; repeatable)")
+    ap.add_argument("--bench-row", action="append", default=[], metavar="LABEL=FLAGS",
+                    help="one more kairox-bench row at each searched thread count: the hybrid's flags and "
+                         "these (a llama-bench flag: --no-kx-hold; repeatable)")
     ap.add_argument("--bench-threads", default=None, metavar="N,N",
                     help="thread counts searched for the llama-bench rows (llama.cpp's and kairox-bench's; "
                          "llama.cpp's best over them is the baseline); default: --threads")
@@ -136,6 +139,11 @@ def main() -> int:
         f"kairox-completion {' '.join(hybrid)}": {"kind": "completion", "extra": hybrid},
         f"kairox run {' '.join(hybrid)}": {"kind": "run", "extra": hybrid},
     }
+    for spec in args.bench_row:
+        label, _, flags = spec.partition("=")
+        for n in bench_threads:
+            rows[f"kairox-bench {' '.join(hybrid)} {flags}{tl(n)} ({label})"] = {
+                "kind": "bench", "threads": n, "extra": hybrid + flags.split()}
     for spec in args.completion_row:
         label, _, flags = spec.partition("=")
         rows[f"kairox-completion {' '.join(hybrid)} {flags} ({label})"] = {"kind": "completion",

@@ -288,6 +288,33 @@ def test_gpu_warm_up_keeps_the_output(synth_model: Path) -> None:
     assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
 
 
+def test_gpu_held_hand_off_keeps_the_output(synth_model: Path) -> None:
+    """The held hand-off on a GPU (the default; hold=False turns it off): a hybrid layer's
+    device split after its CPU part is queued, input copies and all, before the CPU part runs,
+    behind a wait on the device's stream that the host ends with one store (kx_sched_set_hold,
+    kx-hold.cu). If the wait ended early the device would copy the CPU part's output before the
+    host wrote it, and the logits would be off by a whole part; so they must be those of the
+    stock order (up to the rounding of the down rows' atomic adds), the tokens the same, and
+    the counters must show a hold for every hybrid layer of every token and none without it."""
+    from kairox._native import has_gpu, sched_counters
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    sched_counters(reset=True)
+    want_toks, want, _ = run(synth_model, sparse="predicted", gpu_slots=100, n_gpu_layers=-1, hold=False)
+    off = sched_counters(reset=True)
+    toks, got, _ = run(synth_model, sparse="predicted", gpu_slots=100, n_gpu_layers=-1)
+    on = sched_counters(reset=True)
+    assert off["held"] == 0, off
+    steps = len(PROMPT) + N_GEN  # one token per decode (n_batch=1)
+    # each token crosses to the CPU once per hybrid layer and back: every crossing back held
+    assert on["held"] > 0 and on["held"] % steps == 0 and on["held"] <= on["cpu_splits"], (on, steps)
+    assert on["cpu_splits"] == off["cpu_splits"], (on, off)
+    # the held splits are launched before their CPU part, not after: none launched twice
+    assert on["launches"] == off["launches"], (on, off)
+    assert toks == want_toks
+    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+
+
 def retyped_ffn_bf16(src: Path, dst: Path) -> Path:
     """A copy of the model `src` whose ffn_gate and ffn_up are BF16 (every key and other
     tensor as they are), with a pack of its own."""
