@@ -209,3 +209,10 @@ void ggml_kx_ffn_rows_own_shares(struct ggml_tensor * ffn_rows) {
     GGML_ASSERT(ffn_rows->op == GGML_OP_KX_FFN_ROWS);
     ggml_set_op_params_i32(ffn_rows, 1, 1);
 }
+
+void ggml_kx_ffn_rows_copy_list(struct ggml_tensor * ffn_rows, struct ggml_tensor * dst) {
+    GGML_ASSERT(ffn_rows->op == GGML_OP_KX_FFN_ROWS);
+    GGML_ASSERT(dst->type == GGML_TYPE_I32 && ggml_is_contiguous(dst));
+    GGML_ASSERT(ggml_nelements(dst) >= ggml_nelements(ffn_rows->src[4]));
+    ffn_rows->src[8] = dst;
+}

@@ -431,6 +431,13 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         line[0] = n;
         line[KX_FFN_TAKEN_A] = 0; // own shares: none taken yet (read after the barriers)
         line[KX_FFN_TAKEN_B] = 0;
+        if (dst->src[8]) { // ggml_kx_ffn_rows_copy_list
+            int32_t * out = (int32_t *) dst->src[8]->data;
+            memcpy(out + 1 + j0, ids + j0, sizeof(int32_t) * (size_t) (j1 - j0));
+            if (ith == 0) {
+                out[0] = (int32_t) count;
+            }
+        }
     }
     if (two_pass) {
         if (ith == 0) { // no thread takes a chunk before the barrier

@@ -184,6 +184,11 @@ GGML_API struct ggml_tensor * ggml_kx_ffn_rows(
 // 117-126 µs against 110-113 µs without the warm-up, and 82 µs with own shares.)
 GGML_API void ggml_kx_ffn_rows_own_shares(struct ggml_tensor * ffn_rows);
 
+// The node also writes its list (count, then the ids) into dst, an I32 tensor in host memory at
+// least as long as the list (the balancer's view of the decode, kx_slot_layer::seen): each thread
+// copies the slice of the list it scans anyway, so no copy node (and its barrier) is needed.
+GGML_API void ggml_kx_ffn_rows_copy_list(struct ggml_tensor * ffn_rows, struct ggml_tensor * dst);
+
 // Rows the CPU kernels were asked to compute, summed over ggml_kx_select calls since the
 // last reset: `selected` ids listed (after the density fallback), `total` ids possible,
 // `calls` selections, `fallbacks` selections that went dense. Any pointer may be NULL.

@@ -212,11 +212,12 @@ static ggml_tensor * kx_build_ffn_hybrid(
         list_next(); // one split: the list first, for the prefetch below
     }
     // the balancer's view of this decode: the list, copied on the CPU beside the host part
-    // (which receives the list anyway); a few KiB per layer
-    ggml_tensor * seen = on_cpu(ggml_cpy(ctx0, sel, H.seen));
-    ggml_build_forward_expand(g.gf, seen);
+    // (which receives the list anyway); a few KiB per layer. The pipeline's prefetch reads it
+    // as a node of its own; otherwise the host op copies it while scanning the list
     kx_pipe_hook * hook = pipe_next ? const_cast<kx_pipe_hook *>(&hy.hooks[il + 1]) : nullptr;
     if (pipe_next) {
+        ggml_tensor * seen = on_cpu(ggml_cpy(ctx0, sel, H.seen));
+        ggml_build_forward_expand(g.gf, seen);
         hook->consume = !warm_next;
         hook->reader  = kx_sched_backend_of(g, slots.device);
         // after the copy above (the prefetch observes this layer's list): the reloads then run
@@ -233,6 +234,9 @@ static ggml_tensor * kx_build_ffn_hybrid(
 
     // host part (neurons not resident): coldmap sends the resident ones to -1
     ggml_tensor * yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all, act));
+    if (!pipe_next) {
+        ggml_kx_ffn_rows_copy_list(yc, H.seen);
+    }
     if (warm) {
         ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
     }
