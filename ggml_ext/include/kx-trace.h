@@ -106,9 +106,9 @@ typedef bool (*kx_event_busy_t)(ggml_backend_event_t event);
 // of a KB-7B Q4_K_M hybrid).
 // With it the host queues that split before the CPU split runs, behind a wait on the
 // device's stream for a word in page-locked memory, and after the CPU split only stores
-// the word. Used where the next split reads nothing but page-locked host tensors and
-// its own device's; a CPU split with custom ops other than the warm-up (which might
-// synchronize the device that now waits for them) keeps the stock order.
+// the word. Used where the CPU split is a hybrid layer's host part and the next split reads
+// nothing but page-locked host tensors and its own device's, and ran before in this graph
+// (ggml-backend.cpp, kx_sched_hold_fn, says why each).
 GGML_API void                  kx_sched_set_hold(ggml_backend_sched_t sched, bool on);
 // what a device registry returns as "kx_backend_hold": queue on the backend's stream a wait
 // until (int32_t) (flag[0] - value) >= 0; flag is page-locked host memory the device can
