@@ -81,8 +81,6 @@ def main() -> int:
     ap.add_argument("--sched-trace-max", type=int, default=0, help="kairox: records the trace keeps (0: 131072)")
     ap.add_argument("--warm", choices=["on", "off"], default="on",
                     help="kairox hybrid: the host-cache warm-up (kx_params.warm; rows: static@--warm=off)")
-    ap.add_argument("--hold", choices=["on", "off"], default="on",
-                    help="kairox hybrid: the held hand-off (kx_params.hold)")
     ap.add_argument("--error-budget", type=float,
                     help="kairox hybrid, predicted: load-aware thresholds adding at most this relative FFN "
                          "output error to the static threshold's (0: none; default: off)")
@@ -106,8 +104,6 @@ def main() -> int:
             extra["mapped_share"] = args.mapped_share
         if args.warm == "off":
             extra["warm"] = False
-        if args.hold == "off":
-            extra["hold"] = False
         if args.error_budget is not None:
             extra["error_budget"] = args.error_budget
         if args.sched_trace:

@@ -81,7 +81,7 @@ def test_defaults_match_the_python_defaults(native: Path) -> None:
     from kairox.llama import _lib
     kp = _lib.kx_params_default()
     assert kp.sparse == capi.SPARSE_AUTO and kp.gpu_slots < 0 and kp.vram_budget == 0
-    assert kp.pinned and kp.warm and kp.hold and kp.balancer == 0 and not _lib.kx_params_hybrid(ctypes.byref(kp))
+    assert kp.pinned and kp.warm and kp.balancer == 0 and not _lib.kx_params_hybrid(ctypes.byref(kp))
     cfg = BalancerConfig()
     for f in ("lam", "eps", "alpha", "alpha_min", "lam_min", "lam_max"):
         assert getattr(kp.balance.tam, f) == pytest.approx(getattr(cfg, f), rel=1e-6), f

@@ -53,8 +53,6 @@ void ggml_cuda_kx_trace_mark(ggml_backend_t backend, int64_t * t_us);
 cudaError_t ggml_cuda_kx_stamp(cudaStream_t stream, int64_t * t_us);
 // the scheduler's deferred wait polls it (kx-trace-mark.cu; kx-trace.h: kx_event_busy_t)
 bool ggml_cuda_kx_event_busy(ggml_backend_event_t event);
-// the scheduler's held hand-off: the stream waits for a host word (kx-hold.cu; kx-trace.h: kx_backend_hold_t)
-void ggml_cuda_kx_hold(ggml_backend_t backend, const uint32_t * flag, uint32_t value, uint64_t timeout_ns);
 
 // the reload engine of the live balancer (kx-reload.cu; include/kx-reload.h)
 struct kx_reload_iface;

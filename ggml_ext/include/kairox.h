@@ -306,9 +306,6 @@ struct kx_params {
     // the GPU, as llama.cpp does with every layer offloaded (the split pays only where part of the
     // model must stay on the CPU); an explicit sparse mode or slot count runs as asked
     bool            whole_fits;
-    bool            hold;              // hybrid: a layer's device part after its CPU part is queued before the
-                                       // CPU part runs, behind a device-side wait that the host ends with one
-                                       // store (kx_sched_set_hold, kx-trace.h; default true)
 };
 
 // what a budgeted context measured on its device (bytes)

@@ -79,7 +79,6 @@ enum kx_sched_stat {
     KX_SCHED_DRAIN_NS,   // CPU splits waiting for the device's read-backs: the device still
                          // computing what the CPU split needs (deferred waits included)
     KX_SCHED_DEFERRED,   // CPU splits whose first node waited instead (below)
-    KX_SCHED_HELD,       // device splits queued before the CPU split they read (kx_sched_set_hold)
     KX_SCHED_N_STATS,
 };
 // out: KX_SCHED_N_STATS values (may be NULL, to reset only)
@@ -99,22 +98,6 @@ GGML_API void                  kx_sched_drain_pending(void);
 GGML_API bool                  kx_sched_drain_done(void);
 // what a device registry returns as "kx_event_busy": true while the event has not completed
 typedef bool (*kx_event_busy_t)(ggml_backend_event_t event);
-
-// Held hand-off (kx_sched_set_hold). Without it the host, once a CPU split has computed,
-// issues the next device split's input copies and queues its kernels: both on the layer's
-// critical path (a graph launch ~4.5 µs and a copy call ~3.2 µs on an H100 host, per layer
-// of a KB-7B Q4_K_M hybrid).
-// With it the host queues that split before the CPU split runs, behind a wait on the
-// device's stream for a word in page-locked memory, and after the CPU split only stores
-// the word. Used where the CPU split is a hybrid layer's host part and the next split reads
-// nothing but page-locked host tensors and its own device's, and ran before in this graph
-// (ggml-backend.cpp, kx_sched_hold_fn, says why each).
-GGML_API void                  kx_sched_set_hold(ggml_backend_sched_t sched, bool on);
-// what a device registry returns as "kx_backend_hold": queue on the backend's stream a wait
-// until (int32_t) (flag[0] - value) >= 0; flag is page-locked host memory the device can
-// read. A wait longer than timeout_ns ends and sets flag[1] to 1 (the host then fails the
-// next graph: the device went on with inputs the host had not written).
-typedef void (*kx_backend_hold_t)(ggml_backend_t backend, const uint32_t * flag, uint32_t value, uint64_t timeout_ns);
 
 #ifdef __cplusplus
 }

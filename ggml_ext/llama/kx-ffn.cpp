@@ -39,6 +39,7 @@
 #include "llama-cparams.h"
 #include "llama-impl.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -73,6 +74,25 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
     }
 }
 
+// A predicted hybrid layer whose slots hold every neuron has nothing for the host: its graph is
+// the device part alone, with no CPU split, no hand-off and no warm-up (the CPU split had 19 µs a
+// layer of fixed cost, and the warm-up's list 23 µs of device time, where there was nothing to
+// compute: KB-7B Q4_K_M on an H100, every neuron in slots). Only with the split as it was filled:
+// the balancer reads each layer's list from the host part (and may give up a slot), the
+// load-aware thresholds split the select by side, a mapped share reads host rows.
+static bool kx_layer_whole(const kx_hybrid & hy, int32_t mode, int il) {
+    if (mode != KX_SPARSE_PREDICTED || hy.balancer || hy.thr || !hy.slots || il < 0 ||
+        (size_t) il >= hy.slots->layers.size()) {
+        return false;
+    }
+    const kx_slot_layer & H = hy.slots->layers[il];
+    const int64_t n_ff = H.slotmap ? ggml_nelements(H.slotmap) : 0;
+    if (n_ff == 0 || H.n_mapped > 0 || H.n_slots < n_ff || (int64_t) H.resident.size() < n_ff) {
+        return false;
+    }
+    return std::all_of(H.resident.begin(), H.resident.end(), [](int32_t id) { return id >= 0; });
+}
+
 // Hybrid layers warm the host's caches with their rows while the CPU waits for the device
 // (kx-warm.cpp). On by default (kx_params::warm): KB-7B 1.05-1.20x, KB-13B 1.03-1.28x in every
 // interleaved pair on the H200 (bench/results/archive/balance-live/warm/); beside a mapped share it
@@ -82,7 +102,7 @@ static ggml_tensor * kx_glu(ggml_context * ctx0, ggml_tensor * gv, ggml_tensor *
 // no wait to fill)
 static bool kx_warm_layer(const kx_hybrid & hy, int32_t mode, int il) {
     return hy.warm_on && mode == KX_SPARSE_PREDICTED && !hy.slots->on_host && kx_slots_list_ahead(*hy.slots, il) &&
-           il < hy.pack->n_layer && (size_t) il < hy.warm.size();
+           il < hy.pack->n_layer && (size_t) il < hy.warm.size() && !kx_layer_whole(hy, mode, il);
 }
 
 // the balancer's pipeline prefetches layer il within the decode, from the list the warm-up
@@ -179,6 +199,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
                               : ggml_kx_select(ctx0, s, 0.0f, kx_max_density, KX_SELECT_SCORE);
     }
     g.cb(sel, "kx_sel", il);
+    const bool whole     = kx_layer_whole(hy, mode, il);
     const bool warm      = kx_warm_layer(hy, mode, il);
     const bool warm_next = kx_warm_layer(hy, mode, il + 1);
     const bool pipe_next = kx_pipe_layer(hy, il + 1);
@@ -232,19 +253,23 @@ static ggml_tensor * kx_build_ffn_hybrid(
         ggml_build_forward_expand(g.gf, p);
     }
 
-    // host part (neurons not resident): coldmap sends the resident ones to -1
-    ggml_tensor * yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all, act));
-    if (!pipe_next) {
-        ggml_kx_ffn_rows_copy_list(yc, H.seen);
-    }
-    if (warm) {
-        ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
-    }
-    g.cb(yc, "ffn_out_cpu", il);
-    if (warm_next || pipe_next) {
-        // in the split of the other CPU nodes: the device nodes that follow (the next layer's
-        // list among them) then head the next split and run beside this CPU part
-        ggml_build_forward_expand(g.gf, yc);
+    // host part (neurons not resident): coldmap sends the resident ones to -1; none where the
+    // slots hold every neuron (the balancer, which reads the host part's list, is off then)
+    ggml_tensor * yc = nullptr;
+    if (!whole) {
+        yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all, act));
+        if (!pipe_next) {
+            ggml_kx_ffn_rows_copy_list(yc, H.seen);
+        }
+        if (warm) {
+            ggml_kx_ffn_rows_own_shares(yc); // each core reads the rows it warmed
+        }
+        g.cb(yc, "ffn_out_cpu", il);
+        if (warm_next || pipe_next) {
+            // in the split of the other CPU nodes: the device nodes that follow (the next layer's
+            // list among them) then head the next split and run beside this CPU part
+            ggml_build_forward_expand(g.gf, yc);
+        }
     }
     if (pipe_next) {
         // last on the CPU, before the scheduler queues anything of layer il+1
@@ -280,7 +305,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
                                             "ffn_up_map", "ffn_act_map", "ffn_out_map"));
     }
 
-    ggml_tensor * y = ggml_add(ctx0, yc, yg);
+    ggml_tensor * y = yc ? ggml_add(ctx0, yc, yg) : yg;
     g.cb(y, "ffn_out", il);
     return y;
 }

@@ -35,7 +35,6 @@ struct kx_params kx_params_default(void) {
     kp.gpu_slots = -1;
     kp.pinned = true;
     kp.warm = true;
-    kp.hold = true;
     kp.stream = true;
     kp.migrate = false;
     kp.balancer = KX_BALANCER_OFF;
@@ -663,7 +662,6 @@ static void kx_place(llama_context * ctx, llama_model * model, const kx_params *
     kx_check(kx_model_set_slots_faults(model, counts.data(), (int32_t) counts.size(), kp->slots_device, kp->faults,
                                        e, sizeof(e)), refuse, "neuron slots: ", e);
     kx_model_hybrid(model)->warm_on = kp->warm; // (set: the call above succeeded)
-    kx_sched_set_hold(ctx->get_sched(), kp->hold);
     kx_check(kx_context_set_sparse(ctx, mode, e, sizeof(e)), refuse, "", e);
     if (kp->mapped_share > 0.0f) {
         kx_check(kx_context_set_mapped_share(ctx, kp->mapped_share, e, sizeof(e)), KX_ERR_PARAMS, "", e);

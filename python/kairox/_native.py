@@ -192,15 +192,14 @@ def _read_stats(lib: ctypes.CDLL, fn: str, names: tuple[str, ...], reset: bool) 
 
 
 SCHED_STATS = ("graphs", "splits_ns", "cpu_splits", "cpu_ns", "launches", "launch_ns", "copy_ns", "drain_ns",
-               "deferred", "held")
+               "deferred")
 
 
 def sched_counters(reset: bool = False) -> dict[str, int]:
     """The scheduler's host time per phase since the last reset (kx_sched_stats, kx-trace.h):
     graphs computed, ns in the split loop, CPU splits and ns computing them, device split
     launches and ns queueing them, ns issuing input copies, ns a CPU split waited for the
-    device's read-backs (the device still computing what it needs), CPU splits whose first node
-    waited instead (the warm-up), device splits queued before the CPU split they read (held)."""
+    device's read-backs (the device still computing what it needs)."""
     return _read_stats(ggml_library("ggml-base"), "kx_sched_stats", SCHED_STATS, reset)
 
 

@@ -85,7 +85,7 @@ class Params(ctypes.Structure):  # struct kx_params
                 ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),
                 ("error_budget", ctypes.c_float), ("fallback_dense", ctypes.c_bool), ("faults", ctypes.c_int32),
                 ("vram_free_at_load", ctypes.c_int64), ("measure_gain", ctypes.c_bool),
-                ("whole_fits", ctypes.c_bool), ("hold", ctypes.c_bool)]
+                ("whole_fits", ctypes.c_bool)]
 
 
 class ThrInfo(ctypes.Structure):  # struct kx_thr_info

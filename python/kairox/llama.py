@@ -93,9 +93,6 @@ class KairoxOptions:
     balancer_backoff: Any = dataclasses.field(default_factory=BackoffConfig)
     # hybrid: warm the host caches with the next layer's predicted rows while the GPU works
     warm: bool = True
-    # hybrid: a layer's device part after its CPU part is queued before that CPU part runs,
-    # behind a wait on the device that the host ends with one store (no launch after it)
-    hold: bool = True
     # a VRAM budget of whole tensors (no pack): host tensors the placement picks are copied into
     # a GPU scratch ahead of their use and multiplied there, beside the CPU's own work
     stream: bool = True
@@ -181,7 +178,7 @@ class KairoxOptions:
                              "vram_budget or a plan")
         if self.error_budget is not None and self.sparse in ("exact", "threshold"):
             raise ValueError("error_budget moves the predictor's thresholds: it needs the predicted mode")
-        for name in ("pinned", "warm", "hold", "stream", "migrate", "measure_gain"):
+        for name in ("pinned", "warm", "stream", "migrate", "measure_gain"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.trace is not None and not self.balancer:
@@ -244,7 +241,7 @@ class KairoxOptions:
         kp.plan = text(self.plan)
         kp.slots_device = text(self.slots_device)
         kp.pinned, kp.warm, kp.stream, kp.migrate = self.pinned, self.warm, self.stream, self.migrate
-        kp.measure_gain, kp.hold = self.measure_gain, self.hold
+        kp.measure_gain = self.measure_gain
         kp.mapped_share = float(self.mapped_share)
         if self.balancer:
             kp.balancer = capi.BALANCER_MODES.index("adaptive" if self.balancer.adaptive else "fixed")

@@ -85,8 +85,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                                  "add --balancer")
             if not args.warm:
                 hybrid["warm"] = False
-            if not args.hold:
-                hybrid["hold"] = False
             if not args.stream:
                 hybrid["stream"] = False
             if args.migrate:
@@ -258,9 +256,6 @@ def register(sub) -> None:
                    "pinned; prompts offloaded to the GPU then copy them more slowly, and nothing is streamed)")
     p.add_argument("--no-kx-warm", dest="warm", action="store_false",
                    help="hybrid: do not warm the host caches with the next layer's predicted rows while the GPU works")
-    p.add_argument("--no-kx-hold", dest="hold", action="store_false",
-                   help="hybrid: queue a layer's device part after its CPU part only once that part is done "
-                   "(the stock order), instead of before it behind a wait on the device")
     p.add_argument("--no-kx-stream", dest="stream", action="store_false",
                    help="a budget of whole tensors (a model without a pack): do not stream host-resident "
                    "tensors to the GPU through a scratch buffer beside the CPU's work")
