@@ -231,6 +231,24 @@ def test_gpu_hybrid_matches_the_cpu(synth_model: Path, mode: str) -> None:
     assert abs(listed - c0.rows) <= 0.01 * c0.rows  # GPU vs CPU predictor rounding may flip a few
 
 
+def test_gpu_whole_layers_match_the_cpu(synth_model: Path) -> None:
+    """On a GPU with every neuron in slots: each layer is its device part alone (kx_layer_whole:
+    no CPU split, no hand-off, no warm-up list), and gives the all-CPU sparse run's tokens and
+    logits."""
+    from kairox._native import has_gpu, sched_counters
+    if not has_gpu():
+        pytest.skip("no GPU here (the GPU machine runs this: bench/device/hybrid.sh)")
+    want_toks, want, c0 = run(synth_model, sparse="predicted")
+    sched_counters(reset=True)
+    toks, got, c = run(synth_model, sparse="predicted", gpu_slots=N_FF, n_gpu_layers=-1)
+    sc = sched_counters(reset=True)
+    assert toks == want_toks
+    assert float(np.abs(got - want).max()) <= 1e-3 * float(np.abs(want).max())
+    assert c.ffn_calls == 0 and c0.ffn_calls > 0 and c.elsewhere == 0  # no host op ran
+    assert sc["deferred"] == 0, sc  # no warm-up node either
+    assert sc["cpu_splits"] <= sc["graphs"], sc  # at most the token lookup's split per graph
+
+
 def test_gpu_quantized_hybrid_matches_the_cpu(tmp_path: Path) -> None:
     """On a GPU, a Q4_0 model's hybrid: attention's matvecs quantize x to q8_1 once for Q, K
     and V (patch 0020: a copy of another x, the attention output's or another layer's, would
