@@ -115,7 +115,7 @@ def main() -> int:
                          "flag: --mapped-share, --no-kx-warm, -t; repeatable)")
     ap.add_argument("--bench-row", action="append", default=[], metavar="LABEL=FLAGS",
                     help="one more kairox-bench row at each searched thread count: the hybrid's flags and "
-                         "these (a llama-bench flag: --balancer adaptive, -fa 0; repeatable)")
+                         "these (a llama-bench flag: --no-kx-warm, --balancer adaptive; repeatable)")
     ap.add_argument("--bench-threads", default=None, metavar="N,N",
                     help="thread counts searched for the llama-bench rows (llama.cpp's and kairox-bench's; "
                          "llama.cpp's best over them is the baseline); default: --threads")

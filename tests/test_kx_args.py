@@ -225,6 +225,16 @@ def test_llama_bench_lists_and_columns(native: Path, synth_model: Path) -> None:
         assert col in header, header
 
 
+def test_llama_bench_takes_the_warm_up_switch(native: Path, synth_model: Path) -> None:  # noqa: F811
+    """--no-kx-warm, the common tools' switch for the hybrid's host-cache warm-up, is a
+    kairox-bench option too (rows with and without it compare through the same binary)."""
+    h = tool(native, "llama-bench", "--help")
+    assert "--no-kx-warm" in h.stdout + h.stderr
+    r = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", "-r", "1", "-t", "2",
+             "--gpu-slots", "8", "--sparse", "predicted", "--kx-slots-device", "CPU", "--no-kx-warm")
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("args,message", [
     (("--vram-budget", "lots"), "--vram-budget must be a size > 0"),
     (("--sparse", "fast"), "--sparse must be auto, dense, exact, predicted or threshold"),

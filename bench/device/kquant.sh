@@ -17,7 +17,7 @@
 #   KX_KQ_STAGE=ncu ...                 # none of the timed rows: only KX_KQ_NCU's profiles
 #   KX_ROUNDS=3 ...                     # interleaved rounds of the binaries' rows
 #   KX_KQ_ROWS="mapped 0.3=--mapped-share 0.3;no warm=--no-kx-warm"  # more kairox-completion rows
-#   KX_KQ_BENCH_ROWS="adaptive=--balancer adaptive"  # more kairox-bench rows (each searched thread count)
+#   KX_KQ_BENCH_ROWS="no warm=--no-kx-warm"  # more kairox-bench rows (each searched thread count)
 #   KX_KQ_NAME=tools-bench-x ...        # the results' file stem
 #   KX_KQ_THREADS="8,16" ...            # thread counts searched for llama.cpp's and kairox-bench's rows
 #   KX_KQ_DOWN="q4_k q6_k" ...          # also packs with these down-row types (the model
