@@ -92,6 +92,41 @@ def test_split_reproduces_the_unsplit_layer(synth_model: Path, mode: str, slots)
         assert 0 < c.elsewhere < c.selected
 
 
+def test_whole_layers_split_while_a_balancer_runs(synth_model: Path) -> None:
+    """Every neuron in slots: each layer is its device part alone (no host op) until a balancer
+    starts, which reads every layer's list from the host part: the graphs then split again and
+    its steps see the lists; stopped, the layers are whole again. The tokens stay those of the
+    unsplit run throughout."""
+    import kairox
+    from kairox._native import balance_counters, sparse_counters
+    want_toks, _, _ = run(synth_model, sparse="predicted")
+    llm = kairox.Llama(str(synth_model), n_ctx=256, n_batch=1, n_ubatch=1, logits_all=True, type_k=0, type_v=0,
+                       verbose=False, sparse="predicted", gpu_slots=N_FF, slots_device="CPU")
+    try:
+        toks, calls = [], []
+
+        def decode(ids: list[int]) -> None:
+            sparse_counters(reset=True)
+            llm.eval(ids)
+            calls.append(sparse_counters(reset=True).ffn_calls)
+
+        decode(PROMPT[:6])
+        llm.start_balancer(True, observe=True)
+        balance_counters(reset=True)
+        decode(PROMPT[6:12])
+        steps = balance_counters(reset=True)["steps"]
+        llm.start_balancer(None)
+        decode(PROMPT[12:])
+        for _ in range(N_GEN):
+            toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            decode([toks[-1]])
+        assert calls[0] == 0 and calls[1] > 0 and sum(calls[2:]) == 0, calls
+        assert steps > 0
+        assert toks == want_toks
+    finally:
+        llm.close()
+
+
 def test_residents_are_the_most_active_neurons(synth_model: Path) -> None:
     """The static split holds each layer's most frequent neurons (the pack's kx_freq, by neuron
     id; its rows are permuted), the ones the Python reference's static placement names."""

@@ -43,9 +43,10 @@ void kx_hybrid_set_balancer(kx_hybrid & h, const llama_model & model, const kx_b
     if (!h.slots) {
         throw std::runtime_error("the balancer needs neuron slots, and this model has none");
     }
-    if (h.pipeline()) {
-        ++h.graph_gen; // graphs drop the pipeline's nodes (contexts rebuild at their next balance)
-    }
+    // graphs built before change: the pipeline's nodes come or go, and a layer with every neuron
+    // in slots is its device part alone only without a balancer (kx-ffn.cpp); contexts rebuild
+    // at their next balance
+    ++h.graph_gen;
     h.balancer.reset();
     if (params && !params->observe && h.slots->mapped_share > 0.0f) {
         // the balancer moves neurons between the slots and the host side only: the mapped
@@ -56,9 +57,6 @@ void kx_hybrid_set_balancer(kx_hybrid & h, const llama_model & model, const kx_b
     }
     if (params) {
         h.balancer = kx_balancer_new(*h.slots, model, *h.pack, *params);
-        if (h.pipeline()) {
-            ++h.graph_gen; // the next decode builds graphs with the pipeline's nodes
-        }
     }
 }
 
