@@ -233,8 +233,9 @@ static ggml_tensor * kx_build_ffn_hybrid(
         list_next(); // one split: the list first, for the prefetch below
     }
     // the balancer's view of this decode: the list, copied on the CPU beside the host part
-    // (which receives the list anyway); a few KiB per layer. The pipeline's prefetch reads it
-    // as a node of its own; otherwise the host op copies it while scanning the list
+    // (which receives the list anyway); a few KiB per layer, only while a balancer runs (starting
+    // or stopping one rebuilds the graphs). The pipeline's prefetch reads it as a node of its
+    // own; otherwise the host op copies it while scanning the list
     kx_pipe_hook * hook = pipe_next ? const_cast<kx_pipe_hook *>(&hy.hooks[il + 1]) : nullptr;
     if (pipe_next) {
         ggml_tensor * seen = on_cpu(ggml_cpy(ctx0, sel, H.seen));
@@ -258,7 +259,7 @@ static ggml_tensor * kx_build_ffn_hybrid(
     ggml_tensor * yc = nullptr;
     if (!whole) {
         yc = on_cpu(ggml_kx_ffn_rows(ctx0, gate, up, L.down_t, cur, sel, H.coldmap, H.colddown, g_all, act));
-        if (!pipe_next) {
+        if (hy.balancer && !pipe_next) {
             ggml_kx_ffn_rows_copy_list(yc, H.seen);
         }
         if (warm) {
