@@ -6,6 +6,7 @@
 #   bash bench/device/host_op.sh          # repo root; carry vendor/llama.cpp
 #   KX_HOST_OP_ARGS="8 800 20 11008 4096 q4k" ...  # KB-7B Q4_K_M's host part instead (host_op.c's
 #                                         # arguments after the threads; its JSON splits the op's span)
+#   KX_HOST_OP_THREADS="8 16" ...        # these thread counts (default: every core)
 #   KX_HOST_OP_OLD=old-tree ...           # also an earlier tree's op, rows interleaved and labelled
 #                                         # "tree": "old" / "new" (old-tree as for bench/device/ab.sh)
 set -uo pipefail
@@ -34,8 +35,10 @@ cat /sys/kernel/mm/transparent_hugepage/enabled > "$OUT/thp.txt"
 {
     for rep in 1 2; do
         for pg in 4k 2M; do
-            for tree in $TREES; do
-                "$W/host_op-$tree" $pg "$(nproc)" ${KX_HOST_OP_ARGS:-8 1305 20} | sed "s/^{/{\"tree\": \"$tree\", /"
+            for th in ${KX_HOST_OP_THREADS:-$(nproc)}; do
+                for tree in $TREES; do
+                    "$W/host_op-$tree" $pg "$th" ${KX_HOST_OP_ARGS:-8 1305 20} | sed "s/^{/{\"tree\": \"$tree\", /"
+                done
             done
         done
     done

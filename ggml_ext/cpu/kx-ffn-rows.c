@@ -34,7 +34,11 @@
 // the up and down rows, split evenly over the neurons that fired.
 //
 // Each pass runs in KX_FFN_CHUNKS chunks per thread, and a thread that is free takes the
-// next one (a shared counter); a pass-b chunk sums into its own accumulator. Why: with the
+// next one (a shared counter); a pass-b chunk sums into its own accumulator, so pass b makes
+// no chunk whose accumulator (n_embd floats, zeroed and read back by the column sums) is
+// more bytes than the up and down rows it sums (kx_ffn_chunk_min): KB-7B Q4_K_M at 3 GiB
+// fires ~72 host neurons a layer, which 16 threads cut into 64 chunks of about one neuron,
+// 2 MiB of accumulator traffic for 0.3 MiB of rows (bench/results/host-pages/). Why: with the
 // rows split evenly the slowest thread's loop stayed 19-26% above the mean (H200, KB-7B,
 // bench/results/archive/balance-live/two-pass/), so what was left was per-thread speed, not work.
 // Measured (chunks/): the spread fell to 9-11%, but the slowest loop did not shorten. Kept:
@@ -145,6 +149,14 @@ static struct kx_ffn_work kx_ffn_layout(char * base, const struct ggml_tensor * 
     w.size = off + (size_t) nth * w.blk_stride * sizeof(float);
 #undef KX_AT
     return w;
+}
+
+// fewest fired neurons of a pass-b chunk: its up and down rows at least the bytes of its
+// accumulator of n floats (F16 rows of KB-7B's shape: 1; Q4_K: 4)
+static int64_t kx_ffn_chunk_min(int64_t n, const struct ggml_tensor * up, const struct ggml_tensor * down) {
+    const int64_t rows = (int64_t) (up->nb[1] + down->nb[1]);
+    const int64_t per  = ((int64_t) sizeof(float)*n + rows - 1)/rows;
+    return per > 1 ? per : 1;
 }
 
 size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
@@ -570,7 +582,13 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         for (int64_t c = 0; c < nca; ++c) {
             F += w.fired[c];
         }
-        nacc = F < KX_FFN_CHUNKS*nth ? F : KX_FFN_CHUNKS*nth;
+        // at most KX_FFN_CHUNKS per thread, and none whose accumulator (m floats a token, zeroed
+        // here and read back by the column sums) outweighs the up and down rows it sums: a
+        // 4-bit model's few fired host neurons otherwise cost more accumulator than weights.
+        // Per token, so one token's sums are the bits of the same token among several
+        const int64_t per = kx_ffn_chunk_min(m, up, down);
+        nacc = (F + per - 1)/per;
+        nacc = nacc < KX_FFN_CHUNKS*nth ? nacc : KX_FFN_CHUNKS*nth;
         B.up4 = up4;
         for (int64_t c; (c = kx_ffn_claim(&w, KX_FFN_TAKEN_B, nacc, ith, nth, dyn)) >= 0; ) {
             const int64_t f0 = F*c/nacc;
