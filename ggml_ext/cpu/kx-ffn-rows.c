@@ -582,10 +582,8 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         for (int64_t c = 0; c < nca; ++c) {
             F += w.fired[c];
         }
-        // at most KX_FFN_CHUNKS per thread, and none whose accumulator (m floats a token, zeroed
-        // here and read back by the column sums) outweighs the up and down rows it sums: a
-        // 4-bit model's few fired host neurons otherwise cost more accumulator than weights.
-        // Per token, so one token's sums are the bits of the same token among several
+        // at most KX_FFN_CHUNKS per thread, none smaller than kx_ffn_chunk_min (see the top);
+        // counted per token, so one token's sums are the bits of the same token among several
         const int64_t per = kx_ffn_chunk_min(m, up, down);
         nacc = (F + per - 1)/per;
         nacc = nacc < KX_FFN_CHUNKS*nth ? nacc : KX_FFN_CHUNKS*nth;
