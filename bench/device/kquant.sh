@@ -15,6 +15,8 @@
 #   KX_KQ_STAGE=prepare ...             # build, checks, tests, model and pack only (a first call;
 #                                       # the next call on the still-warm machine finds them)
 #   KX_KQ_STAGE=ncu ...                 # none of the timed rows: only KX_KQ_NCU's profiles
+#   KX_KQ_STAGE=tpot ...                # only the per-token run (TPOT p50/p99, trace): a call after
+#                                       # one that measured the binaries' rows on the same machine
 #   KX_ROUNDS=3 ...                     # interleaved rounds of the binaries' rows
 #   KX_KQ_ROWS="mapped 0.3=--mapped-share 0.3;no warm=--no-kx-warm"  # more kairox-completion rows
 #   KX_KQ_BENCH_ROWS="no warm=--no-kx-warm"  # more kairox-bench rows (each searched thread count)
@@ -97,12 +99,14 @@ if [ "${KX_KQ_STAGE:-}" != ncu ]; then
     for r in "${extra[@]}"; do rows+=(--completion-row "$r"); done
     IFS=';' read -ra extra <<< "${KX_KQ_BENCH_ROWS:-}"
     for r in "${extra[@]}"; do rows+=(--bench-row "$r"); done
-    python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$B" --out "$OUT" \
-        --rounds "${KX_ROUNDS:-3}" --gen 128 --threads "$(nproc)" "${rows[@]}" ${KX_KQ_NAME:+--name "$KX_KQ_NAME"} \
-        ${KX_KQ_THREADS:+--bench-threads "$KX_KQ_THREADS"} \
-        || echo "tools_bench FAILED"
-    echo "tools_bench done ($(( $(date +%s) - t0 )) s)"
-    if [ -n "${KX_KQ_TPOT:-}" ]; then
+    if [ "${KX_KQ_STAGE:-}" != tpot ]; then
+        python3 bench/tools_bench.py --model "$Q" --budget "$BUDGET" --ngl auto --bin "$B" --out "$OUT" \
+            --rounds "${KX_ROUNDS:-3}" --gen 128 --threads "$(nproc)" "${rows[@]}" ${KX_KQ_NAME:+--name "$KX_KQ_NAME"} \
+            ${KX_KQ_THREADS:+--bench-threads "$KX_KQ_THREADS"} \
+            || echo "tools_bench FAILED"
+        echo "tools_bench done ($(( $(date +%s) - t0 )) s)"
+    fi
+    if [ -n "${KX_KQ_TPOT:-}" ] || [ "${KX_KQ_STAGE:-}" = tpot ]; then
         python3 bench/offload.py --config KB-7B --model "$Q" --budget "${BUDGET%GiB}" \
             --stock-bin "$B" --kairox-bin "$B" --kairox-lib "$B" --work /tmp/kxbench --out "$OUT" --reps 1 \
             --modes hybrid --no-dense --keep --note "KB-7B $TYPE (llama-quantize of the F16 synth)" || echo "offload FAILED"
