@@ -19,7 +19,7 @@ OLD=${KX_AB_OLD:?the earlier tree}
 M=${KX_AB_MODEL:?a model with its pack}
 FLAGS=${KX_AB_FLAGS:---vram-budget 7GiB --sparse predicted}
 ROUNDS=${KX_AB_ROUNDS:-3}
-[ -d "$OLD/vendor/llama.cpp" ] || { mkdir -p "$OLD/vendor" && cp -a vendor/llama.cpp "$OLD/vendor/"; }
+kx_vendor_into "$OLD" || exit 1
 if [ -n "${KX_AB_CPU_ONLY:-}" ]; then
     cmake -S "$OLD" -B "$W/build-old" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=OFF \
         > "$W/old-configure.log" || exit 1

@@ -14,6 +14,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --find-links .whl $(ls .whl | sed 's/-.*//' | sort -u)
 export PYTHONPATH=/tmp/site:$PWD/python:$PWD/tests PYTHONUNBUFFERED=1
 export KAIROX_VOCAB_GGUF=${KAIROX_VOCAB_GGUF:-$PWD/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf}
+# kx_vendor_into TREE: an earlier tree (git archive: no vendor/) gets this tree's patched
+# llama.cpp as TREE/vendor/llama.cpp (its patches/ must be the same)
+kx_vendor_into() {
+    [ -d "$1/vendor/llama.cpp" ] || { mkdir -p "$1/vendor" && cp -a vendor/llama.cpp "$1/vendor/"; }
+}
 # kx_build TARGET...: configure (CUDA, sm_90, KX_CMAKE_ARGS too) and build those targets into
 # $W/build-kx; sets B (its bin/, libraries beside the tools) and KAIROX_LIB_DIR
 kx_build() {

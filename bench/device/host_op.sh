@@ -13,7 +13,7 @@ set -uo pipefail
 . bench/device/env.sh
 # host_op_build SRC NAME: SRC's CPU-only ggml and the probe linked to it, as $W/host_op-NAME
 host_op_build() {
-    [ -d "$1/vendor/llama.cpp" ] || { mkdir -p "$1/vendor" && cp -a vendor/llama.cpp "$1/vendor/"; }
+    kx_vendor_into "$1" || return 1
     cmake -S "$1" -B "$W/build-cpu-$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAIROX_CUDA=OFF > "$W/cpu-configure-$2.log" \
         || return 1
     cmake --build "$W/build-cpu-$2" -j "$(nproc)" --target ggml-cpu > "$W/cpu-build-$2.log" 2>&1 \
