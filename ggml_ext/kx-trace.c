@@ -14,6 +14,7 @@ static atomic_llong          kx_n;       // records handed out (may pass kx_cap:
 static atomic_int            kx_graph = -1;
 static char *                kx_path;
 static atomic_int            kx_state;   // 0 off, 1 on
+static void               (* _Atomic kx_flush)(void); // kx_trace_set_flush
 
 static void kx_trace_atexit(void) {
     if (kx_trace_dump(kx_path) < 0) {
@@ -97,9 +98,17 @@ struct kx_trace_rec * kx_trace_add_reload(int32_t il, int64_t n_copies, int64_t 
     return r;
 }
 
+void kx_trace_set_flush(void (*flush)(void)) {
+    atomic_store(&kx_flush, flush);
+}
+
 int64_t kx_trace_dump(const char * path) {
     if (!path || !kx_recs) {
         return 0;
+    }
+    void (*flush)(void) = atomic_load(&kx_flush);
+    if (flush) {
+        flush();
     }
     FILE * f = fopen(path, "w");
     if (!f) {

@@ -136,6 +136,43 @@ def test_a_run_writes_its_trace(tmp_path: Path, synth_model: Path, native: Path)
     assert json.loads((tmp_path / "s.json").read_text())["graphs"] == len(graphs)
 
 
+def test_gpu_stamps_agree_with_the_host_clock(tmp_path: Path, synth_model: Path, native: Path) -> None:
+    """On a GPU, the device's stamps (events resolved on the device's clock, anchored once to
+    the host's) against the host's records of the same hybrid layers: a CPU split cannot end
+    before the device split whose list it reads has ended, and the device cannot start the
+    split that adds the CPU's output before the CPU split that wrote it has ended."""
+    from kairox._native import has_gpu
+    if not has_gpu():
+        pytest.skip("needs a GPU")
+    out = tmp_path / "run.jsonl"
+    code = (f"import kairox; llm = kairox.Llama({str(synth_model)!r}, sparse='predicted', gpu_slots=100, "
+            f"n_gpu_layers=-1, n_ctx=64, n_batch=1, n_ubatch=1, verbose=False, sched_trace={str(out)!r})\n"
+            "llm.eval([1, 2, 3])\n"
+            "for t in range(4, 20):\n"
+            "    llm.eval([t])\n")
+    import kairox
+    pkg_parent = str(Path(kairox.__file__).resolve().parent.parent)
+    env = {**os.environ, "KAIROX_LIB_DIR": str(native),
+           "PYTHONPATH": f"{pkg_parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    recs, dropped = kt.read_trace(out)
+    assert dropped == 0 and all(r.t1 >= r.t0 > 0 for r in recs)
+    tol = 10  # µs: the anchor's offset is at most half its few-µs window
+    checked = 0
+    for g in sorted({r.graph for r in recs}):
+        rg = [r for r in recs if r.graph == g and r.part != "i"]
+        dev = [r for r in rg if r.backend != "CPU"]
+        for c in (r for r in rg if r.backend == "CPU" and r.last.startswith("ffn_out_cpu-")):
+            il = c.last.rsplit("-", 1)[1]
+            sel = [d for d in dev if d.last == f"kx_sel-{il}"]
+            add = [d for d in dev if d.first == f"ffn_out-{il}"]
+            assert len(sel) == 1 and len(add) == 1, (g, il, sel, add)
+            assert c.t1 >= sel[0].t1 - tol, (c, sel[0])
+            assert add[0].t0 >= c.t1 - tol, (c, add[0])
+            checked += 1
+    assert checked >= 2 * 16, checked  # both layers of every decoded token
+
+
 def reload_lines() -> list[str]:
     """known_lines() with two reload batches: [95, 130] (beside layer 0's hand-off [90, 100],
     its GPU head [90, 150], its CPU split [100, 200]) and [195, 210] (beside the CPU split's end

@@ -504,7 +504,7 @@ static void kx_reload_host_unpin(void * ptr) {
     }
 }
 
-// only while the scheduler trace records: a host function costs a few µs of the stream's time
+// only while the scheduler trace records (an event on the engine's stream, kx-trace-mark.cu)
 static void kx_reload_mark(void * p, int64_t * t_us) {
     auto * r = (kx_cuda_reload *) p;
     if (cudaSetDevice(r->device) != cudaSuccess || ggml_cuda_kx_stamp(r->stream, t_us) != cudaSuccess) {

@@ -4,16 +4,16 @@
 // tools, sched_trace= in kairox.Llama). Every split the scheduler computes becomes one interval, in
 // ggml_time_us() (CLOCK_MONOTONIC, µs) on one clock for all backends:
 //  - CPU splits: host time around the (synchronous) compute;
-//  - GPU splits: stamps written by the device's stream itself when it reaches the start and
-//    the end of the split's kernels (a host function queued on the stream, obtained from the
-//    backend's registry as "kx_backend_trace_mark"), so a trace shows when the GPU really
-//    worked, not when work was queued;
+//  - GPU splits: stamps of the device's stream itself, when it reaches the start and the end
+//    of the split's kernels (events recorded on the stream, their times resolved later on the
+//    device's clock; "kx_backend_trace_mark" from the backend's registry), so a trace shows
+//    when the GPU really worked, not when work was queued;
 //  - input hand-offs: host time the scheduler spent copying a split's inputs (this includes
 //    waiting for the producer);
 //  - slot reloads: when the balancer's reload engine ran each batch (stamped by its stream),
 //    so a hand-off or a split can be seen beside the reloads running at the same time.
 // Records go to a fixed array (MAX, default 131072) and are written as JSON lines
-// at exit or by kx_trace_dump(). Off by default: each GPU stamp costs a few µs.
+// at exit or by kx_trace_dump(). Off by default: each GPU stamp costs the host ~1-2 µs.
 #pragma once
 
 #include "ggml-backend.h"
@@ -62,9 +62,12 @@ GGML_API struct kx_trace_rec * kx_trace_add(int32_t split, const char * backend,
 // its copies, bytes their size; named "reload-IL" for model layer il, "reload" (il < 0) for a
 // batch of several layers. The engine stamps t0 and t1 (kx_reload_iface.mark). NULL when off or full.
 GGML_API struct kx_trace_rec * kx_trace_add_reload(int32_t il, int64_t n_copies, int64_t bytes);
-// write all records so far as JSON lines (they must be complete: synchronize first);
+// write all records so far as JSON lines (the stamps are resolved first: see below);
 // returns the number written, -1 when the file cannot be written
 GGML_API int64_t               kx_trace_dump(const char * path);
+// what kx_trace_dump calls first: a device backend whose stamps are resolved after the fact
+// (their events waited for) registers it at its first stamp; the last one registered wins
+GGML_API void                  kx_trace_set_flush(void (*flush)(void));
 
 // Scheduler counters (always on, host clock, ns summed since the last reset; not counted for
 // splits a traced run records): where the host spends a graph's computation.
