@@ -103,7 +103,8 @@ def row_bound(lay, costs, counters: dict, n_tok: int, reload_bytes: float, pipel
 
 def host_op_us(res: dict) -> dict | None:
     """Per layer step (µs): the token's time over its host FFN calls, the fused op's span (thread
-    0), its slowest and its mean thread's neuron loop (kx_cpu_ffn_stats); with the scheduler's
+    0), its slowest and its mean thread's neuron loop (kx_cpu_ffn_stats), its phases
+    (kx_cpu_ffn_phases); with the scheduler's
     counters (kx_sched_stats), per CPU split: its compute (the op plus thread start and join
     and its other nodes), the wait for the device before it, the device launches and copies,
     and per token the time outside the split loop (graph build and allocation, output, the
@@ -130,6 +131,9 @@ def host_op_us(res: dict) -> dict | None:
         n = sc["cpu_splits"]
         us.update(boundary=bd["ns"] / n / 1e3,
                   boundary_phases={k[:-3]: v / n / 1e3 for k, v in bd.items() if k.endswith("_ns")})
+    ph = c.get("ffn_phases") or {}
+    if any(ph.values()):  # where the op's span goes, µs per call (kx_cpu_ffn_phases: the mean thread's)
+        us.update(op_phases={k[:-3]: v / calls / 1e3 for k, v in ph.items()})
     pp = c.get("pipeline") or {}
     if pp.get("steps"):  # the pipeline's prefetch and publish within the decode, µs per prefetch step
         us.update(pipe_phases={k[:-3]: v / pp["steps"] / 1e3 for k, v in pp.items() if k.endswith("_ns")})

@@ -10,7 +10,8 @@
 // layers' ops as one graph on a thread pool. Bytes read: the listed gate rows and, for the
 // neurons that fired, their up and down rows (the op's counters). The op's own counters
 // (kx_cpu_ffn_stats) split its span: the slowest and the mean thread's row loops, the rest
-// being its fixed cost (x conversion, barriers, column sums).
+// being its fixed cost; its phase counters (kx_cpu_ffn_phases) say where that goes (x
+// conversion, the barriers' waits, column sums, the threads' entry spread).
 //
 //   cc -O2 -march=native bench/host_op.c -I vendor/llama.cpp/ggml/include -I ggml_ext/include
 //      -L LIB -lggml-base -lggml-cpu -Wl,-rpath,LIB -o host_op
@@ -151,6 +152,7 @@ int main(int argc, char ** argv) {
     uint8_t * mark = calloc((size_t) n_ff, 1);
     double best = 1e30, sum = 0.0;
     int64_t listed_all = 0, skipped_all = 0, op_ns = 0, loop_max_ns = 0, loop_mean_ns = 0;
+    int64_t phase_ns[KX_FFN_N_PHASES] = { 0 };
     for (int rep = 0; rep <= reps; ++rep) {
         for (int l = 0; l < layers; ++l) {
             int32_t * s = (int32_t *) sel[l]->data;
@@ -166,6 +168,7 @@ int main(int argc, char ** argv) {
         }
         int64_t up_skipped = 0, op = 0, lmax = 0, lmean = 0;
         kx_cpu_ffn_stats(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true);
+        kx_cpu_ffn_phases(NULL, true);
         const double t0 = now_s();
         if (ggml_graph_compute(gf, &plan) != GGML_STATUS_SUCCESS) {
             fprintf(stderr, "compute failed\n");
@@ -173,6 +176,8 @@ int main(int argc, char ** argv) {
         }
         const double t = now_s() - t0;
         kx_cpu_ffn_stats(&up_skipped, NULL, &op, &lmax, &lmean, NULL, NULL, NULL, true);
+        int64_t ph[KX_FFN_N_PHASES];
+        kx_cpu_ffn_phases(ph, true);
         if (rep == 0) {
             continue; // warm-up: page faults of the work buffer, thread start
         }
@@ -183,16 +188,25 @@ int main(int argc, char ** argv) {
         op_ns += op;
         loop_max_ns += lmax;
         loop_mean_ns += lmean;
+        for (int p = 0; p < KX_FFN_N_PHASES; ++p) {
+            phase_ns[p] += ph[p];
+        }
     }
     const double per_call_us = 1e-3 / ((double) reps * layers); // ns summed over the timed calls -> µs per call
     const double fired = (double) (listed_all - skipped_all) / reps / layers;
     const double bytes = (double) listed * w_row + fired * (w_row + d_row); // per layer
     printf("{\"types\": \"%s\", \"act\": \"%s\", \"pages\": \"%s\", \"threads\": %d, \"layers\": %d, \"listed\": %d, \"fired\": %.1f, \"n_ff\": %lld, "
            "\"k\": %lld, \"mb_per_layer\": %.2f, \"us_per_layer_best\": %.1f, \"us_per_layer_mean\": %.1f, "
-           "\"gbs_best\": %.2f, \"gbs_mean\": %.2f, \"op_us\": %.1f, \"loop_max_us\": %.1f, \"loop_mean_us\": %.1f}\n",
+           "\"gbs_best\": %.2f, \"gbs_mean\": %.2f, \"op_us\": %.1f, \"loop_max_us\": %.1f, \"loop_mean_us\": %.1f, "
+           "\"phases_us\": {\"x\": %.2f, \"wait1\": %.2f, \"a\": %.2f, \"wait2\": %.2f, \"b\": %.2f, \"wait3\": %.2f, "
+           "\"sums\": %.2f, \"skew\": %.2f}}\n",
            types, silu ? "silu" : "relu", huge ? "2M" : "4k", nth, layers, listed, fired, (long long) n_ff, (long long) k, bytes / 1e6,
            best / layers * 1e6, sum / reps / layers * 1e6, bytes * layers / best / 1e9, bytes * layers * reps / sum / 1e9,
-           op_ns * per_call_us, loop_max_ns * per_call_us, loop_mean_ns * per_call_us);
+           op_ns * per_call_us, loop_max_ns * per_call_us, loop_mean_ns * per_call_us,
+           phase_ns[KX_FFN_PH_X] * per_call_us, phase_ns[KX_FFN_PH_WAIT1] * per_call_us, phase_ns[KX_FFN_PH_A] * per_call_us,
+           phase_ns[KX_FFN_PH_WAIT2] * per_call_us, phase_ns[KX_FFN_PH_B] * per_call_us,
+           phase_ns[KX_FFN_PH_WAIT3] * per_call_us, phase_ns[KX_FFN_PH_SUMS] * per_call_us,
+           phase_ns[KX_FFN_PH_SKEW] * per_call_us);
     ggml_threadpool_free(tp);
     ggml_free(ctx);
     munmap(buf, mem);

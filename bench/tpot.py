@@ -139,7 +139,8 @@ def main() -> int:
                            if args.backoff and moves else None)
     sparse = args.impl == "kairox" and args.mode != "dense"
     if sparse:
-        from kairox._native import balance_counters, pipe_counters, sched_counters, sparse_counters, warm_counters
+        from kairox._native import (balance_counters, ffn_phase_counters, pipe_counters, sched_counters,
+                                    sparse_counters, warm_counters)
     t0 = time.perf_counter()
     llm.eval(toks[:args.prompt_len])
     prefill = time.perf_counter() - t0
@@ -149,6 +150,7 @@ def main() -> int:
         warm_counters(reset=True)
         balance_counters(reset=True)
         pipe_counters(reset=True)
+        ffn_phase_counters(reset=True)
     times = []
     logits = []
     if args.logits_out:
@@ -163,7 +165,7 @@ def main() -> int:
         c = sparse_counters(reset=True)
         counters = {**dataclasses.asdict(c), "sched": sched_counters(reset=True), "warm": warm_counters(reset=True),
                     "boundary": balance_counters(reset=True),
-                    "pipeline": pipe_counters(reset=True)}
+                    "pipeline": pipe_counters(reset=True), "ffn_phases": ffn_phase_counters(reset=True)}
     balance = None
     if hybrid:  # the prompt is one batch of > 8 tokens (dense, not a step): every record is a decode's
         from kairox.report import summary, write_trace

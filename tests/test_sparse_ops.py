@@ -594,3 +594,35 @@ def test_ffn_rows_exact_gate_and_counters(g: GGML):
     assert c.nonzero == int((h[:, present] != 0).sum())
     # one call, its time: the op's span holds its slowest thread's loop, which holds the mean
     assert c.ffn_calls == 1 and c.ffn_op_ns >= c.ffn_work_max_ns >= c.ffn_work_mean_ns > 0
+
+
+@pytest.mark.parametrize("act,threads", [("relu", 1), ("relu", 2), ("silu", 1), ("silu", 2)])
+def test_ffn_rows_phases_cover_the_op(g: GGML, act: str, threads: int):
+    """The op's phase counters (kx_cpu_ffn_phases) split its span: on one thread they add up to
+    it; on several the mean thread's phases stay within it and the threads' entry spread (a
+    sum over threads instead of their mean would not).
+    Two passes (ReLU) time both; one pass (SiLU) has no second barrier and no pass b."""
+    from kairox._native import ffn_phase_counters, sparse_counters
+    rng = np.random.default_rng(31)
+    n, k, m = 512, 256, 128
+    graw = g.quantize(rng.standard_normal((n, k)).astype(np.float32), "f32")
+    uraw = g.quantize(rng.standard_normal((n, k)).astype(np.float32), "f32")
+    draw = g.quantize(rng.standard_normal((n, m)).astype(np.float32), "f32")
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    sel = np.sort(rng.choice(n, 300, replace=False)).astype(np.int32)
+    sparse_counters(reset=True)
+    ffn_phase_counters(reset=True)
+    g.ffn_rows(graw, uraw, "f32", n, k, draw, "f32", n, m, x, sel, n, act=act, n_threads=threads)
+    c = sparse_counters(reset=True)
+    ph = ffn_phase_counters(reset=True)
+    assert c.ffn_calls == 1 and min(ph.values()) >= 0 and ph["a_ns"] > 0
+    span = sum(v for key, v in ph.items() if key != "skew_ns")
+    if threads == 1:
+        assert ph["skew_ns"] == 0 and ph["wait3_ns"] == 0
+        assert 0.9 * c.ffn_op_ns <= span <= c.ffn_op_ns
+    else:  # the mean thread's phases never outlast thread 0's span by more than the entry spread
+        assert 0 < span <= c.ffn_op_ns + ph["skew_ns"] + 1000
+    if act == "relu":
+        assert ph["b_ns"] > 0
+    else:
+        assert ph["b_ns"] == 0 and ph["wait2_ns"] == 0

@@ -84,6 +84,8 @@
 #include <time.h>
 
 #define KX_CACHE_LINE 64
+// a thread's counters: two cache lines of int64 (kx_ffn_work.cnt), its own (no false sharing)
+#define KX_FFN_LINE_WORDS (2 * KX_CACHE_LINE / 8)
 // neurons per activation block: a whole number of AVX-512 lanes
 #define KX_FFN_BLK    16
 // ReLU's two passes: chunks per thread of each pass, taken by whichever thread is free
@@ -93,15 +95,15 @@ static size_t kx_ffn_align(size_t n) {
     return (n + KX_CACHE_LINE - 1) / KX_CACHE_LINE * KX_CACHE_LINE;
 }
 
-// wdata: [x in vec_dot_type] [per thread: one cache line (present count, loop ns, -, rows read,
-//        the chunks taken from its share in pass a, in pass b)]
+// wdata: [x in vec_dot_type] [per thread: two cache lines (present count, loop ns, entry time,
+//        rows read, the chunks taken from its share in pass a, in pass b, -, -, its phases' ns)]
 //        [the two passes' chunk counters: one cache line] [fired count per pass-a chunk]
 //        [two-pass ReLU: the gates (n x nt floats) and ids (n) of the present neurons, by rank]
 //        [KX_FFN_CHUNKS per thread: accumulator m x nt floats (one pass uses one per thread)]
 //        [per thread: g, u, h blocks of KX_FFN_BLK x nt, then k floats for the reference path]
 struct kx_ffn_work {
     char    * xq;
-    int64_t * cnt;    // cnt[ith * KX_CACHE_LINE / 8]
+    int64_t * cnt;    // cnt[ith * KX_FFN_LINE_WORDS]
     atomic_int_fast64_t * next; // [2]: the next chunk of pass a, of pass b (own cache line)
     int64_t * fired;  // fired[c]: neurons of pass-a chunk c that fired
     float   * gs;     // gs[rank * nt + t]
@@ -131,7 +133,7 @@ static struct kx_ffn_work kx_ffn_layout(char * base, const struct ggml_tensor * 
         off += kx_ffn_align(ggml_row_size(vdt, k) * (size_t) nt);
     }
     w.cnt = (int64_t *) KX_AT(off);
-    off += (size_t) nth * KX_CACHE_LINE;
+    off += (size_t) nth * KX_FFN_LINE_WORDS * sizeof(int64_t);
     w.next = (atomic_int_fast64_t *) KX_AT(off);
     off += KX_CACHE_LINE;
     w.fired = (int64_t *) KX_AT(off);
@@ -168,6 +170,18 @@ size_t kx_ffn_rows_work_size(const struct ggml_tensor * node, int n_tasks) {
 enum { KX_FFN_UP_SKIPPED, KX_FFN_CALLS, KX_FFN_OP_NS, KX_FFN_WORK_MAX_NS, KX_FFN_WORK_MEAN_NS,
        KX_FFN_ROWS_MAX, KX_FFN_ROWS_MEAN, KX_FFN_STOLEN, KX_FFN_N_STATS };
 static atomic_int_fast64_t kx_ffn_stat[KX_FFN_N_STATS];
+static atomic_int_fast64_t kx_ffn_phase[KX_FFN_N_PHASES];
+
+void kx_cpu_ffn_phases(int64_t * out, bool reset) {
+    for (int i = 0; i < KX_FFN_N_PHASES; ++i) {
+        if (out) {
+            out[i] = atomic_load(&kx_ffn_phase[i]);
+        }
+        if (reset) {
+            atomic_store(&kx_ffn_phase[i], 0);
+        }
+    }
+}
 
 void kx_cpu_ffn_stats(int64_t * up_skipped, int64_t * calls, int64_t * op_ns, int64_t * work_max_ns,
                       int64_t * work_mean_ns, int64_t * rows_max, int64_t * rows_mean, int64_t * stolen,
@@ -227,7 +241,7 @@ static int64_t kx_ffn_claim(const struct kx_ffn_work * w, int word, int64_t nck,
         const int64_t c = atomic_fetch_add_explicit(&w->next[word - KX_FFN_TAKEN_A], 1, memory_order_relaxed);
         return c < nck ? c : -1;
     }
-    const int64_t cs = KX_CACHE_LINE / sizeof(int64_t);
+    const int64_t cs = KX_FFN_LINE_WORDS;
     int64_t c = kx_ffn_take((atomic_int_fast64_t *) (w->cnt + ith*cs + word), nck, ith, nth, true);
     for (int d = 1; c < 0 && d < nth; ++d) {
         const int s = (ith + d) % nth;
@@ -420,8 +434,13 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     float * scr = hb + KX_FFN_BLK * nt;                  // k floats: a dequantized row (reference path)
 
     const int64_t t_enter = kx_ffn_now_ns();
-    // this thread's cache line: [0] neurons present in its static slice, [1] its phase-2 ns
-    int64_t * line = w.cnt + ith * (KX_CACHE_LINE / sizeof(int64_t));
+    // this thread's counters: [0] neurons present in its static slice, [1] its phase-2 ns,
+    // [2] its entry time, [3] rows read, [4] [5] chunks taken, [8 + p] phase p's ns (kx-ops.h)
+    int64_t * line = w.cnt + ith * KX_FFN_LINE_WORDS;
+    int64_t * ph   = line + 8;
+    int64_t   t_ph = t_enter; // the current phase's start
+    line[2] = t_enter;
+#define KX_FFN_PHASE_END(p) do { const int64_t t_ = kx_ffn_now_ns(); ph[p] = t_ - t_ph; t_ph = t_; } while (0)
 
     const int32_t * list  = (const int32_t *) sel->data;
     const int64_t   count = list[0];
@@ -459,17 +478,21 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     } else {
         memset(acc, 0, sizeof(float) * (size_t) (m * nt));
     }
+    ph[KX_FFN_PH_WAIT2] = 0; // one pass: no second barrier, no pass b
+    ph[KX_FFN_PH_B]     = 0;
+    KX_FFN_PHASE_END(KX_FFN_PH_X);
     ggml_barrier(params->threadpool);
+    KX_FFN_PHASE_END(KX_FFN_PH_WAIT1);
 
     // phase 2: this thread's share of the present neurons, ranks [r0, r1) in list order
     int64_t total = 0;
     for (int s = 0; s < nth; ++s) {
-        total += w.cnt[s * (KX_CACHE_LINE / sizeof(int64_t))];
+        total += w.cnt[s * KX_FFN_LINE_WORDS];
     }
     const int64_t r0 = total*ith/nth;
     const int64_t r1 = total*(ith + 1)/nth;
     // the static slices' present counts, one per thread's cache line
-    const int64_t cstride = KX_CACHE_LINE / sizeof(int64_t);
+    const int64_t cstride = KX_FFN_LINE_WORDS;
     int64_t rank;
     int64_t j = count*kx_ffn_seek(w.cnt, cstride, nth, r0, &rank)/nth;
     int64_t t_work = kx_ffn_now_ns();
@@ -572,7 +595,9 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         present = gates;
         rows = gpre ? 0 : gates;
         work_ns = kx_ffn_now_ns() - t_work;
+        KX_FFN_PHASE_END(KX_FFN_PH_A);
         ggml_barrier(params->threadpool);
+        KX_FFN_PHASE_END(KX_FFN_PH_WAIT2);
         t_work = kx_ffn_now_ns();
 
         // pass b: chunks of fired ranks [f0, f1) of all F, each into its own accumulator (so
@@ -627,7 +652,10 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     }
     line[1] = work_ns + kx_ffn_now_ns() - t_work;
     line[3] = rows + B.rows;
+    KX_FFN_PHASE_END(two_pass ? KX_FFN_PH_B : KX_FFN_PH_A);
+    line[6] = t_ph; // arrival at the last barrier: thread 0 reads it after (its wait is written later)
     ggml_barrier(params->threadpool);
+    KX_FFN_PHASE_END(KX_FFN_PH_WAIT3);
 
     // phase 3: columns split across threads, accumulators added in order: one pass, the
     // threads' (threads that owned no neuron hold zeros and are skipped); two passes, the
@@ -649,13 +677,30 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         int64_t wsum = 0;
         int64_t rmax = 0;
         int64_t rsum = 0;
+        int64_t psum[KX_FFN_PH_WAIT3] = { 0 };   // the phases before the last barrier
+        int64_t e0 = line[2], e1 = line[2];      // first and last entry
+        int64_t amax = line[6], asum = 0;        // arrivals at the last barrier
         for (int s = 0; s < nth; ++s) {
-            const int64_t * ls = w.cnt + s * (KX_CACHE_LINE / sizeof(int64_t));
+            const int64_t * ls = w.cnt + s * KX_FFN_LINE_WORDS;
             wmax = ls[1] > wmax ? ls[1] : wmax;
             wsum += ls[1];
             rmax = ls[3] > rmax ? ls[3] : rmax;
             rsum += ls[3];
+            for (int p = 0; p < KX_FFN_PH_WAIT3; ++p) {
+                psum[p] += ls[8 + p];
+            }
+            e0 = ls[2] < e0 ? ls[2] : e0;
+            e1 = ls[2] > e1 ? ls[2] : e1;
+            amax = ls[6] > amax ? ls[6] : amax;
+            asum += ls[6];
         }
+        for (int p = 0; p < KX_FFN_PH_WAIT3; ++p) {
+            atomic_fetch_add(&kx_ffn_phase[p], psum[p] / nth);
+        }
+        // everyone leaves the last barrier when the last arrives: the mean thread waited this long
+        atomic_fetch_add(&kx_ffn_phase[KX_FFN_PH_WAIT3], amax - asum / nth);
+        atomic_fetch_add(&kx_ffn_phase[KX_FFN_PH_SUMS], kx_ffn_now_ns() - t_ph);
+        atomic_fetch_add(&kx_ffn_phase[KX_FFN_PH_SKEW], e1 - e0);
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_CALLS], 1);
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_OP_NS], kx_ffn_now_ns() - t_enter);
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_WORK_MAX_NS], wmax);
@@ -663,4 +708,5 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_ROWS_MAX], rmax);
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_ROWS_MEAN], rsum / nth);
     }
+#undef KX_FFN_PHASE_END
 }

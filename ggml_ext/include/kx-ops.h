@@ -218,6 +218,18 @@ GGML_BACKEND_API void kx_cpu_ffn_stats(int64_t * up_skipped, int64_t * calls, in
                                        int64_t * rows_max, int64_t * rows_mean, int64_t * stolen,
                                        bool reset);
 
+// Where the fused FFN op's time goes (kx-ffn-rows.c), ns summed over calls, each phase the mean
+// thread's: converting x and counting its slice of the list, waiting at the first barrier,
+// pass a (the gates; one pass: the whole loop), waiting at the second barrier, pass b (the
+// up and down rows of the neurons that fired; one pass: 0), waiting at the last barrier
+// (from the threads' arrival times), then thread 0's column sums to the op's end, and the
+// spread of the threads' entry times. out: KX_FFN_N_PHASES values (may be NULL, to reset only).
+enum kx_ffn_phase {
+    KX_FFN_PH_X, KX_FFN_PH_WAIT1, KX_FFN_PH_A, KX_FFN_PH_WAIT2, KX_FFN_PH_B, KX_FFN_PH_WAIT3,
+    KX_FFN_PH_SUMS, KX_FFN_PH_SKEW, KX_FFN_N_PHASES,
+};
+GGML_BACKEND_API void kx_cpu_ffn_phases(int64_t * out, bool reset);
+
 #ifdef __cplusplus
 }
 #endif

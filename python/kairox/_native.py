@@ -229,6 +229,17 @@ def balance_counters(reset: bool = False) -> dict[str, int]:
     return _read_stats(load_llama_cpp().llama_cpp._lib, "kx_balance_stats", BALANCE_STATS, reset)
 
 
+FFN_PHASES = ("x_ns", "wait1_ns", "a_ns", "wait2_ns", "b_ns", "wait3_ns", "sums_ns", "skew_ns")
+
+
+def ffn_phase_counters(reset: bool = False) -> dict[str, int]:
+    """Where the fused FFN op's time goes since the last reset (kx_cpu_ffn_phases, kx-ops.h), ns
+    summed over calls, each the mean thread's: x conversion, the first barrier's wait, pass a
+    (one pass: the whole loop), the second wait, pass b, the last wait, then thread 0's column
+    sums, and the spread of the threads' entry times."""
+    return _read_stats(ggml_library("ggml-cpu"), "kx_cpu_ffn_phases", FFN_PHASES, reset)
+
+
 PIPE_STATS = ("steps", "list_ns", "begin_ns", "scan_ns", "end_ns", "queue_ns", "publish_ns")
 
 
