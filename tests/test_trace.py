@@ -48,6 +48,13 @@ def test_overlap_of_known_intervals(tmp_path: Path) -> None:
     assert s["pairs"] == 2 and s["hidden"] == pytest.approx(50 / (60 + 10))
     busy = (80 + 60 + 25 + 10) + (100 + 50)
     assert s["concurrency"] == pytest.approx(busy / (300 - 10))
+    # the critical chain: layer 0 only (layer 1 has no device split after it): the device's
+    # serial part [10, 90], its list ready at 90 -> CPU part done at 200, the split after
+    # starts at 205 and runs 25 µs: one layer's step 110 + 5 + 25
+    assert s["chain"] == {"layers": 1, "serial_us": 80, "window_us": 110, "handback_us": 5, "head_us": 60,
+                          "period_us": 140}
+    assert "step 140.0 µs" in kt.summary_text(s)
+    assert kt.chain([r for r in recs if r.split != 2]) is None  # no head, no chain
     assert kt.pick_graph(recs) == 0
     png = tmp_path / "t.png"
     kt.plot_graph(recs, 0, png)

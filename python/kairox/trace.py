@@ -237,6 +237,33 @@ def beside_reloads(recs: list[TraceRec]) -> dict[str, Any] | None:
     return out
 
 
+CHAIN_KEYS = ("serial_us", "window_us", "handback_us", "head_us", "period_us")
+
+
+def chain(recs: list[TraceRec]) -> dict[str, Any] | None:
+    """The decode's critical chain, layer by layer: for each CPU split with a GPU head beside
+    it, the device split before it (its end is when the list the CPU part reads is ready)
+    and the device split after it (it adds the CPU part's output), the medians over those
+    layers of: serial_us, the device split before (the sum, attention, predictor and select:
+    nothing else runs then but the CPU's warm-up); window_us, from that list on the device to
+    the CPU part's end (the read-back and the host part, with the head on the device beside
+    it); handback_us, from the CPU part's end to the device starting the split after (the
+    copy of its output and the launch); head_us; period_us, window + handback + the split
+    after (the next layer's serial part): one layer's step. None without such layers."""
+    dev = {(r.graph, r.split): r for r in recs if not r.cpu and r.part in "tw"}
+    rows: list[tuple[int, ...]] = []
+    for o in overlaps(recs):
+        before = dev.get((o.graph, o.cpu.split - 1))
+        after = dev.get((o.graph, o.cpu.split + 1))
+        if before is None or after is None or after.part != "t":
+            continue
+        window, handback = o.cpu.t1 - before.t1, after.t0 - o.cpu.t1
+        rows.append((before.us, window, handback, o.gpu.us, window + handback + after.us))
+    if not rows:
+        return None
+    return {"layers": len(rows), **{k: statistics.median(v) for k, v in zip(CHAIN_KEYS, zip(*rows))}}
+
+
 def summarize(recs: list[TraceRec]) -> dict[str, Any]:
     """Figures over the graphs that had overlapped layers (decode steps of hybrid layers).
 
@@ -265,6 +292,7 @@ def summarize(recs: list[TraceRec]) -> dict[str, Any]:
         "graph_ms": wall / len(graphs) / 1e3 if graphs else None,
         "handoff_us_per_pair": (sum(r.us for g in graphs for r in per[g] if r.part == "i") / n) if n else None,
         "reloads": beside_reloads(recs),
+        "chain": chain(recs),
     }
 
 
@@ -373,6 +401,11 @@ def summary_text(s: dict[str, Any]) -> str:
             f"both at once {f(s['overlap_us_per_pair'])} µs, hand-offs {f(s['handoff_us_per_pair'])} µs\n"
             f"hidden: {f(s['hidden'], '.2f')} of the shorter side ran beside the longer; "
             f"concurrency {f(s['concurrency'], '.2f')} (CPU+GPU busy / wall); step {f(s['graph_ms'], '.2f')} ms")
+    ch = s.get("chain")
+    if ch:
+        text += (f"\nchain per layer (medians of {ch['layers']}): device serial part {f(ch['serial_us'])} µs, "
+                 f"then list ready -> CPU part done {f(ch['window_us'])} µs (GPU head {f(ch['head_us'])} µs "
+                 f"beside it), hand-back {f(ch['handback_us'])} µs; step {f(ch['period_us'])} µs")
     rl = s.get("reloads")
     if rl:
         text += (f"\nreloads: {rl['batches']} batches, {rl['mib']:.1f} MiB, {f(rl['us_per_batch'])} µs each, "
