@@ -37,6 +37,16 @@ def known_lines() -> list[str]:
     ]
 
 
+def run_child(code: str, native: Path) -> None:
+    """Python code in a child process (the trace is written at its exit) that imports the same
+    kairox package (source tree or installed) and library as this one."""
+    import kairox
+    pkg_parent = str(Path(kairox.__file__).resolve().parent.parent)
+    env = {**os.environ, "KAIROX_LIB_DIR": str(native),
+           "PYTHONPATH": f"{pkg_parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+
+
 def test_overlap_of_known_intervals(tmp_path: Path) -> None:
     f = tmp_path / "t.jsonl"
     f.write_text("\n".join(known_lines()) + "\n")
@@ -119,12 +129,7 @@ def test_a_run_writes_its_trace(tmp_path: Path, synth_model: Path, native: Path)
     out = tmp_path / "run.jsonl"
     code = (f"import kairox; llm = kairox.Llama({str(synth_model)!r}, sparse='predicted', gpu_slots=64, "
             f"slots_device='CPU', n_ctx=64, verbose=False, sched_trace={str(out)!r}); llm.eval([1, 2, 3]); llm.eval([4]); llm.eval([5])")
-    import kairox
-    # the child imports the same kairox package (source tree or installed) and library
-    pkg_parent = str(Path(kairox.__file__).resolve().parent.parent)
-    env = {**os.environ, "KAIROX_LIB_DIR": str(native),
-           "PYTHONPATH": f"{pkg_parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    run_child(code, native)
     recs, dropped = kt.read_trace(out)
     assert dropped == 0 and recs
     graphs = sorted({r.graph for r in recs})
@@ -157,11 +162,7 @@ def test_gpu_stamps_agree_with_the_host_clock(tmp_path: Path, synth_model: Path,
             "llm.eval([1, 2, 3])\n"
             "for t in range(4, 20):\n"
             "    llm.eval([t])\n")
-    import kairox
-    pkg_parent = str(Path(kairox.__file__).resolve().parent.parent)
-    env = {**os.environ, "KAIROX_LIB_DIR": str(native),
-           "PYTHONPATH": f"{pkg_parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    run_child(code, native)
     recs, dropped = kt.read_trace(out)
     assert dropped == 0 and all(r.t1 >= r.t0 > 0 for r in recs)
     tol = 10  # µs: the anchor's offset is at most half its few-µs window
@@ -275,11 +276,7 @@ def test_a_balanced_run_traces_its_reloads(tmp_path: Path, synth_model: Path, na
         "llm.drain_balancer()\n"
         f"json.dump(llm.balance_trace(), open({str(steps)!r}, 'w'))\n"
         "llm.close()\n")
-    import kairox
-    pkg_parent = str(Path(kairox.__file__).resolve().parent.parent)
-    env = {**os.environ, "KAIROX_LIB_DIR": str(native),
-           "PYTHONPATH": f"{pkg_parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    run_child(code, native)
     recs, dropped = kt.read_trace(out)
     rel = [r for r in recs if r.part == "r"]
     tr = json.loads(steps.read_text())
