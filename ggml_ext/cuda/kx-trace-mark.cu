@@ -10,7 +10,7 @@
 // elapsed time (cudaEventElapsedTime, ~0.5 µs resolution), and the first stamp of a device is
 // anchored to ggml_time_us() once. Why events: a host function queued on the stream
 // (cudaLaunchHostFunc) stalls the stream until the host has run it, and a traced decode ran
-// about twice as slowly as an untraced one (KB-7B Q4_K_M at 3 GiB, H100: ~310 against ~145 µs
+// about twice as slowly as an untraced one (KB-7B Q4_K_M at 3 GiB, H100: ~300 against ~145 µs
 // a layer), so the trace did not show the untraced run's critical path. An event costs the
 // stream nothing; its record costs the host ~1-2 µs.
 #include "kx-ops-cuda.cuh"
