@@ -96,7 +96,9 @@ static bool kx_layer_whole(const kx_hybrid & hy, int32_t mode, int il) {
 // Hybrid layers warm the host's caches with their rows while the CPU waits for the device
 // (kx-warm.cpp). On by default (kx_params::warm): KB-7B 1.05-1.20x, KB-13B 1.03-1.28x in every
 // interleaved pair on the H200 (bench/results/archive/balance-live/warm/); beside a mapped share it
-// neither gains nor loses.
+// neither gains nor loses. On a Q4_K_M model too, whose host rows are ~1 MB a layer: without it
+// the device loses the next layer's list but the CPU part, reading cold rows, grows by more
+// (KB-7B at 3 GiB, H100: 0.89-0.93x, bench/results/KB-7B-q4_k_m-h100/).
 // layer il of these slots warms up: a predicted hybrid layer whose list the layer before can
 // write to the host, on a device (with slots on the CPU both parts share one split: there is
 // no wait to fill)
