@@ -210,8 +210,8 @@ def test_balance_live_rows_and_their_bound() -> None:
     assert lu["boundary_phases"] == pytest.approx({"sync": 1.0, "snap": 2.0, "wait": 0.0, "fetch": 3.0,
                                                    "apply": 4.0, "launch": 5.0, "store": 0.5, "queue": 1.5})
     # the op's phases, µs per call; all zero (a tree without them) adds nothing
-    res["counters"]["ffn_phases"] = dict.fromkeys(("x_ns", "wait1_ns", "a_ns", "wait2_ns", "b_ns", "wait3_ns",
-                                                   "sums_ns", "skew_ns"), 0)
+    from kairox._native import FFN_PHASES
+    res["counters"]["ffn_phases"] = dict.fromkeys(FFN_PHASES, 0)
     assert "op_phases" not in bl.host_op_us(res)
     res["counters"]["ffn_phases"].update(x_ns=4 * 2_000, a_ns=4 * 100_000, b_ns=4 * 150_000, sums_ns=4 * 1_000)
     assert bl.host_op_us(res)["op_phases"] == pytest.approx({"x": 2.0, "wait1": 0.0, "a": 100.0, "wait2": 0.0,

@@ -495,8 +495,6 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     const int64_t cstride = KX_FFN_LINE_WORDS;
     int64_t rank;
     int64_t j = count*kx_ffn_seek(w.cnt, cstride, nth, r0, &rank)/nth;
-    int64_t t_work = kx_ffn_now_ns();
-    int64_t work_ns = 0;
     struct kx_ffn_blk B = { .nt = nt, .act = act, .m = m, .gb = gb, .ub = ub, .hb = hb, .acc = acc,
                             .down = down, .dmap = dmap, .ref = ref, .xq = xq };
     // one token: gate rows (pass a) and up rows (pass b, at each block's flush) four at a
@@ -594,11 +592,9 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
         }
         present = gates;
         rows = gpre ? 0 : gates;
-        work_ns = kx_ffn_now_ns() - t_work;
         KX_FFN_PHASE_END(KX_FFN_PH_A);
         ggml_barrier(params->threadpool);
         KX_FFN_PHASE_END(KX_FFN_PH_WAIT2);
-        t_work = kx_ffn_now_ns();
 
         // pass b: chunks of fired ranks [f0, f1) of all F, each into its own accumulator (so
         // the sum does not depend on which thread took it); a chunk starts at the pass-a
@@ -650,9 +646,9 @@ void ggml_compute_forward_kx_ffn_rows(const struct ggml_compute_params * params,
     if (up_skipped) {
         atomic_fetch_add(&kx_ffn_stat[KX_FFN_UP_SKIPPED], up_skipped);
     }
-    line[1] = work_ns + kx_ffn_now_ns() - t_work;
-    line[3] = rows + B.rows;
     KX_FFN_PHASE_END(two_pass ? KX_FFN_PH_B : KX_FFN_PH_A);
+    line[1] = ph[KX_FFN_PH_A] + ph[KX_FFN_PH_B]; // the neuron loop: the passes (one pass: B is 0)
+    line[3] = rows + B.rows;
     line[6] = t_ph; // arrival at the last barrier: thread 0 reads it after (its wait is written later)
     ggml_barrier(params->threadpool);
     KX_FFN_PHASE_END(KX_FFN_PH_WAIT3);
