@@ -242,13 +242,15 @@ def test_the_runtimes_streaming_placement_is_the_reference(native) -> None:
         hw = HwProfile(float(rng.uniform(40, 150)), float(rng.uniform(800, 4000)), float(rng.uniform(15, 60)),
                        float(rng.uniform(5, 40)))
         n = len(items)
+        copies = bool(case % 2)
         where, scratch = (ctypes.c_int8 * n)(), ctypes.c_int64()
         rc = _lib.kx_stream_place((ctypes.c_char_p * n)(*[it.name.encode() for it in items]),
                                   (ctypes.c_int64 * n)(*[it.nbytes for it in items]),
                                   (ctypes.c_double * n)(*[it.read for it in items]), n, fixed, budget,
-                                  hw.cpu_gbs, hw.gpu_gbs, hw.pcie_gbs, hw.handoff_us, where, ctypes.byref(scratch))
+                                  hw.cpu_gbs, hw.gpu_gbs, hw.pcie_gbs, hw.handoff_us, copies, where,
+                                  ctypes.byref(scratch))
         try:
-            want = stream_placement(items, fixed, budget, hw)
+            want = stream_placement(items, fixed, budget, hw, copies)
         except PlanError:
             assert rc == -2, case
             continue
@@ -270,8 +272,43 @@ def test_the_runtimes_streaming_placement_is_the_reference(native) -> None:
         streamed_any += bool(want.streamed)
     assert streamed_any >= 20  # the cases do exercise streaming
     bad = (ctypes.c_int8 * 1)()
-    assert _lib.kx_stream_place(None, None, None, 1, 0, 1 << 30, 100.0, 2000.0, 50.0, 20.0, bad,
+    assert _lib.kx_stream_place(None, None, None, 1, 0, 1 << 30, 100.0, 2000.0, 50.0, 20.0, False, bad,
                                 ctypes.byref(ctypes.c_int64())) == -1
+
+
+def test_the_output_head_stays_on_the_gpu_when_its_copy_costs_more() -> None:
+    """A KB-7B-shaped model (32 layers of 32 MiB attention and 86 MiB FFN matrices, a 250 MiB
+    output head) at a budget where about a GiB must leave the GPU: when a prompt batch's offload
+    copies the largest host tensor into the compute buffers, the head on the CPU saves its bytes
+    and costs them again, so the placement keeps it on the GPU and moves fewer bytes than the
+    uncapped choice; without the copies the head may go, and the cap changes nothing."""
+    from kairox.migrate import place_fixed
+    from kairox.plan import DenseItem, HwProfile, dense_groups, solve_dense
+    MiB = 1 << 20
+    items = [DenseItem(f"blk.{il}.{k}.weight", (32 if k.startswith("attn") else 86) * MiB)
+             for il in range(32) for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                           "ffn_down")]
+    items.append(DenseItem("output.weight", 250 * MiB))
+    total = sum(it.nbytes for it in items)
+    hw = HwProfile(100.0, 2000.0, 55.0, 23.5)
+    fixed, budget = 134 * MiB, 12288 * MiB - 172 * MiB
+    by = {it.name: it.nbytes for it in items}
+    cpu = place_fixed(items, fixed, budget, hw, copies=True)
+    assert "output.weight" not in cpu
+    moved = sum(by[n] for n in cpu)
+    # it fits with the copy of its largest host tensor
+    from kairox.budget import margin_for
+    from kairox.migrate import PLACE_SLACK
+    assert fixed + total - moved + max(by[n] for n in cpu) + margin_for(budget) + PLACE_SLACK <= budget
+    # the uncapped choice (what the load made before) takes the head and moves more
+    groups = dense_groups(items)
+    room = budget - margin_for(budget) - PLACE_SLACK - fixed
+    on_gpu, _ = solve_dense(groups, room - 250 * MiB - MiB, hw)
+    old = [n for g, on in zip(groups, on_gpu) if not on for n in g.names]
+    assert "output.weight" in old and sum(by[n] for n in old) > moved
+    # without copies the choice is the one knapsack's
+    on_gpu, _ = solve_dense(groups, room, hw)
+    assert place_fixed(items, fixed, budget, hw) == [n for g, on in zip(groups, on_gpu) if not on for n in g.names]
 
 
 def test_runs_beyond_the_slots_are_cut() -> None:

@@ -151,7 +151,7 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget,
 
 int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, const double * read, int32_t n,
                         int64_t fixed, int64_t budget, double cpu_gbs, double gpu_gbs, double pcie_gbs,
-                        double handoff_us, int8_t * where, int64_t * scratch) {
+                        double handoff_us, bool copies, int8_t * where, int64_t * scratch) {
     if (n < 0 || (n > 0 && (!names || !nbytes || !read || !where)) || !scratch || cpu_gbs <= 0 || gpu_gbs <= 0 ||
         pcie_gbs <= 0 || handoff_us < 0) {
         return -1;
@@ -163,7 +163,8 @@ int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, cons
         }
         items.push_back({ names[i], nbytes[i], read[i] });
     }
-    // a dry run whose KV cache and compute buffers do not follow the choice
+    // a dry run whose KV cache and compute buffers do not follow the choice, but for the copy
+    // of the largest host tensor that an offloaded prompt batch makes (with `copies`)
     auto dry = [&](const std::vector<std::string> & cpu) {
         kx_dry_sizes d;
         d.kv = fixed;
@@ -171,6 +172,8 @@ int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, cons
             if (std::find(cpu.begin(), cpu.end(), it.name) == cpu.end()) {
                 d.items.push_back(it);
                 d.movable += it.bytes;
+            } else if (copies) {
+                d.compute = std::max(d.compute, it.bytes);
             }
         }
         d.weights = d.movable;

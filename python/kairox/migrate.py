@@ -26,6 +26,7 @@ and the re-estimate under load is not wired yet.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -181,18 +182,54 @@ def cap_runs(tensors: Sequence[HostTensor], chosen: Sequence[str], slots: int = 
     return keep
 
 
-def place_fixed(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile) -> list[str]:
+def place_fixed(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile, copies: bool = False) -> list[str]:
     """The runtime's knapsack placement (kx_place_dense) for a load whose KV cache and compute
-    buffers (`fixed` bytes on the GPU) do not follow the choice: the host tensors' names, none
-    when everything fits. Raises PlanError when the fixed part alone does not fit."""
+    buffers take `fixed` bytes on the GPU with nothing moved: the host tensors' names, none
+    when everything fits. With `copies` the compute buffers also hold a copy of the largest
+    host tensor (llama.cpp's op offload of a prompt batch), as the runtime's dry runs find.
+    Raises PlanError when nothing fits.
+
+    The runtime's loop: the knapsack within what the fixed part and the margin leave, the
+    choice measured (here: counted) and the room cut by what it was over, six rounds at most;
+    made once per tensor size as a cap (items holding a larger tensor kept on the GPU),
+    largest first, until a choice no longer grows the compute buffers; the fastest kept."""
     margin = margin_for(budget) + PLACE_SLACK
-    if fixed + sum(it.nbytes for it in items) + margin <= budget:
+    by_name = {it.name: it for it in items}
+    movable = sum(it.nbytes for it in items)
+    if fixed + movable + margin <= budget:
         return []
     if fixed + margin > budget:
         raise PlanError(f"a budget of {budget / MiB:.0f} MiB does not hold the fixed {fixed / MiB:.0f} MiB")
     groups = dense_groups(items)
-    on_gpu, _ = solve_dense(groups, budget - margin - fixed, hw)
-    return [n for g, on in zip(groups, on_gpu) if not on for n in g.names]
+
+    def growth(cpu: list[str]) -> int:
+        return max((by_name[n].nbytes for n in cpu), default=0) if copies else 0
+
+    best: tuple[float, list[str]] | None = None
+    for cap in sorted({it.nbytes for it in items}, reverse=True):
+        gpu_only = [any(by_name[n].nbytes > cap for n in g.names) for g in groups]
+        room, grew = budget - margin - fixed, True
+        for rnd in range(6):
+            on_gpu, t = solve_dense(groups, room, hw, gpu_only=gpu_only)
+            if math.isinf(t):
+                break
+            cpu = [n for g, on in zip(groups, on_gpu) if not on for n in g.names]
+            cpu_bytes = sum(by_name[n].nbytes for n in cpu)
+            over = fixed + movable - cpu_bytes + growth(cpu) + margin - budget
+            if over <= 0:
+                grew = growth(cpu) > PLACE_SLACK
+                if best is None or t < best[0]:
+                    best = (t, cpu)
+                break
+            if rnd == 5 or cpu_bytes == movable:
+                break
+            room -= over + (MiB << rnd)
+        if not grew:
+            break
+    if best is None:
+        raise PlanError(f"a budget of {budget / MiB:.0f} MiB does not hold the fixed {fixed / MiB:.0f} MiB "
+                        "and what must stay on the GPU")
+    return best[1]
 
 
 def host_chain(items: list[DenseItem], cpu: list[str], scratch: int) -> tuple[list[HostTensor], int]:
@@ -228,7 +265,8 @@ class StreamPlacement:
     plain_s: float        # ... of the placement without streaming
 
 
-def stream_placement(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile) -> StreamPlacement:
+def stream_placement(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile,
+                     copies: bool = False) -> StreamPlacement:
     """The budget's placement with streamed weights, the reference of the runtime's
     kx_stream_choose: the plain placement; then for each of its host tensors' sizes (largest
     first, three at most) the placement again under the budget less two slots of that size and
@@ -237,7 +275,7 @@ def stream_placement(items: list[DenseItem], fixed: int, budget: int, hw: HwProf
     streams: it would cross PCIe whole. The scratch is two of the largest tensor a slot of the
     winner holds (the same choice: no tensor between that and the size tried is on the CPU)."""
     by_name = {it.name: it for it in items}
-    cpu = place_fixed(items, fixed, budget, hw)
+    cpu = place_fixed(items, fixed, budget, hw, copies)
     plain_s = stream_step(items, cpu, 0, hw)[0]
     best = StreamPlacement(cpu, [], 0, [], plain_s, plain_s)
     if not cpu:
@@ -245,7 +283,7 @@ def stream_placement(items: list[DenseItem], fixed: int, budget: int, hw: HwProf
     sizes = sorted({by_name[n].nbytes for n in cpu if by_name[n].read >= 1.0}, reverse=True)[:3]
     for size in sizes:
         try:
-            cpu_k = place_fixed(items, fixed, budget - SLOTS * size, hw)
+            cpu_k = place_fixed(items, fixed, budget - SLOTS * size, hw, copies)
         except PlanError:
             continue  # the scratch does not fit beside the fixed part
         t, streamed = stream_step(items, cpu_k, SLOTS * size, hw)

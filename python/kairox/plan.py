@@ -32,7 +32,7 @@ import heapq
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,13 +163,16 @@ def dense_groups(items: list[DenseItem]) -> list[DenseItem]:
     return out
 
 
-def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = MiB) -> tuple[list[bool], float]:
+def solve_dense(items: list[DenseItem], budget: int, hw: HwProfile, unit: int = MiB,
+                gpu_only: Sequence[bool] = ()) -> tuple[list[bool], float]:
     """Knapsack over dense tensors in execution order: on_gpu[i] for each, and the modelled
-    seconds per token. Weights are rounded up to `unit` bytes (the DP's resolution)."""
+    seconds per token (inf when the items kept on the GPU, pinned or gpu_only[i], do not
+    fit). Weights are rounded up to `unit` bytes (the DP's resolution)."""
     n = len(items)
     cap = max(0, budget // unit)
     w = [-(-it.nbytes // unit) for it in items]
-    cpu = [math.inf if it.pinned else it.seconds(hw.cpu_rate) for it in items]
+    cpu = [math.inf if it.pinned or (gpu_only and gpu_only[i]) else it.seconds(hw.cpu_rate)
+           for i, it in enumerate(items)]
     gpu = [it.seconds(hw.gpu_rate) for it in items]
     hop = hw.handoff_us * 1e-6 / 2  # one direction of a round trip
     INF = math.inf
