@@ -287,101 +287,87 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
             gpu[i] += (double) it->bytes * it->read / (rates.gpu_gbs * 1e9);
         }
     }
-    // The compute buffers grow once tensors move: llama.cpp runs a batch of 32 tokens or more
-    // on the GPU even when its weight is in host memory, copying the weight into the GPU's
-    // compute buffer (op offload), so the buffer sized with everything on the GPU undercounts
-    // by about the largest host tensor. Each choice is dry-run again and the knapsack given
-    // less room by what it was over (KB-7B F16 on the H200: 160-170 MiB over at 1-4 GiB
-    // without this; one round usually suffices).
-    //
-    // That copy makes a large host tensor dearer than its bytes: the output head (250 MiB on
-    // KB-7B) on the CPU saves its bytes once and costs them again in the compute buffers, and
-    // the knapsack then moves more beside it (KB-7B SiLU F16 at 12 GiB on an H100: 1346 MiB on
-    // the CPU with the head, 0.76x llama.cpp's -ngl 31). So the choice is made again with each
-    // tensor size as a cap (the items holding a larger tensor kept on the GPU), largest first,
-    // and the fastest modelled one kept; once a choice's compute buffers stop growing (no
-    // batch is offloaded, or no host tensor is larger than the slack) a lower cap only narrows it.
+    // The compute buffers follow the choice: llama.cpp runs a batch of 32 tokens or more on
+    // the GPU even when its weight is in host memory, copying the weight into the GPU's
+    // compute buffer (op offload), so with host tensors the buffer holds a copy of the largest
+    // (KB-7B SiLU F16 at 12 GiB on an H100: 6 MiB with everything on the GPU, 254 MiB with the
+    // 250 MiB output head on the CPU). A dry run with the largest tensor alone on the CPU says
+    // whether this context copies; then the choice is made once per tensor size as a cap on
+    // what may leave the GPU (the items holding a larger tensor kept there, the cap's copy
+    // charged), the fastest modelled one kept: a large tensor on the CPU saves its bytes once
+    // and costs them again as the copy, so without the caps the head left the GPU and the
+    // knapsack moved more beside it (1346 MiB, 0.76x llama.cpp's -ngl 31; 0.95x with them).
+    // The winner is dry-run, and the room cut by what it was over (driver rounding, buffers
+    // the model does not count), six rounds at most.
     std::vector<int64_t> caps;
+    std::string largest;
     for (const kx_place_item & it : d.items) {
         caps.push_back(it.bytes);
+        if (largest.empty() || it.bytes > by_name.at(largest)->bytes) {
+            largest = it.name;
+        }
     }
     std::sort(caps.rbegin(), caps.rend());
     caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
-    struct choice {
-        double t = std::numeric_limits<double>::infinity();
-        std::vector<std::string> cpu;
-        int64_t cpu_bytes = 0;
-        kx_dry_sizes got;
-    } best;
-    std::string refusal;
+    const bool copies = dry({ largest }).compute > d.compute + kx_place_alloc_slack;
     std::unique_ptr<bool[]> on_gpu(new bool[std::max(n, 1)]);
     std::vector<double> cpu_k(n);
-    for (size_t k = 0; k < caps.size(); ++k) {
-        for (int32_t i = 0; i < n; ++i) {
-            cpu_k[i] = cpu[i];
-            for (const std::string & name : items[i].names) {
-                if (by_name.at(name)->bytes > caps[k]) {
-                    cpu_k[i] = std::numeric_limits<double>::infinity();
+    int64_t shave = 0;
+    for (int round = 0; ; ++round) {
+        double t_best = std::numeric_limits<double>::infinity();
+        std::vector<std::string> cpu_names;
+        int64_t cpu_bytes = 0;
+        for (size_t k = 0; k < caps.size() && (k == 0 || copies); ++k) {
+            for (int32_t i = 0; i < n; ++i) {
+                cpu_k[i] = cpu[i];
+                for (const std::string & name : items[i].names) {
+                    if (by_name.at(name)->bytes > caps[k]) {
+                        cpu_k[i] = std::numeric_limits<double>::infinity();
+                    }
                 }
             }
-        }
-        int64_t room = budget - margin - fixed;
-        bool grew = true; // this cap's choice grew the compute buffers (or none was found)
-        for (int round = 0; ; ++round) {
+            const int64_t room = budget - margin - fixed - shave - (copies ? caps[k] : 0);
             const double t = kx_plan_dense(nb.data(), cpu_k.data(), gpu.data(), n, room, kx_plan_dense_unit,
                                            rates.handoff_us * 1e-6 / 2, on_gpu.get());
-            if (!std::isfinite(t)) {
-                break; // the items the cap keeps on the GPU do not fit (the uncapped choice's refusal stands)
+            if (!(t < t_best)) {
+                continue; // (or the items the cap keeps on the GPU do not fit: t is infinite)
             }
-            choice c;
-            c.t = t;
+            t_best = t;
+            cpu_names.clear();
+            cpu_bytes = 0;
             for (int32_t i = 0; i < n; ++i) {
                 if (!on_gpu[i]) {
-                    c.cpu.insert(c.cpu.end(), items[i].names.begin(), items[i].names.end());
-                    c.cpu_bytes += items[i].bytes;
+                    cpu_names.insert(cpu_names.end(), items[i].names.begin(), items[i].names.end());
+                    cpu_bytes += items[i].bytes;
                 }
             }
-            c.got = dry(c.cpu);
-            const int64_t over = c.got.total() + margin - budget;
-            if (over <= 0) {
-                grew = c.got.compute > d.compute + kx_place_alloc_slack;
-                if (t < best.t) {
-                    best = std::move(c);
-                }
-                break;
-            }
-            if (round == 5 || c.cpu_bytes == d.movable) {
-                if (refusal.empty()) {
-                    refusal = kx_fmt(
-                        "a VRAM budget of %s is too small: with %s of the dense tensors on the CPU, the rest (%s), the "
-                        "KV cache (%s) and compute buffers (%s) take %s on the GPU with a margin of %s. Give at least "
-                        "%s, or lower n_ctx / n_ubatch", kx_mib(budget).c_str(), kx_mib(c.cpu_bytes).c_str(),
-                        kx_mib(c.got.weights).c_str(), kx_mib(c.got.kv).c_str(), kx_mib(c.got.compute).c_str(),
-                        kx_mib(c.got.total()).c_str(), kx_mib(margin).c_str(), kx_mib(c.got.total() + margin).c_str());
-                }
-                break;
-            }
-            // (a little more each round: the compute buffers follow the choice, and a room cut by
-            // exactly the overshoot may land on another choice just as far over)
-            room -= over + (kx_plan_dense_unit << round);
         }
-        if (!grew) {
-            break;
+        const kx_dry_sizes got = dry(cpu_names);
+        const int64_t over = got.total() + margin - budget;
+        if (over <= 0 || round == 5 || cpu_bytes == d.movable) {
+            if (over > 0) {
+                throw std::runtime_error(kx_fmt(
+                    "a VRAM budget of %s is too small: with %s of the dense tensors on the CPU, the rest (%s), the KV "
+                    "cache (%s) and compute buffers (%s) take %s on the GPU with a margin of %s. Give at least %s, or "
+                    "lower n_ctx / n_ubatch", kx_mib(budget).c_str(), kx_mib(cpu_bytes).c_str(),
+                    kx_mib(got.weights).c_str(), kx_mib(got.kv).c_str(), kx_mib(got.compute).c_str(),
+                    kx_mib(got.total()).c_str(), kx_mib(margin).c_str(), kx_mib(got.total() + margin).c_str()));
+            }
+            const std::string line = kx_fmt(
+                "kairox: VRAM budget %s: the dense tensors (%s) do not fit beside the KV cache (%s) and compute buffers "
+                "(%s, %s with these on the CPU); %zu of %d kept on the CPU (%s), modelled %.2f ms per token: %s\n",
+                kx_mib(budget).c_str(), kx_mib(d.weights).c_str(), kx_mib(d.kv).c_str(), kx_mib(d.compute).c_str(),
+                kx_mib(got.compute).c_str(), cpu_names.size(), (int) d.items.size(), kx_mib(cpu_bytes).c_str(),
+                t_best * 1e3, kx_names_text(cpu_names).c_str());
+            if (text) {
+                *text = line;
+            } else {
+                LLAMA_LOG_INFO("%s", line.c_str());
+            }
+            return cpu_names;
         }
+        // (a little more each round: a room cut by exactly the overshoot may land on another
+        // choice just as far over)
+        shave += over + (kx_plan_dense_unit << round);
     }
-    if (!std::isfinite(best.t)) {
-        throw std::runtime_error(!refusal.empty() ? refusal : "a VRAM budget of " + kx_mib(budget) + " is too small");
-    }
-    const std::string line = kx_fmt(
-        "kairox: VRAM budget %s: the dense tensors (%s) do not fit beside the KV cache (%s) and compute buffers "
-        "(%s, %s with these on the CPU); %zu of %d kept on the CPU (%s), modelled %.2f ms per token: %s\n",
-        kx_mib(budget).c_str(), kx_mib(d.weights).c_str(), kx_mib(d.kv).c_str(), kx_mib(d.compute).c_str(),
-        kx_mib(best.got.compute).c_str(), best.cpu.size(), (int) d.items.size(), kx_mib(best.cpu_bytes).c_str(),
-        best.t * 1e3, kx_names_text(best.cpu).c_str());
-    if (text) {
-        *text = line;
-    } else {
-        LLAMA_LOG_INFO("%s", line.c_str());
-    }
-    return best.cpu;
 }

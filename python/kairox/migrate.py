@@ -189,10 +189,10 @@ def place_fixed(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile, 
     host tensor (llama.cpp's op offload of a prompt batch), as the runtime's dry runs find.
     Raises PlanError when nothing fits.
 
-    The runtime's loop: the knapsack within what the fixed part and the margin leave, the
-    choice measured (here: counted) and the room cut by what it was over, six rounds at most;
-    made once per tensor size as a cap (items holding a larger tensor kept on the GPU),
-    largest first, until a choice no longer grows the compute buffers; the fastest kept."""
+    The runtime's choice: with copies, once per tensor size as a cap on what may leave the GPU
+    (items holding a larger tensor kept there, the cap charged for the copy), largest first;
+    without, once; the fastest modelled one kept. (The runtime then dry-runs the winner and
+    cuts the room by what it was over; here the count is exact, so it never is.)"""
     margin = margin_for(budget) + PLACE_SLACK
     by_name = {it.name: it for it in items}
     movable = sum(it.nbytes for it in items)
@@ -201,35 +201,23 @@ def place_fixed(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile, 
     if fixed + margin > budget:
         raise PlanError(f"a budget of {budget / MiB:.0f} MiB does not hold the fixed {fixed / MiB:.0f} MiB")
     groups = dense_groups(items)
-
-    def growth(cpu: list[str]) -> int:
-        return max((by_name[n].nbytes for n in cpu), default=0) if copies else 0
-
-    best: tuple[float, list[str]] | None = None
-    for cap in sorted({it.nbytes for it in items}, reverse=True):
+    sizes = sorted({it.nbytes for it in items}, reverse=True)
+    # (the runtime's probe: a copy no larger than the slack does not count as one)
+    copies = copies and sizes[0] > PLACE_SLACK
+    best: tuple[float, list[str]] = (math.inf, [])
+    for cap in sizes if copies else sizes[:1]:
         gpu_only = [any(by_name[n].nbytes > cap for n in g.names) for g in groups]
-        room, grew = budget - margin - fixed, True
-        for rnd in range(6):
-            on_gpu, t = solve_dense(groups, room, hw, gpu_only=gpu_only)
-            if math.isinf(t):
-                break
-            cpu = [n for g, on in zip(groups, on_gpu) if not on for n in g.names]
-            cpu_bytes = sum(by_name[n].nbytes for n in cpu)
-            over = fixed + movable - cpu_bytes + growth(cpu) + margin - budget
-            if over <= 0:
-                grew = growth(cpu) > PLACE_SLACK
-                if best is None or t < best[0]:
-                    best = (t, cpu)
-                break
-            if rnd == 5 or cpu_bytes == movable:
-                break
-            room -= over + (MiB << rnd)
-        if not grew:
-            break
-    if best is None:
+        on_gpu, t = solve_dense(groups, budget - margin - fixed - (cap if copies else 0), hw, gpu_only=gpu_only)
+        if t < best[0]:
+            best = (t, [n for g, on in zip(groups, on_gpu) if not on for n in g.names])
+    cpu = best[1]
+    over = fixed + movable - sum(by_name[n].nbytes for n in cpu) + margin - budget
+    if copies and cpu:
+        over += max(by_name[n].nbytes for n in cpu)
+    if over > 0:
         raise PlanError(f"a budget of {budget / MiB:.0f} MiB does not hold the fixed {fixed / MiB:.0f} MiB "
                         "and what must stay on the GPU")
-    return best[1]
+    return cpu
 
 
 def host_chain(items: list[DenseItem], cpu: list[str], scratch: int) -> tuple[list[HostTensor], int]:
