@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload import MiB, Layout, context_mib, ffn_cpu_flags, find_ffn_cpu, find_ngl  # noqa: E402
 from tools_bench import add_run_args, bench_row, commit  # noqa: E402
 
+from kairox.bench import machine_facts  # noqa: E402
+
 
 def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float, sparse: str, prompt: int = 0,
                flags: list[str] | None = None, peak: list | None = None) -> tuple[list[str], float | None, str]:
@@ -93,12 +95,22 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
                      for k, v in r["also"].items()}})
     res = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": model.name,
            "model_mib": round(model.stat().st_size / MiB), "sparse": args.sparse, "gen": args.gen,
-           "threads": args.threads, "rounds": args.rounds, "ngl0_peak_mib": getattr(args, "ctx_peak_mib", None),
-           "budgets": budgets_out}
+           "threads": args.threads, "rounds": args.rounds, "prefill": args.prefill,
+           "machine": getattr(args, "machine", None),
+           "ngl0_peak_mib": getattr(args, "ctx_peak_mib", None), "budgets": budgets_out}
+    return render(res, out, stem)
+
+
+def render(res: dict, out: Path, stem: str) -> list[str]:
+    """A sweep's results (write's, or merge's) as JSON, a Markdown table and a plot."""
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-    also = list(rows[0]["also"]) if rows else []
-    lines = [f"# {model.name} ({res['model_mib']} MiB): decode against the VRAM budget", "",
-             f"decode of {args.gen} tokens, {args.threads} threads, {args.rounds} round(s); commit {res['commit']}",
+    budgets_out = res["budgets"]
+    also = list(budgets_out[0]["also"]) if budgets_out else []
+    how = (f"{res['rounds']} round(s); commit {res['commit']}" if "parts" not in res else
+           "; ".join(f"{p['budgets']} GiB: {p['rounds']} round(s), commit {p['commit']}" for p in res["parts"]))
+    lines = [f"# {res['model']} ({res['model_mib']} MiB): decode against the VRAM budget", "",
+             f"decode of {res['gen']} tokens, {res['threads']} threads, {how}",
              "", "| budget | kairox-bench tok/s | " + "".join(f"kairox {a} tok/s | " for a in also) +
              "llama.cpp best (flags) tok/s | kairox / llama.cpp |", "|---:|---:|" + "---:|" * len(also) + "---:|---:|"]
     for b in budgets_out:
@@ -110,7 +122,7 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
                        for v in b["also"].values())
         lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {cols}{lr['median']:.2f}{spread(lr['tok_s'])} "
                      f"(`{lr['flags']}`) | {ratio} |")
-    peaks = [b for b in budgets_out if b["kairox"]["peak_mib"]]
+    peaks = [b for b in budgets_out if b["kairox"].get("peak_mib")]
     ctx = res["ngl0_peak_mib"]
     if peaks:
         lines += ["", "Each row's device use against its budget: the GPU's peak memory use during the row over the "
@@ -123,8 +135,8 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
             ll = ", ".join(f"`{f}` {med(v)}" for f, v in b["llama"]["peak_mib_all"].items())
             lines.append(f"| {b['budget_gib'] * 1024:.0f} | {med(b['kairox']['peak_mib'])} | "
                          + "".join(f"{med(v['peak_mib'])} | " for v in b["also"].values()) + f"{ll} |")
-    if args.prefill:
-        lines += ["", f"Prefill of {args.prefill} tokens (llama-bench -p {args.prefill} -n 0), tok/s; llama.cpp's "
+    if res.get("prefill"):
+        lines += ["", f"Prefill of {res['prefill']} tokens (llama-bench -p {res['prefill']} -n 0), tok/s; llama.cpp's "
                   "placements searched again at the prefill's context (its compute buffers are larger):", "",
                   "| budget | kairox-bench | llama.cpp best (flags) | kairox / llama.cpp |", "|---:|---:|---:|---:|"]
         for b in budgets_out:
@@ -146,9 +158,44 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
     return lines
 
 
+def merge(paths: list[Path]) -> dict:
+    """Sweeps of one model on one machine (calls of one warm machine: a 1-14 GiB sweep does
+    not fit one call) as one: their budgets in order, each part's commit and rounds kept. A
+    budget in two files, or files of different models, decode lengths, thread counts or extra
+    rows, are refused: the table would mix what it compares."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    first = parts[0]
+    for key in ("model", "gen", "threads", "sparse"):
+        if any(p[key] != first[key] for p in parts):
+            raise ValueError(f"the sweeps differ in {key}: " + ", ".join(f"{p[key]}" for p in parts))
+    hosts = {(p.get("machine") or {}).get("host") for p in parts}
+    if len(hosts) > 1:
+        raise ValueError(f"the sweeps ran on different machines: {sorted(map(str, hosts))}")
+    also = [sorted(b["also"]) for p in parts for b in p["budgets"]]
+    if any(a != also[0] for a in also):
+        raise ValueError("the sweeps have different extra rows (--also)")
+    budgets = [b for p in parts for b in p["budgets"]]
+    seen = [b["budget_gib"] for b in budgets]
+    if len(set(seen)) != len(seen):
+        raise ValueError(f"a budget is in more than one sweep: {sorted(seen)}")
+    prefill = {p.get("prefill", 0) for p in parts}
+    return {**{k: first.get(k) for k in ("model", "model_mib", "sparse", "gen", "threads", "ngl0_peak_mib",
+                                         "machine")},
+            "commit": ",".join(dict.fromkeys(p["commit"] for p in parts)),
+            "rounds": min(p["rounds"] for p in parts), "prefill": max(prefill) if len(prefill) == 1 else 0,
+            "command": " ".join([sys.executable, *sys.argv]),
+            "parts": [{"file": path.name, "commit": p["commit"], "rounds": p["rounds"], "command": p["command"],
+                       "budgets": ",".join(f"{b['budget_gib']:g}" for b in p["budgets"])}
+                      for path, p in zip(paths, parts)],
+            "budgets": sorted(budgets, key=lambda b: b["budget_gib"])}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="the model GGUF (required unless --merge)")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                    help="no runs: write these sweeps' results (one model, one machine) as one table and plot "
+                         "to --out (file stem: --name, default budget-sweep-MODEL)")
     ap.add_argument("--budgets", default="1,2,3,4,6,8,10,12,14", help="GiB, comma-separated (default: %(default)s)")
     ap.add_argument("--sparse", default="predicted",
                     help="kairox's --sparse; auto: none given (a model without a pack, an MoE model: whole "
@@ -158,8 +205,18 @@ def main() -> int:
     ap.add_argument("--also", action="append", default=[], metavar="LABEL=FLAGS",
                     help="one more kairox row per budget with these extra kairox-bench flags, e.g. "
                          "no-stream=--no-kx-stream (repeatable; rows interleaved with the others)")
-    add_run_args(ap, gen=32, rounds=1, stem="budget-sweep")
+    add_run_args(ap, gen=32, rounds=1, stem="budget-sweep", bin_required=False)
     args = ap.parse_args()
+    if args.merge:
+        try:
+            res = merge(args.merge)
+        except (ValueError, KeyError, OSError) as e:
+            ap.error(f"--merge: {e}")
+        stem = args.name or f"budget-sweep-{Path(res['model']).stem}"
+        print("\n".join(render(res, Path(args.out), stem)))
+        return 0
+    if not args.model or not args.bin:
+        ap.error("--model and --bin are required (or --merge)")
     exe = Path(args.bin) / "llama-bench"
     model = Path(args.model)
     lay = Layout(model)
@@ -168,6 +225,7 @@ def main() -> int:
     t0 = time.time()
     # what holding the GPU costs without weights on it: the peaks below include it, the budgets not
     args.ctx_peak_mib = context_mib(str(exe), model, args.threads)
+    args.machine = machine_facts()  # (a merge refuses sweeps of two machines)
     rows = []
     for b in budgets:
         ngl, _, search = find_ngl(str(exe), model, lay, b * 1024, args.threads, n_gen=args.gen)

@@ -91,9 +91,9 @@ def auto_ngl(exe: Path, model: Path, budget: str, threads: int) -> tuple[int, li
     return ngl, probes
 
 
-def add_run_args(ap: argparse.ArgumentParser, gen: int, rounds: int, stem: str) -> None:
+def add_run_args(ap: argparse.ArgumentParser, gen: int, rounds: int, stem: str, bin_required: bool = True) -> None:
     """The options every through-the-binaries bench shares: build, tokens, rounds, threads, output."""
-    ap.add_argument("--bin", required=True, help="folder with kairox's llama-bench")
+    ap.add_argument("--bin", required=bin_required, help="folder with kairox's llama-bench")
     ap.add_argument("--gen", type=int, default=gen)
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--threads", type=int, default=os.cpu_count())

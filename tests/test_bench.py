@@ -483,3 +483,50 @@ def test_device_out_fits_the_returned_files(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["device.log", "results.tar"]
     with tarfile.open(out / "results.tar") as t:
         assert len(t.getnames()) == 9
+
+
+def test_budget_sweeps_of_one_machine_merge_into_one_table(tmp_path: Path) -> None:
+    """Two calls' sweeps (one machine) as one table and plot: budgets in order, each part's
+    commit and rounds named; a budget measured twice, another machine or another decode
+    length is refused, since the table would compare across them."""
+    import json
+    import subprocess
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("budget_sweep", ROOT / "bench" / "budget_sweep.py")
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+
+    def sweep(name: str, commit: str, budgets: list[float], host: str = "gpu-1", gen: int = 32) -> Path:
+        rows = [{"budget_gib": b, "kairox": {"command": f"llama-bench --vram-budget {b:g}GiB", "tok_s": [10.0 * b],
+                                             "error": "", "peak_mib": [b * 1000], "median": 10.0 * b},
+                 "llama": {"flags": "-ngl 9 -fa 1", "command": "llama-bench -ngl 9", "tok_s": [8.0 * b],
+                           "median": 8.0 * b, "all": {}, "peak_mib_all": {"-ngl 9 -fa 1": [b * 990]}, "pp_all": {}},
+                 "also": {}} for b in budgets]
+        res = {"commit": commit, "command": "budget_sweep.py", "model": "m.gguf", "model_mib": 100, "sparse": "auto",
+               "gen": gen, "threads": 16, "rounds": 2, "prefill": 0, "ngl0_peak_mib": 500,
+               "machine": {"host": host}, "budgets": rows}
+        (tmp_path / name).write_text(json.dumps(res))
+        return tmp_path / name
+
+    a, b = sweep("a.json", "c1", [8.0, 14.0]), sweep("b.json", "c2", [1.0, 4.0])
+    res = bs.merge([a, b])
+    assert [r["budget_gib"] for r in res["budgets"]] == [1.0, 4.0, 8.0, 14.0]
+    assert res["commit"] == "c1,c2" and [p["budgets"] for p in res["parts"]] == ["8,14", "1,4"]
+    lines = bs.render(res, tmp_path / "out", "merged")
+    table = [ln for ln in lines if ln.startswith("| ") and "GiB |" in ln]
+    assert [ln.split(" | ")[0] for ln in table] == ["| 1 GiB", "| 4 GiB", "| 8 GiB", "| 14 GiB"]
+    assert all("1.25x" in ln for ln in table)  # 10 b against 8 b
+    assert "8,14 GiB: 2 round(s), commit c1" in lines[2]
+    assert (tmp_path / "out" / "merged.json").exists() and (tmp_path / "out" / "merged.md").exists()
+    for bad in (sweep("c.json", "c3", [4.0]), sweep("d.json", "c3", [2.0], host="gpu-2"),
+                sweep("e.json", "c3", [2.0], gen=64)):
+        with pytest.raises(ValueError):
+            bs.merge([a, b, bad])
+    # the CLI: a merge needs neither --model nor --bin
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "budget_sweep.py"), "--merge", str(a), str(b),
+                        "--out", str(tmp_path / "cli"), "--name", "m"], capture_output=True, text=True)
+    assert r.returncode == 0 and (tmp_path / "cli" / "m.md").exists(), r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "budget_sweep.py"), "--out", str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--model and --bin are required" in r.stderr

@@ -14,7 +14,10 @@
 #   KX_STREAM_ALSO="no-stream=--no-kx-stream;migrate=--kx-migrate"   # the sweep's extra rows
 #   KX_STREAM_STRESS=cpu,pcie                # first bench/migrate_stress.py at the last budget
 #   KX_STREAM_STRESS_ROUNDS=1 KX_STREAM_STRESS_TOKENS=160 KX_STREAM_STRESS_THREADS=8
+#   KX_STREAM_PREFILL=512                    # also prefill that many tokens on every sweep row
 #   KX_DEADLINE=590                          # seconds from the start the sweep must end by
+# Two calls on one warm machine (a 1-14 GiB sweep does not fit one call) merge into one table:
+#   python3 bench/budget_sweep.py --merge A.json B.json --out DIR
 set -uo pipefail
 . bench/device/env.sh
 pre=${KX_STREAM_PRESET:-KB-7B}; act=${KX_STREAM_ACT:-silu}; ty=${KX_STREAM_TYPE:-f16}
@@ -49,5 +52,6 @@ if [ -n "${KX_STREAM_STRESS:-}" ]; then
 fi
 timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
     --budgets "$b1" --sparse auto "${also[@]}" --bin "$B" --out "$OUT" \
-    --gen "${KX_STREAM_GEN:-32}" --threads "$(nproc)" --rounds "${KX_STREAM_ROUNDS:-3}"
+    --gen "${KX_STREAM_GEN:-32}" --threads "$(nproc)" --rounds "${KX_STREAM_ROUNDS:-3}" \
+    ${KX_STREAM_PREFILL:+--prefill "$KX_STREAM_PREFILL"}
 echo "done ($(( $(date +%s) - t0 )) s)"
