@@ -302,12 +302,22 @@ int32_t kx_model_params_apply_model(kx_params * kp, llama_model_params * mp, con
     return kx_model_params_apply_ctx(kp, mp, nullptr, model_path, err, err_size);
 }
 
+// what a placement's dry runs cost the load: each loads the model's metadata (the vocabulary
+// among them: ~0.4 s for Gemma 3's 262k tokens on a CPU host) and sizes a context
+struct kx_dry_tally {
+    int32_t n = 0;
+    double  s = 0.0;
+};
+
 // A dry run of the load (kx-placement.cpp) with these tensors, and the FFN when ffn_on_host, in
-// host memory, then the caller's own overrides, as the real load will have them
+// host memory, then the caller's own overrides, as the real load will have them; counted in
+// *tally when given
 static kx_dry_run_fn kx_budget_dry(const llama_model_params & mp, const llama_context_params * cp,
-                                   const char * model_path, ggml_backend_dev_t dev, bool ffn_on_host) {
+                                   const char * model_path, ggml_backend_dev_t dev, bool ffn_on_host,
+                                   kx_dry_tally * tally = nullptr) {
     const llama_context_params cparams = cp ? *cp : llama_context_default_params();
     return [=](const std::vector<std::string> & names) {
+        const int64_t t0 = ggml_time_us();
         const std::vector<std::string> pats = kx_cpu_patterns(names, ffn_on_host);
         std::vector<llama_model_tensor_buft_override> ov;
         for (const std::string & p : pats) {
@@ -320,7 +330,12 @@ static kx_dry_run_fn kx_budget_dry(const llama_model_params & mp, const llama_co
         llama_model_params m = mp;
         m.tensor_buft_overrides = ov.data();
         m.use_extra_bufts = false;
-        return kx_dry_run(m, cparams, model_path, dev);
+        kx_dry_sizes d = kx_dry_run(m, cparams, model_path, dev);
+        if (tally) {
+            tally->n += 1;
+            tally->s += (double) (ggml_time_us() - t0) * 1e-6;
+        }
+        return d;
     };
 }
 
@@ -364,8 +379,17 @@ static void kx_read_not_map(llama_model_params * mp) {
 // them on the CPU (repacked as it would for -ot ...=CPU; page-locked with kp->pinned)
 static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, const llama_context_params * cp,
                               const char * model_path, ggml_backend_dev_t dev) {
-    const kx_dry_run_fn dry = kx_budget_dry(*mp, cp, model_path, dev, false);
+    kx_dry_tally tally;
+    const kx_dry_run_fn dry = kx_budget_dry(*mp, cp, model_path, dev, false, &tally);
     const kx_dense_rates rates = kx_params_rates(kp);
+    struct log_tally { // at every return below: what the placement cost the load
+        const kx_dry_tally & t;
+        ~log_tally() {
+            if (t.n > 1) {
+                LLAMA_LOG_INFO("kairox: the placement took %.2f s in %d dry runs of the load\n", t.s, t.n);
+            }
+        }
+    } log_at_end{ tally };
     if (kp->pinned) {
         // read, not mapped: llama.cpp then keeps host tensors in the GPU's page-locked host
         // buffer type, which a prompt batch's offload copies at PCIe speed (KB-7B SiLU F16 at
