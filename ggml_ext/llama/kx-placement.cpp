@@ -309,7 +309,11 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
     }
     std::sort(caps.rbegin(), caps.rend());
     caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
-    const bool copies = dry({ largest }).compute > d.compute + kx_place_alloc_slack;
+    // (with the FFN already on the host, as the hybrid's dry runs have it, the buffers hold its
+    // copy before anything moves: a larger tensor's copy adds only what it is larger by)
+    const int64_t grew   = dry({ largest }).compute - d.compute;
+    const bool    copies = grew > kx_place_alloc_slack;
+    const int64_t held   = copies ? std::max<int64_t>(0, by_name.at(largest)->bytes - grew) : 0;
     std::unique_ptr<bool[]> on_gpu(new bool[std::max(n, 1)]);
     std::vector<double> cpu_k(n);
     int64_t shave = 0;
@@ -326,7 +330,8 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
                     }
                 }
             }
-            const int64_t room = budget - margin - fixed - shave - (copies ? caps[k] : 0);
+            const int64_t copy = copies ? std::max<int64_t>(0, caps[k] - held) : 0;
+            const int64_t room = budget - margin - fixed - shave - copy;
             const double t = kx_plan_dense(nb.data(), cpu_k.data(), gpu.data(), n, room, kx_plan_dense_unit,
                                            rates.handoff_us * 1e-6 / 2, on_gpu.get());
             if (!(t < t_best)) {
