@@ -181,6 +181,7 @@ def test_help_lists_the_options(native: Path) -> None:
     r = tool(native, "llama-completion", "--help")
     for flag in ("--vram-budget", "--gpu-slots", "--kx-plan", "--mapped-share", "--balancer ", "--balancer-lambda",
                  "--balancer-pipeline", "--balancer-backoff", "--kx-error-budget", "--kx-trace", "--kx-sched-trace", "--sparse-pack",
+                 "--kx-hw-profile",
                  "LLAMA_ARG_VRAM_BUDGET"):
         assert flag in r.stdout, flag
 
@@ -255,3 +256,61 @@ def test_llama_bench_row_that_cannot_run_fails(native: Path, synth_model: Path, 
     r = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", "-r", "1", "--sparse", "exact",
              "--sparse-pack", str(bad))
     assert r.returncode != 0 and "kairox:" in r.stderr
+
+
+def _hw_profiles(tmp_path: Path) -> dict[str, Path]:
+    """A good `kairox profile-hw` file and bad ones, by what is wrong with each."""
+    good = {"cpu_gbs": 120.0, "gpu_gbs": 3000.0, "pcie_gbs": 50.0, "handoff_us": 20.0,
+            "cpu_type_gbs": {"f16": 90.0, "q4_0": 70.0}, "gpu_type_gbs": {"f16": 2800.0}}
+    files = {"good": good, "no cpu rate": {k: v for k, v in good.items() if k != "cpu_gbs"},
+             "a zero type rate": {**good, "cpu_type_gbs": {"f16": 0.0}}, "negative": {**good, "gpu_gbs": -1.0}}
+    out = {}
+    for name, body in files.items():
+        out[name] = tmp_path / f"{name.replace(' ', '-')}.json"
+        out[name].write_text(json.dumps(body))
+    out["not json"] = tmp_path / "not.json"
+    out["not json"].write_text("cpu_gbs = 120")
+    out["missing"] = tmp_path / "missing.json"
+    return out
+
+
+def test_a_hardware_profile_sets_the_rates(native: Path, tmp_path: Path) -> None:
+    """kx_params_read_hw_profile: a `kairox profile-hw` file gives the stall model's rates
+    where none were set (set ones are kept) and is named for the placement; a file that is
+    missing, not JSON, without cpu_gbs or with a rate <= 0 is refused with its name."""
+    from kairox import capi
+    from kairox.llama import _lib as lib
+    files = _hw_profiles(tmp_path)
+    err = ctypes.create_string_buffer(1024)
+    kp = lib.kx_params_default()
+    assert lib.kx_params_read_hw_profile(ctypes.byref(kp), str(files["good"]).encode(), err, 1024) == 0
+    assert (kp.balance.cpu_gbs, kp.balance.gpu_gbs) == (120.0, 3000.0)
+    assert kp.hw_profile == str(files["good"]).encode()
+    kp = lib.kx_params_default()
+    kp.balance.cpu_gbs = 77.0
+    assert lib.kx_params_read_hw_profile(ctypes.byref(kp), str(files["good"]).encode(), err, 1024) == 0
+    assert (kp.balance.cpu_gbs, kp.balance.gpu_gbs) == (77.0, 3000.0)
+    for name in ("no cpu rate", "a zero type rate", "negative", "not json", "missing"):
+        kp = lib.kx_params_default()
+        rc = lib.kx_params_read_hw_profile(ctypes.byref(kp), str(files[name]).encode(), err, 1024)
+        msg = err.value.decode()
+        assert rc == capi.Status.PARAMS and str(files[name]) in msg, (name, msg)
+        assert kp.hw_profile is None and kp.balance.cpu_gbs == 0.0, name
+        assert ("cannot read" in msg) if name == "missing" else ("kairox profile-hw" in msg), (name, msg)
+
+
+def test_the_tools_take_a_hardware_profile(native: Path, synth_model: Path, tmp_path: Path,  # noqa: F811
+                                            dense_text: str) -> None:
+    """--kx-hw-profile in the completion tool and in llama-bench: a good file runs (the text of
+    a run without a split is dense's), a bad one stops the tool naming the file."""
+    files = _hw_profiles(tmp_path)
+    r = complete(native, synth_model, "--kx-hw-profile", str(files["good"]))
+    assert r.returncode == 0 and same_text(r.stdout, dense_text), r.stderr[-1500:]
+    r = complete(native, synth_model, "--kx-hw-profile", str(files["no cpu rate"]))
+    assert r.returncode != 0 and "is not a kairox hardware profile" in r.stderr, r.stderr[-1500:]
+    r = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", "-r", "1",
+             "--kx-hw-profile", str(files["good"]))
+    assert r.returncode == 0, r.stderr[-1500:]
+    r = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", "-r", "1",
+             "--kx-hw-profile", str(files["missing"]))
+    assert r.returncode != 0 and "cannot read the hardware profile" in r.stderr, r.stderr[-1500:]

@@ -306,6 +306,10 @@ struct kx_params {
     // the GPU, as llama.cpp does with every layer offloaded (the split pays only where part of the
     // model must stay on the CPU); an explicit sparse mode or slot count runs as asked
     bool            whole_fits;
+    // a `kairox profile-hw` file (kx_params_read_hw_profile): the measured CPU and GPU matvec
+    // rates per weight type and the hand-off the budget's placement prices tensors at; NULL:
+    // balance.cpu_gbs / gpu_gbs, else 100 and 2000 GB/s
+    const char *    hw_profile;
 };
 
 // what a budgeted context measured on its device (bytes)
@@ -318,6 +322,10 @@ struct kx_vram_report {
 };
 
 LLAMA_API struct kx_params kx_params_default(void);
+// Checks a `kairox profile-hw` file (its cpu_gbs and gpu_gbs > 0; per-type rates and the
+// hand-off optional) and names it in kp->hw_profile; balance.cpu_gbs / gpu_gbs left at 0 take
+// its rates. Returns KX_OK, or KX_ERR_PARAMS with err set (the path kept only when it reads).
+LLAMA_API int32_t kx_params_read_hw_profile(struct kx_params * kp, const char * path, char * err, size_t err_size);
 // true when kp asks for the hybrid placement (budget, slot counts or a plan)
 LLAMA_API bool    kx_params_hybrid(const struct kx_params * kp);
 // Adjusts model parameters for kp before the model loads: FFN weights (and a plan's CPU

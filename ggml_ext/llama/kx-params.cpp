@@ -60,6 +60,21 @@ static int32_t kx_fail(char * err, size_t err_size, int32_t code, const std::str
     return code;
 }
 
+int32_t kx_params_read_hw_profile(kx_params * kp, const char * path, char * err, size_t err_size) {
+    if (!kp || !path || !*path) {
+        return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_params_read_hw_profile: kp and a path are required");
+    }
+    try {
+        const kx_dense_rates r = kx_dense_rates_read(path);
+        kp->balance.cpu_gbs = kp->balance.cpu_gbs > 0 ? kp->balance.cpu_gbs : r.cpu_gbs;
+        kp->balance.gpu_gbs = kp->balance.gpu_gbs > 0 ? kp->balance.gpu_gbs : r.gpu_gbs;
+    } catch (const std::exception & e) {
+        return kx_fail(err, err_size, KX_ERR_PARAMS, e.what());
+    }
+    kp->hw_profile = path;
+    return kx_fail(err, err_size, KX_OK, "");
+}
+
 static bool kx_slots_on_host(const kx_params * kp) {
     return kp->slots_device && strcasecmp(kp->slots_device, "CPU") == 0;
 }
@@ -340,7 +355,7 @@ static kx_dry_run_fn kx_budget_dry(const llama_model_params & mp, const llama_co
 }
 
 static kx_dense_rates kx_params_rates(const kx_params * kp) {
-    kx_dense_rates rates;
+    kx_dense_rates rates = kp->hw_profile && *kp->hw_profile ? kx_dense_rates_read(kp->hw_profile) : kx_dense_rates();
     if (kp->balance.cpu_gbs > 0) {
         rates.cpu_gbs = kp->balance.cpu_gbs;
     }
@@ -436,6 +451,13 @@ int32_t kx_model_params_apply_ctx(kx_params * kp, llama_model_params * mp, const
     if (kp->sched_trace && *kp->sched_trace && kx_trace_start(kp->sched_trace, kp->sched_trace_max) != 0) {
         return kx_fail(err, err_size, KX_ERR_PARAMS, kx_fmt("cannot record the scheduler trace to %s (one file per "
                                                             "process, and its records must fit in memory)", kp->sched_trace));
+    }
+    if (kp->hw_profile && *kp->hw_profile) {
+        try {
+            kx_dense_rates_read(kp->hw_profile); // (read again where the rates are used: a small file)
+        } catch (const std::exception & e) {
+            return kx_fail(err, err_size, KX_ERR_PARAMS, e.what());
+        }
     }
     if (!kx_params_hybrid(kp)) {
         if (kp->sparse > KX_SPARSE_DENSE || (kp->sparse == KX_SPARSE_AUTO && kp->sparse_pack && *kp->sparse_pack)) {

@@ -17,8 +17,12 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -94,6 +98,35 @@ std::string kx_names_text(const std::vector<std::string> & names) {
     return out;
 }
 
+kx_dense_rates kx_dense_rates_read(const std::string & path) {
+    std::ifstream f(path);
+    if (!f) {
+        throw std::runtime_error(kx_fmt("cannot read the hardware profile %s: %s", path.c_str(), std::strerror(errno)));
+    }
+    kx_dense_rates r;
+    try {
+        const nlohmann::json j = nlohmann::json::parse(f);
+        r.cpu_gbs = j.at("cpu_gbs").get<double>();
+        r.gpu_gbs = j.at("gpu_gbs").get<double>();
+        r.handoff_us = j.value("handoff_us", r.handoff_us);
+        r.cpu_type_gbs = j.value("cpu_type_gbs", std::map<std::string, double>());
+        r.gpu_type_gbs = j.value("gpu_type_gbs", std::map<std::string, double>());
+        bool ok = r.cpu_gbs > 0 && r.gpu_gbs > 0 && r.handoff_us >= 0;
+        for (const auto * m : { &r.cpu_type_gbs, &r.gpu_type_gbs }) {
+            for (const auto & [type, gbs] : *m) {
+                ok = ok && gbs > 0;
+            }
+        }
+        if (!ok) {
+            throw std::runtime_error("a rate that is not positive");
+        }
+    } catch (const std::exception & e) {
+        throw std::runtime_error(kx_fmt("%s is not a kairox hardware profile (%s); write one with `kairox profile-hw`",
+                                        path.c_str(), e.what()));
+    }
+    return r;
+}
+
 std::string kx_mib(int64_t b) {
     return kx_fmt("%.0f MiB", (double) b / (1 << 20));
 }
@@ -119,7 +152,8 @@ kx_place_item kx_place_item_of(const llama_model & model, const std::string & na
     const llama_hparams & hp = model.hparams;
     const int il = kx_tensor_layer(name).first;
     const bool expert = t->ne[2] > 1 && name.find("_exps") != std::string::npos && hp.n_expert > 0 && il >= 0;
-    return { name, (int64_t) ggml_nbytes(t), expert ? (double) hp.n_expert_used((uint32_t) il) / hp.n_expert : 1.0 };
+    return { name, (int64_t) ggml_nbytes(t), expert ? (double) hp.n_expert_used((uint32_t) il) / hp.n_expert : 1.0,
+             ggml_type_name(t->type) };
 }
 
 kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_params & cp, const char * model_path,
@@ -283,8 +317,8 @@ std::vector<std::string> kx_place_dense(const kx_dry_run_fn & dry, int64_t budge
         gpu[i] = 0.0;
         for (const std::string & name : items[i].names) {
             const kx_place_item * it = by_name.at(name);
-            cpu[i] += (double) it->bytes * it->read / (rates.cpu_gbs * 1e9);
-            gpu[i] += (double) it->bytes * it->read / (rates.gpu_gbs * 1e9);
+            cpu[i] += (double) it->bytes * it->read / (rates.cpu_of(it->type) * 1e9);
+            gpu[i] += (double) it->bytes * it->read / (rates.gpu_of(it->type) * 1e9);
         }
     }
     // The compute buffers follow the choice: llama.cpp runs a batch of 32 tokens or more on

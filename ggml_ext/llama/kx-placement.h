@@ -26,7 +26,20 @@ struct kx_dense_rates {
     double cpu_gbs    = 100.0;
     double gpu_gbs    = 2000.0;
     double handoff_us = 23.5; // one CPU<->GPU round trip of the hidden state
+    // measured matvec rates by ggml type name ("f16", "q4_0"; `kairox profile-hw`): a quantized
+    // matvec can run below the streaming read on the CPU; a type not listed takes the rate above
+    std::map<std::string, double> cpu_type_gbs, gpu_type_gbs;
+    double cpu_of(const std::string & type) const {
+        const auto it = cpu_type_gbs.find(type);
+        return it != cpu_type_gbs.end() ? it->second : cpu_gbs;
+    }
+    double gpu_of(const std::string & type) const {
+        const auto it = gpu_type_gbs.find(type);
+        return it != gpu_type_gbs.end() ? it->second : gpu_gbs;
+    }
 };
+// a `kairox profile-hw` file's rates (python: kairox.plan.HwProfile.from_json); throws naming what is wrong
+kx_dense_rates kx_dense_rates_read(const std::string & path);
 
 // "blk.3.attn_q.weight" -> (3, "attn_q.weight"); (-1, name) outside the blocks
 std::pair<int, std::string> kx_tensor_layer(const std::string & name);
@@ -63,6 +76,7 @@ struct kx_place_item {
     std::string name;
     int64_t     bytes;
     double      read;
+    std::string type = ""; // ggml type name: the rate it is priced at (kx_dense_rates)
 };
 // a model's matrix as an item (the share of it a token reads from the model's experts)
 kx_place_item kx_place_item_of(const llama_model & model, const std::string & name, const ggml_tensor * t);

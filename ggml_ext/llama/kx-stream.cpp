@@ -179,9 +179,13 @@ int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, cons
         d.weights = d.movable;
         return d;
     };
+    kx_dense_rates rates;
+    rates.cpu_gbs    = cpu_gbs;
+    rates.gpu_gbs    = gpu_gbs;
+    rates.handoff_us = handoff_us;
     kx_stream_choice c;
     try {
-        c = kx_stream_choose(dry, budget, { cpu_gbs, gpu_gbs, handoff_us }, pcie_gbs);
+        c = kx_stream_choose(dry, budget, rates, pcie_gbs);
     } catch (const std::exception &) {
         return -2;
     }

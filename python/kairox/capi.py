@@ -85,7 +85,7 @@ class Params(ctypes.Structure):  # struct kx_params
                 ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),
                 ("error_budget", ctypes.c_float), ("fallback_dense", ctypes.c_bool), ("faults", ctypes.c_int32),
                 ("vram_free_at_load", ctypes.c_int64), ("measure_gain", ctypes.c_bool),
-                ("whole_fits", ctypes.c_bool)]
+                ("whole_fits", ctypes.c_bool), ("hw_profile", ctypes.c_char_p)]
 
 
 class ThrInfo(ctypes.Structure):  # struct kx_thr_info
@@ -117,6 +117,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     P = ctypes.POINTER
     sigs = {
         "kx_params_default": ([], Params),
+        "kx_params_read_hw_profile": ([P(Params), ctypes.c_char_p, cp, sz], i32),
         "kx_params_hybrid": ([P(Params)], ctypes.c_bool),
         "kx_model_params_apply": ([P(Params), vp, cp, sz], i32),
         "kx_model_params_apply_model": ([P(Params), vp, cp, cp, sz], i32),

@@ -117,7 +117,8 @@ class KairoxOptions:
     # runs the model dense with a SparsePackWarning
     fallback: str | None = None
     # a `kairox profile-hw` file: the balancer's stall model uses its measured CPU and GPU
-    # rates (kairox.costs) instead of the defaults
+    # rates (kairox.costs) instead of the defaults, and the VRAM budget's placement prices each
+    # tensor at its weight type's measured rates
     hw_profile: str | None = None
     # tests, fault injection at load: names of kairox.capi.FAULTS (memory refused for the
     # slots, the page-locking or the mapping of the host weights)
@@ -257,6 +258,7 @@ class KairoxOptions:
         kp.fallback_dense = self.fallback == "dense"
         kp.faults = sum(capi.FAULTS[f] for f in set(self.faults))
         kp.balance.cpu_gbs, kp.balance.gpu_gbs = self.rates.cpu_gbs, self.rates.gpu_gbs
+        kp.hw_profile = text(self.hw_profile)
         return kp, keep
 
 
