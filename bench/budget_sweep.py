@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import MiB, Layout, context_mib, ffn_cpu_flags, find_ffn_cpu, find_ngl  # noqa: E402
+from offload import (MiB, Layout, context_mib, ffn_cpu_flags, find_ffn_cpu, find_ngl, tpot_run,  # noqa: E402
+                     write_tokens)
 from tools_bench import add_run_args, bench_row, commit  # noqa: E402
 
 from kairox.bench import machine_facts  # noqa: E402
@@ -44,6 +46,46 @@ def kairox_row(exe: Path, model: str, gen: int, threads: int, budget_gib: float,
         if "kairox:" in msg:
             return extra, None, "refused: " + msg[msg.rfind("kairox:"):].strip()
         return extra, None, "failed: " + " / ".join(msg.strip().splitlines()[-2:])[-300:]
+
+
+def tpot_flags(la: list[str]) -> list[str]:
+    """bench/tpot.py's flags for llama-bench's -fa, -ot and -ncmoe (whose patterns are
+    common/common.h's LLM_FFN_EXPS_REGEX for each of the first N layers)."""
+    out = ["--flash-attn", "on" if la[la.index("-fa") + 1] == "1" else "off"]
+    for o, v in zip(la, la[1:]):
+        if o == "-ot":
+            out += ["--override-tensor", v]
+        elif o == "-ncmoe":
+            out += [x for i in range(int(v)) for x in ("--override-tensor",
+                                                         f"blk\\.{i}\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU")]
+    return out
+
+
+def tpot_rows(rows: list[dict], args: argparse.Namespace, model: Path, lib: Path) -> None:
+    """Per-token decode times (TPOT p50/p99) after the rounds: bench/tpot.py, one process per
+    row, the same teacher-forced tokens for all, kairox at each budget beside llama.cpp's
+    fastest placement of that budget's decode rows (its -ngl, -fa and -ot flags)."""
+    tokens = Path(args.out) / f"{model.stem}.tokens.json"
+    write_tokens(model, tokens)
+    env = {"LLAMA_CPP_LIB_PATH": str(lib), "KAIROX_LIB_DIR": os.environ.get("KAIROX_LIB_DIR", str(lib))}
+    mode = "dense" if args.sparse == "auto" else args.sparse
+    for r in rows:
+        if not r["kairox"]["tok_s"] or not all(v["tok_s"] for v in r["llama"].values()):
+            continue
+        best = max(r["llama"], key=lambda f: statistics.median(r["llama"][f]["tok_s"]))
+        la = r["llama"][best]["args"]
+        stock = tpot_flags(la)
+        r["tpot"] = {"llama_flags": best}
+        for who, impl, m, ngl, extra in (
+                ("kairox", "kairox", mode, 999, ["--vram-budget", f"{r['budget_gib']:g}GiB", "--flash-attn", "on",
+                                                 "--balancer", "none"]),
+                ("llama", "stock", "dense", int(la[la.index("-ngl") + 1]), stock)):
+            try:
+                res = tpot_run(impl, m, model, tokens, ngl, args.threads, env, extra)
+                r["tpot"][who] = {k: res[k] for k in ("command", "tok_s", "tpot_p50_ms", "tpot_p99_ms")}
+            except SystemExit as e:  # a failed row is recorded, the others still run
+                r["tpot"][who] = {"error": str(e)[-300:]}
+        print(f"{r['budget_gib']:g} GiB TPOT: {r['tpot']}", flush=True)
 
 
 def plot(res: dict, path: Path) -> None:
@@ -88,7 +130,7 @@ def write(rows: list[dict], args: argparse.Namespace, model: Path) -> list[str]:
                       "all": {f: v["tok_s"] for f, v in r["llama"].items()},
                       "peak_mib_all": {f: v["peak_mib"] for f, v in r["llama"].items()},
                       "pp_all": {f: v["pp"] for f, v in r["llama_pp"].items() if v["pp"]}},
-            "prefill_search": r.get("prefill_search"),
+            "prefill_search": r.get("prefill_search"), "tpot": r.get("tpot"),
             "also": {k: {"command": " ".join(v["cmd"] or []), "tok_s": v["tok_s"], "error": v["error"],
                          "peak_mib": v["peak_mib"],
                          "median": statistics.median(v["tok_s"]) if v["tok_s"] else None}
@@ -148,6 +190,14 @@ def render(res: dict, out: Path, stem: str) -> list[str]:
             kxs = f"{kx['pp_median']:.1f}" if kx["pp_median"] else "-"
             ratio = f"{kx['pp_median'] / lm:.2f}x" if kx["pp_median"] else "-"
             lines.append(f"| {b['budget_gib']:g} GiB | {kxs} | {lm:.1f} (`{best}`) | {ratio} |")
+    tp = [b for b in budgets_out if b.get("tpot")]
+    if tp:
+        ms = lambda t: f"{t['tpot_p50_ms']:.1f} / {t['tpot_p99_ms']:.1f}" if "tpot_p50_ms" in t else "failed"  # noqa
+        lines += ["", "Per-token decode time, ms p50 / p99 (bench/tpot.py: one process a row, the same teacher-forced "
+                  "tokens, each decoded alone after a 64-token prompt; llama.cpp at its fastest decode placement):", "",
+                  "| budget | kairox | llama.cpp (flags) |", "|---:|---:|---:|"]
+        lines += [f"| {b['budget_gib']:g} GiB | {ms(b['tpot']['kairox'])} | {ms(b['tpot']['llama'])} "
+                  f"(`{b['tpot']['llama_flags']}`) |" for b in tp]
     lines += ["", "Commands (kairox-bench; llama.cpp's rows are the same binary with the flags shown):", "", "```",
               *[b["kairox"]["command"] for b in budgets_out], "```", ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
@@ -202,6 +252,9 @@ def main() -> int:
                          "tensors) (default: %(default)s)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="also prefill N tokens on every row (llama-bench -p N -n 0) (default: none)")
+    ap.add_argument("--tpot", action="store_true",
+                    help="after the rounds, also time each decoded token (bench/tpot.py) of kairox and of "
+                         "llama.cpp's fastest placement at every budget: TPOT p50/p99")
     ap.add_argument("--also", action="append", default=[], metavar="LABEL=FLAGS",
                     help="one more kairox row per budget with these extra kairox-bench flags, e.g. "
                          "no-stream=--no-kx-stream (repeatable; rows interleaved with the others)")
@@ -270,6 +323,9 @@ def main() -> int:
             print(f"round {k + 1}: {r['budget_gib']:g} GiB: kairox {ts if ts is not None else err} / llama.cpp "
                   f"{[lr['tok_s'][-1] for lr in r['llama'].values()]} ({time.time() - t0:.0f} s)", flush=True)
             lines = write(rows, args, model)
+    if args.tpot:
+        tpot_rows(rows, args, model, Path(args.bin))
+        lines = write(rows, args, model)
     print("\n".join(lines))
     return 0
 

@@ -33,6 +33,31 @@ def gpu_used_mib() -> float | None:
         return None
 
 
+def host_overrides(patterns: list[str]) -> None:
+    """llama.cpp's `-ot PATTERN=CPU` for llama_cpp.Llama, which leaves the model parameters'
+    tensor_buft_overrides unset: every model loaded after this keeps the tensors whose names
+    match a pattern in host memory (the CPU's buffer type, as common/arg.cpp resolves `CPU`)."""
+    import ctypes
+    from llama_cpp import llama_cpp as lc
+    ggml = ctypes.CDLL(str(Path(lc._lib._name).parent / "libggml.so"))  # symbols of its dependencies too
+    ggml.ggml_backend_dev_by_name.argtypes, ggml.ggml_backend_dev_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
+    ggml.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    buft = ggml.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_by_name(b"CPU"))
+
+    class Override(ctypes.Structure):  # struct llama_model_tensor_buft_override
+        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+    arr = (Override * (len(patterns) + 1))(*[Override(p.encode(), buft) for p in patterns])  # NULL-terminated
+    load = lc.llama_model_load_from_file
+
+    def load_with(path, params):
+        params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p).value
+        return load(path, params)
+    load_with.overrides = arr  # alive as long as the loader
+    lc.llama_model_load_from_file = load_with
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=["stock", "kairox"], required=True)
@@ -44,6 +69,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--pp", type=int, default=0,
                     help="after the decode, also time a prefill of this many tokens (best of 2)")
+    ap.add_argument("--override-tensor", "-ot", action="append", default=[], metavar="PATTERN=CPU",
+                    help="stock: keep tensors matching PATTERN in host memory (llama.cpp's -ot; CPU only)")
     ap.add_argument("--gpu-slots", type=int, help="kairox: neuron slots per layer on the GPU (static hybrid)")
     ap.add_argument("--vram-budget", help="kairox: static hybrid under this GPU budget (e.g. 7GiB); the "
                     "runtime picks the slots and checks the budget on the device")
@@ -91,6 +118,8 @@ def main() -> int:
     # The library is loaded before numpy (on the GPU machine, numpy first makes the CUDA
     # build's first model load crash; see bench/device/sparse_smoke.sh).
     if args.impl == "kairox":
+        if args.override_tensor:
+            sys.exit("--override-tensor is for --impl stock (kairox places tensors under --vram-budget)")
         sys.path.insert(0, str(ROOT / "python"))
         import kairox
         cls, extra = kairox.Llama, {"sparse": args.mode}
@@ -115,6 +144,11 @@ def main() -> int:
         cls, extra = llama_cpp.Llama, {}
         if args.mode != "dense":
             sys.exit("the unpatched llama.cpp runs dense only")
+        bad = [o for o in args.override_tensor if not o.endswith("=CPU")]
+        if bad:
+            sys.exit(f"--override-tensor: only PATTERN=CPU is supported, not {bad[0]!r}")
+        if args.override_tensor:
+            host_overrides([o[:-len("=CPU")] for o in args.override_tensor])
     if args.flash_attn != "auto":
         extra["flash_attn"] = args.flash_attn == "on"
     from llama_cpp._logger import set_verbose

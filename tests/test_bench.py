@@ -530,3 +530,90 @@ def test_budget_sweeps_of_one_machine_merge_into_one_table(tmp_path: Path) -> No
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "budget_sweep.py"), "--out", str(tmp_path)],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--model and --bin are required" in r.stderr
+
+
+def _budget_sweep_module():
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("budget_sweep", ROOT / "bench" / "budget_sweep.py")
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+    return bs
+
+
+def test_budget_sweep_times_each_token_of_llama_cpps_fastest_placement(tmp_path: Path, monkeypatch) -> None:
+    """--tpot: kairox at the budget and llama.cpp at the flags of its fastest decode row (-ngl,
+    -fa, every -ot) through bench/tpot.py; a refused budget gets no row, a failed row keeps its
+    error, and the table shows p50 / p99."""
+    import argparse
+    bs = _budget_sweep_module()
+    calls = []
+    monkeypatch.setattr(bs, "write_tokens", lambda model, path: path.write_text("[1, 2]"))
+
+    def fake(impl, mode, model, tokens, ngl, threads, env, extra=()):
+        calls.append((impl, mode, ngl, threads, list(extra), env["LLAMA_CPP_LIB_PATH"]))
+        if impl == "kairox" and "9GiB" not in extra:
+            raise SystemExit("failed (1): kairox: the budget is too small")
+        return {"command": f"tpot {impl}", "tok_s": 10.0, "tpot_p50_ms": 100.0 if impl == "stock" else 50.0,
+                "tpot_p99_ms": 150.0, "prefill_s": 0.1}
+    monkeypatch.setattr(bs, "tpot_run", fake)
+    ot = r"blk\.(0|1)\.ffn_(gate|up|down)\.weight=CPU"
+    llama = {"-ngl 23 -fa 0": {"args": ["-ngl", "23", "-fa", "0"], "tok_s": [18.0]},
+             f"-ngl 99 -ot {ot} -fa 1": {"args": ["-ngl", "99", "-ot", ot, "-fa", "1"], "tok_s": [21.0, 20.0, 22.0]}}
+    rows = [{"budget_gib": 9.0, "kairox": {"tok_s": [20.0]}, "llama": llama},
+            {"budget_gib": 1.0, "kairox": {"tok_s": []}, "llama": llama},
+            {"budget_gib": 2.0, "kairox": {"tok_s": [5.0]}, "llama": {"-ngl 3 -fa 1": {
+                "args": ["-ngl", "3", "-fa", "1"], "tok_s": [4.0]}}}]
+    args = argparse.Namespace(out=str(tmp_path), sparse="auto", threads=4)
+    bs.tpot_rows(rows, args, tmp_path / "m.gguf", tmp_path / "bin")
+    assert calls[:2] == [
+        ("kairox", "dense", 999, 4, ["--vram-budget", "9GiB", "--flash-attn", "on", "--balancer", "none"],
+         str(tmp_path / "bin")),
+        ("stock", "dense", 99, 4, ["--flash-attn", "on", "--override-tensor", ot], str(tmp_path / "bin"))]
+    assert calls[3][:3] == ("stock", "dense", 3) and calls[3][4] == ["--flash-attn", "on"]
+    assert bs.tpot_flags(["-ngl", "99", "-ncmoe", "2", "-fa", "0"]) == [
+        "--flash-attn", "off", "--override-tensor", r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU",
+        "--override-tensor", r"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"]
+    assert len(calls) == 4 and "tpot" not in rows[1]  # the refused budget
+    assert rows[0]["tpot"]["llama_flags"] == f"-ngl 99 -ot {ot} -fa 1"
+    assert rows[0]["tpot"]["llama"]["tpot_p50_ms"] == 100.0 and "error" in rows[2]["tpot"]["kairox"]
+    res = {"commit": "c", "model": "m.gguf", "model_mib": 1, "gen": 32, "threads": 4, "rounds": 1, "prefill": 0,
+           "ngl0_peak_mib": None, "budgets": [
+               {"budget_gib": b["budget_gib"], "tpot": b["tpot"], "also": {},
+                "kairox": {"command": "k", "tok_s": b["kairox"]["tok_s"], "median": b["kairox"]["tok_s"][0],
+                           "error": "", "peak_mib": []},
+                "llama": {"flags": "f", "tok_s": [1.0], "median": 1.0}} for b in (rows[0], rows[2])]}
+    lines = bs.render(res, tmp_path / "out", "s")
+    assert f"| 9 GiB | 50.0 / 150.0 | 100.0 / 150.0 (`-ngl 99 -ot {ot} -fa 1`) |" in lines
+    assert "| 2 GiB | failed | 100.0 / 150.0 (`-ngl 3 -fa 1`) |" in lines
+
+
+def test_tpot_keeps_tensors_on_the_host_as_llama_cpps_ot(native: Path, tiny_silu_gguf: Path, tmp_path: Path) -> None:
+    """bench/tpot.py --impl stock -ot PATTERN=CPU: the loader gets the overrides (llama_cpp.Llama
+    has no parameter for them) and decodes the same logits; other targets and kairox refuse it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import numpy as np
+    toks = tmp_path / "t.json"
+    toks.write_text(json.dumps(list(range(100, 112))))
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(native)}
+
+    def tpot(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "bench" / "tpot.py"), "--model", str(tiny_silu_gguf),
+                               "--tokens", str(toks), "--prompt-len", "4", "--threads", "2", *extra],
+                              capture_output=True, text=True, env=env, timeout=300)
+    a = tpot("--impl", "stock", "--logits-out", str(tmp_path / "a.npy"))
+    b = tpot("--impl", "stock", "--logits-out", str(tmp_path / "b.npy"), "-ot", r"blk\.0\.ffn_up\.weight=CPU",
+             "--override-tensor", "output=CPU")
+    assert a.returncode == 0 and b.returncode == 0, b.stderr[-2000:]
+    assert len(json.loads(b.stdout.strip().splitlines()[-1])["tpot_s"]) == 8
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+    # the patterns reach llama.cpp's loader: one that is not a regular expression fails the load
+    bad = tpot("--impl", "stock", "-ot", "blk[=CPU")
+    assert bad.returncode != 0 and "Failed to load model" in bad.stderr, bad.stderr[-2000:]
+    bad = tpot("--impl", "stock", "-ot", "output=CUDA0")
+    assert bad.returncode != 0 and "only PATTERN=CPU" in bad.stderr
+    bad = tpot("--impl", "kairox", "-ot", "output=CPU")
+    assert bad.returncode != 0 and "--impl stock" in bad.stderr
