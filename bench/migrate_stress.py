@@ -15,7 +15,9 @@ it starts the stress and stops it at the end:
 
 Rows of one round run in order, rounds interleave them. Reported per row: TPOT median before
 the stress (tokens 8..at) and under it (at+8..end), the degradation, p99, and the streaming
-counters (migrations made, tensors streamed at the end). Writes raw JSON (the exact commands,
+counters (migrations made, tensors streamed at the end). Rows per stress (`--rows`): `migrate`
+(migration on), `off` (the load's streaming kept), `threads` (migration off, load-aware decode
+threads on: kairox.threads). Writes raw JSON (the exact commands,
 the commit) and a Markdown table.
 
     python3 bench/migrate_stress.py --model KB-7B-silu-f16.gguf --budget 7GiB --stress cpu,pcie --out OUT
@@ -58,7 +60,7 @@ def stress_procs(kind: str, torch_python: str) -> list[subprocess.Popen]:
 def worker(a: argparse.Namespace) -> int:
     import kairox
     llm = kairox.Llama(a.model, vram_budget=a.budget, n_ctx=a.tokens + 64, n_threads=a.threads,
-                       migrate=not a.no_migrate, verbose=False)
+                       migrate=a.variant == "migrate", adapt_threads=a.variant == "threads", verbose=False)
     ids = [(7 + 13 * k) % 30000 + 100 for k in range(a.tokens + 16)]
     llm.eval(ids[:16])
     times: list[float] = []
@@ -100,35 +102,40 @@ def main() -> int:
                     help="a Python with torch and CUDA, for the PCIe stress")
     ap.add_argument("--out", type=Path, help="folder for the JSON and Markdown results")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--no-migrate", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", default="migrate,off",
+                    help="rows per stress, comma-separated: migrate, off, threads (default: %(default)s)")
+    ap.add_argument("--variant", default="migrate", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.at = a.at or a.tokens // 3
     if a.worker:
         return worker(a)
     stresses = [s for s in a.stress.split(",") if s]
-    rows = [(s, m) for s in stresses for m in (True, False)]
+    variants = [v for v in a.rows.split(",") if v]
+    if not variants or any(v not in ("migrate", "off", "threads") for v in variants):
+        ap.error(f"--rows: migrate, off and threads only, not {a.rows!r}")
+    rows = [(s, v) for s in stresses for v in variants]
     res: dict = {"commit": commit(), "command": " ".join([sys.executable, *sys.argv]), "model": Path(a.model).name,
                  "budget": a.budget, "tokens": a.tokens, "at": a.at, "threads": a.threads, "rounds": a.rounds,
-                 "rows": [{"stress": s, "migrate": m, "runs": []} for s, m in rows]}
+                 "rows": [{"stress": s, "variant": v, "migrate": v == "migrate", "runs": []} for s, v in rows]}
     for r in range(a.rounds):
         for row, (s, m) in zip(res["rows"], rows):
             cmd = [sys.executable, __file__, "--worker", "--model", a.model, "--budget", a.budget, "--stress", s,
                    "--tokens", str(a.tokens), "--at", str(a.at), "--threads", str(a.threads),
-                   "--torch-python", a.torch_python, *([] if m else ["--no-migrate"])]
+                   "--torch-python", a.torch_python, "--variant", m]
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 row["runs"].append({"error": p.stderr.strip().splitlines()[-3:]})
-                print(f"round {r + 1}: {s} migrate={m}: FAILED {row['runs'][-1]['error']}", flush=True)
+                print(f"round {r + 1}: {s} {m}: FAILED {row['runs'][-1]['error']}", flush=True)
                 continue
             run = json.loads(p.stdout.strip().splitlines()[-1])
             run.update(summary(run["tpot_s"], a.at))
             row["runs"].append(run)
-            print(f"round {r + 1}: {s} migrate={m}: {run['before_ms']:.2f} -> {run['under_ms']:.2f} ms "
+            print(f"round {r + 1}: {s} {m}: {run['before_ms']:.2f} -> {run['under_ms']:.2f} ms "
                   f"({run['degradation']:+.0%}), stream {run['stream']}", flush=True)
     lines = [f"# {res['model']} at {a.budget}: TPOT with a stress from token {a.at} of {a.tokens}", "",
              f"commit {res['commit']}, {a.threads} threads, {a.rounds} round(s); medians over the rounds "
              "(range)", "",
-             "| stress | migration | TPOT before (ms) | TPOT under stress (ms) | degradation | p99 under (ms) | "
+             "| stress | row | TPOT before (ms) | TPOT under stress (ms) | degradation | p99 under (ms) | "
              "migrations | streamed at the end |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
 
@@ -138,9 +145,9 @@ def main() -> int:
     for row in res["rows"]:
         ok = [x for x in row["runs"] if "error" not in x]
         if not ok:
-            lines.append(f"| {row['stress']} | {'on' if row['migrate'] else 'off'} | failed | | | | | |")
+            lines.append(f"| {row['stress']} | {row['variant']} | failed | | | | | |")
             continue
-        lines.append(f"| {row['stress']} | {'on' if row['migrate'] else 'off'} | {med(ok, 'before_ms', '{:.2f}')} | "
+        lines.append(f"| {row['stress']} | {row['variant']} | {med(ok, 'before_ms', '{:.2f}')} | "
                      f"{med(ok, 'under_ms', '{:.2f}')} | {med(ok, 'degradation', '{:+.1%}')} | "
                      f"{med(ok, 'under_p99_ms', '{:.2f}')} | {statistics.median(x['stream']['migrations'] for x in ok):g} | "
                      f"{statistics.median(x['stream']['tensors'] for x in ok):g} of "

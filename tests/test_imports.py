@@ -20,8 +20,8 @@ LAYERS = {
     "base": "_version capi _native argtypes gguf_header gguffile checkpoint reference default_model",
     "pack format": "pack stats",
     # pure numpy references of the runtime's policies: balancer, its back-off, its two-level
-    # cache, thresholds, placement, budget, migration
-    "policies": "costs balancer backoff neuron_cache thresholds plan budget migrate",
+    # cache, thresholds, placement, budget, migration, decode threads
+    "policies": "costs balancer backoff neuron_cache thresholds plan budget migrate threads",
     # the binding: kairox.Llama, the native TAM replay, measurement helpers
     "runtime": "llama tam bench",
     # what turns a model into a pack: profiling, fitting, grouping, preparing, converting, synthesizing;

@@ -14,6 +14,7 @@
 #   KX_STREAM_ALSO="no-stream=--no-kx-stream;migrate=--kx-migrate"   # the sweep's extra rows
 #   KX_STREAM_STRESS=cpu,pcie                # first bench/migrate_stress.py at the last budget
 #   KX_STREAM_STRESS_ROUNDS=1 KX_STREAM_STRESS_TOKENS=160 KX_STREAM_STRESS_THREADS=8
+#   KX_STREAM_STRESS_ROWS=off,threads        # its rows (bench/migrate_stress.py --rows)
 #   KX_STREAM_PREFILL=512                    # also prefill that many tokens on every sweep row
 #   KX_STREAM_TPOT=1                         # then per-token decode times (TPOT p50/p99) at every budget
 #   KX_DEADLINE=590                          # seconds from the start the sweep must end by
@@ -49,7 +50,7 @@ kx_budget_rows "$M" "${b1##*,}" stream "" "${rows[@]#*=}"
 if [ -n "${KX_STREAM_STRESS:-}" ]; then
     python3 bench/migrate_stress.py --model "$M" --budget "${b1##*,}GiB" --stress "$KX_STREAM_STRESS" \
         --rounds "${KX_STREAM_STRESS_ROUNDS:-1}" --tokens "${KX_STREAM_STRESS_TOKENS:-160}" \
-        --threads "${KX_STREAM_STRESS_THREADS:-$(nproc)}" --out "$OUT"
+        --threads "${KX_STREAM_STRESS_THREADS:-$(nproc)}" --rows "${KX_STREAM_STRESS_ROWS:-migrate,off}" --out "$OUT"
 fi
 timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
     --budgets "$b1" --sparse auto "${also[@]}" --bin "$B" --out "$OUT" \

@@ -103,6 +103,18 @@ struct kx_backoff_config {
     float   drift;        // in [0, 1): a lost probe repeats once the static split's hit rate fell by this; 0: on schedule
 };
 
+// Load-aware decode threads (kx-threads.cpp; reference python/kairox/threads.py): the CPU's
+// thread count of each single-token decode follows its measured time. Held while a window's
+// median stays within `drift` of the one it was chosen at; a move probes n, 3n/4, n/2, n/4 (one
+// window each; n: the context's n_threads) and keeps the fastest, the largest within 3% of it.
+// Holding fewer than n, it probes again after `recheck` decodes. Times are the context's eval
+// counters (llama_perf_context; a context made with no_perf is never adapted).
+struct kx_threads_config {
+    int32_t window;  // decodes per measurement (median); 0: off (the context's n_threads throughout)
+    double  drift;   // in (0, 1)
+    int32_t recheck; // >= window
+};
+
 struct kx_balance_params {
     struct kx_tam_config tam;
     double  cpu_gbs;     // matvec rates of the stall model (a step whose host part outlasts its
@@ -310,6 +322,8 @@ struct kx_params {
     // rates per weight type and the hand-off the budget's placement prices tensors at; NULL:
     // balance.cpu_gbs / gpu_gbs, else 100 and 2000 GB/s
     const char *    hw_profile;
+    // load-aware decode threads (struct kx_threads_config; default off: window 0)
+    struct kx_threads_config threads;
 };
 
 // what a budgeted context measured on its device (bytes)
@@ -364,6 +378,11 @@ LLAMA_API int32_t kx_model_params_apply_ctx(struct kx_params * kp, struct llama_
 // runs after token i (kairox.backoff.run_backoff is the reference). 0, or 1 for bad arguments.
 LLAMA_API int32_t kx_backoff_run(const struct kx_backoff_config * cfg, const double * seconds, const double * hits,
                                  int64_t n, uint8_t * on);
+// The decode threads' policy on a series of n single-token decode times (seconds) from n_max
+// threads: counts[i] = the thread count after decode i (kairox.threads.ThreadsPolicy is the
+// reference). 0, or 1 for bad arguments.
+LLAMA_API int32_t kx_threads_run(const struct kx_threads_config * cfg, int32_t n_max, const double * seconds,
+                                 int64_t n, int32_t * counts);
 struct kx_migrate_state;
 LLAMA_API struct kx_migrate_state * kx_migrate_new(const int64_t * nbytes, const int64_t * gpu_bytes_before,
                                                    const double * read, int32_t n, int64_t gpu_bytes,

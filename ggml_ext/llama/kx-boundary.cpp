@@ -5,6 +5,7 @@
 // records is appended here as the run goes, and finished when the context is freed.
 #include "kx-context.h"
 #include "kx-hybrid.h"
+#include "kx-threads.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -84,10 +85,40 @@ static void kx_context_thresholds(llama_context * ctx) {
     kx_thresholds_solve_all(*h->thr, *h->slots, *h->pack, h->balancer != nullptr);
 }
 
+// the decode threads' turn (kx-threads.h): the decode that just finished, timed by the
+// context's eval counters (single-token decodes only), sets the next one's thread count
+static void kx_context_threads(llama_context * ctx) {
+    kx_ctx_state * st = kx_ctx_state_find(ctx);
+    if (!st || !st->threads) {
+        return;
+    }
+    ctx->synchronize(); // a decode is counted once it has finished
+    const llama_perf_context_data p = llama_perf_context(ctx);
+    const bool sample = p.n_eval == st->th_n_eval + 1 && p.t_eval_ms > st->th_t_eval_ms;
+    const double s = (p.t_eval_ms - st->th_t_eval_ms) * 1e-3;
+    st->th_n_eval    = p.n_eval;
+    st->th_t_eval_ms = p.t_eval_ms;
+    if (!sample) {
+        return;
+    }
+    kx_threads & t = *st->threads;
+    const int32_t cur = (int32_t) ctx->n_threads();
+    if (cur != t.n && cur != t.n_max) {
+        // the client set another count (llama-bench sets its row's before each run): the
+        // most a probe tries from now on
+        kx_threads_init(t, cur, t.cfg);
+    }
+    const int32_t n = kx_threads_step(t, s);
+    if (n != cur) {
+        ctx->set_n_threads(n, ctx->n_threads_batch()); // prompt batches keep theirs
+    }
+}
+
 int32_t kx_context_after_decode(llama_context * ctx, int32_t ret) {
     if (ret != 0 || !ctx) {
         return ret;
     }
+    kx_context_threads(ctx);
     kx_context_thresholds(ctx);
     kx_balancer * b = kx_ctx_balancer(ctx);
     if (!b) {

@@ -10,6 +10,7 @@
 #include <string>
 
 struct kx_stream;
+struct kx_threads;
 
 struct kx_ctx_state {
     bool           has_vram = false;
@@ -18,6 +19,9 @@ struct kx_ctx_state {
     FILE *         trace    = nullptr;
     size_t         written  = 0;     // balancer records written so far
     std::shared_ptr<kx_stream> stream; // streamed weights (kx-stream.h); null: none
+    std::shared_ptr<kx_threads> threads; // load-aware decode threads (kx-threads.h); null: off
+    int32_t        th_n_eval    = -1;  // the eval counters at the last boundary (a sample: one more decode)
+    double         th_t_eval_ms = 0.0;
 };
 
 // the context's state, made on first use

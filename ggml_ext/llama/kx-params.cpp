@@ -5,6 +5,7 @@
 // every client.
 #include "kairox.h"
 #include "kx-context.h"
+#include "kx-threads.h"
 #include "kx-hybrid.h"
 #include "kx-migrate.h"
 #include "kx-pays.h"
@@ -48,6 +49,8 @@ struct kx_params kx_params_default(void) {
     kp.fallback_dense = false; // what was asked runs, or the client stops
     kp.measure_gain = true;
     kp.whole_fits = false;
+    // the decode threads (python/kairox/threads.py: ThreadsConfig), off until asked for
+    kp.threads = { 0, 0.15, 256 };
     return kp;
 }
 
@@ -911,6 +914,19 @@ int32_t kx_context_apply(llama_context * ctx, const char * model_path, const kx_
                          size_t err_size) {
     if (!ctx || !model_path || !kp) {
         return kx_fail(err, err_size, KX_ERR_PARAMS, "kx_context_apply: ctx, model_path and kp are required");
+    }
+    if (kp->threads.window > 0) {
+        auto t = std::make_shared<kx_threads>();
+        if (!kx_threads_init(*t, ctx->n_threads(), kp->threads)) {
+            return kx_fail(err, err_size, KX_ERR_PARAMS, kx_fmt("the decode threads' window must be >= 1, their "
+                "recheck >= the window and their drift in (0, 1), not %d, %d and %g", kp->threads.window,
+                kp->threads.recheck, kp->threads.drift));
+        }
+        kx_ctx_state & st = kx_ctx_state_of(ctx);
+        st.threads   = t;
+        st.th_n_eval = -1;
+    } else if (kx_ctx_state * st = kx_ctx_state_find(ctx)) {
+        st->threads.reset();
     }
     try {
         kx_apply(ctx, model_path, kp);

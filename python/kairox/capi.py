@@ -59,6 +59,10 @@ class BackoffParams(ctypes.Structure):  # struct kx_backoff_config
                 ("max_doubling", ctypes.c_int32), ("drift", ctypes.c_float)]
 
 
+class ThreadsParams(ctypes.Structure):  # struct kx_threads_config
+    _fields_ = [("window", ctypes.c_int32), ("drift", ctypes.c_double), ("recheck", ctypes.c_int32)]
+
+
 class BalanceParams(ctypes.Structure):  # struct kx_balance_params
     _fields_ = [("tam", TamConfig), ("cpu_gbs", ctypes.c_double), ("gpu_gbs", ctypes.c_double),
                 ("method", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("decide", ctypes.c_int32),
@@ -85,7 +89,8 @@ class Params(ctypes.Structure):  # struct kx_params
                 ("sched_trace", ctypes.c_char_p), ("sched_trace_max", ctypes.c_int64),
                 ("error_budget", ctypes.c_float), ("fallback_dense", ctypes.c_bool), ("faults", ctypes.c_int32),
                 ("vram_free_at_load", ctypes.c_int64), ("measure_gain", ctypes.c_bool),
-                ("whole_fits", ctypes.c_bool), ("hw_profile", ctypes.c_char_p)]
+                ("whole_fits", ctypes.c_bool), ("hw_profile", ctypes.c_char_p),
+                ("threads", ThreadsParams)]
 
 
 class ThrInfo(ctypes.Structure):  # struct kx_thr_info
@@ -126,6 +131,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kx_stream_place": ([P(ctypes.c_char_p), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double,
                              ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_bool, P(ctypes.c_int8),
                              P(i64)], i32),
+        "kx_threads_run": ([P(ThreadsParams), i32, P(ctypes.c_double), i64, P(i32)], i32),
         "kx_backoff_run": ([P(BackoffParams), P(ctypes.c_double), P(ctypes.c_double), i64, P(ctypes.c_uint8)], i32),
         "kx_migrate_new": ([P(i64), P(i64), P(ctypes.c_double), i32, i64, i64, ctypes.c_double, ctypes.c_double,
                             ctypes.c_double, ctypes.c_double, i32, i32, ctypes.c_double], vp),

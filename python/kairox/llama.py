@@ -41,6 +41,7 @@ from .budget import VramBudgetError, VramReport
 from .capi import DECIDE, RELOAD_METHODS, SPARSE_MODES, STALLS, BalanceRecord
 from .costs import Rates
 from .plan import HwProfile, Plan, parse_size
+from .threads import ThreadsConfig
 
 llama_cpp = load_llama_cpp()
 _C = llama_cpp.llama_cpp
@@ -120,6 +121,10 @@ class KairoxOptions:
     # rates (kairox.costs) instead of the defaults, and the VRAM budget's placement prices each
     # tensor at its weight type's measured rates
     hw_profile: str | None = None
+    # load-aware decode threads (kairox.threads): each single-token decode's CPU thread count
+    # follows its measured time, so a machine whose cores other processes take decodes with
+    # fewer threads. A kairox.threads.ThreadsConfig, or True for its defaults; None / False: off
+    adapt_threads: Any = None
     # tests, fault injection at load: names of kairox.capi.FAULTS (memory refused for the
     # slots, the page-locking or the mapping of the host weights)
     faults: tuple[str, ...] = ()
@@ -133,9 +138,15 @@ class KairoxOptions:
         if isinstance(self.faults, str) or any(f not in capi.FAULTS for f in self.faults):
             raise ValueError(f"faults must be names among {', '.join(capi.FAULTS)}, not {self.faults!r}")
         # a pickled Llama's state holds its configurations as dicts (dataclasses.asdict)
-        for name, cls in (("balancer", BalancerConfig), ("balancer_backoff", BackoffConfig)):
+        for name, cls in (("balancer", BalancerConfig), ("balancer_backoff", BackoffConfig),
+                          ("adapt_threads", ThreadsConfig)):
             if isinstance(getattr(self, name), dict):
                 object.__setattr__(self, name, cls(**getattr(self, name)))
+        if self.adapt_threads is True:
+            object.__setattr__(self, "adapt_threads", ThreadsConfig())
+        elif self.adapt_threads is not None and self.adapt_threads is not False and \
+                not isinstance(self.adapt_threads, ThreadsConfig):
+            raise TypeError(f"adapt_threads must be a kairox.threads.ThreadsConfig or True, not {self.adapt_threads!r}")
         if self.balancer is not None and self.balancer is not False:
             if self.balancer is True:
                 object.__setattr__(self, "balancer", BalancerConfig())
@@ -259,6 +270,8 @@ class KairoxOptions:
         kp.faults = sum(capi.FAULTS[f] for f in set(self.faults))
         kp.balance.cpu_gbs, kp.balance.gpu_gbs = self.rates.cpu_gbs, self.rates.gpu_gbs
         kp.hw_profile = text(self.hw_profile)
+        if self.adapt_threads:
+            kp.threads = self.adapt_threads.native()
         return kp, keep
 
 
