@@ -59,7 +59,7 @@ def stress_procs(kind: str, torch_python: str) -> list[subprocess.Popen]:
 
 def worker(a: argparse.Namespace) -> int:
     import kairox
-    llm = kairox.Llama(a.model, vram_budget=a.budget, n_ctx=a.tokens + 64, n_threads=a.threads,
+    llm = kairox.Llama(a.model, vram_budget=None if a.budget == "none" else a.budget, n_ctx=a.tokens + 64, n_threads=a.threads,
                        migrate=a.variant == "migrate", adapt_threads=a.variant == "threads", verbose=False)
     ids = [(7 + 13 * k) % 30000 + 100 for k in range(a.tokens + 16)]
     llm.eval(ids[:16])
@@ -92,7 +92,7 @@ def summary(tpot: list[float], at: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--budget", required=True, help="VRAM budget, e.g. 7GiB")
+    ap.add_argument("--budget", required=True, help="VRAM budget, e.g. 7GiB; none: no budget (a CPU-only run)")
     ap.add_argument("--stress", default="cpu,pcie", help="comma-separated: cpu, pcie, none")
     ap.add_argument("--tokens", type=int, default=160, help="tokens decoded per row")
     ap.add_argument("--at", type=int, default=0, help="token at which the stress starts (0: a third of the way)")

@@ -105,12 +105,12 @@ struct kx_backoff_config {
 
 // Load-aware decode threads (kx-threads.cpp; reference python/kairox/threads.py): the CPU's
 // thread count of each single-token decode follows its measured time. Held while a window's
-// median stays within `drift` of the one it was chosen at; a move probes n, 3n/4, n/2, n/4 (one
-// window each; n: the context's n_threads) and keeps the fastest, the largest within 3% of it.
-// Holding fewer than n, it probes again after `recheck` decodes. Times are the context's eval
+// mean stays within `drift` of the one it was chosen at; two windows in a row that moved probe
+// n, 3n/4, n/2, n/4 (one window each; n: the context's n_threads) and keep the fastest, the
+// largest within 3% of it. Holding fewer than n, it peeks at n after `recheck` decodes. Times are the context's eval
 // counters (llama_perf_context; a context made with no_perf is never adapted).
 struct kx_threads_config {
-    int32_t window;  // decodes per measurement (median); 0: off (the context's n_threads throughout)
+    int32_t window;  // decodes per measurement (their mean); 0: off (the context's n_threads throughout)
     double  drift;   // in (0, 1)
     int32_t recheck; // >= window
 };

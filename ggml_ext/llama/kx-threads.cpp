@@ -7,17 +7,11 @@
 #include <algorithm>
 #include <cmath>
 
-// a count within this factor of the fastest median is as fast: an idle machine keeps its threads
+// a count within this factor of the fastest mean is as fast: an idle machine keeps its threads
 static constexpr double kx_threads_tie = 1.03;
 // a lost peek doubles the wait before the next, up to this many times recheck
 static constexpr int64_t kx_threads_max_wait = 8;
 enum { KX_THREADS_HOLD = 0, KX_THREADS_PROBE = 1, KX_THREADS_PEEK = 2 };
-
-static double kx_threads_median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    const size_t m = v.size() / 2;
-    return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2.0; // as Python's statistics.median
-}
 
 bool kx_threads_init(kx_threads & t, int32_t n_max, const kx_threads_config & cfg) {
     if (n_max < 1 || cfg.window < 1 || cfg.recheck < cfg.window || !(cfg.drift > 0.0 && cfg.drift < 1.0)) {
@@ -52,29 +46,40 @@ int32_t kx_threads_step(kx_threads & t, double seconds) {
     if ((int32_t) t.samples.size() < t.cfg.window) {
         return t.n;
     }
-    const double med = kx_threads_median(t.samples);
+    double mean = 0.0;
+    for (double x : t.samples) { // summed in order, as the reference does
+        mean += x;
+    }
+    mean /= (double) t.samples.size();
     t.samples.clear();
     if (t.state == KX_THREADS_HOLD) {
         t.held += t.cfg.window;
         if (t.base < 0.0) {
-            t.base = med;
-        } else if (std::abs(med - t.base) > t.cfg.drift * t.base) {
-            t.state = KX_THREADS_PROBE;
-            t.tried.clear();
-            t.probes += 1;
-            kx_threads_set(t, t.cands[0]);
-        } else if (t.n < t.n_max && t.held >= t.wait) {
-            t.state = KX_THREADS_PEEK;
-            t.kept  = t.n;
-            kx_threads_set(t, t.n_max);
+            t.base = mean;
+        } else if (std::abs(mean - t.base) > t.cfg.drift * t.base) {
+            // two windows in a row: one noisy window is not a load
+            if (++t.moved >= 2) {
+                t.state = KX_THREADS_PROBE;
+                t.moved = 0;
+                t.tried.clear();
+                t.probes += 1;
+                kx_threads_set(t, t.cands[0]);
+            }
+        } else {
+            t.moved = 0;
+            if (t.n < t.n_max && t.held >= t.wait) {
+                t.state = KX_THREADS_PEEK;
+                t.kept  = t.n;
+                kx_threads_set(t, t.n_max);
+            }
         }
         return t.n;
     }
     if (t.state == KX_THREADS_PEEK) {
-        if (med <= t.base * kx_threads_tie) { // all the threads are as fast again: which count is fastest now
+        if (mean <= t.base * kx_threads_tie) { // all the threads are as fast again: which count is fastest now
             t.state = KX_THREADS_PROBE;
             t.tried.clear();
-            t.tried[t.n] = med;
+            t.tried[t.n] = mean;
             t.probes += 1;
             kx_threads_set(t, t.cands[1]);
         } else {
@@ -85,14 +90,14 @@ int32_t kx_threads_step(kx_threads & t, double seconds) {
         }
         return t.n;
     }
-    t.tried[t.n] = med;
+    t.tried[t.n] = mean;
     for (int32_t c : t.cands) {
         if (!t.tried.count(c)) {
             kx_threads_set(t, c);
             return t.n;
         }
     }
-    double fastest = med;
+    double fastest = mean;
     for (const auto & [c, s] : t.tried) {
         fastest = std::min(fastest, s);
     }

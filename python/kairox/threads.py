@@ -7,12 +7,14 @@ cores slows by far more than the share of CPU taken (KB-7B SiLU F16 at 7 GiB on 
 host, a stress on 10 cores: +1141% per token with 16 threads, +117% with 8;
 bench/results/KB-7B-silu-f16-h200/migrate/). Fewer threads than cores then decode faster.
 
-The controller times every single-token decode (the decode call's wall time; prompt batches
-are not counted) in windows of `window` decodes. It holds its count while the window's
-median stays within `drift` of the median it held at; when the median moves by more (a load
-started or ended), it probes: each candidate count (n, 3n/4, n/2, n/4, most first) runs one
-window, and the fastest wins, the largest count within 3% of the fastest median on a tie, so
-an idle machine keeps all its threads. Holding fewer threads than `n`, after `recheck` decodes
+The controller times every single-token decode (the decode's wall time; prompt batches are
+not counted) in windows of `window` decodes, and compares windows by their mean (the decode
+rate: a load shows as descheduled steps of several times the usual length, which a median
+would not see). It holds its count while the window's mean stays within `drift` of the one it
+held at; when two windows in a row moved by more (a load started or ended; one noisy window
+does not count), it probes: each candidate count (n, 3n/4, n/2, n/4, most first) runs one
+window, and the fastest wins, the largest count within 3% of the fastest mean on a tie, so an
+idle machine keeps all its threads. Holding fewer threads than `n`, after `recheck` decodes
 it peeks: one window at `n` (a load that ended leaves the held count's time where it was, within
 the drift); if `n` is as fast as the held count, a probe follows, else the held count comes back
 and the next peek waits twice as long (at most 8 x recheck), so a load that stays costs one
@@ -24,7 +26,6 @@ count, on the same series of decode times (tests/test_threads.py).
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +36,8 @@ TIE = 1.03  # a count within this factor of the fastest median counts as fast as
 
 @dataclass(frozen=True)
 class ThreadsConfig:
-    window: int = 8       # decodes timed per measurement (median)
-    drift: float = 0.15   # a held count's window median moved by more than this share: probe
+    window: int = 8       # decodes timed per measurement (their mean)
+    drift: float = 0.15   # two windows in a row whose mean moved by more than this share: probe
     recheck: int = 256    # holding fewer threads than the maximum, probe again after this many decodes
 
     def __post_init__(self) -> None:
@@ -64,14 +65,15 @@ class ThreadsPolicy:
     cfg: ThreadsConfig = field(default_factory=ThreadsConfig)
     n: int = 0                     # the count the next decode runs with
     state: int = HOLD
-    base: float | None = None      # the held count's median when it was chosen (None: not measured yet)
+    base: float | None = None      # the held count's mean when it was chosen (None: not measured yet)
+    moved: int = 0                 # windows in a row whose mean moved by more than the drift
     held: int = 0                  # decodes timed at the held count since it was chosen (or peeked)
     wait: int = 0                  # decodes the next peek waits for (recheck, doubled by each lost peek)
     kept: int = 0                  # the held count while a peek runs
     skip: int = 0                  # decodes still not timed after a change
     probes: int = 0                # probes run so far
     samples: list[float] = field(default_factory=list)
-    tried: dict[int, float] = field(default_factory=dict)  # a probe's medians by count
+    tried: dict[int, float] = field(default_factory=dict)  # a probe's means by count
 
     def __post_init__(self) -> None:
         self.cands = candidates(self.n_max)
@@ -92,23 +94,30 @@ class ThreadsPolicy:
         self.samples.append(seconds)
         if len(self.samples) < self.cfg.window:
             return self.n
-        med = statistics.median(self.samples)
+        mean = 0.0
+        for x in self.samples:  # summed in order, as the C++ does
+            mean += x
+        mean /= len(self.samples)
         self.samples = []
         if self.state == HOLD:
             self.held += self.cfg.window
             if self.base is None:
-                self.base = med
-            elif abs(med - self.base) > self.cfg.drift * self.base:
-                self.state, self.tried = PROBE, {}
-                self.probes += 1
-                self._set(self.cands[0])
-            elif self.n < self.n_max and self.held >= self.wait:
-                self.state, self.kept = PEEK, self.n
-                self._set(self.n_max)
+                self.base = mean
+            elif abs(mean - self.base) > self.cfg.drift * self.base:
+                self.moved += 1
+                if self.moved >= 2:
+                    self.state, self.tried, self.moved = PROBE, {}, 0
+                    self.probes += 1
+                    self._set(self.cands[0])
+            else:
+                self.moved = 0
+                if self.n < self.n_max and self.held >= self.wait:
+                    self.state, self.kept = PEEK, self.n
+                    self._set(self.n_max)
             return self.n
         if self.state == PEEK:
-            if med <= self.base * TIE:  # all the threads are as fast again: which count is fastest now
-                self.state, self.tried = PROBE, {self.n: med}
+            if mean <= self.base * TIE:  # all the threads are as fast again: which count is fastest now
+                self.state, self.tried = PROBE, {self.n: mean}
                 self.probes += 1
                 self._set(self.cands[1])
             else:
@@ -116,7 +125,7 @@ class ThreadsPolicy:
                 self.wait = min(2 * self.wait, MAX_WAIT * self.cfg.recheck)
                 self._set(self.kept)
             return self.n
-        self.tried[self.n] = med
+        self.tried[self.n] = mean
         left = [c for c in self.cands if c not in self.tried]
         if left:
             self._set(left[0])
