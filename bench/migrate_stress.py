@@ -14,7 +14,8 @@ it starts the stress and stops it at the end:
         PCIe and the GPU's copy engines taken from the streamed tensors' copies
 
 Rows of one round run in order, rounds interleave them. Reported per row: TPOT median before
-the stress (tokens 8..at) and under it (at+8..end), the degradation, p99, and the streaming
+the stress (tokens 8..at) and under it (at+8..end), the degradation, p99, the means (the decode
+rate: descheduled steps weigh in them, not in the medians), and the streaming
 counters (migrations made, tensors streamed at the end). Rows per stress (`--rows`): `migrate`
 (migration on), `off` (the load's streaming kept), `threads` (migration off, load-aware decode
 threads on: kairox.threads). Writes raw JSON (the exact commands,
@@ -86,6 +87,7 @@ def summary(tpot: list[float], at: int) -> dict[str, float]:
     before, under = tpot[8:at], tpot[at + 8:]
     b, u = statistics.median(before), statistics.median(under)
     return {"before_ms": b * 1e3, "under_ms": u * 1e3, "degradation": u / b - 1,
+            "before_mean_ms": statistics.fmean(before) * 1e3, "under_mean_ms": statistics.fmean(under) * 1e3,
             "under_p99_ms": sorted(under)[int(0.99 * (len(under) - 1))] * 1e3}
 
 
@@ -136,8 +138,8 @@ def main() -> int:
              f"commit {res['commit']}, {a.threads} threads, {a.rounds} round(s); medians over the rounds "
              "(range)", "",
              "| stress | row | TPOT before (ms) | TPOT under stress (ms) | degradation | p99 under (ms) | "
-             "migrations | streamed at the end |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "mean before / under (ms) | migrations | streamed at the end |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def med(runs: list[dict], k: str, fmt: str) -> str:
         v = [x[k] for x in runs]
@@ -145,11 +147,12 @@ def main() -> int:
     for row in res["rows"]:
         ok = [x for x in row["runs"] if "error" not in x]
         if not ok:
-            lines.append(f"| {row['stress']} | {row['variant']} | failed | | | | | |")
+            lines.append(f"| {row['stress']} | {row['variant']} | failed | | | | | | |")
             continue
         lines.append(f"| {row['stress']} | {row['variant']} | {med(ok, 'before_ms', '{:.2f}')} | "
                      f"{med(ok, 'under_ms', '{:.2f}')} | {med(ok, 'degradation', '{:+.1%}')} | "
-                     f"{med(ok, 'under_p99_ms', '{:.2f}')} | {statistics.median(x['stream']['migrations'] for x in ok):g} | "
+                     f"{med(ok, 'under_p99_ms', '{:.2f}')} | {med(ok, 'before_mean_ms', '{:.2f}')} / "
+                     f"{med(ok, 'under_mean_ms', '{:.2f}')} | {statistics.median(x['stream']['migrations'] for x in ok):g} | "
                      f"{statistics.median(x['stream']['tensors'] for x in ok):g} of "
                      f"{ok[0]['stream']['slotted']} |")
     lines += ["", "```", res["command"], "```", ""]
