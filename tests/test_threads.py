@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kairox.threads import ThreadsConfig, ThreadsPolicy, candidates
+from kairox.threads import MAX_WAIT, ThreadsConfig, ThreadsPolicy, candidates
 
 
 def machine(n: int, free: int, rnd: random.Random) -> float:
@@ -123,3 +123,19 @@ def test_a_context_changes_its_threads_and_decodes_the_same(native: Path, tiny_s
     np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError):
         kairox.Llama(str(tiny_silu_gguf), adapt_threads="yes")
+
+
+def test_a_machine_whose_speed_wanders_by_itself_probes_less_and_less() -> None:
+    """Every probe on a machine that slows and speeds up by itself (a VM's neighbours; fewer
+    threads never faster) keeps the count, and each makes the next move wait twice as long:
+    the probes' share of the decodes falls."""
+    p = ThreadsPolicy(2)
+    rnd = random.Random(5)
+    counts = []
+    for k in range(6000):
+        counts.append(p.n)
+        p.step((0.02 if (k // 40) % 2 else 0.026) * 2 / p.n * (1 + 0.01 * rnd.random()))
+    assert p.probes >= 3 and p.quiet == MAX_WAIT * ThreadsConfig().recheck
+    first, last = counts[:1000], counts[-3000:]
+    assert sum(c < 2 for c in last) * 10 < sum(c < 2 for c in first) * 3 + 10
+    assert sum(c < 2 for c in counts) < 0.02 * len(counts)

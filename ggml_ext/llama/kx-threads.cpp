@@ -58,9 +58,10 @@ int32_t kx_threads_step(kx_threads & t, double seconds) {
             t.base = mean;
         } else if (std::abs(mean - t.base) > t.cfg.drift * t.base) {
             // two windows in a row: one noisy window is not a load
-            if (++t.moved >= 2) {
+            if (++t.moved >= 2 && t.held >= t.quiet) {
                 t.state = KX_THREADS_PROBE;
                 t.moved = 0;
+                t.kept  = t.n;
                 t.tried.clear();
                 t.probes += 1;
                 kx_threads_set(t, t.cands[0]);
@@ -111,6 +112,9 @@ int32_t kx_threads_step(kx_threads & t, double seconds) {
     t.base  = t.tried[best];
     t.held  = 0;
     t.wait  = t.cfg.recheck;
+    // a probe that kept its count (a machine whose speed wanders by itself) makes the next wait
+    t.quiet = best == t.kept ? std::min(std::max(2 * t.quiet, (int64_t) 4 * t.cfg.window),
+                                        kx_threads_max_wait * t.cfg.recheck) : 0;
     kx_threads_set(t, best);
     return t.n;
 }

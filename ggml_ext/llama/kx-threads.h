@@ -23,7 +23,8 @@ struct kx_threads {
     int32_t              moved = 0;      // windows in a row whose mean moved by more than the drift
     int64_t              held  = 0;      // decodes timed at the held count since it was chosen (or peeked)
     int64_t              wait  = 0;      // decodes the next peek waits for
-    int32_t              kept  = 0;      // the held count while a peek runs
+    int32_t              kept  = 0;      // the held count while a peek or probe runs
+    int64_t              quiet = 0;      // decodes held before a move may probe (fruitless probes double it)
     int32_t              skip  = 0;      // decodes not timed after a change (the pool resizes)
     int64_t              probes = 0;
     std::vector<double>  samples;

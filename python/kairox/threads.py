@@ -14,7 +14,10 @@ would not see). It holds its count while the window's mean stays within `drift` 
 held at; when two windows in a row moved by more (a load started or ended; one noisy window
 does not count), it probes: each candidate count (n, 3n/4, n/2, n/4, most first) runs one
 window, and the fastest wins, the largest count within 3% of the fastest mean on a tie, so an
-idle machine keeps all its threads. Holding fewer threads than `n`, after `recheck` decodes
+idle machine keeps all its threads. A probe that kept the count it started from (a machine
+whose speed wanders by itself: a VM's neighbours) makes the next move wait `quiet` decodes,
+4 windows at first, twice as long after each such probe (at most 8 x recheck); a probe that
+changed the count ends the wait. Holding fewer threads than `n`, after `recheck` decodes
 it peeks: one window at `n` (a load that ended leaves the held count's time where it was, within
 the drift); if `n` is as fast as the held count, a probe follows, else the held count comes back
 and the next peek waits twice as long (at most 8 x recheck), so a load that stays costs one
@@ -69,7 +72,8 @@ class ThreadsPolicy:
     moved: int = 0                 # windows in a row whose mean moved by more than the drift
     held: int = 0                  # decodes timed at the held count since it was chosen (or peeked)
     wait: int = 0                  # decodes the next peek waits for (recheck, doubled by each lost peek)
-    kept: int = 0                  # the held count while a peek runs
+    kept: int = 0                  # the held count while a peek or probe runs
+    quiet: int = 0                 # decodes held before a move may probe (grows with fruitless probes)
     skip: int = 0                  # decodes still not timed after a change
     probes: int = 0                # probes run so far
     samples: list[float] = field(default_factory=list)
@@ -105,8 +109,8 @@ class ThreadsPolicy:
                 self.base = mean
             elif abs(mean - self.base) > self.cfg.drift * self.base:
                 self.moved += 1
-                if self.moved >= 2:
-                    self.state, self.tried, self.moved = PROBE, {}, 0
+                if self.moved >= 2 and self.held >= self.quiet:
+                    self.state, self.tried, self.moved, self.kept = PROBE, {}, 0, self.n
                     self.probes += 1
                     self._set(self.cands[0])
             else:
@@ -133,6 +137,8 @@ class ThreadsPolicy:
         fastest = min(self.tried.values())
         best = max(c for c, t in self.tried.items() if t <= fastest * TIE)
         self.state, self.base, self.held, self.wait = HOLD, self.tried[best], 0, self.cfg.recheck
+        self.quiet = min(max(2 * self.quiet, 4 * self.cfg.window), MAX_WAIT * self.cfg.recheck) \
+            if best == self.kept else 0
         self._set(best)
         return self.n
 
