@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import sys
 import subprocess
 from pathlib import Path
 
@@ -314,3 +315,20 @@ def test_the_tools_take_a_hardware_profile(native: Path, synth_model: Path, tmp_
     r = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "2", "-r", "1",
              "--kx-hw-profile", str(files["missing"]))
     assert r.returncode != 0 and "cannot read the hardware profile" in r.stderr, r.stderr[-1500:]
+
+
+def test_the_tools_take_the_decode_threads_switch(native: Path, synth_model: Path, dense_text: str) -> None:  # noqa: F811
+    """--kx-adapt-threads (load-aware decode threads) in the common tools (the same text as
+    without: the count changes only how rows are shared), in kairox-bench and in `kairox run`."""
+    r = complete(native, synth_model, "--kx-adapt-threads")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == dense_text
+    h = tool(native, "llama-bench", "--help")
+    assert "--kx-adapt-threads" in h.stdout + h.stderr
+    b = tool(native, "llama-bench", "-m", str(synth_model), "-p", "0", "-n", "20", "-r", "1", "-t", "2",
+             "--kx-adapt-threads")
+    assert b.returncode == 0, b.stderr[-2000:]
+    k = subprocess.run([sys.executable, "-m", "kairox", "run", "-m", str(synth_model), "-n", "8", "-t", "2",
+                        "--kx-adapt-threads"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "python")})
+    assert k.returncode == 0, k.stderr[-2000:]

@@ -89,6 +89,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 hybrid["stream"] = False
             if args.migrate:
                 hybrid["migrate"] = True
+            if args.adapt_threads:
+                hybrid["adapt_threads"] = True
             if args.sched_trace:
                 hybrid["sched_trace"] = args.sched_trace
             if args.n_gpu_layers is not None or not hybrid:  # hybrid: every layer's dense part on the GPU
@@ -262,6 +264,10 @@ def register(sub) -> None:
     p.add_argument("--kx-migrate", dest="migrate", action="store_true",
                    help="streamed tensors: follow the CPU, GPU and PCIe rates measured while decoding instead of "
                    "keeping the load's choice (runtime migration; off by default)")
+    p.add_argument("--kx-adapt-threads", dest="adapt_threads", action="store_true",
+                   help="load-aware decode threads: each decode's thread count follows its measured time; when "
+                   "other processes take cores, -t, 3/4, 1/2 and 1/4 of it are timed and the fastest kept "
+                   "(off by default; an idle machine keeps -t)")
     p.add_argument("--mapped-share", type=float, default=0.0, metavar="F",
                    help="hybrid: the GPU also computes this share (0-1, by activation frequency) of the "
                    "host-side neurons, reading their rows from the page-locked host weights over PCIe "
