@@ -330,5 +330,5 @@ def test_the_tools_take_the_decode_threads_switch(native: Path, synth_model: Pat
     assert b.returncode == 0, b.stderr[-2000:]
     k = subprocess.run([sys.executable, "-m", "kairox", "run", "-m", str(synth_model), "-n", "8", "-t", "2",
                         "--kx-adapt-threads"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "python")})
+                       env={**os.environ, "KAIROX_LIB_DIR": str(native)})
     assert k.returncode == 0, k.stderr[-2000:]
