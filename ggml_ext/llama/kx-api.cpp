@@ -203,12 +203,9 @@ static void kx_balance_backoff(llama_context * ctx, kx_hybrid & h, kx_balancer &
     if (b.params.backoff.window <= 0 || b.params.observe) {
         return;
     }
-    const llama_perf_context_data p = llama_perf_context(ctx);
-    const bool sample = b.bo_ctx == ctx && p.n_eval == b.bo_n_eval + 1 && p.t_eval_ms > b.bo_t_eval_ms;
-    const double s = (p.t_eval_ms - b.bo_t_eval_ms) * 1e-3 + (b.held ? 0.0 : b.bo_step_s);
-    b.bo_ctx = ctx;
-    b.bo_n_eval = p.n_eval;
-    b.bo_t_eval_ms = p.t_eval_ms;
+    double s = 0.0;
+    const bool sample = kx_eval_clock_tick(b.bo_clock, ctx, &s);
+    s += b.held ? 0.0 : b.bo_step_s;
     // held, the decode's lists tell how well the static split covers the text (the drift gate)
     const double hit = sample && b.held && kx_backoff_wants_hit(b.backoff) ? kx_balance_held_hits(b, *h.slots) : -1.0;
     if (!sample) {

@@ -44,6 +44,7 @@
 
 #include "kairox.h"
 #include "kx-backoff.h"
+#include "kx-eval-clock.h"
 #include "kx-reload.h"
 #include "kx-tam.h"
 
@@ -151,9 +152,7 @@ struct kx_balancer {
     kx_backoff backoff;
     bool    held         = false;
     bool    home_pending = false; // a return's loads queued, not yet committed (kx_balance_land)
-    const void * bo_ctx  = nullptr;
-    int32_t bo_n_eval    = 0;
-    double  bo_t_eval_ms = 0.0;
+    kx_eval_clock bo_clock;
     double  bo_step_s    = 0.0; // the last boundary's own time, added to the next token's
     std::vector<kx_backoff_sample> bo_trace; // the measured tokens (kx_model_backoff_trace)
     const kx_reload_iface * io = nullptr;

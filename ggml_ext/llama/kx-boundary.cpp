@@ -93,12 +93,8 @@ static void kx_context_threads(llama_context * ctx) {
         return;
     }
     ctx->synchronize(); // a decode is counted once it has finished
-    const llama_perf_context_data p = llama_perf_context(ctx);
-    const bool sample = p.n_eval == st->th_n_eval + 1 && p.t_eval_ms > st->th_t_eval_ms;
-    const double s = (p.t_eval_ms - st->th_t_eval_ms) * 1e-3;
-    st->th_n_eval    = p.n_eval;
-    st->th_t_eval_ms = p.t_eval_ms;
-    if (!sample) {
+    double s = 0.0;
+    if (!kx_eval_clock_tick(st->th_clock, ctx, &s)) {
         return;
     }
     kx_threads & t = *st->threads;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "kairox.h"
+#include "kx-eval-clock.h"
 
 #include <cstdio>
 #include <memory>
@@ -20,8 +21,7 @@ struct kx_ctx_state {
     size_t         written  = 0;     // balancer records written so far
     std::shared_ptr<kx_stream> stream; // streamed weights (kx-stream.h); null: none
     std::shared_ptr<kx_threads> threads; // load-aware decode threads (kx-threads.h); null: off
-    int32_t        th_n_eval    = -1;  // the eval counters at the last boundary (a sample: one more decode)
-    double         th_t_eval_ms = 0.0;
+    kx_eval_clock  th_clock;           // the eval counters at the last boundary
 };
 
 // the context's state, made on first use

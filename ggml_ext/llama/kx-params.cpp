@@ -924,7 +924,7 @@ int32_t kx_context_apply(llama_context * ctx, const char * model_path, const kx_
         }
         kx_ctx_state & st = kx_ctx_state_of(ctx);
         st.threads   = t;
-        st.th_n_eval = -1;
+        st.th_clock  = {};
     } else if (kx_ctx_state * st = kx_ctx_state_find(ctx)) {
         st->threads.reset();
     }
