@@ -228,11 +228,15 @@ def merge(paths: list[Path]) -> dict:
     seen = [b["budget_gib"] for b in budgets]
     if len(set(seen)) != len(seen):
         raise ValueError(f"a budget is in more than one sweep: {sorted(seen)}")
-    prefill = {p.get("prefill", 0) for p in parts}
+    # a part may have prefilled and another not (its budgets have no prefill row); two
+    # prefill lengths would put unlike rows in one column
+    prefill = {p.get("prefill", 0) for p in parts} - {0}
+    if len(prefill) > 1:
+        raise ValueError(f"the sweeps prefilled different lengths: {sorted(prefill)}")
     return {**{k: first.get(k) for k in ("model", "model_mib", "sparse", "gen", "threads", "ngl0_peak_mib",
                                          "machine")},
             "commit": ",".join(dict.fromkeys(p["commit"] for p in parts)),
-            "rounds": min(p["rounds"] for p in parts), "prefill": max(prefill) if len(prefill) == 1 else 0,
+            "rounds": min(p["rounds"] for p in parts), "prefill": max(prefill, default=0),
             "command": " ".join([sys.executable, *sys.argv]),
             "parts": [{"file": path.name, "commit": p["commit"], "rounds": p["rounds"], "command": p["command"],
                        "budgets": ",".join(f"{b['budget_gib']:g}" for b in p["budgets"])}

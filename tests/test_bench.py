@@ -497,14 +497,17 @@ def test_budget_sweeps_of_one_machine_merge_into_one_table(tmp_path: Path) -> No
     bs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bs)
 
-    def sweep(name: str, commit: str, budgets: list[float], host: str = "gpu-1", gen: int = 32) -> Path:
+    def sweep(name: str, commit: str, budgets: list[float], host: str = "gpu-1", gen: int = 32,
+              prefill: int = 0) -> Path:
         rows = [{"budget_gib": b, "kairox": {"command": f"llama-bench --vram-budget {b:g}GiB", "tok_s": [10.0 * b],
-                                             "error": "", "peak_mib": [b * 1000], "median": 10.0 * b},
+                                             "error": "", "peak_mib": [b * 1000], "median": 10.0 * b,
+                                             "pp_median": 300.0 * b if prefill else None},
                  "llama": {"flags": "-ngl 9 -fa 1", "command": "llama-bench -ngl 9", "tok_s": [8.0 * b],
-                           "median": 8.0 * b, "all": {}, "peak_mib_all": {"-ngl 9 -fa 1": [b * 990]}, "pp_all": {}},
+                           "median": 8.0 * b, "all": {}, "peak_mib_all": {"-ngl 9 -fa 1": [b * 990]},
+                           "pp_all": {"-ngl 9 -fa 1": [100.0 * b]} if prefill else {}},
                  "also": {}} for b in budgets]
         res = {"commit": commit, "command": "budget_sweep.py", "model": "m.gguf", "model_mib": 100, "sparse": "auto",
-               "gen": gen, "threads": 16, "rounds": 2, "prefill": 0, "ngl0_peak_mib": 500,
+               "gen": gen, "threads": 16, "rounds": 2, "prefill": prefill, "ngl0_peak_mib": 500,
                "machine": {"host": host}, "budgets": rows}
         (tmp_path / name).write_text(json.dumps(res))
         return tmp_path / name
@@ -519,10 +522,18 @@ def test_budget_sweeps_of_one_machine_merge_into_one_table(tmp_path: Path) -> No
     assert all("1.25x" in ln for ln in table)  # 10 b against 8 b
     assert "8,14 GiB: 2 round(s), commit c1" in lines[2]
     assert (tmp_path / "out" / "merged.json").exists() and (tmp_path / "out" / "merged.md").exists()
+    # a part that prefilled: its budgets get prefill rows, the others none
+    pre = bs.merge([a, b, sweep("p.json", "c3", [6.0], prefill=512)])
+    lines = bs.render(pre, tmp_path / "out", "prefilled")
+    assert pre["prefill"] == 512
+    assert [ln for ln in lines if ln.startswith("| 6 GiB | 1800.0 |")] == ["| 6 GiB | 1800.0 | 600.0 (`-ngl 9 -fa 1`) | 3.00x |"]
+    assert not any(ln.startswith("| 4 GiB | 1200.0") for ln in lines)
     for bad in (sweep("c.json", "c3", [4.0]), sweep("d.json", "c3", [2.0], host="gpu-2"),
                 sweep("e.json", "c3", [2.0], gen=64)):
         with pytest.raises(ValueError):
             bs.merge([a, b, bad])
+    with pytest.raises(ValueError):  # two prefill lengths
+        bs.merge([sweep("f.json", "c3", [2.0], prefill=512), sweep("g.json", "c3", [3.0], prefill=128)])
     # the CLI: a merge needs neither --model nor --bin
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "budget_sweep.py"), "--merge", str(a), str(b),
                         "--out", str(tmp_path / "cli"), "--name", "m"], capture_output=True, text=True)
