@@ -12,6 +12,7 @@
 #   KX_STREAM_ROUNDS=3                       # interleaved rounds of the sweep
 #   KX_TESTS="tests/test_budget.py"          # also these GPU tests, after the build
 #   KX_STREAM_ALSO="no-stream=--no-kx-stream;migrate=--kx-migrate"   # the sweep's extra rows
+#   KX_STREAM_ALSO=""                        # none (default: no-stream=--no-kx-stream)
 #   KX_STREAM_STRESS=cpu,pcie                # first bench/migrate_stress.py at the last budget
 #   KX_STREAM_STRESS_ROUNDS=1 KX_STREAM_STRESS_TOKENS=160 KX_STREAM_STRESS_THREADS=8
 #   KX_STREAM_STRESS_ROWS=off,threads        # its rows (bench/migrate_stress.py --rows)
@@ -44,7 +45,7 @@ if [ -n "${KX_STREAM_CEILING:-}" ]; then
 fi
 b1=${KX_STREAM_BUDGETS:-4,7}
 also=()
-IFS=';' read -ra rows <<< "${KX_STREAM_ALSO:-no-stream=--no-kx-stream}"
+IFS=';' read -ra rows <<< "${KX_STREAM_ALSO-no-stream=--no-kx-stream}"
 for r in "${rows[@]}"; do also+=(--also "$r"); done
 kx_budget_rows "$M" "${b1##*,}" stream "" "${rows[@]#*=}"
 if [ -n "${KX_STREAM_STRESS:-}" ]; then
