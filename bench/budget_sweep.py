@@ -69,8 +69,11 @@ def tpot_rows(rows: list[dict], args: argparse.Namespace, model: Path, lib: Path
     write_tokens(model, tokens)
     env = {"LLAMA_CPP_LIB_PATH": str(lib), "KAIROX_LIB_DIR": os.environ.get("KAIROX_LIB_DIR", str(lib))}
     mode = "dense" if args.sparse == "auto" else args.sparse
+    only = None if getattr(args, "tpot", "all") in (None, "all") else {float(b) for b in str(args.tpot).split(",")}
     for r in rows:
         if not r["kairox"]["tok_s"] or not all(v["tok_s"] for v in r["llama"].values()):
+            continue
+        if only is not None and r["budget_gib"] not in only:
             continue
         best = max(r["llama"], key=lambda f: statistics.median(r["llama"][f]["tok_s"]))
         la = r["llama"][best]["args"]
@@ -256,9 +259,9 @@ def main() -> int:
                          "tensors) (default: %(default)s)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="also prefill N tokens on every row (llama-bench -p N -n 0) (default: none)")
-    ap.add_argument("--tpot", action="store_true",
+    ap.add_argument("--tpot", nargs="?", const="all", default=None, metavar="GIB,...",
                     help="after the rounds, also time each decoded token (bench/tpot.py) of kairox and of "
-                         "llama.cpp's fastest placement at every budget: TPOT p50/p99")
+                         "llama.cpp's fastest placement at every budget, or at these budgets only: TPOT p50/p99")
     ap.add_argument("--also", action="append", default=[], metavar="LABEL=FLAGS",
                     help="one more kairox row per budget with these extra kairox-bench flags, e.g. "
                          "no-stream=--no-kx-stream (repeatable; rows interleaved with the others)")
@@ -272,6 +275,11 @@ def main() -> int:
         stem = args.name or f"budget-sweep-{Path(res['model']).stem}"
         print("\n".join(render(res, Path(args.out), stem)))
         return 0
+    if args.tpot not in (None, "all"):
+        try:
+            [float(b) for b in args.tpot.split(",")]
+        except ValueError:
+            ap.error(f"--tpot: budgets in GiB, comma-separated, not {args.tpot!r}")
     if not args.model or not args.bin:
         ap.error("--model and --bin are required (or --merge)")
     exe = Path(args.bin) / "llama-bench"

@@ -597,6 +597,13 @@ def test_budget_sweep_times_each_token_of_llama_cpps_fastest_placement(tmp_path:
     lines = bs.render(res, tmp_path / "out", "s")
     assert f"| 9 GiB | 50.0 / 150.0 | 100.0 / 150.0 (`-ngl 99 -ot {ot} -fa 1`) |" in lines
     assert "| 2 GiB | failed | 100.0 / 150.0 (`-ngl 3 -fa 1`) |" in lines
+    # --tpot 2: that budget's rows only
+    calls.clear()
+    for r in rows:
+        r.pop("tpot", None)
+    bs.tpot_rows(rows, argparse.Namespace(out=str(tmp_path), sparse="auto", threads=4, tpot="2"),
+                 tmp_path / "m.gguf", tmp_path / "bin")
+    assert [c[2] for c in calls] == [999, 3] and "tpot" in rows[2] and "tpot" not in rows[0]
 
 
 def test_tpot_keeps_tensors_on_the_host_as_llama_cpps_ot(native: Path, tiny_silu_gguf: Path, tmp_path: Path) -> None:
