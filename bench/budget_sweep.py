@@ -61,6 +61,14 @@ def tpot_flags(la: list[str]) -> list[str]:
     return out
 
 
+def gib_list(text: str) -> list[float]:
+    """argparse type: budgets in GiB, comma-separated ("1,2,3.5")."""
+    try:
+        return [float(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budgets in GiB, comma-separated, not {text!r}") from None
+
+
 def tpot_rows(rows: list[dict], args: argparse.Namespace, model: Path, lib: Path) -> None:
     """Per-token decode times (TPOT p50/p99) after the rounds: bench/tpot.py, one process per
     row, the same teacher-forced tokens for all, kairox at each budget beside llama.cpp's
@@ -69,11 +77,11 @@ def tpot_rows(rows: list[dict], args: argparse.Namespace, model: Path, lib: Path
     write_tokens(model, tokens)
     env = {"LLAMA_CPP_LIB_PATH": str(lib), "KAIROX_LIB_DIR": os.environ.get("KAIROX_LIB_DIR", str(lib))}
     mode = "dense" if args.sparse == "auto" else args.sparse
-    only = None if getattr(args, "tpot", "all") in (None, "all") else {float(b) for b in str(args.tpot).split(",")}
+    only = set(getattr(args, "tpot", None) or ())  # empty: every budget
     for r in rows:
         if not r["kairox"]["tok_s"] or not all(v["tok_s"] for v in r["llama"].values()):
             continue
-        if only is not None and r["budget_gib"] not in only:
+        if only and r["budget_gib"] not in only:
             continue
         best = max(r["llama"], key=lambda f: statistics.median(r["llama"][f]["tok_s"]))
         la = r["llama"][best]["args"]
@@ -253,13 +261,14 @@ def main() -> int:
     ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                     help="no runs: write these sweeps' results (one model, one machine) as one table and plot "
                          "to --out (file stem: --name, default budget-sweep-MODEL)")
-    ap.add_argument("--budgets", default="1,2,3,4,6,8,10,12,14", help="GiB, comma-separated (default: %(default)s)")
+    ap.add_argument("--budgets", type=gib_list, default="1,2,3,4,6,8,10,12,14",
+                    help="GiB, comma-separated (default: %(default)s)")
     ap.add_argument("--sparse", default="predicted",
                     help="kairox's --sparse; auto: none given (a model without a pack, an MoE model: whole "
                          "tensors) (default: %(default)s)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="also prefill N tokens on every row (llama-bench -p N -n 0) (default: none)")
-    ap.add_argument("--tpot", nargs="?", const="all", default=None, metavar="GIB,...",
+    ap.add_argument("--tpot", nargs="?", type=gib_list, const=[], default=None, metavar="GIB,...",
                     help="after the rounds, also time each decoded token (bench/tpot.py) of kairox and of "
                          "llama.cpp's fastest placement at every budget, or at these budgets only: TPOT p50/p99")
     ap.add_argument("--also", action="append", default=[], metavar="LABEL=FLAGS",
@@ -275,17 +284,12 @@ def main() -> int:
         stem = args.name or f"budget-sweep-{Path(res['model']).stem}"
         print("\n".join(render(res, Path(args.out), stem)))
         return 0
-    if args.tpot not in (None, "all"):
-        try:
-            [float(b) for b in args.tpot.split(",")]
-        except ValueError:
-            ap.error(f"--tpot: budgets in GiB, comma-separated, not {args.tpot!r}")
     if not args.model or not args.bin:
         ap.error("--model and --bin are required (or --merge)")
     exe = Path(args.bin) / "llama-bench"
     model = Path(args.model)
     lay = Layout(model)
-    budgets = [float(b) for b in args.budgets.split(",")]
+    budgets = args.budgets
     also = dict(a.split("=", 1) for a in args.also)
     t0 = time.time()
     # what holding the GPU costs without weights on it: the peaks below include it, the budgets not
@@ -335,7 +339,7 @@ def main() -> int:
             print(f"round {k + 1}: {r['budget_gib']:g} GiB: kairox {ts if ts is not None else err} / llama.cpp "
                   f"{[lr['tok_s'][-1] for lr in r['llama'].values()]} ({time.time() - t0:.0f} s)", flush=True)
             lines = write(rows, args, model)
-    if args.tpot:
+    if args.tpot is not None:
         tpot_rows(rows, args, model, Path(args.bin))
         lines = write(rows, args, model)
     print("\n".join(lines))

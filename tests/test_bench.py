@@ -601,7 +601,7 @@ def test_budget_sweep_times_each_token_of_llama_cpps_fastest_placement(tmp_path:
     calls.clear()
     for r in rows:
         r.pop("tpot", None)
-    bs.tpot_rows(rows, argparse.Namespace(out=str(tmp_path), sparse="auto", threads=4, tpot="2"),
+    bs.tpot_rows(rows, argparse.Namespace(out=str(tmp_path), sparse="auto", threads=4, tpot=[2.0]),
                  tmp_path / "m.gguf", tmp_path / "bin")
     assert [c[2] for c in calls] == [999, 3] and "tpot" in rows[2] and "tpot" not in rows[0]
 

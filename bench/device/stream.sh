@@ -18,7 +18,7 @@
 #   KX_STREAM_STRESS_ROWS=off,threads        # its rows (bench/migrate_stress.py --rows)
 #   KX_STREAM_PREFILL=512                    # also prefill that many tokens on every sweep row
 #   KX_STREAM_TPOT=1                         # then per-token decode times (TPOT p50/p99) at every budget
-#   KX_STREAM_TPOT="7,12"                    # ... at these budgets only
+#   KX_STREAM_TPOT="7,12"                    # ... at these budgets only (1 GiB alone: "1.0")
 #   KX_DEADLINE=590                          # seconds from the start the sweep must end by
 # Two calls on one warm machine (a 1-14 GiB sweep does not fit one call) merge into one table:
 #   python3 bench/budget_sweep.py --merge A.json B.json --out DIR
@@ -57,5 +57,5 @@ fi
 timeout $(( ${KX_DEADLINE:-590} - ($(date +%s) - t0) )) python3 bench/budget_sweep.py --model "$M" \
     --budgets "$b1" --sparse auto "${also[@]}" --bin "$B" --out "$OUT" \
     --gen "${KX_STREAM_GEN:-32}" --threads "$(nproc)" --rounds "${KX_STREAM_ROUNDS:-3}" \
-    ${KX_STREAM_PREFILL:+--prefill "$KX_STREAM_PREFILL"} ${KX_STREAM_TPOT:+--tpot "$([ "$KX_STREAM_TPOT" = 1 ] && echo all || echo "$KX_STREAM_TPOT")"}
+    ${KX_STREAM_PREFILL:+--prefill "$KX_STREAM_PREFILL"} ${KX_STREAM_TPOT:+--tpot $([ "$KX_STREAM_TPOT" = 1 ] || echo "$KX_STREAM_TPOT")}
 echo "done ($(( $(date +%s) - t0 )) s)"
