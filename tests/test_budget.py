@@ -369,6 +369,11 @@ def test_streamed_tensors_compute_what_the_cpu_computes(tmp_path: Path) -> None:
     assert float(np.abs(got - want).max()) <= 2e-3 * scale
     assert float(np.abs(plain - want).max()) <= 2e-3 * scale
     assert float(np.abs(mapped - want).max()) <= 2e-3 * scale
+    # a hardware profile's PCIe rate prices the copies: over a link this slow nothing streams
+    slow_link = tmp_path / "slow-pcie.json"
+    slow_link.write_text(json.dumps({"cpu_gbs": 100.0, "gpu_gbs": 2000.0, "pcie_gbs": 1e-3, "handoff_us": 20.0}))
+    _, sst, swhere = decode(budget, hw_profile=str(slow_link))
+    assert sst["tensors"] == 0 and "KX_Host_Pinned" not in swhere.values(), sst
     # Runtime migration: rates of a CPU of 2 GB/s make the load stream all it can, and hold
     # every host tensor a slot can in page-locked memory. Every decode step is measured; the
     # rates measured differ from those by far more than the threshold, so the choice is made

@@ -264,7 +264,8 @@ def _hw_profiles(tmp_path: Path) -> dict[str, Path]:
     good = {"cpu_gbs": 120.0, "gpu_gbs": 3000.0, "pcie_gbs": 50.0, "handoff_us": 20.0,
             "cpu_type_gbs": {"f16": 90.0, "q4_0": 70.0}, "gpu_type_gbs": {"f16": 2800.0}}
     files = {"good": good, "no cpu rate": {k: v for k, v in good.items() if k != "cpu_gbs"},
-             "a zero type rate": {**good, "cpu_type_gbs": {"f16": 0.0}}, "negative": {**good, "gpu_gbs": -1.0}}
+             "a zero type rate": {**good, "cpu_type_gbs": {"f16": 0.0}}, "negative": {**good, "gpu_gbs": -1.0},
+             "a zero PCIe rate": {**good, "pcie_gbs": 0.0}}
     out = {}
     for name, body in files.items():
         out[name] = tmp_path / f"{name.replace(' ', '-')}.json"
@@ -291,7 +292,7 @@ def test_a_hardware_profile_sets_the_rates(native: Path, tmp_path: Path) -> None
     kp.balance.cpu_gbs = 77.0
     assert lib.kx_params_read_hw_profile(ctypes.byref(kp), str(files["good"]).encode(), err, 1024) == 0
     assert (kp.balance.cpu_gbs, kp.balance.gpu_gbs) == (77.0, 3000.0)
-    for name in ("no cpu rate", "a zero type rate", "negative", "not json", "missing"):
+    for name in ("no cpu rate", "a zero type rate", "negative", "a zero PCIe rate", "not json", "missing"):
         kp = lib.kx_params_default()
         rc = lib.kx_params_read_hw_profile(ctypes.byref(kp), str(files[name]).encode(), err, 1024)
         msg = err.value.decode()

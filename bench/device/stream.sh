@@ -13,6 +13,8 @@
 #   KX_TESTS="tests/test_budget.py"          # also these GPU tests, after the build
 #   KX_STREAM_ALSO="no-stream=--no-kx-stream;migrate=--kx-migrate"   # the sweep's extra rows
 #   KX_STREAM_ALSO=""                        # none (default: no-stream=--no-kx-stream)
+#   KX_STREAM_HW=1                           # `kairox profile-hw` once (kept in $W), and a row
+#                                            # priced at its rates (hw=--kx-hw-profile FILE)
 #   KX_STREAM_STRESS=cpu,pcie                # first bench/migrate_stress.py at the last budget
 #   KX_STREAM_STRESS_ROUNDS=1 KX_STREAM_STRESS_TOKENS=160 KX_STREAM_STRESS_THREADS=8
 #   KX_STREAM_STRESS_ROWS=off,threads        # its rows (bench/migrate_stress.py --rows)
@@ -47,6 +49,14 @@ fi
 b1=${KX_STREAM_BUDGETS:-4,7}
 also=()
 IFS=';' read -ra rows <<< "${KX_STREAM_ALSO-no-stream=--no-kx-stream}"
+if [ -n "${KX_STREAM_HW:-}" ]; then
+    # measured on the idle machine (the build and the model are done): ~1 min, once per machine
+    [ -f "$W/hw.json" ] || python3 -m kairox profile-hw -t "$(nproc)" -o "$W/hw.json" > "$OUT/profile-hw.log" 2>&1 \
+        || { tail -5 "$OUT/profile-hw.log"; exit 1; }
+    cp "$W/hw.json" "$OUT/" && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+print('profile-hw:', {k: d[k] for k in ('cpu_gbs', 'gpu_gbs', 'pcie_gbs', 'cpu_type_gbs')})" "$W/hw.json"
+    rows+=("hw=--kx-hw-profile $W/hw.json")
+fi
 for r in "${rows[@]}"; do also+=(--also "$r"); done
 kx_budget_rows "$M" "${b1##*,}" stream "" "${rows[@]#*=}"
 if [ -n "${KX_STREAM_STRESS:-}" ]; then

@@ -368,12 +368,6 @@ static kx_dense_rates kx_params_rates(const kx_params * kp) {
     return rates;
 }
 
-// the rates of the load's streaming choice, and the first of runtime migration's
-static kx_migrate_rates kx_params_migrate_rates(const kx_params * kp) {
-    const kx_dense_rates r = kx_params_rates(kp);
-    return { r.cpu_gbs, r.gpu_gbs, kx_migrate_rates().pcie_gbs };
-}
-
 // The dense tensors that must wait on the CPU for the budget (kx-placement.cpp)
 static std::vector<std::string> kx_budget_dense_cpu(const kx_params * kp, const llama_model_params & mp,
                                                     const llama_context_params * cp, const char * model_path,
@@ -421,7 +415,7 @@ static void kx_budget_tensors(const kx_params * kp, llama_model_params * mp, con
         }
         return;
     }
-    const kx_stream_choice c = kx_stream_choose(dry, kp->vram_budget, rates, kx_params_migrate_rates(kp).pcie_gbs);
+    const kx_stream_choice c = kx_stream_choose(dry, kp->vram_budget, rates);
     LLAMA_LOG_INFO("%s", c.placed.c_str());
     // with migration every tensor a slot holds may stream later: all of them plain and
     // page-locked; without, the others as llama.cpp places them (repacked where it does)
@@ -744,7 +738,7 @@ static void kx_apply_tensors_only(llama_context * ctx, const kx_params * kp) {
     kx_ctx_state & st = kx_ctx_state_of(ctx);
     st.stream.reset();
     try {
-        const kx_stream_migrate mc = { kp->migrate, kx_params_migrate_rates(kp) };
+        const kx_stream_migrate mc = { kp->migrate, kx_params_rates(kp) };
         st.stream = kp->stream && kp->pinned ? kx_stream_start(ctx, dev, kx_host_buffer_type(true, kp->faults), mc) : nullptr;
     } catch (const std::exception & e) {
         throw kx_apply_error(KX_ERR_PARAMS, e.what());

@@ -109,9 +109,10 @@ kx_dense_rates kx_dense_rates_read(const std::string & path) {
         r.cpu_gbs = j.at("cpu_gbs").get<double>();
         r.gpu_gbs = j.at("gpu_gbs").get<double>();
         r.handoff_us = j.value("handoff_us", r.handoff_us);
+        r.pcie_gbs   = j.value("pcie_gbs", r.pcie_gbs);
         r.cpu_type_gbs = j.value("cpu_type_gbs", std::map<std::string, double>());
         r.gpu_type_gbs = j.value("gpu_type_gbs", std::map<std::string, double>());
-        bool ok = r.cpu_gbs > 0 && r.gpu_gbs > 0 && r.handoff_us >= 0;
+        bool ok = r.cpu_gbs > 0 && r.gpu_gbs > 0 && r.pcie_gbs > 0 && r.handoff_us >= 0;
         for (const auto * m : { &r.cpu_type_gbs, &r.gpu_type_gbs }) {
             for (const auto & [type, gbs] : *m) {
                 ok = ok && gbs > 0;

@@ -26,6 +26,7 @@ struct kx_dense_rates {
     double cpu_gbs    = 100.0;
     double gpu_gbs    = 2000.0;
     double handoff_us = 23.5; // one CPU<->GPU round trip of the hidden state
+    double pcie_gbs   = 50.0; // host-to-device copies (what streamed tensors cross)
     // measured matvec rates by ggml type name ("f16", "q4_0"; `kairox profile-hw`): a quantized
     // matvec can run below the streaming read on the CPU; a type not listed takes the rate above
     std::map<std::string, double> cpu_type_gbs, gpu_type_gbs;

@@ -72,8 +72,34 @@ void kx_stream_cap_runs(std::vector<bool> & st) {
     }
 }
 
-kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget, const kx_dense_rates & rates,
-                                  double pcie_gbs) {
+kx_migrate_rates kx_stream_rates(const kx_dense_rates & rates, const std::vector<kx_place_item> & all,
+                                 const std::vector<std::string> & cpu) {
+    // (one type's rate exactly as given: the mean of equal rates may differ in the last bit,
+    // and ties in the policy are broken by exact comparison)
+    std::map<std::string, double> type_bytes;
+    for (const kx_place_item & it : all) {
+        if (std::find(cpu.begin(), cpu.end(), it.name) != cpu.end()) {
+            type_bytes[it.type] += (double) it.bytes * it.read;
+        }
+    }
+    kx_migrate_rates r = { rates.cpu_gbs, rates.gpu_gbs, rates.pcie_gbs };
+    if (type_bytes.size() == 1) {
+        r.cpu_gbs = rates.cpu_of(type_bytes.begin()->first);
+        r.gpu_gbs = rates.gpu_of(type_bytes.begin()->first);
+    } else if (type_bytes.size() > 1) {
+        double bytes = 0, cpu_s = 0, gpu_s = 0;
+        for (const auto & [type, b] : type_bytes) {
+            bytes += b;
+            cpu_s += b / rates.cpu_of(type);
+            gpu_s += b / rates.gpu_of(type);
+        }
+        r.cpu_gbs = bytes / cpu_s;
+        r.gpu_gbs = bytes / gpu_s;
+    }
+    return r;
+}
+
+kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget, const kx_dense_rates & rates) {
     // a dry run loads the model's metadata and sizes a context: each placement tried below
     // starts from the same one with nothing moved, and their rounds may ask for the same sets
     std::map<std::vector<std::string>, kx_dry_sizes> dry_made;
@@ -91,13 +117,12 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget,
     for (const kx_place_item & it : all.items) {
         by_name[it.name] = &it;
     }
-    const kx_migrate_rates mr = { rates.cpu_gbs, rates.gpu_gbs, pcie_gbs };
     // the modelled step of a placement (cpu: its host tensors), streaming what fits a slot of
     // the scratch (0: nothing); `c` gets the choice
     auto model = [&](const std::vector<std::string> & cpu, int64_t scratch, kx_stream_choice * c) {
         const kx_stream_chain ch = kx_stream_chain_of(all.items, cpu, scratch);
         std::vector<bool> st;
-        const double s = kx_migrate_choose(ch.tensors, mr, ch.gpu_bytes, scratch, st);
+        const double s = kx_migrate_choose(ch.tensors, kx_stream_rates(rates, all.items, cpu), ch.gpu_bytes, scratch, st);
         if (c) {
             kx_stream_cap_runs(st);
             for (size_t i = 0; i < ch.tensors.size(); ++i) {
@@ -183,9 +208,10 @@ int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, cons
     rates.cpu_gbs    = cpu_gbs;
     rates.gpu_gbs    = gpu_gbs;
     rates.handoff_us = handoff_us;
+    rates.pcie_gbs   = pcie_gbs;
     kx_stream_choice c;
     try {
-        c = kx_stream_choose(dry, budget, rates, pcie_gbs);
+        c = kx_stream_choose(dry, budget, rates);
     } catch (const std::exception &) {
         return -2;
     }
@@ -585,7 +611,7 @@ std::shared_ptr<kx_stream> kx_stream_start(llama_context * ctx, ggml_backend_dev
         st->mig.tensors       = st->chain.tensors;
         st->mig.gpu_bytes     = st->chain.gpu_bytes;
         st->mig.scratch_bytes = (int64_t) kx_stream_slots * largest;
-        st->mig.init(mc.rates);
+        st->mig.init(kx_stream_rates(mc.rates, all, cpu));
         std::vector<bool> first = st->mig.streamed;
         kx_stream_cap_runs(first);
         for (size_t k = 0; k < st->chain.tensors.size(); ++k) {

@@ -59,13 +59,18 @@ struct kx_stream_choice {
 // no more than kx_stream_slots of them in a row without a CPU tensor between, so one device
 // split never needs more slots than there are). Falls back to the plain placement (nothing
 // streamed) when that models no faster. Each distinct dry run is made once.
-kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates,
-                                  double pcie_gbs);
+kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry, int64_t budget, const kx_dense_rates & rates);
+
+// The streaming policy's rates for these host tensors: the CPU's and the GPU's the byte-weighted
+// harmonic mean of each tensor type's rate (one rate, as the policy takes, that prices the host
+// tensors all computed on one side exactly as the per-type rates do), PCIe as given
+kx_migrate_rates kx_stream_rates(const kx_dense_rates & rates, const std::vector<kx_place_item> & all,
+                                 const std::vector<std::string> & cpu);
 
 // runtime migration's settings (kx_params: migrate, the rates of the load's choice)
 struct kx_stream_migrate {
-    bool             on = true;
-    kx_migrate_rates rates;
+    bool           on = true;
+    kx_dense_rates rates;
 };
 
 struct kx_stream {
