@@ -334,6 +334,26 @@ def test_matvec_rates_are_measured_by_ggml(native: Path) -> None:
     assert bool(r["gpu"]) == has_gpu()
 
 
+def test_matvec_rates_keep_each_types_best_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU types are measured in interleaved passes and each keeps its best: a type slow
+    in one pass only (another pool's threads still spinning) is not priced at that pass."""
+    import kairox._native
+    import kairox.hw as hwmod
+    calls: list[str] = []
+
+    def fake(t: str, n: int, gpu: bool = False, threads: int | None = None, reps: int = 5) -> tuple[float, int]:
+        calls.append(t)
+        slow = t == "f16" and calls.count("f16") == 1  # the first f16 measurement only
+        return (4.0 if slow else 1.0) * (2.0 if t == "q4_0" else 1.0), 10 ** 9
+    monkeypatch.setattr(hwmod, "matvec_seconds", fake)
+    monkeypatch.setattr(kairox._native, "has_gpu", lambda: False)
+    r = hwmod.matvec_rates(types=("f16", "q4_0"))
+    assert calls == ["f16", "q4_0", "f16", "q4_0"]
+    assert r == {"cpu": {"f16": 1.0, "q4_0": 0.5}, "gpu": {}}
+    calls.clear()
+    assert hwmod.matvec_rates(types=("f16", "q4_0"), passes=1)["cpu"]["f16"] == 0.25
+
+
 def test_profile_hw_says_how_it_was_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture) -> None:
     import kairox.hw as hwmod
