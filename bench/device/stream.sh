@@ -15,6 +15,8 @@
 #   KX_STREAM_ALSO=""                        # none (default: no-stream=--no-kx-stream)
 #   KX_STREAM_HW=1                           # `kairox profile-hw` once (kept in $W), and a row
 #                                            # priced at its rates (hw=--kx-hw-profile FILE)
+#   KX_STREAM_HW_CPU="30,45,60"              # with KX_STREAM_HW: also a row per CPU rate (GB/s),
+#                                            # the profile's copy with every CPU rate set to it
 #   KX_STREAM_STRESS=cpu,pcie                # first bench/migrate_stress.py at the last budget
 #   KX_STREAM_STRESS_ROUNDS=1 KX_STREAM_STRESS_TOKENS=160 KX_STREAM_STRESS_THREADS=8
 #   KX_STREAM_STRESS_ROWS=off,threads        # its rows (bench/migrate_stress.py --rows)
@@ -56,6 +58,12 @@ if [ -n "${KX_STREAM_HW:-}" ]; then
     cp "$W/hw.json" "$OUT/" && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
 print('profile-hw:', {k: d[k] for k in ('cpu_gbs', 'gpu_gbs', 'pcie_gbs', 'cpu_type_gbs')})" "$W/hw.json"
     rows+=("hw=--kx-hw-profile $W/hw.json")
+    for g in ${KX_STREAM_HW_CPU//,/ }; do
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); g=float(sys.argv[2]); d['cpu_gbs']=g; \
+d['cpu_type_gbs']={t: g for t in d.get('cpu_type_gbs', {})}; json.dump(d, open(sys.argv[3], 'w'))" \
+            "$W/hw.json" "$g" "$W/hw-cpu$g.json" || exit 1
+        rows+=("hw-cpu$g=--kx-hw-profile $W/hw-cpu$g.json")
+    done
 fi
 for r in "${rows[@]}"; do also+=(--also "$r"); done
 kx_budget_rows "$M" "${b1##*,}" stream "" "${rows[@]#*=}"
