@@ -635,3 +635,15 @@ def test_tpot_keeps_tensors_on_the_host_as_llama_cpps_ot(native: Path, tiny_silu
     assert bad.returncode != 0 and "only PATTERN=CPU" in bad.stderr
     bad = tpot("--impl", "kairox", "-ot", "output=CPU")
     assert bad.returncode != 0 and "--impl stock" in bad.stderr
+
+
+def test_device_scripts_parse() -> None:
+    """Every bench/device script is valid bash (`bash -n`): a syntax error found on the GPU
+    machine costs a cold start there."""
+    import subprocess
+
+    scripts = sorted((ROOT / "bench" / "device").glob("*.sh"))
+    assert len(scripts) > 10
+    for s in scripts:
+        r = subprocess.run(["bash", "-n", str(s)], capture_output=True, text=True)
+        assert r.returncode == 0, (s.name, r.stderr)
