@@ -647,3 +647,27 @@ def test_device_scripts_parse() -> None:
     for s in scripts:
         r = subprocess.run(["bash", "-n", str(s)], capture_output=True, text=True)
         assert r.returncode == 0, (s.name, r.stderr)
+
+
+def test_stream_rates_replays_each_choice(tmp_path: Path) -> None:
+    """bench/stream_rates.py: the streaming choice made at each CPU rate and replayed at each
+    true rate. A choice replayed at the rate it was priced at takes its modelled step; priced
+    slower, it streams at least as many bytes; bad rates are refused before anything runs."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("stream_rates", ROOT / "bench" / "stream_rates.py")
+    sr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sr)
+    assert sr.main(["--preset", "KB-7B", "--budgets", "7", "--cpu", "30,100", "--truth", "30,100",
+                    "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "stream-rates-KB-7B.json").read_text())
+    assert d["command"].startswith("python3 bench/stream_rates.py --preset KB-7B") and d["commit"]
+    rows = {r["cpu_gbs"]: r for r in d["rows"]}
+    assert set(rows) == {30.0, 100.0} and all(r["streamed"] > 0 for r in rows.values())
+    for c, r in rows.items():
+        assert r["truth_ms"][str(c)] == pytest.approx(r["modelled_ms"], rel=1e-9)
+    assert rows[30.0]["pcie_mib"] >= rows[100.0]["pcie_mib"]
+    assert "| 7168 MiB | 30 |" in (tmp_path / "stream-rates-KB-7B.md").read_text()
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            sr.main(["--cpu", bad, "--out", str(tmp_path)])

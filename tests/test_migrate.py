@@ -57,22 +57,29 @@ def test_rates_are_bytes_over_seconds_of_the_window() -> None:
 
 def test_the_choice_is_the_best_of_every_subset() -> None:
     """stream_choice is exact: on random small steps, no other set of streamed tensors (each
-    fitting a scratch slot) makes the step shorter."""
+    fitting a scratch slot, no more than SLOTS in a row without a CPU tensor between: what the
+    runtime streams, cap_runs) makes the step shorter; without the run limit some choices would
+    be shorter on paper, and the runtime would cut them."""
+    from kairox.migrate import SLOTS, cap_runs
     rng = np.random.default_rng(1)
-    streamed_some = streamed_none = 0
+    streamed_some = streamed_none = capped = 0
     for _ in range(300):
         ts, gpu, r, scratch = random_step(rng, (1, 8))
         n = len(ts)
         got, t = stream_choice(ts, r, gpu, scratch)
         assert t == pytest.approx(step_time(ts, set(got), r, gpu)[0], rel=1e-12)
         assert all(x.nbytes <= scratch // 2 for x in ts if x.name in got)
-        best = min(step_time(ts, set(c), r, gpu)[0] for k in range(n + 1)
-                   for c in itertools.combinations([x.name for x in ts], k)
-                   if all(x.nbytes <= scratch // 2 for x in ts if x.name in c))
+        assert cap_runs(ts, got) == got  # the runtime streams it as chosen
+        fits = [c for k in range(n + 1) for c in itertools.combinations([x.name for x in ts], k)
+                if all(x.nbytes <= scratch // 2 for x in ts if x.name in c)]
+        best = min(step_time(ts, set(c), r, gpu)[0] for c in fits if cap_runs(ts, list(c)) == list(c))
         assert t == pytest.approx(best, rel=1e-12)
+        capped += min(step_time(ts, set(c), r, gpu)[0] for c in fits) < best * (1 - 1e-9)
+        assert stream_choice(ts, r, gpu, scratch, slots=n)[1] == pytest.approx(
+            min(step_time(ts, set(c), r, gpu)[0] for c in fits), rel=1e-12)
         streamed_some += bool(got)
         streamed_none += not got
-    assert streamed_some > 30 and streamed_none > 30  # both answers were seen
+    assert streamed_some > 30 and streamed_none > 30 and capped >= 3  # every answer was seen
 
 
 def test_a_copy_that_cannot_hide_is_not_worth_it() -> None:

@@ -12,46 +12,61 @@
 static constexpr double kx_gb = 1e9;
 
 // the step as a chain (kairox.migrate.step_time), a dynamic program over the Pareto front of
-// (time so far, copy engine's time so far): a pair no earlier on both counts than another can
-// never end first. Ties keep the order the candidates were made in (on the CPU first), as the
-// reference's stable sort does.
+// (time so far, copy engine's time so far), one front per length of the streamed run the chain
+// ends in: a pair no earlier on both counts than another of its front can never end first.
+// Ties keep the order the candidates were made in (on the CPU first), as the reference's stable
+// sort does; the end picked is the earliest, then the idler copy engine, then the shorter run.
 double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,
                          int64_t scratch_bytes, std::vector<bool> & streamed) {
     struct node { int32_t tensor; int32_t parent; };
     struct state { double e, c; int32_t node; };
+    constexpr int32_t n_run = kx_stream_slots + 1;
     std::vector<node> nodes;                 // the streamed tensors of each path, linked back
-    std::vector<state> front = { { 0.0, 0.0, -1 } }, next;
+    std::vector<state> front[n_run], next[n_run];
+    front[0] = { { 0.0, 0.0, -1 } };
     const int64_t slot = scratch_bytes / 2;
     int64_t done = 0;
     for (size_t i = 0; i < t.size(); ++i) {
         const double run  = (double) (t[i].gpu_bytes_before - done) / (r.gpu_gbs * kx_gb);
         const double rb   = (double) t[i].nbytes * t[i].read;
         done = t[i].gpu_bytes_before;
-        next.clear();
-        for (const state & s : front) {
-            const double e = s.e + run;
-            next.push_back({ e + rb / (r.cpu_gbs * kx_gb), s.c, s.node });
-            if (t[i].nbytes <= slot) {
-                const double c2 = s.c + (double) t[i].nbytes / (r.pcie_gbs * kx_gb);
-                nodes.push_back({ (int32_t) i, s.node });
-                next.push_back({ std::max(e, c2) + rb / (r.gpu_gbs * kx_gb), c2, (int32_t) nodes.size() - 1 });
+        for (auto & n : next) {
+            n.clear();
+        }
+        for (int32_t k = 0; k < n_run; ++k) {
+            for (const state & s : front[k]) {
+                const double e = s.e + run;
+                next[0].push_back({ e + rb / (r.cpu_gbs * kx_gb), s.c, s.node });
+                if (t[i].nbytes <= slot && k < kx_stream_slots) {
+                    const double c2 = s.c + (double) t[i].nbytes / (r.pcie_gbs * kx_gb);
+                    nodes.push_back({ (int32_t) i, s.node });
+                    next[k + 1].push_back({ std::max(e, c2) + rb / (r.gpu_gbs * kx_gb), c2, (int32_t) nodes.size() - 1 });
+                }
             }
         }
-        std::stable_sort(next.begin(), next.end(), [](const state & a, const state & b) {
-            return a.e != b.e ? a.e < b.e : a.c < b.c;
-        });
-        front.clear();
-        for (const state & s : next) {
-            if (front.empty() || s.c < front.back().c) {
-                front.push_back(s);
+        for (int32_t k = 0; k < n_run; ++k) {
+            std::stable_sort(next[k].begin(), next[k].end(), [](const state & a, const state & b) {
+                return a.e != b.e ? a.e < b.e : a.c < b.c;
+            });
+            front[k].clear();
+            for (const state & s : next[k]) {
+                if (front[k].empty() || s.c < front[k].back().c) {
+                    front[k].push_back(s);
+                }
             }
+        }
+    }
+    const state * best = nullptr;
+    for (int32_t k = 0; k < n_run; ++k) {
+        if (!front[k].empty() && (!best || front[k][0].e < best->e || (front[k][0].e == best->e && front[k][0].c < best->c))) {
+            best = &front[k][0];
         }
     }
     streamed.assign(t.size(), false);
-    for (int32_t k = front[0].node; k >= 0; k = nodes[k].parent) {
+    for (int32_t k = best->node; k >= 0; k = nodes[k].parent) {
         streamed[nodes[k].tensor] = true;
     }
-    return front[0].e + (double) (gpu_bytes - done) / (r.gpu_gbs * kx_gb);
+    return best->e + (double) (gpu_bytes - done) / (r.gpu_gbs * kx_gb);
 }
 
 double kx_migrate_step_time(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,

@@ -7,6 +7,10 @@
 #include <deque>
 #include <vector>
 
+// the streamed tensors' scratch slots: one tensor in use, the next arriving; also the most
+// that stream in a row without a CPU tensor between (one device split reads such a run at once)
+static constexpr int32_t kx_stream_slots = 2;
+
 struct kx_migrate_rates {
     double cpu_gbs  = 100.0;
     double gpu_gbs  = 2000.0;
@@ -26,8 +30,9 @@ struct kx_migrate_sample {
     double cpu_bytes, cpu_s, gpu_bytes, gpu_s, copy_bytes, copy_s;
 };
 
-// the streamed set that makes the step shortest (each tensor fitting half the scratch);
-// returns the modelled step seconds
+// the streamed set that makes the step shortest (each tensor fitting half the scratch, no
+// more than kx_stream_slots in a row without a CPU tensor between); returns the modelled step
+// seconds
 double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,
                          int64_t scratch_bytes, std::vector<bool> & streamed);
 // the modelled step with this set streamed (kairox.migrate.step_time)

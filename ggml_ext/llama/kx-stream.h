@@ -25,8 +25,6 @@
 
 struct llama_context;
 
-// scratch slots: one tensor in use, the next arriving
-static constexpr int32_t kx_stream_slots = 2;
 // decode steps after a graph is split anew that migration does not sample
 static constexpr int32_t kx_stream_settle = 3;
 

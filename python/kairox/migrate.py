@@ -126,47 +126,56 @@ def step_time(tensors: Sequence[HostTensor], chosen: set[str], rates: Rates, gpu
     return elapsed + rates.gpu_s(gpu_bytes - done), waited
 
 
-def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
-                  scratch_bytes: int) -> tuple[list[str], float]:
-    """The CPU tensors to stream into scratch (names, in execution order) and the modelled
-    seconds of the step (step_time), exactly. The scratch buffer is two slots (one tensor in
-    use, the next arriving), so a streamed tensor takes at most half of it.
-
-    A dynamic program in execution order over the pairs (time so far, copy engine's time so
-    far): what follows depends on nothing else, and a pair no earlier on both counts than
-    another can never end first, so each step keeps only the pairs on their Pareto front."""
-    slot = scratch_bytes // 2
-    # (elapsed, copy_end, streamed names so far as a linked tuple)
-    front: list[tuple[float, float, tuple | None]] = [(0.0, 0.0, None)]
-    done = 0
-    for t in tensors:
-        run = rates.gpu_s(t.gpu_bytes_before - done)
-        done = t.gpu_bytes_before
-        nxt = []
-        for e, c, names in front:
-            e += run
-            nxt.append((e + rates.cpu_s(t.read_bytes), c, names))
-            if t.nbytes <= slot:
-                c2 = c + rates.pcie_s(t.nbytes)
-                nxt.append((max(e, c2) + rates.gpu_s(t.read_bytes), c2, (t.name, names)))
-        nxt.sort(key=lambda x: (x[0], x[1]))
-        front = []
-        for cand in nxt:
-            if not front or cand[1] < front[-1][1]:
-                front.append(cand)
-    e, _, names = front[0]
-    chosen = set()
-    while names is not None:
-        chosen.add(names[0])
-        names = names[1]
-    return [t.name for t in tensors if t.name in chosen], e + rates.gpu_s(gpu_bytes - done)
-
-
 # The runtime's streamed weights (ggml_ext/llama/kx-stream.cpp): the scratch's slots, one tensor
 # in use and the next arriving; what the placement keeps free beyond the budget's margin for
 # the driver's rounding (kx_place_alloc_slack)
 SLOTS = 2
 PLACE_SLACK = 16 * MiB
+
+
+def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
+                  scratch_bytes: int, slots: int = SLOTS) -> tuple[list[str], float]:
+    """The CPU tensors to stream into scratch (names, in execution order) and the modelled
+    seconds of the step (step_time), exactly. The scratch buffer is two slots (one tensor in
+    use, the next arriving), so a streamed tensor takes at most half of it, and no more than
+    `slots` stream in a row without a CPU tensor between (one device split reads such a run
+    at once: cap_runs holds the runtime to it, so the choice is made under it too, or a choice
+    priced at a slow CPU models long runs the runtime then cuts).
+
+    A dynamic program in execution order over the pairs (time so far, copy engine's time so
+    far), one set per length of the streamed run the chain ends in: what follows depends on
+    nothing else, and a pair no earlier on both counts than another of its set can never end
+    first, so each step keeps only each set's Pareto front."""
+    slot = scratch_bytes // 2
+    # per run length: (elapsed, copy_end, streamed names so far as a linked tuple)
+    fronts: list[list[tuple[float, float, tuple | None]]] = [[(0.0, 0.0, None)]] + [[] for _ in range(slots)]
+    done = 0
+    for t in tensors:
+        run = rates.gpu_s(t.gpu_bytes_before - done)
+        done = t.gpu_bytes_before
+        nxt: list[list[tuple[float, float, tuple | None]]] = [[] for _ in range(slots + 1)]
+        for k, front in enumerate(fronts):
+            for e, c, names in front:
+                e += run
+                nxt[0].append((e + rates.cpu_s(t.read_bytes), c, names))
+                if t.nbytes <= slot and k < slots:
+                    c2 = c + rates.pcie_s(t.nbytes)
+                    nxt[k + 1].append((max(e, c2) + rates.gpu_s(t.read_bytes), c2, (t.name, names)))
+        fronts = []
+        for cands in nxt:
+            cands.sort(key=lambda x: (x[0], x[1]))
+            front: list[tuple[float, float, tuple | None]] = []
+            for cand in cands:
+                if not front or cand[1] < front[-1][1]:
+                    front.append(cand)
+            fronts.append(front)
+    # the earliest end (then the idler copy engine, then the shorter run)
+    e, _, names = min((f[0] for f in fronts if f), key=lambda x: (x[0], x[1]))
+    chosen = set()
+    while names is not None:
+        chosen.add(names[0])
+        names = names[1]
+    return [t.name for t in tensors if t.name in chosen], e + rates.gpu_s(gpu_bytes - done)
 
 
 def cap_runs(tensors: Sequence[HostTensor], chosen: Sequence[str], slots: int = SLOTS) -> list[str]:
