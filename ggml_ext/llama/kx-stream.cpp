@@ -61,17 +61,6 @@ kx_stream_chain kx_stream_chain_of(const std::vector<kx_place_item> & all, const
     return ch;
 }
 
-void kx_stream_cap_runs(std::vector<bool> & st) {
-    int32_t run = 0;
-    for (size_t i = 0; i < st.size(); ++i) {
-        run = st[i] ? run + 1 : 0;
-        if (run > kx_stream_slots) {
-            st[i] = false;
-            run = 0;
-        }
-    }
-}
-
 kx_migrate_rates kx_stream_rates(const kx_dense_rates & rates, const std::vector<kx_place_item> & all,
                                  const std::vector<std::string> & cpu) {
     // (one type's rate exactly as given: the mean of equal rates may differ in the last bit,
@@ -124,7 +113,6 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget,
         std::vector<bool> st;
         const double s = kx_migrate_choose(ch.tensors, kx_stream_rates(rates, all.items, cpu), ch.gpu_bytes, scratch, st);
         if (c) {
-            kx_stream_cap_runs(st);
             for (size_t i = 0; i < ch.tensors.size(); ++i) {
                 if (st[i]) {
                     c->streamed.push_back(ch.names[i]);
@@ -469,13 +457,11 @@ void kx_stream::tick() {
 }
 
 void kx_stream::apply(const std::vector<bool> & chosen) {
-    std::vector<bool> st = chosen;
-    kx_stream_cap_runs(st);
     bool changed = false;
     for (size_t k = 0; k < chain.tensors.size(); ++k) {
         // (a chain tensor no slot holds is never chosen: it is larger than a slot)
-        if (chain_item[k] >= 0 && items[chain_item[k]].on != (bool) st[k]) {
-            items[chain_item[k]].on = st[k];
+        if (chain_item[k] >= 0 && items[chain_item[k]].on != (bool) chosen[k]) {
+            items[chain_item[k]].on = chosen[k];
             changed = true;
         }
     }
@@ -612,8 +598,7 @@ std::shared_ptr<kx_stream> kx_stream_start(llama_context * ctx, ggml_backend_dev
         st->mig.gpu_bytes     = st->chain.gpu_bytes;
         st->mig.scratch_bytes = (int64_t) kx_stream_slots * largest;
         st->mig.init(kx_stream_rates(mc.rates, all, cpu));
-        std::vector<bool> first = st->mig.streamed;
-        kx_stream_cap_runs(first);
+        const std::vector<bool> & first = st->mig.streamed;
         for (size_t k = 0; k < st->chain.tensors.size(); ++k) {
             if (st->chain_item[k] >= 0) {
                 st->items[st->chain_item[k]].on = first[k];

@@ -38,9 +38,6 @@ struct kx_stream_chain {
 };
 kx_stream_chain kx_stream_chain_of(const std::vector<kx_place_item> & all, const std::vector<std::string> & cpu,
                                    int64_t scratch);
-// no more than kx_stream_slots streamed in a row without a CPU tensor between (one device
-// split would read them all at once): the later ones of a longer run stay on the CPU
-void kx_stream_cap_runs(std::vector<bool> & streamed);
 
 struct kx_stream_choice {
     std::vector<std::string> cpu;      // the budget's host tensors, the streamed ones among them

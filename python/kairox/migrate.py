@@ -139,8 +139,8 @@ def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
     seconds of the step (step_time), exactly. The scratch buffer is two slots (one tensor in
     use, the next arriving), so a streamed tensor takes at most half of it, and no more than
     `slots` stream in a row without a CPU tensor between (one device split reads such a run
-    at once: cap_runs holds the runtime to it, so the choice is made under it too, or a choice
-    priced at a slow CPU models long runs the runtime then cuts).
+    at once; choosing without the limit and cutting the runs afterwards, a choice priced at a
+    slow CPU modelled steps its cut set could not reach).
 
     A dynamic program in execution order over the pairs (time so far, copy engine's time so
     far), one set per length of the streamed run the chain ends in: what follows depends on
@@ -176,19 +176,6 @@ def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
         chosen.add(names[0])
         names = names[1]
     return [t.name for t in tensors if t.name in chosen], e + rates.gpu_s(gpu_bytes - done)
-
-
-def cap_runs(tensors: Sequence[HostTensor], chosen: Sequence[str], slots: int = SLOTS) -> list[str]:
-    """The chosen tensors, dropping any beyond `slots` in a row (execution order) without a
-    CPU tensor between: one device split reads such a run at once, and each needs a slot."""
-    keep, run = [], 0
-    for t in tensors:
-        run = run + 1 if t.name in chosen else 0
-        if run > slots:
-            run = 0
-        elif run:
-            keep.append(t.name)
-    return keep
 
 
 def place_fixed(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile, copies: bool = False) -> list[str]:
@@ -249,7 +236,7 @@ def stream_step(items: list[DenseItem], cpu: list[str], scratch: int, hw: HwProf
     exact choice picks into `scratch` (0: nothing), and the streamed tensors (runs capped)."""
     chain, gpu = host_chain(items, cpu, scratch)
     chosen, t = stream_choice(chain, hw.rates, gpu, scratch)
-    return t, cap_runs(chain, chosen)
+    return t, chosen
 
 
 @dataclass(frozen=True)
@@ -267,7 +254,7 @@ def stream_placement(items: list[DenseItem], fixed: int, budget: int, hw: HwProf
     """The budget's placement with streamed weights, the reference of the runtime's
     kx_stream_choose: the plain placement; then for each of its host tensors' sizes (largest
     first, three at most) the placement again under the budget less two slots of that size and
-    the exact streaming choice over its host tensors (runs capped, cap_runs); the fastest
+    the exact streaming choice over its host tensors (runs within the slots); the fastest
     modelled one, the plain one when none beats it. An MoE expert tensor (read in part) never
     streams: it would cross PCIe whole. The scratch is two of the largest tensor a slot of the
     winner holds (the same choice: no tensor between that and the size tried is on the CPU)."""
