@@ -238,18 +238,22 @@ def _random_model(rng: np.random.Generator) -> list:
     return items
 
 
-def test_the_runtimes_streaming_placement_is_the_reference(native) -> None:
+def test_the_runtimes_streaming_placement_is_the_reference(native, tmp_path) -> None:
     """kx_stream_place (C++, the runtime's kx_stream_choose) against stream_placement: the same
     host tensors, the same streamed ones, the same ones a slot holds and the same scratch on
-    random models, budgets and rates; every run of streamed tensors fits the two slots."""
+    random models, budgets and rates (a third of them with weight types, priced at a hardware
+    profile's per-type rates, one type left to its default); every run of streamed tensors fits
+    the two slots."""
     import ctypes
+    import dataclasses
+    import json
 
     from kairox.llama import _lib
-    from kairox.migrate import SLOTS, stream_placement, stream_step
+    from kairox.migrate import stream_placement, stream_step
     from kairox.plan import HwProfile, PlanError
     MiB = 1 << 20
     rng = np.random.default_rng(11)
-    streamed_any = 0
+    streamed_any = typed = 0
     for case in range(120):
         items = _random_model(rng)
         total = sum(it.nbytes for it in items)
@@ -257,14 +261,24 @@ def test_the_runtimes_streaming_placement_is_the_reference(native) -> None:
         budget = fixed + int(rng.integers(0, total // MiB + 400)) * MiB + 300 * MiB
         hw = HwProfile(float(rng.uniform(40, 150)), float(rng.uniform(800, 4000)), float(rng.uniform(15, 60)),
                        float(rng.uniform(5, 40)))
+        prof = None
+        if case % 3 == 0:
+            items = [dataclasses.replace(it, type=str(rng.choice(["f16", "q8_0", "q4_0"]))) for it in items]
+            d = {"cpu_gbs": hw.cpu_gbs, "gpu_gbs": hw.gpu_gbs, "pcie_gbs": hw.pcie_gbs, "handoff_us": hw.handoff_us,
+                 "cpu_type_gbs": {"f16": float(rng.uniform(20, 150)), "q4_0": float(rng.uniform(20, 150))},
+                 "gpu_type_gbs": {"q8_0": float(rng.uniform(800, 4000))}}
+            prof = tmp_path / f"hw{case}.json"
+            prof.write_text(json.dumps(d))
+            hw = HwProfile.from_json(d)
         n = len(items)
         copies = bool(case % 2)
         where, scratch = (ctypes.c_int8 * n)(), ctypes.c_int64()
         rc = _lib.kx_stream_place((ctypes.c_char_p * n)(*[it.name.encode() for it in items]),
                                   (ctypes.c_int64 * n)(*[it.nbytes for it in items]),
-                                  (ctypes.c_double * n)(*[it.read for it in items]), n, fixed, budget,
-                                  hw.cpu_gbs, hw.gpu_gbs, hw.pcie_gbs, hw.handoff_us, copies, where,
-                                  ctypes.byref(scratch))
+                                  (ctypes.c_double * n)(*[it.read for it in items]),
+                                  (ctypes.c_char_p * n)(*[it.type.encode() for it in items]) if prof else None,
+                                  n, fixed, budget, hw.cpu_gbs, hw.gpu_gbs, hw.pcie_gbs, hw.handoff_us,
+                                  str(prof).encode() if prof else None, copies, where, ctypes.byref(scratch))
         try:
             want = stream_placement(items, fixed, budget, hw, copies)
         except PlanError:
@@ -286,10 +300,15 @@ def test_the_runtimes_streaming_placement_is_the_reference(native) -> None:
         assert all(by.nbytes * SLOTS <= want.scratch and by.read == 1.0
                    for by in items if by.name in got_streamed)
         streamed_any += bool(want.streamed)
-    assert streamed_any >= 20  # the cases do exercise streaming
+        typed += bool(prof and want.streamed)
+    assert streamed_any >= 20 and typed >= 5  # the cases do exercise streaming, typed ones too
     bad = (ctypes.c_int8 * 1)()
-    assert _lib.kx_stream_place(None, None, None, 1, 0, 1 << 30, 100.0, 2000.0, 50.0, 20.0, False, bad,
+    assert _lib.kx_stream_place(None, None, None, None, 1, 0, 1 << 30, 100.0, 2000.0, 50.0, 20.0, None, False, bad,
                                 ctypes.byref(ctypes.c_int64())) == -1
+    one = (ctypes.c_char_p * 1)(b"output.weight")
+    size, share = (ctypes.c_int64 * 1)(MiB), (ctypes.c_double * 1)(1.0)
+    assert _lib.kx_stream_place(one, size, share, None, 1, 0, 1 << 30, 100.0, 2000.0, 50.0, 20.0,
+                                str(tmp_path / "missing.json").encode(), False, bad, ctypes.byref(ctypes.c_int64())) == -1
 
 
 def test_the_output_head_stays_on_the_gpu_when_its_copy_costs_more() -> None:

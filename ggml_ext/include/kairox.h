@@ -406,11 +406,14 @@ LLAMA_API int32_t kx_place_order(const char * const * names, int32_t n, int32_t 
 // vectors) and, with `copies`, a copy of the largest host tensor (llama.cpp's op offload of a
 // prompt batch): where[i] = 0 on the GPU, 1 on the CPU, 2 on the CPU and streamed, 3 on the CPU in a slot's reach
 // (runtime migration may stream it); *scratch the
-// slots' bytes. Rates in GB/s, the hand-off in µs. Returns 0, -1 for bad arguments, -2 when
-// the budget is too small.
-LLAMA_API int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, const double * read, int32_t n,
-                                  int64_t fixed, int64_t budget, double cpu_gbs, double gpu_gbs, double pcie_gbs,
-                                  double handoff_us, bool copies, int8_t * where, int64_t * scratch);
+// slots' bytes. Rates in GB/s, the hand-off in µs; with a `kairox profile-hw` file
+// (hw_profile, may be NULL) its rates instead, each tensor priced at its ggml type's (types,
+// may be NULL: none). Returns 0, -1 for bad arguments (or an unreadable profile), -2 when the
+// budget is too small.
+LLAMA_API int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, const double * read,
+                                  const char * const * types, int32_t n, int64_t fixed, int64_t budget,
+                                  double cpu_gbs, double gpu_gbs, double pcie_gbs, double handoff_us,
+                                  const char * hw_profile, bool copies, int8_t * where, int64_t * scratch);
 LLAMA_API double  kx_plan_dense(const int64_t * nbytes, const double * cpu_s, const double * gpu_s, int32_t n,
                                 int64_t budget, int64_t unit, double handoff_s, bool * on_gpu);
 // Neuron slots per layer (python/kairox/plan.py solve_slots is the reference): layer l has

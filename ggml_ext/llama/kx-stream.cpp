@@ -162,19 +162,32 @@ kx_stream_choice kx_stream_choose(const kx_dry_run_fn & dry_run, int64_t budget,
     return best;
 }
 
-int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, const double * read, int32_t n,
-                        int64_t fixed, int64_t budget, double cpu_gbs, double gpu_gbs, double pcie_gbs,
-                        double handoff_us, bool copies, int8_t * where, int64_t * scratch) {
+int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, const double * read,
+                        const char * const * types, int32_t n, int64_t fixed, int64_t budget, double cpu_gbs,
+                        double gpu_gbs, double pcie_gbs, double handoff_us, const char * hw_profile, bool copies,
+                        int8_t * where, int64_t * scratch) {
     if (n < 0 || (n > 0 && (!names || !nbytes || !read || !where)) || !scratch || cpu_gbs <= 0 || gpu_gbs <= 0 ||
         pcie_gbs <= 0 || handoff_us < 0) {
         return -1;
     }
-    std::vector<kx_place_item> items;
-    for (int32_t i = 0; i < n; ++i) {
-        if (!names[i] || nbytes[i] < 0 || !(read[i] > 0 && read[i] <= 1)) {
+    kx_dense_rates rates;
+    rates.cpu_gbs    = cpu_gbs;
+    rates.gpu_gbs    = gpu_gbs;
+    rates.handoff_us = handoff_us;
+    rates.pcie_gbs   = pcie_gbs;
+    if (hw_profile) {
+        try {
+            rates = kx_dense_rates_read(hw_profile);
+        } catch (const std::exception &) {
             return -1;
         }
-        items.push_back({ names[i], nbytes[i], read[i] });
+    }
+    std::vector<kx_place_item> items;
+    for (int32_t i = 0; i < n; ++i) {
+        if (!names[i] || nbytes[i] < 0 || !(read[i] > 0 && read[i] <= 1) || (types && !types[i])) {
+            return -1;
+        }
+        items.push_back({ names[i], nbytes[i], read[i], types ? types[i] : "" });
     }
     // a dry run whose KV cache and compute buffers do not follow the choice, but for the copy
     // of the largest host tensor that an offloaded prompt batch makes (with `copies`)
@@ -192,11 +205,6 @@ int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, cons
         d.weights = d.movable;
         return d;
     };
-    kx_dense_rates rates;
-    rates.cpu_gbs    = cpu_gbs;
-    rates.gpu_gbs    = gpu_gbs;
-    rates.handoff_us = handoff_us;
-    rates.pcie_gbs   = pcie_gbs;
     kx_stream_choice c;
     try {
         c = kx_stream_choose(dry, budget, rates);

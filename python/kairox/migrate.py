@@ -231,11 +231,36 @@ def host_chain(items: list[DenseItem], cpu: list[str], scratch: int) -> tuple[li
     return chain, gpu
 
 
+def stream_rates(hw: HwProfile, items: list[DenseItem], cpu: list[str]) -> Rates:
+    """The streaming policy's rates for these host tensors (the runtime's kx_stream_rates): the
+    CPU's and the GPU's the byte-weighted harmonic mean of each weight type's rate, so the one
+    rate the policy takes prices the host tensors, all on one side, as the per-type rates do;
+    one type's rate exactly as given; PCIe as the profile says."""
+    host = set(cpu)
+    type_bytes: dict[str, float] = {}
+    for it in items:
+        if it.name in host:
+            type_bytes[it.type] = type_bytes.get(it.type, 0.0) + it.nbytes * it.read
+    r = hw.rates
+    if len(type_bytes) == 1:
+        (t,) = type_bytes
+        return Rates(hw.cpu_type_gbs.get(t, hw.cpu_gbs), hw.gpu_type_gbs.get(t, hw.gpu_gbs), r.pcie_gbs)
+    if type_bytes:
+        total = cpu_s = gpu_s = 0.0
+        for t in sorted(type_bytes):  # the runtime sums over a map ordered by type name
+            b = type_bytes[t]
+            total += b
+            cpu_s += b / hw.cpu_type_gbs.get(t, hw.cpu_gbs)
+            gpu_s += b / hw.gpu_type_gbs.get(t, hw.gpu_gbs)
+        return Rates(total / cpu_s, total / gpu_s, r.pcie_gbs)
+    return r
+
+
 def stream_step(items: list[DenseItem], cpu: list[str], scratch: int, hw: HwProfile) -> tuple[float, list[str]]:
     """The modelled decode step of a placement (cpu: its host tensors) streaming what the
-    exact choice picks into `scratch` (0: nothing), and the streamed tensors (runs capped)."""
+    exact choice picks into `scratch` (0: nothing), and the streamed tensors."""
     chain, gpu = host_chain(items, cpu, scratch)
-    chosen, t = stream_choice(chain, hw.rates, gpu, scratch)
+    chosen, t = stream_choice(chain, stream_rates(hw, items, cpu), gpu, scratch)
     return t, chosen
 
 
