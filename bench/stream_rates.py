@@ -44,15 +44,6 @@ def preset_items(name: str, n_vocab: int) -> list:
     return items
 
 
-def model_items(path: str) -> list:
-    """A GGUF's matrices as the budget places them (the token embeddings stay on the CPU)."""
-    from kairox.gguf_header import scan_header
-    from kairox.plan import DenseItem, _type_name
-    hdr = scan_header(path)
-    return [DenseItem(t.name, t.nbytes, _type_name(t.type_id)) for t in hdr.tensors
-            if t.name != "token_embd.weight" and len(t.ne) >= 2 and t.ne[1] > 1]
-
-
 def sweep(items: list, budgets_mib: list[int], fixed: int, cpu: list[float], truth: list[float],
           gpu_gbs: float, pcie_gbs: float, handoff_us: float) -> list[dict]:
     """One row per (budget, pricing): the choice's host and streamed bytes, its modelled step
@@ -128,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--handoff-us", type=float, default=23.5)
     ap.add_argument("--out", required=True, help="folder for the JSON and the table")
     a = ap.parse_args(argv)
-    items = model_items(a.model) if a.model else preset_items(a.preset, a.vocab)
+    if a.model:
+        from kairox.gguf_header import scan_header
+        from kairox.plan import dense_items
+        items = dense_items(scan_header(a.model))
+    else:
+        items = preset_items(a.preset, a.vocab)
     name = Path(a.model).stem if a.model else a.preset
     budgets = [int(round(b * 1024)) for b in a.budgets]
     rows = sweep(items, budgets, int(a.fixed_mib * MiB), a.cpu, a.truth, a.gpu_gbs, a.pcie_gbs, a.handoff_us)

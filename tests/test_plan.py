@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -447,3 +448,19 @@ def test_greedy_slot_solve_is_within_one_percent_of_the_exact_one() -> None:
         assert t >= t_exact * (1 - 1e-4)  # (the reference stops within 1e-4 of the optimum)
         worst = max(worst, t / t_exact - 1)
     assert worst <= 0.01, f"greedy {100 * worst:.2f}% above the optimum"
+
+
+def test_dense_items_of_a_gguf(tmp_path: Path) -> None:
+    """plan.dense_items: every matrix but the token embeddings, norms left out, an MoE expert
+    tensor read at n_expert_used / n_expert of its bytes, and the names `skip` matches left out."""
+    from kairox.gguf_header import scan_header
+    from kairox.plan import FFN_RE, dense_items
+    from kairox.synth import PRESETS, synth
+    out = tmp_path / "moe.gguf"
+    synth(out, PRESETS["KB-MoE-tiny"], act="silu", quiet=True)
+    hdr = scan_header(out)
+    items = {it.name: it for it in dense_items(hdr)}
+    assert "token_embd.weight" not in items and not any("norm" in n for n in items)
+    assert items["blk.0.ffn_up_exps.weight"].read == 2 / 8 and items["blk.0.attn_q.weight"].read == 1.0
+    assert {it.name for it in dense_items(hdr, skip=FFN_RE)} == set(items)  # experts do not match FFN_RE
+    assert "blk.1.attn_q.weight" not in {it.name for it in dense_items(hdr, skip=re.compile(r"blk\.1\."))}

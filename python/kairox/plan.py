@@ -453,6 +453,21 @@ def _rates_text(hw: HwProfile) -> str:
 FFN_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight$")
 
 
+def dense_items(hdr: Any, skip: re.Pattern[str] | None = None) -> list[DenseItem]:
+    """A GGUF header's matrices as the dense knapsack places them (those whose name `skip`
+    matches left out): the token embeddings stay on the CPU (a row lookup), and an MoE expert
+    tensor is read at n_expert_used / n_expert of its bytes a token."""
+    arch = hdr.kv["general.architecture"]
+    n_expert, n_used = int(hdr.kv.get(f"{arch}.expert_count", 0)), int(hdr.kv.get(f"{arch}.expert_used_count", 0))
+    out = []
+    for t in hdr.tensors:
+        if t.name == "token_embd.weight" or len(t.ne) < 2 or (skip is not None and skip.match(t.name)):
+            continue
+        expert = len(t.ne) >= 3 and t.ne[2] > 1 and "_exps" in t.name and n_expert > 0
+        out.append(DenseItem(t.name, t.nbytes, _type_name(t.type_id), n_used / n_expert if expert else 1.0))
+    return out
+
+
 def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: str | Path | None = None,
               reserved: int = 512 * MiB) -> Plan:
     """Plan a model for a VRAM budget (bytes). Without a pack there are no neuron slots: the
@@ -467,22 +482,17 @@ def make_plan(model_path: str | Path, budget: int, hw: HwProfile, *, pack_path: 
                         f"reserved for the KV cache and compute buffers")
     arch = hdr.kv["general.architecture"]
     n_layer = int(hdr.kv[f"{arch}.block_count"])
-    n_expert, n_used = int(hdr.kv.get(f"{arch}.expert_count", 0)), int(hdr.kv.get(f"{arch}.expert_used_count", 0))
     pp = Path(pack_path) if pack_path else pack_path_for(model_path)
     slotted = pp.exists()
     ffn_bytes = [0] * n_layer
     ffn_type = [""] * n_layer  # the gate's: most of a neuron's bytes are read at its type
-    dense: list[DenseItem] = []
     for t in hdr.tensors:
         m = FFN_RE.match(t.name) if slotted else None
         if m:
             ffn_bytes[int(m.group(1))] += t.nbytes
             if m.group(2) == "gate":
                 ffn_type[int(m.group(1))] = _type_name(t.type_id)
-        elif t.name != "token_embd.weight" and len(t.ne) >= 2:  # the embedding is a row lookup
-            expert = len(t.ne) >= 3 and t.ne[2] > 1 and "_exps" in t.name and n_expert > 0
-            dense.append(DenseItem(t.name, t.nbytes, _type_name(t.type_id), n_used / n_expert if expert else 1.0))
-    dense = dense_groups(dense)
+    dense = dense_groups(dense_items(hdr, skip=FFN_RE if slotted else None))
     n_ff = int(hdr.kv.get(f"{arch}.feed_forward_length", 0))
     freqs, n_groups, gbytes, rows = [], [], [], []
     if slotted:
