@@ -24,7 +24,7 @@ double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migr
     std::vector<node> nodes;                 // the streamed tensors of each path, linked back
     std::vector<state> front[n_run], next[n_run];
     front[0] = { { 0.0, 0.0, -1 } };
-    const int64_t slot = scratch_bytes / 2;
+    const int64_t slot = scratch_bytes / kx_stream_slots;
     int64_t done = 0;
     for (size_t i = 0; i < t.size(); ++i) {
         const double run  = (double) (t[i].gpu_bytes_before - done) / (r.gpu_gbs * kx_gb);

@@ -136,8 +136,8 @@ PLACE_SLACK = 16 * MiB
 def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
                   scratch_bytes: int, slots: int = SLOTS) -> tuple[list[str], float]:
     """The CPU tensors to stream into scratch (names, in execution order) and the modelled
-    seconds of the step (step_time), exactly. The scratch buffer is two slots (one tensor in
-    use, the next arriving), so a streamed tensor takes at most half of it, and no more than
+    seconds of the step (step_time), exactly. The scratch buffer is SLOTS slots (one tensor in
+    use, the next arriving), so a streamed tensor takes at most one of them, and no more than
     `slots` stream in a row without a CPU tensor between (one device split reads such a run
     at once; choosing without the limit and cutting the runs afterwards, a choice priced at a
     slow CPU modelled steps its cut set could not reach).
@@ -146,7 +146,7 @@ def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
     far), one set per length of the streamed run the chain ends in: what follows depends on
     nothing else, and a pair no earlier on both counts than another of its set can never end
     first, so each step keeps only each set's Pareto front."""
-    slot = scratch_bytes // 2
+    slot = scratch_bytes // SLOTS
     # per run length: (elapsed, copy_end, streamed names so far as a linked tuple)
     fronts: list[list[tuple[float, float, tuple | None]]] = [[(0.0, 0.0, None)]] + [[] for _ in range(slots)]
     done = 0
