@@ -242,8 +242,8 @@ def test_the_runtimes_streaming_placement_is_the_reference(native, tmp_path) -> 
     """kx_stream_place (C++, the runtime's kx_stream_choose) against stream_placement: the same
     host tensors, the same streamed ones, the same ones a slot holds and the same scratch on
     random models, budgets and rates (a third of them with weight types, priced at a hardware
-    profile's per-type rates, one type left to its default); every run of streamed tensors fits
-    the two slots."""
+    profile's per-type rates whatever the case of the type's name, one type left to its
+    default); every run of streamed tensors fits the two slots."""
     import ctypes
     import dataclasses
     import json
@@ -263,10 +263,14 @@ def test_the_runtimes_streaming_placement_is_the_reference(native, tmp_path) -> 
                        float(rng.uniform(5, 40)))
         prof = None
         if case % 3 == 0:
-            items = [dataclasses.replace(it, type=str(rng.choice(["f16", "q8_0", "q4_0"]))) for it in items]
+            # ggml's names as the runtime passes them ("q4_K"), profile keys as profile-hw
+            # writes them ("q4_k") or as a hand-edited profile might ("Q6_K")
+            items = [dataclasses.replace(it, type=str(rng.choice(["f16", "q8_0", "q4_0", "q4_K", "q6_K"])))
+                     for it in items]
             d = {"cpu_gbs": hw.cpu_gbs, "gpu_gbs": hw.gpu_gbs, "pcie_gbs": hw.pcie_gbs, "handoff_us": hw.handoff_us,
-                 "cpu_type_gbs": {"f16": float(rng.uniform(20, 150)), "q4_0": float(rng.uniform(20, 150))},
-                 "gpu_type_gbs": {"q8_0": float(rng.uniform(800, 4000))}}
+                 "cpu_type_gbs": {"f16": float(rng.uniform(20, 150)), "q4_0": float(rng.uniform(20, 150)),
+                                  "q4_k": float(rng.uniform(20, 150))},
+                 "gpu_type_gbs": {"q8_0": float(rng.uniform(800, 4000)), "Q6_K": float(rng.uniform(800, 4000))}}
             prof = tmp_path / f"hw{case}.json"
             prof.write_text(json.dumps(d))
             hw = HwProfile.from_json(d)

@@ -323,12 +323,14 @@ def test_measured_type_rates_steer_slots() -> None:
 
 
 def test_matvec_rates_are_measured_by_ggml(native: Path) -> None:
-    from kairox.hw import matvec_rates, matvec_seconds
+    from kairox.hw import MATVEC_TYPES, matvec_rates, matvec_seconds
     s, nb = matvec_seconds("q4_0", 8 << 20, threads=1, reps=2)
     assert nb == (8 << 20) // (4096 // 32 * 18) * (4096 // 32 * 18) and 0 < s < 10  # whole Q4_0 rows
     for bad in ("q8_1", "nope"):
         with pytest.raises((RuntimeError, ValueError), match="unsupported|unknown"):
             matvec_seconds(bad, 1 << 20)
+    for t in MATVEC_TYPES:  # every type profile-hw measures by default has a kernel here
+        assert matvec_seconds(t, 1 << 20, threads=1, reps=1)[1] > 0, t
     r = matvec_rates(1, types=("f16", "q4_0"), cpu_bytes=16 << 20, gpu_bytes=16 << 20)
     assert set(r["cpu"]) == {"f16", "q4_0"} and all(0.1 < v < 5000 for v in r["cpu"].values())
     from kairox._native import has_gpu

@@ -110,8 +110,12 @@ kx_dense_rates kx_dense_rates_read(const std::string & path) {
         r.gpu_gbs = j.at("gpu_gbs").get<double>();
         r.handoff_us = j.value("handoff_us", r.handoff_us);
         r.pcie_gbs   = j.value("pcie_gbs", r.pcie_gbs);
-        r.cpu_type_gbs = j.value("cpu_type_gbs", std::map<std::string, double>());
-        r.gpu_type_gbs = j.value("gpu_type_gbs", std::map<std::string, double>());
+        for (const char * key : { "cpu_type_gbs", "gpu_type_gbs" }) {
+            auto & m = key[0] == 'c' ? r.cpu_type_gbs : r.gpu_type_gbs;
+            for (const auto & [type, gbs] : j.value(key, std::map<std::string, double>())) {
+                m[kx_type_key(type)] = gbs;
+            }
+        }
         bool ok = r.cpu_gbs > 0 && r.gpu_gbs > 0 && r.pcie_gbs > 0 && r.handoff_us >= 0;
         for (const auto * m : { &r.cpu_type_gbs, &r.gpu_type_gbs }) {
             for (const auto & [type, gbs] : *m) {

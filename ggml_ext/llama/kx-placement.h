@@ -4,6 +4,8 @@
 
 #include "llama.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -21,21 +23,29 @@ static constexpr int64_t kx_plan_dense_unit = 1 << 20;
 // buffers; the placement keeps this much free so the runtime's own base reading fits too.
 static constexpr int64_t kx_place_alloc_slack = 16 << 20;
 
+// a weight type's name as the hardware profile keys it: lower case ("q4_k"; ggml names the
+// K-quants "q4_K", gguf-py and the profile "q4_k")
+inline std::string kx_type_key(std::string type) {
+    std::transform(type.begin(), type.end(), type.begin(), [](unsigned char c) { return (char) std::tolower(c); });
+    return type;
+}
+
 // decode rates of the cost model (kairox.costs.Rates, plan.HwProfile.handoff_us)
 struct kx_dense_rates {
     double cpu_gbs    = 100.0;
     double gpu_gbs    = 2000.0;
     double handoff_us = 23.5; // one CPU<->GPU round trip of the hidden state
     double pcie_gbs   = 50.0; // host-to-device copies (what streamed tensors cross)
-    // measured matvec rates by ggml type name ("f16", "q4_0"; `kairox profile-hw`): a quantized
-    // matvec can run below the streaming read on the CPU; a type not listed takes the rate above
+    // measured matvec rates by weight type (`kairox profile-hw`; keys as kx_type_key spells
+    // them): a quantized matvec can run below the streaming read on the CPU; a type not listed
+    // takes the rate above
     std::map<std::string, double> cpu_type_gbs, gpu_type_gbs;
     double cpu_of(const std::string & type) const {
-        const auto it = cpu_type_gbs.find(type);
+        const auto it = cpu_type_gbs.find(kx_type_key(type));
         return it != cpu_type_gbs.end() ? it->second : cpu_gbs;
     }
     double gpu_of(const std::string & type) const {
-        const auto it = gpu_type_gbs.find(type);
+        const auto it = gpu_type_gbs.find(kx_type_key(type));
         return it != gpu_type_gbs.end() ? it->second : gpu_gbs;
     }
 };

@@ -68,7 +68,7 @@ kx_migrate_rates kx_stream_rates(const kx_dense_rates & rates, const std::vector
     std::map<std::string, double> type_bytes;
     for (const kx_place_item & it : all) {
         if (std::find(cpu.begin(), cpu.end(), it.name) != cpu.end()) {
-            type_bytes[it.type] += (double) it.bytes * it.read;
+            type_bytes[kx_type_key(it.type)] += (double) it.bytes * it.read;
         }
     }
     kx_migrate_rates r = { rates.cpu_gbs, rates.gpu_gbs, rates.pcie_gbs };

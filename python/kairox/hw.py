@@ -111,7 +111,10 @@ def measure_bandwidths(threads: int | None = None) -> dict[str, float | None]:
     return out
 
 
-MATVEC_TYPES = ("f16", "q8_0", "q4_0")
+# the types of the models people run: F16/BF16 conversions, the legacy quants and the
+# K-quants of Q4_K_M / Q5_K_M / Q6_K files (a type left out is priced at the streaming read,
+# which a quantized matvec on the CPU does not reach)
+MATVEC_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 MATVEC_COLS = 4096  # a multiple of every block size (k-quants: 256)
 
 

@@ -240,18 +240,19 @@ def stream_rates(hw: HwProfile, items: list[DenseItem], cpu: list[str]) -> Rates
     type_bytes: dict[str, float] = {}
     for it in items:
         if it.name in host:
-            type_bytes[it.type] = type_bytes.get(it.type, 0.0) + it.nbytes * it.read
+            t = it.type.lower()
+            type_bytes[t] = type_bytes.get(t, 0.0) + it.nbytes * it.read
     r = hw.rates
     if len(type_bytes) == 1:
         (t,) = type_bytes
-        return Rates(hw.cpu_type_gbs.get(t, hw.cpu_gbs), hw.gpu_type_gbs.get(t, hw.gpu_gbs), r.pcie_gbs)
+        return Rates(hw.cpu_rate(t) / GB, hw.gpu_rate(t) / GB, r.pcie_gbs)
     if type_bytes:
         total = cpu_s = gpu_s = 0.0
         for t in sorted(type_bytes):  # the runtime sums over a map ordered by type name
             b = type_bytes[t]
             total += b
-            cpu_s += b / hw.cpu_type_gbs.get(t, hw.cpu_gbs)
-            gpu_s += b / hw.gpu_type_gbs.get(t, hw.gpu_gbs)
+            cpu_s += b / (hw.cpu_rate(t) / GB)
+            gpu_s += b / (hw.gpu_rate(t) / GB)
         return Rates(total / cpu_s, total / gpu_s, r.pcie_gbs)
     return r
 

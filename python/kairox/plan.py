@@ -59,9 +59,9 @@ class HwProfile:
     gpu_gbs: float = Rates.gpu_gbs    # GPU matvec
     pcie_gbs: float = Rates.pcie_gbs  # host-to-device
     handoff_us: float = 23.5   # one CPU<->GPU switch of the hidden state, µs
-    # measured matvec rates per weight type (ggml type name -> weight GB/s per token, from
-    # `kairox profile-hw`): a quantized matvec can run below the streaming read on the CPU
-    # (unpacking costs compute); a type not listed falls back to cpu_gbs / gpu_gbs
+    # measured matvec rates per weight type (ggml type name in lower case -> weight GB/s per
+    # token, from `kairox profile-hw`): a quantized matvec can run below the streaming read on
+    # the CPU (unpacking costs compute); a type not listed falls back to cpu_gbs / gpu_gbs
     cpu_type_gbs: dict[str, float] = field(default_factory=dict)
     gpu_type_gbs: dict[str, float] = field(default_factory=dict)
 
@@ -74,7 +74,8 @@ class HwProfile:
         if not vals or any(v <= 0 for v in vals.values()):
             raise ValueError("expected positive cpu_gbs, gpu_gbs, pcie_gbs, handoff_us")
         for k in rates:
-            r = {str(t): float(v) for t, v in (d.get(k) or {}).items()}
+            # (ggml spells the K-quants "q4_K", gguf-py "Q4_K": one key for both)
+            r = {str(t).lower(): float(v) for t, v in (d.get(k) or {}).items()}
             if any(v <= 0 for v in r.values()):
                 raise ValueError(f"expected positive {k} rates")
             vals[k] = r
@@ -91,10 +92,10 @@ class HwProfile:
 
     def cpu_rate(self, type_name: str = "") -> float:
         """bytes/s of a matvec over weights of this type on the CPU"""
-        return self.cpu_type_gbs.get(type_name, self.cpu_gbs) * GB
+        return self.cpu_type_gbs.get(type_name.lower(), self.cpu_gbs) * GB
 
     def gpu_rate(self, type_name: str = "") -> float:
-        return self.gpu_type_gbs.get(type_name, self.gpu_gbs) * GB
+        return self.gpu_type_gbs.get(type_name.lower(), self.gpu_gbs) * GB
 
 
 @dataclass(frozen=True)
