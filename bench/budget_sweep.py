@@ -221,9 +221,10 @@ def render(res: dict, out: Path, stem: str) -> list[str]:
 
 def merge(paths: list[Path]) -> dict:
     """Sweeps of one model on one machine (calls of one warm machine: a 1-14 GiB sweep does
-    not fit one call) as one: their budgets in order, each part's commit and rounds kept. A
-    budget in two files, or files of different models, decode lengths, thread counts or extra
-    rows, are refused: the table would mix what it compares."""
+    not fit one call) as one: their budgets in order, each part's commit and rounds kept. Extra
+    rows (--also) one part measured and another did not stay blank at the other's budgets. A
+    budget in two files, or files of different models, decode lengths or thread counts, are
+    refused: the table would mix what it compares."""
     parts = [json.loads(p.read_text()) for p in paths]
     first = parts[0]
     for key in ("model", "gen", "threads", "sparse"):
@@ -232,10 +233,10 @@ def merge(paths: list[Path]) -> dict:
     hosts = {(p.get("machine") or {}).get("host") for p in parts}
     if len(hosts) > 1:
         raise ValueError(f"the sweeps ran on different machines: {sorted(map(str, hosts))}")
-    also = [sorted(b["also"]) for p in parts for b in p["budgets"]]
-    if any(a != also[0] for a in also):
-        raise ValueError("the sweeps have different extra rows (--also)")
     budgets = [b for p in parts for b in p["budgets"]]
+    also = list(dict.fromkeys(a for b in budgets for a in b["also"]))
+    blank = {"command": "", "tok_s": [], "error": "", "peak_mib": [], "median": None}
+    budgets = [{**b, "also": {a: b["also"].get(a, blank) for a in also}} for b in budgets]
     seen = [b["budget_gib"] for b in budgets]
     if len(set(seen)) != len(seen):
         raise ValueError(f"a budget is in more than one sweep: {sorted(seen)}")

@@ -528,6 +528,15 @@ def test_budget_sweeps_of_one_machine_merge_into_one_table(tmp_path: Path) -> No
     assert pre["prefill"] == 512
     assert [ln for ln in lines if ln.startswith("| 6 GiB | 1800.0 |")] == ["| 6 GiB | 1800.0 | 600.0 (`-ngl 9 -fa 1`) | 3.00x |"]
     assert not any(ln.startswith("| 4 GiB | 1200.0") for ln in lines)
+    # a part with an extra row: its column is blank at the other parts' budgets
+    x = json.loads(a.read_text())
+    for r in x["budgets"]:
+        r["also"] = {"hw": {**r["kairox"], "tok_s": [11.0 * r["budget_gib"]], "median": 11.0 * r["budget_gib"]}}
+    (tmp_path / "x.json").write_text(json.dumps(x))
+    lines = bs.render(bs.merge([tmp_path / "x.json", b]), tmp_path / "out", "extra")
+    assert "| budget | kairox-bench tok/s | kairox hw tok/s |" in "\n".join(lines)
+    assert any(ln.startswith("| 8 GiB | 80.00 | 88.00 | 64.00") for ln in lines)
+    assert any(ln.startswith("| 1 GiB | 10.00 | - | 8.00") for ln in lines)
     for bad in (sweep("c.json", "c3", [4.0]), sweep("d.json", "c3", [2.0], host="gpu-2"),
                 sweep("e.json", "c3", [2.0], gen=64)):
         with pytest.raises(ValueError):

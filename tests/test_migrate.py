@@ -68,8 +68,8 @@ def runs_fit(ts: list[HostTensor], chosen, slots: int = SLOTS) -> bool:
 def test_the_choice_is_the_best_of_every_subset() -> None:
     """stream_choice is exact: on random small steps, no other set of streamed tensors (each
     fitting a scratch slot, no more than SLOTS in a row without a CPU tensor between: what the
-    runtime streams) makes the step shorter; without the run limit some choices would
-    be shorter on paper, and the runtime would cut them."""
+    runtime streams) makes the step shorter; with as many slots as tensors (no run limit, no
+    copy waiting for a slot) the same holds, and some steps would be shorter."""
     rng = np.random.default_rng(1)
     streamed_some = streamed_none = capped = 0
     for _ in range(300):
@@ -83,9 +83,9 @@ def test_the_choice_is_the_best_of_every_subset() -> None:
                 if all(x.nbytes <= scratch // 2 for x in ts if x.name in c)]
         best = min(step_time(ts, set(c), r, gpu)[0] for c in fits if runs_fit(ts, c))
         assert t == pytest.approx(best, rel=1e-12)
-        capped += min(step_time(ts, set(c), r, gpu)[0] for c in fits) < best * (1 - 1e-9)
-        assert stream_choice(ts, r, gpu, scratch, slots=n)[1] == pytest.approx(
-            min(step_time(ts, set(c), r, gpu)[0] for c in fits), rel=1e-12)
+        unlimited = stream_choice(ts, r, gpu, scratch, slots=n)[1]
+        assert unlimited == pytest.approx(min(step_time(ts, set(c), r, gpu, slots=n)[0] for c in fits), rel=1e-12)
+        capped += unlimited < best * (1 - 1e-9)
         streamed_some += bool(got)
         streamed_none += not got
     assert streamed_some > 30 and streamed_none > 30 and capped >= 3  # every answer was seen
@@ -100,6 +100,30 @@ def test_a_copy_that_cannot_hide_is_not_worth_it() -> None:
     assert stream_choice([hidden], IDLE, 2 << 30, 1 << 30)[0] == ["y"]
     assert stream_choice([hidden], IDLE, 2 << 30, 79 * MiB)[0] == []  # a slot too small for it
     assert step_time([hidden], {"y"}, IDLE, 2 << 30)[1] == 0.0  # no wait
+
+
+def test_a_copy_waits_for_its_slot() -> None:
+    """Three tensors streamed behind 8 GiB of GPU work, a small CPU tensor between each: with two
+    slots the third copy starts only once the first tensor's reader is done (that slot's
+    event), not behind the GPU work as a copy engine free to run ahead would place it."""
+    big, small = 40 * MiB, MiB
+    ts = [HostTensor("a", big, 8 << 30), HostTensor("c1", small, 8 << 30), HostTensor("b", big, 8 << 30),
+          HostTensor("c2", small, 8 << 30), HostTensor("c", big, 8 << 30)]
+    r, p = IDLE, IDLE.pcie_s(big)
+    a_done = r.gpu_s(8 << 30) + r.gpu_s(big)  # copies of a and b (2p) hid behind the GPU work, c's (3p) would
+    assert 3 * p < r.gpu_s(8 << 30)
+    b_done = a_done + r.cpu_s(small) + r.gpu_s(big)
+    c_arrives = max(2 * p, a_done) + p
+    c_start = b_done + r.cpu_s(small)
+    assert c_arrives > c_start
+    t, waited = step_time(ts, {"a", "b", "c"}, r, 8 << 30)
+    assert t == pytest.approx(c_arrives + r.gpu_s(big), rel=1e-12)
+    assert waited == pytest.approx(c_arrives - c_start, rel=1e-9)
+    assert step_time(ts, {"a", "b", "c"}, r, 8 << 30, slots=3)[1] == 0.0  # a third slot: nothing waits
+    # the choice knows it: c's wait is longer than the CPU's 40 MiB, so c stays on the CPU
+    assert c_arrives - c_start > r.cpu_s(big)
+    got, t_best = stream_choice(ts, r, 8 << 30, 1 << 30)
+    assert "c" not in got and t_best < t
 
 
 def test_steady_rates_make_no_new_choice() -> None:

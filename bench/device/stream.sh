@@ -58,7 +58,8 @@ if [ -n "${KX_STREAM_HW:-}" ]; then
     cp "$W/hw.json" "$OUT/" && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
 print('profile-hw:', {k: d[k] for k in ('cpu_gbs', 'gpu_gbs', 'pcie_gbs', 'cpu_type_gbs')})" "$W/hw.json"
     rows+=("hw=--kx-hw-profile $W/hw.json")
-    for g in ${KX_STREAM_HW_CPU//,/ }; do
+    hw_cpu=${KX_STREAM_HW_CPU:-}
+    for g in ${hw_cpu//,/ }; do
         python3 -c "import json,sys; d=json.load(open(sys.argv[1])); g=float(sys.argv[2]); d['cpu_gbs']=g; \
 d['cpu_type_gbs']={t: g for t in d.get('cpu_type_gbs', {})}; json.dump(d, open(sys.argv[3], 'w'))" \
             "$W/hw.json" "$g" "$W/hw-cpu$g.json" || exit 1

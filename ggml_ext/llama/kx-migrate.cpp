@@ -11,19 +11,28 @@
 
 static constexpr double kx_gb = 1e9;
 
-// the step as a chain (kairox.migrate.step_time), a dynamic program over the Pareto front of
-// (time so far, copy engine's time so far), one front per length of the streamed run the chain
-// ends in: a pair no earlier on both counts than another of its front can never end first.
-// Ties keep the order the candidates were made in (on the CPU first), as the reference's stable
-// sort does; the end picked is the earliest, then the idler copy engine, then the shorter run.
+// The step as a chain (kairox.migrate.step_time), a dynamic program over the Pareto front of
+// (time so far, the next copy's earliest start, the readers' ends of the last
+// kx_stream_slots - 1 streamed tensors), one front per length of the streamed run the chain
+// ends in: what follows grows with each of them, so a state no earlier on every count than
+// another of its front can never end first. The j-th streamed tensor takes slot
+// j % kx_stream_slots, and its copy starts once the one before it is done and the reader of
+// the tensor that slot held last has finished (the engine's event). Ties keep the order the
+// candidates were made in (on the CPU first), as the reference's stable sort does; the end
+// picked is the earliest, then the idler copy engine, then the shorter run.
 double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,
                          int64_t scratch_bytes, std::vector<bool> & streamed) {
+    constexpr int32_t n_end = kx_stream_slots - 1;
     struct node { int32_t tensor; int32_t parent; };
-    struct state { double e, c; int32_t node; };
+    struct state {
+        double e, c;         // time so far; the next copy's earliest start
+        double ends[n_end];  // readers' ends of the last streamed tensors, oldest first
+        int32_t node;
+    };
     constexpr int32_t n_run = kx_stream_slots + 1;
     std::vector<node> nodes;                 // the streamed tensors of each path, linked back
     std::vector<state> front[n_run], next[n_run];
-    front[0] = { { 0.0, 0.0, -1 } };
+    front[0] = { state{ 0.0, 0.0, {}, -1 } };
     const int64_t slot = scratch_bytes / kx_stream_slots;
     int64_t done = 0;
     for (size_t i = 0; i < t.size(); ++i) {
@@ -36,21 +45,44 @@ double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migr
         for (int32_t k = 0; k < n_run; ++k) {
             for (const state & s : front[k]) {
                 const double e = s.e + run;
-                next[0].push_back({ e + rb / (r.cpu_gbs * kx_gb), s.c, s.node });
+                state cpu = s;
+                cpu.e = e + rb / (r.cpu_gbs * kx_gb);
+                next[0].push_back(cpu);
                 if (t[i].nbytes <= slot && k < kx_stream_slots) {
-                    const double c2 = s.c + (double) t[i].nbytes / (r.pcie_gbs * kx_gb);
+                    const double arrived = s.c + (double) t[i].nbytes / (r.pcie_gbs * kx_gb);
                     nodes.push_back({ (int32_t) i, s.node });
-                    next[k + 1].push_back({ std::max(e, c2) + rb / (r.gpu_gbs * kx_gb), c2, (int32_t) nodes.size() - 1 });
+                    state g;
+                    g.e = std::max(e, arrived) + rb / (r.gpu_gbs * kx_gb);
+                    // the slot the copy after the next takes was last read by the oldest end
+                    const double oldest = n_end > 0 ? s.ends[0] : g.e;
+                    g.c = std::max(arrived, oldest);
+                    for (int32_t m = 0; m + 1 < n_end; ++m) {
+                        g.ends[m] = s.ends[m + 1];
+                    }
+                    if (n_end > 0) {
+                        g.ends[n_end - 1] = g.e;
+                    }
+                    g.node = (int32_t) nodes.size() - 1;
+                    next[k + 1].push_back(g);
                 }
             }
         }
         for (int32_t k = 0; k < n_run; ++k) {
             std::stable_sort(next[k].begin(), next[k].end(), [](const state & a, const state & b) {
-                return a.e != b.e ? a.e < b.e : a.c < b.c;
+                if (a.e != b.e) {
+                    return a.e < b.e;
+                }
+                if (a.c != b.c) {
+                    return a.c < b.c;
+                }
+                return std::lexicographical_compare(a.ends, a.ends + n_end, b.ends, b.ends + n_end);
             });
             front[k].clear();
             for (const state & s : next[k]) {
-                if (front[k].empty() || s.c < front[k].back().c) {
+                const bool dominated = std::any_of(front[k].begin(), front[k].end(), [&](const state & f) {
+                    return f.c <= s.c && std::equal(f.ends, f.ends + n_end, s.ends, [](double a, double b) { return a <= b; });
+                });
+                if (!dominated) {
                     front[k].push_back(s);
                 }
             }
@@ -72,14 +104,17 @@ double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migr
 double kx_migrate_step_time(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,
                             const std::vector<bool> & streamed) {
     double elapsed = 0.0, copy_end = 0.0;
+    double freed[kx_stream_slots] = {}; // when each slot's last reader finished
     int64_t done = 0;
+    int32_t j = 0;
     for (size_t i = 0; i < t.size(); ++i) {
         elapsed += (double) (t[i].gpu_bytes_before - done) / (r.gpu_gbs * kx_gb);
         done = t[i].gpu_bytes_before;
         const double rb = (double) t[i].nbytes * t[i].read;
         if (streamed[i]) {
-            copy_end += (double) t[i].nbytes / (r.pcie_gbs * kx_gb);
+            copy_end = std::max(copy_end, freed[j % kx_stream_slots]) + (double) t[i].nbytes / (r.pcie_gbs * kx_gb);
             elapsed = std::max(elapsed, copy_end) + rb / (r.gpu_gbs * kx_gb);
+            freed[j++ % kx_stream_slots] = elapsed;
         } else {
             elapsed += rb / (r.cpu_gbs * kx_gb);
         }

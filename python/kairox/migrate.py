@@ -105,22 +105,31 @@ def moved(a: Rates, b: Rates) -> float:
     return max(abs(y / x - 1) for x, y in ((a.cpu_gbs, b.cpu_gbs), (a.gpu_gbs, b.gpu_gbs), (a.pcie_gbs, b.pcie_gbs)))
 
 
-def step_time(tensors: Sequence[HostTensor], chosen: set[str], rates: Rates, gpu_bytes: int) -> tuple[float, float]:
+def step_time(tensors: Sequence[HostTensor], chosen: set[str], rates: Rates, gpu_bytes: int,
+              slots: int | None = None) -> tuple[float, float]:
     """(seconds of one decode step, of which waiting for copies): the step as a chain in
     execution order, the GPU-resident work (gpu_bytes in all) between the host tensors, each
     host tensor on the CPU or, streamed, multiplied on the GPU once its copy has arrived. The
-    one copy engine starts with the step and copies the streamed tensors in order, so a copy
-    hides behind all the compute before its tensor's use."""
+    one copy engine copies the streamed tensors in order into `slots` slots (SLOTS): the j-th
+    streamed tensor takes slot j % slots, so its copy starts once the copy before it is done
+    and the reader of the tensor that slot held last (j - slots) has finished, as the runtime's
+    engine waits on that reader's event. The first ones start with the step. (A copy engine
+    free to run any distance ahead hid copies the slots cannot: measured on an H100 host at 7
+    GiB of KB-7B F16, docs/results-log.md.)"""
+    slots = slots or SLOTS
     elapsed = waited = copy_end = 0.0
-    done = 0  # resident GPU bytes run so far
+    free = [0.0] * slots  # when the last reader of each slot finished
+    done = j = 0  # resident GPU bytes run so far; streamed tensors so far
     for t in tensors:
         elapsed += rates.gpu_s(t.gpu_bytes_before - done)
         done = t.gpu_bytes_before
         if t.name in chosen:
-            copy_end += rates.pcie_s(t.nbytes)
+            copy_end = max(copy_end, free[j % slots]) + rates.pcie_s(t.nbytes)
             wait = max(0.0, copy_end - elapsed)
             waited += wait
             elapsed += wait + rates.gpu_s(t.read_bytes)
+            free[j % slots] = elapsed
+            j += 1
         else:
             elapsed += rates.cpu_s(t.read_bytes)
     return elapsed + rates.gpu_s(gpu_bytes - done), waited
@@ -136,46 +145,56 @@ PLACE_SLACK = 16 * MiB
 def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
                   scratch_bytes: int, slots: int = SLOTS) -> tuple[list[str], float]:
     """The CPU tensors to stream into scratch (names, in execution order) and the modelled
-    seconds of the step (step_time), exactly. The scratch buffer is SLOTS slots (one tensor in
-    use, the next arriving), so a streamed tensor takes at most one of them, and no more than
-    `slots` stream in a row without a CPU tensor between (one device split reads such a run
-    at once; choosing without the limit and cutting the runs afterwards, a choice priced at a
-    slow CPU modelled steps its cut set could not reach).
+    seconds of the step (step_time with `slots` slots), exactly. The scratch buffer is SLOTS
+    slots (one tensor in use, the next arriving), so a streamed tensor takes at most one of
+    them, and no more than `slots` stream in a row without a CPU tensor between (one device
+    split reads such a run at once; choosing without the limit and cutting the runs
+    afterwards, a choice priced at a slow CPU modelled steps its cut set could not reach).
 
-    A dynamic program in execution order over the pairs (time so far, copy engine's time so
-    far), one set per length of the streamed run the chain ends in: what follows depends on
-    nothing else, and a pair no earlier on both counts than another of its set can never end
-    first, so each step keeps only each set's Pareto front."""
+    A dynamic program in execution order. What follows a chain's prefix depends only on its
+    time so far, the earliest start of the next copy (the copy engine's end, or the end of the
+    reader of the tensor that copy's slot held) and the ends of the readers of the last
+    slots - 1 streamed tensors (the slots the copies after it take), and grows with each of
+    them; so per length of the streamed run the prefix ends in, a state no earlier on every
+    count than another can never end first, and each step keeps only that Pareto front."""
     slot = scratch_bytes // SLOTS
-    # per run length: (elapsed, copy_end, streamed names so far as a linked tuple)
-    fronts: list[list[tuple[float, float, tuple | None]]] = [[(0.0, 0.0, None)]] + [[] for _ in range(slots)]
+    # per run length: (elapsed, next copy's earliest start, readers' ends of the last slots - 1
+    # streamed tensors, oldest first, streamed names so far as a linked tuple)
+    State = tuple[float, float, tuple[float, ...], tuple | None]
+    fronts: list[list[State]] = [[(0.0, 0.0, (0.0,) * (slots - 1), None)]] + [[] for _ in range(slots)]
     done = 0
     for t in tensors:
         run = rates.gpu_s(t.gpu_bytes_before - done)
         done = t.gpu_bytes_before
-        nxt: list[list[tuple[float, float, tuple | None]]] = [[] for _ in range(slots + 1)]
+        nxt: list[list[State]] = [[] for _ in range(slots + 1)]
         for k, front in enumerate(fronts):
-            for e, c, names in front:
+            for e, c, ends, names in front:
                 e += run
-                nxt[0].append((e + rates.cpu_s(t.read_bytes), c, names))
+                nxt[0].append((e + rates.cpu_s(t.read_bytes), c, ends, names))
                 if t.nbytes <= slot and k < slots:
-                    c2 = c + rates.pcie_s(t.nbytes)
-                    nxt[k + 1].append((max(e, c2) + rates.gpu_s(t.read_bytes), c2, (t.name, names)))
-        fronts = []
-        for cands in nxt:
-            cands.sort(key=lambda x: (x[0], x[1]))
-            front: list[tuple[float, float, tuple | None]] = []
-            for cand in cands:
-                if not front or cand[1] < front[-1][1]:
-                    front.append(cand)
-            fronts.append(front)
+                    arrived = c + rates.pcie_s(t.nbytes)
+                    e2 = max(e, arrived) + rates.gpu_s(t.read_bytes)
+                    ends2 = (*ends, e2)
+                    nxt[k + 1].append((e2, max(arrived, ends2[0]), ends2[1:], (t.name, names)))
+        fronts = [_pareto(cands) for cands in nxt]
     # the earliest end (then the idler copy engine, then the shorter run)
-    e, _, names = min((f[0] for f in fronts if f), key=lambda x: (x[0], x[1]))
+    e, _, _, names = min((f[0] for f in fronts if f), key=lambda x: (x[0], x[1]))
     chosen = set()
     while names is not None:
         chosen.add(names[0])
         names = names[1]
     return [t.name for t in tensors if t.name in chosen], e + rates.gpu_s(gpu_bytes - done)
+
+
+def _pareto(cands: list) -> list:
+    """The states of cands no other is at least as early as on every count (elapsed, next
+    copy's start, readers' ends), in order of elapsed time; of equal ones the first made."""
+    cands = sorted(cands, key=lambda x: (x[0], x[1], x[2]))
+    front: list = []
+    for cand in cands:
+        if not any(f[1] <= cand[1] and all(a <= b for a, b in zip(f[2], cand[2])) for f in front):
+            front.append(cand)
+    return front
 
 
 def place_fixed(items: list[DenseItem], fixed: int, budget: int, hw: HwProfile, copies: bool = False) -> list[str]:
