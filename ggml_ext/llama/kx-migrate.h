@@ -30,9 +30,9 @@ struct kx_migrate_sample {
     double cpu_bytes, cpu_s, gpu_bytes, gpu_s, copy_bytes, copy_s;
 };
 
-// the streamed set that makes the step shortest (each tensor fitting half the scratch, no
-// more than kx_stream_slots in a row without a CPU tensor between); returns the modelled step
-// seconds
+// the streamed set that makes the step shortest (each tensor fitting one of the scratch's
+// kx_stream_slots slots, no more than kx_stream_slots in a row without a CPU tensor between, a
+// copy waiting for its slot's last reader); returns the modelled step seconds
 double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,
                          int64_t scratch_bytes, std::vector<bool> & streamed);
 // the modelled step with this set streamed (kairox.migrate.step_time)
