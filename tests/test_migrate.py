@@ -289,8 +289,8 @@ def test_the_runtimes_streaming_placement_is_the_reference(native, tmp_path) -> 
         if case % 3 == 0:
             # ggml's names as the runtime passes them ("q4_K"), profile keys as profile-hw
             # writes them ("q4_k") or as a hand-edited profile might ("Q6_K")
-            items = [dataclasses.replace(it, type=str(rng.choice(["f16", "q8_0", "q4_0", "q4_K", "q6_K"])))
-                     for it in items]
+            spelled = [str(rng.choice(["f16", "q8_0", "q4_0", "q4_K", "q6_K"])) for _ in items]
+            items = [dataclasses.replace(it, type=t) for it, t in zip(items, spelled)]
             d = {"cpu_gbs": hw.cpu_gbs, "gpu_gbs": hw.gpu_gbs, "pcie_gbs": hw.pcie_gbs, "handoff_us": hw.handoff_us,
                  "cpu_type_gbs": {"f16": float(rng.uniform(20, 150)), "q4_0": float(rng.uniform(20, 150)),
                                   "q4_k": float(rng.uniform(20, 150))},
@@ -304,7 +304,7 @@ def test_the_runtimes_streaming_placement_is_the_reference(native, tmp_path) -> 
         rc = _lib.kx_stream_place((ctypes.c_char_p * n)(*[it.name.encode() for it in items]),
                                   (ctypes.c_int64 * n)(*[it.nbytes for it in items]),
                                   (ctypes.c_double * n)(*[it.read for it in items]),
-                                  (ctypes.c_char_p * n)(*[it.type.encode() for it in items]) if prof else None,
+                                  (ctypes.c_char_p * n)(*[t.encode() for t in spelled]) if prof else None,
                                   n, fixed, budget, hw.cpu_gbs, hw.gpu_gbs, hw.pcie_gbs, hw.handoff_us,
                                   str(prof).encode() if prof else None, copies, where, ctypes.byref(scratch))
         try:

@@ -22,6 +22,7 @@ static constexpr double kx_gb = 1e9;
 // picked is the earliest, then the idler copy engine, then the shorter run.
 double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migrate_rates & r, int64_t gpu_bytes,
                          int64_t scratch_bytes, std::vector<bool> & streamed) {
+    static_assert(kx_stream_slots >= 2, "one tensor in use, the next arriving");
     constexpr int32_t n_end = kx_stream_slots - 1;
     struct node { int32_t tensor; int32_t parent; };
     struct state {
@@ -53,15 +54,10 @@ double kx_migrate_choose(const std::vector<kx_migrate_tensor> & t, const kx_migr
                     nodes.push_back({ (int32_t) i, s.node });
                     state g;
                     g.e = std::max(e, arrived) + rb / (r.gpu_gbs * kx_gb);
-                    // the slot the copy after the next takes was last read by the oldest end
-                    const double oldest = n_end > 0 ? s.ends[0] : g.e;
-                    g.c = std::max(arrived, oldest);
-                    for (int32_t m = 0; m + 1 < n_end; ++m) {
-                        g.ends[m] = s.ends[m + 1];
-                    }
-                    if (n_end > 0) {
-                        g.ends[n_end - 1] = g.e;
-                    }
+                    // the next copy's slot was last read by the oldest end kept
+                    g.c = std::max(arrived, s.ends[0]);
+                    std::copy(s.ends + 1, s.ends + n_end, g.ends);
+                    g.ends[n_end - 1] = g.e;
                     g.node = (int32_t) nodes.size() - 1;
                     next[k + 1].push_back(g);
                 }

@@ -158,7 +158,7 @@ kx_place_item kx_place_item_of(const llama_model & model, const std::string & na
     const int il = kx_tensor_layer(name).first;
     const bool expert = t->ne[2] > 1 && name.find("_exps") != std::string::npos && hp.n_expert > 0 && il >= 0;
     return { name, (int64_t) ggml_nbytes(t), expert ? (double) hp.n_expert_used((uint32_t) il) / hp.n_expert : 1.0,
-             ggml_type_name(t->type) };
+             kx_type_key(ggml_type_name(t->type)) };
 }
 
 kx_dry_sizes kx_dry_run(const llama_model_params & mp_in, const llama_context_params & cp, const char * model_path,

@@ -41,11 +41,11 @@ struct kx_dense_rates {
     // takes the rate above
     std::map<std::string, double> cpu_type_gbs, gpu_type_gbs;
     double cpu_of(const std::string & type) const {
-        const auto it = cpu_type_gbs.find(kx_type_key(type));
+        const auto it = cpu_type_gbs.find(type);
         return it != cpu_type_gbs.end() ? it->second : cpu_gbs;
     }
     double gpu_of(const std::string & type) const {
-        const auto it = gpu_type_gbs.find(kx_type_key(type));
+        const auto it = gpu_type_gbs.find(type);
         return it != gpu_type_gbs.end() ? it->second : gpu_gbs;
     }
 };
@@ -87,7 +87,7 @@ struct kx_place_item {
     std::string name;
     int64_t     bytes;
     double      read;
-    std::string type = ""; // ggml type name: the rate it is priced at (kx_dense_rates)
+    std::string type = ""; // weight type as kx_type_key spells it: the rate it is priced at (kx_dense_rates)
 };
 // a model's matrix as an item (the share of it a token reads from the model's experts)
 kx_place_item kx_place_item_of(const llama_model & model, const std::string & name, const ggml_tensor * t);

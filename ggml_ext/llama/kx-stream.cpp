@@ -68,7 +68,7 @@ kx_migrate_rates kx_stream_rates(const kx_dense_rates & rates, const std::vector
     std::map<std::string, double> type_bytes;
     for (const kx_place_item & it : all) {
         if (std::find(cpu.begin(), cpu.end(), it.name) != cpu.end()) {
-            type_bytes[kx_type_key(it.type)] += (double) it.bytes * it.read;
+            type_bytes[it.type] += (double) it.bytes * it.read;
         }
     }
     kx_migrate_rates r = { rates.cpu_gbs, rates.gpu_gbs, rates.pcie_gbs };
@@ -187,7 +187,7 @@ int32_t kx_stream_place(const char * const * names, const int64_t * nbytes, cons
         if (!names[i] || nbytes[i] < 0 || !(read[i] > 0 && read[i] <= 1) || (types && !types[i])) {
             return -1;
         }
-        items.push_back({ names[i], nbytes[i], read[i], types ? types[i] : "" });
+        items.push_back({ names[i], nbytes[i], read[i], types ? kx_type_key(types[i]) : "" });
     }
     // a dry run whose KV cache and compute buffers do not follow the choice, but for the copy
     // of the largest host tensor that an offloaded prompt batch makes (with `copies`)

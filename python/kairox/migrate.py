@@ -105,8 +105,15 @@ def moved(a: Rates, b: Rates) -> float:
     return max(abs(y / x - 1) for x, y in ((a.cpu_gbs, b.cpu_gbs), (a.gpu_gbs, b.gpu_gbs), (a.pcie_gbs, b.pcie_gbs)))
 
 
+# The runtime's streamed weights (ggml_ext/llama/kx-stream.cpp): the scratch's slots, one tensor
+# in use and the next arriving; what the placement keeps free beyond the budget's margin for
+# the driver's rounding (kx_place_alloc_slack)
+SLOTS = 2
+PLACE_SLACK = 16 * MiB
+
+
 def step_time(tensors: Sequence[HostTensor], chosen: set[str], rates: Rates, gpu_bytes: int,
-              slots: int | None = None) -> tuple[float, float]:
+              slots: int = SLOTS) -> tuple[float, float]:
     """(seconds of one decode step, of which waiting for copies): the step as a chain in
     execution order, the GPU-resident work (gpu_bytes in all) between the host tensors, each
     host tensor on the CPU or, streamed, multiplied on the GPU once its copy has arrived. The
@@ -116,7 +123,6 @@ def step_time(tensors: Sequence[HostTensor], chosen: set[str], rates: Rates, gpu
     engine waits on that reader's event. The first ones start with the step. (A copy engine
     free to run any distance ahead hid copies the slots cannot: measured on an H100 host at 7
     GiB of KB-7B F16, docs/results-log.md.)"""
-    slots = slots or SLOTS
     elapsed = waited = copy_end = 0.0
     free = [0.0] * slots  # when the last reader of each slot finished
     done = j = 0  # resident GPU bytes run so far; streamed tensors so far
@@ -133,13 +139,6 @@ def step_time(tensors: Sequence[HostTensor], chosen: set[str], rates: Rates, gpu
         else:
             elapsed += rates.cpu_s(t.read_bytes)
     return elapsed + rates.gpu_s(gpu_bytes - done), waited
-
-
-# The runtime's streamed weights (ggml_ext/llama/kx-stream.cpp): the scratch's slots, one tensor
-# in use and the next arriving; what the placement keeps free beyond the budget's margin for
-# the driver's rounding (kx_place_alloc_slack)
-SLOTS = 2
-PLACE_SLACK = 16 * MiB
 
 
 def stream_choice(tensors: Sequence[HostTensor], rates: Rates, gpu_bytes: int,
@@ -259,8 +258,7 @@ def stream_rates(hw: HwProfile, items: list[DenseItem], cpu: list[str]) -> Rates
     type_bytes: dict[str, float] = {}
     for it in items:
         if it.name in host:
-            t = it.type.lower()
-            type_bytes[t] = type_bytes.get(t, 0.0) + it.nbytes * it.read
+            type_bytes[it.type] = type_bytes.get(it.type, 0.0) + it.nbytes * it.read
     r = hw.rates
     if len(type_bytes) == 1:
         (t,) = type_bytes

@@ -92,17 +92,17 @@ class HwProfile:
 
     def cpu_rate(self, type_name: str = "") -> float:
         """bytes/s of a matvec over weights of this type on the CPU"""
-        return self.cpu_type_gbs.get(type_name.lower(), self.cpu_gbs) * GB
+        return self.cpu_type_gbs.get(type_name, self.cpu_gbs) * GB
 
     def gpu_rate(self, type_name: str = "") -> float:
-        return self.gpu_type_gbs.get(type_name.lower(), self.gpu_gbs) * GB
+        return self.gpu_type_gbs.get(type_name, self.gpu_gbs) * GB
 
 
 @dataclass(frozen=True)
 class DenseItem:
     name: str
     nbytes: int
-    type: str = ""  # ggml type name ("f16", "q4_0"): picks the measured rate
+    type: str = ""  # weight type ("f16", "q4_k"; lower case, as profiles key it): picks the measured rate
     # the share of its bytes a token reads: an MoE expert tensor's n_expert_used / n_expert
     # (ATSInfer counts experts apart: per byte of VRAM they save less than attention does)
     read: float = 1.0
@@ -111,6 +111,10 @@ class DenseItem:
     # a point of the layer's execution that runs on the GPU whatever the placement (a norm,
     # whose weight stays there; attention over the KV cache there): no tensor, no bytes
     pinned: bool = False
+
+    def __post_init__(self) -> None:
+        # (ggml spells the K-quants "q4_K", gguf-py "Q4_K", the profile "q4_k")
+        object.__setattr__(self, "type", self.type.lower())
 
     @property
     def names(self) -> tuple[str, ...]:
